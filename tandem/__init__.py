@@ -1,0 +1,18 @@
+"""tandem: data-parallel training for PyTorch.
+
+Change one import, keep your script::
+
+    import tandem
+    world = tandem.init()
+    model = tandem.DistributedDataParallel(model)
+"""
+
+import logging as _logging
+
+from tandem.comm import WorldInfo, init, shutdown
+from tandem.ddp import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel", "WorldInfo", "init", "shutdown"]
+__version__ = "0.1.0"
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())

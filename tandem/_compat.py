@@ -1,0 +1,68 @@
+"""The one place where tandem touches private torch APIs, each with why.
+
+Everything here exists in torch 2.4 and later; if a future torch moves one, this
+file is the only one to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+__all__ = ["foreach_copy_", "is_opaque_backward_node", "preserve_version_counters",
+           "queue_backward_callback"]
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass (graph task) has finished.
+
+    Why: DDP must wait for the last bucket and write averaged gradients before
+    ``loss.backward()`` returns; the autograd engine's final callbacks are the
+    hook for that (torch's own DDP uses the same one). Must be called from inside
+    backward (a tensor or gradient hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def preserve_version_counters(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Write into ``tensors`` without bumping their autograd version counters.
+
+    Why: broadcasting buffers from rank 0 overwrites them in place before each
+    forward; that is not a modification autograd should complain about (torch's
+    DDP does the same for the same reason).
+    """
+    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    if preserve is None or not tensors:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(preserve(tuple(tensors)))
+        yield
+
+
+# Backward nodes that compute parameter gradients in a nested backward of their
+# own, so the graph seen from the outputs does not reach those parameters.
+# Why: reentrant activation checkpointing (torch.utils.checkpoint with
+# use_reentrant=True) runs a fresh backward inside CheckpointFunctionBackward.
+_OPAQUE_NODE_NAMES = frozenset({"CheckpointFunctionBackward"})
+
+
+def is_opaque_backward_node(node: object) -> bool:
+    return type(node).__name__ in _OPAQUE_NODE_NAMES
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i in one call.
+
+    Why: writing averaged gradients back is one Python call per bucket instead of
+    one per parameter; ``torch._foreach_copy_`` is what torch's optimizers use.
+    """
+    fn = getattr(torch, "_foreach_copy_", None)
+    if fn is None:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    else:
+        fn(list(dst), list(src))

@@ -1,0 +1,6 @@
+"""tandem's DistributedDataParallel: planning (plan.py), buckets (bucket.py), the
+reducer (reducer.py) and the module wrapper (module.py)."""
+
+from tandem.ddp.module import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

@@ -1,0 +1,93 @@
+"""A gradient bucket: a slice of a flat buffer, the parameters it serves, and the
+state of its reduction in the current backward."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from tandem.comm.group import Work
+from tandem.ddp.plan import BucketSpec
+
+__all__ = ["Bucket", "BucketState", "GradBuffer"]
+
+
+class BucketState(Enum):
+    FILLING = auto()     # gradients of this step still arriving
+    IN_FLIGHT = auto()   # reduction launched, not yet waited on
+    REDUCED = auto()     # averaged gradients in the buffer
+
+
+class GradBuffer:
+    """One flat, contiguous gradient tensor per (device, dtype) of a plan.
+
+    See Note [flat buffer layout] in plan.py. ZeRO reuses this buffer: a bucket's
+    shard for rank r is ``bucket.data.view(world, -1)[r]``.
+    """
+
+    def __init__(self, numel_by_key: dict[tuple[torch.device, torch.dtype], int]) -> None:
+        self.flat: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {
+            key: torch.zeros(n, dtype=key[1], device=key[0]) for key, n in numel_by_key.items()}
+
+    def slice(self, spec: BucketSpec) -> torch.Tensor:
+        return self.flat[(spec.device, spec.dtype)].narrow(0, spec.buffer_offset, spec.padded_numel)
+
+
+class Bucket:
+    """The parameters of one :class:`BucketSpec` and their gradient views."""
+
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter], names: list[str],
+                 data: torch.Tensor) -> None:
+        self.spec = spec
+        self.index = spec.index
+        self.params = params
+        self.names = names
+        self.data = data                                  # the whole padded slice
+        self.grads = data.narrow(0, 0, spec.numel)        # the parameters' region
+        self.views = [data.narrow(0, off, p.numel()).view_as(p)
+                      for off, p in zip(spec.offsets, params)]
+        self.state = BucketState.REDUCED
+        self.ready = [False] * len(params)
+        self.num_ready = 0
+        self.work: Work | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.num_ready == len(self.params)
+
+    def reset(self) -> None:
+        """Start a new step: no gradient has arrived yet."""
+        self._expect(BucketState.REDUCED, BucketState.FILLING)
+        self.state = BucketState.FILLING
+        self.ready = [False] * len(self.params)
+        self.num_ready = 0
+        self.work = None
+
+    def mark_ready(self, pos: int) -> None:
+        self._expect(BucketState.FILLING)
+        if not self.ready[pos]:
+            self.ready[pos] = True
+            self.num_ready += 1
+
+    def launched(self, work: Work) -> None:
+        self._expect(BucketState.FILLING)
+        self.state = BucketState.IN_FLIGHT
+        self.work = work
+
+    def wait(self) -> None:
+        self._expect(BucketState.IN_FLIGHT)
+        assert self.work is not None
+        self.work.wait()
+        self.work = None
+        self.state = BucketState.REDUCED
+
+    def missing(self) -> list[str]:
+        return [n for n, r in zip(self.names, self.ready) if not r]
+
+    def _expect(self, *allowed: BucketState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(
+                f"bucket {self.index} is {self.state.name}, expected "
+                f"{'/'.join(s.name for s in allowed)} "
+                f"({self.num_ready}/{len(self.params)} gradients ready)")

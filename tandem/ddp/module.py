@@ -1,0 +1,294 @@
+"""``tandem.DistributedDataParallel``: torch's DDP interface over tandem's reducer."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem._compat import preserve_version_counters
+from tandem.comm.group import GroupComm
+from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
+from tandem.ddp.plan import cap_bytes_from_mb
+from tandem.ddp.reducer import GradReducer, ReducerOptions
+
+__all__ = ["DistributedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism across processes: a drop-in for
+    :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Same arguments, defaults and behaviour as torch's: at construction every rank
+    is checked to hold the same parameters, and parameters and buffers are
+    broadcast from rank 0; during backward, gradients are averaged across ranks
+    in buckets whose reductions overlap with the rest of backward; when
+    ``loss.backward()`` returns, every rank holds the same averaged gradients.
+
+    What differs from torch, by design:
+
+    * A model that differs across ranks fails on every rank, naming the first
+      differing parameter and the ranks (torch tells only one rank, and the
+      others see a closed connection).
+    * A parameter that gets no gradient without ``find_unused_parameters=True``
+      fails at the end of that backward on every rank, naming the parameter and
+      the rank (torch reports it one step late, by index).
+    * ``static_graph`` composes with ``no_sync`` and with reentrant activation
+      checkpointing.
+
+    Args:
+        module: the model to replicate; its parameters must all be on one device.
+        device_ids: ``None`` for CPU modules; ``[i]`` for a module on ``cuda:i``
+            (inputs are moved there).
+        output_device: accepted for compatibility; outputs stay where the module
+            puts them, as in torch for single-device modules.
+        dim: accepted for compatibility (torch's DDP no longer scatters inputs).
+        broadcast_buffers: broadcast buffers from rank 0 at construction and
+            before each forward that follows a synchronised forward.
+        init_sync: check the model across ranks and broadcast its state at
+            construction.
+        process_group: the group to reduce over (default: the world).
+        bucket_cap_mb: bucket size cap in MiB (default 25, first bucket 1 MiB).
+        find_unused_parameters: walk the autograd graph after each forward so
+            that parameters the loss does not reach do not hold up reduction.
+        check_reduction: deprecated in torch; accepted and ignored.
+        gradient_as_bucket_view: ``param.grad`` is a view into the flat bucket
+            buffer (saves one copy of the gradients in memory and time).
+        static_graph: the set of used parameters and the number of times each
+            is used are the same every step.
+        device_mesh: a 1-D device mesh, instead of ``process_group``.
+        bucket_cap_mb_list: a cap per bucket, in MiB.
+        batched_grad_copy: accepted (gradients are always copied per bucket).
+        forward_sync_buffers: torch's newer name for ``broadcast_buffers`` (before
+            forward only; buffers are always synchronised at construction).
+
+    Raises:
+        ValueError: bad arguments, or a model that differs across ranks.
+        NotImplementedError: an argument of torch's that tandem does not support
+            yet (``mixed_precision``, ``delay_all_reduce_named_params``,
+            ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce,
+                            mixed_precision=mixed_precision,
+                            skip_all_reduce_unused_params=skip_all_reduce_unused_params or None)
+        self.module = module
+        self.process_group = _resolve_group(process_group, device_mesh)
+        self._comm = GroupComm(self.process_group)
+
+        self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named_params = [(n, p) for n, p in module.named_parameters() if n not in self._ignored]
+        self._named_buffers = [(n, b) for n, b in module.named_buffers() if n not in self._ignored]
+        trainable = [(n, p) for n, p in named_params if p.requires_grad]
+        if not trainable:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any "
+                "parameter that requires a gradient.")
+        for n, p in named_params:
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise RuntimeError(
+                    f"parameter '{n}' is uninitialized (a lazy module): run a dummy forward "
+                    "pass to initialise it before wrapping the module in DistributedDataParallel")
+        self.device, self.device_type = _single_device(named_params)
+        self.device_ids, self.output_device = _resolve_device_ids(
+            device_ids, output_device, self.device, self.device_type)
+        self.dim = dim
+
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers = forward_sync_buffers
+            init_sync_buffers = True
+        else:
+            self.forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            init_sync_buffers = self.forward_sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.bucket_bytes_cap = cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list)[-1]
+        # Per-step toggles, as in torch (nanoGPT sets require_backward_grad_sync directly).
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+
+        if init_sync and self._comm.size > 1:
+            sync_buffers = self._named_buffers if init_sync_buffers else []
+            check_same_model_on_all_ranks(model_signature(named_params, sync_buffers), self._comm)
+            broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
+                                   self._comm)
+
+        self._reducer: GradReducer | None = None
+        if self._comm.size > 1:
+            self._reducer = GradReducer(trainable, self._comm, ReducerOptions(
+                caps=tuple(cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list)),
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+                gradient_as_bucket_view=gradient_as_bucket_view))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @property
+    def comm(self) -> GroupComm:
+        """The collectives layer this DDP issues through (observers see every collective)."""
+        return self._comm
+
+    @property
+    def reducer(self) -> GradReducer | None:
+        """The gradient reducer (None in a world of one)."""
+        return self._reducer
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        grad_enabled = torch.is_grad_enabled()
+        if self._reducer is not None and grad_enabled:
+            self._reducer.before_forward()
+        if self._will_sync_buffers():
+            self._sync_buffers()
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+        output = self.module(*inputs, **kwargs)
+        if grad_enabled and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            if self._reducer is not None:
+                self._reducer.arm(output)
+        else:
+            self.require_forward_param_sync = False
+        return output
+
+    def _will_sync_buffers(self) -> bool:
+        return (self._comm.size > 1 and self.require_forward_param_sync
+                and self.forward_sync_buffers and bool(self._named_buffers))
+
+    def _sync_buffers(self) -> None:
+        # Buffers may have been reassigned (module.running_mean = ...): look them up again.
+        buffers = [b for n, b in self.module.named_buffers() if n not in self._ignored]
+        with torch.no_grad(), preserve_version_counters(buffers):
+            self._comm.broadcast_coalesced(buffers, 0, tag="buffers")
+
+    # ------------------------------------------------------------------ toggles
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first synchronised backward after the
+        context reduces the accumulated sum.
+
+        .. warning:: the forward must run inside the context too: whether a
+            backward synchronises is decided by the forward that produced it.
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    # ------------------------------------------------------------------ not yet
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise NotImplementedError(
+            "tandem.DistributedDataParallel.register_comm_hook is not supported yet; "
+            "remove the hook (gradients are averaged with all-reduce) or use torch's DDP")
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "tandem.DistributedDataParallel.join (uneven inputs) is not supported yet; give "
+            "every rank the same number of batches (DistributedSampler(drop_last=True))")
+
+
+def _reject_unsupported(**given: Any) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"tandem.DistributedDataParallel does not support {name} yet (got {value!r}); "
+                "leave it unset, or use torch.nn.parallel.DistributedDataParallel for this feature")
+
+
+def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("pass either process_group or device_mesh to DistributedDataParallel, not both")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"only a 1-D device_mesh is supported, got {device_mesh.ndim}-D: {device_mesh}")
+        return device_mesh.get_group(mesh_dim=0)
+    return process_group
+
+
+def _single_device(named_params: list[tuple[str, nn.Parameter]]) -> tuple[torch.device, str]:
+    devices = {p.device for _, p in named_params}
+    types = {d.type for d in devices}
+    if len(types) != 1:
+        raise ValueError(
+            "DistributedDataParallel's module must be on one type of device, but its parameters "
+            f"are on {sorted(str(d) for d in devices)}; move the module with module.to(device)")
+    if len(devices) > 1:
+        raise ValueError(
+            f"DistributedDataParallel's module spans several devices {sorted(str(d) for d in devices)}; "
+            "tandem supports single-device modules: move the module to one device")
+    device = next(iter(devices))
+    return device, device.type
+
+
+def _resolve_device_ids(device_ids: Any, output_device: Any, device: torch.device,
+                        device_type: str) -> tuple[list[int] | None, int | None]:
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids can only be None or contain a single element, got {device_ids}")
+    if not device_ids or device_type == "cpu":
+        if device_ids or output_device is not None:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device only work with a module "
+                f"on one GPU, but got device_ids={device_ids}, output_device={output_device} and "
+                f"a module on {device}; leave both unset for CPU modules")
+        return None, None
+    ids = [torch.device(d).index if isinstance(d, (str, torch.device)) else int(d) for d in device_ids]
+    if ids[0] != device.index:
+        raise ValueError(f"device_ids={device_ids} but the module is on {device}; they must agree")
+    out = ids[0] if output_device is None else (
+        torch.device(output_device).index if isinstance(output_device, (str, torch.device))
+        else int(output_device))
+    return ids, out
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj

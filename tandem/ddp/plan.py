@@ -1,0 +1,182 @@
+"""Pure bucket planning: which parameters share a flat gradient buffer, and where.
+
+Nothing here touches a process group, a hook or a tensor's storage; the plan is a
+function of names, sizes, dtypes, devices, an order and byte caps, so it can be
+tested with grids of sizes in one process, and ZeRO can shard the same layout.
+
+# Note [bucket order]
+Gradients become ready roughly in reverse registration order (the last layer's
+first), so buckets are filled in that order and launched in index order. Every
+rank must launch the same buckets in the same order (gloo and nccl match
+collectives by issue order), so the order is a plan input that all ranks agree
+on: the reverse registration order at construction, and later the order in which
+rank 0 saw gradients arrive (broadcast to all ranks, see reducer.py).
+
+# Note [flat buffer layout]
+All buckets of one (device, dtype) live in one contiguous flat tensor, one slice
+per bucket, in bucket order. Inside a bucket, parameters sit back to back in
+fill order. Each bucket's slice is padded to a multiple of ``pad_to`` elements
+(the world size), so that ZeRO can reduce-scatter a bucket into equal per-rank
+shards of the same buffer (as Megatron-LM's param-and-grad buffer does). A bucket
+may reserve ``extra`` trailing elements before the padding for control values
+that travel with its reduction (see Note [missing-gradient flag] in reducer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ParamInfo", "BucketSpec", "BucketPlan", "plan_buckets", "DEFAULT_FIRST_BUCKET_BYTES",
+           "DEFAULT_BUCKET_CAP_MB"]
+
+DEFAULT_BUCKET_CAP_MB = 25
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+_MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What planning needs to know about one parameter."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One bucket: a slice ``[buffer_offset, buffer_offset + padded_numel)`` of the
+    flat buffer of its (device, dtype)."""
+
+    index: int
+    params: tuple[int, ...]          # parameter indices, in fill order
+    offsets: tuple[int, ...]         # element offset of each parameter inside the bucket
+    numel: int                       # elements used by parameters
+    extra: int                       # reserved control elements after the parameters
+    padded_numel: int                # numel + extra rounded up to a multiple of pad_to
+    dtype: torch.dtype
+    device: torch.device
+    buffer_offset: int               # where the bucket starts in its flat buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded_numel * _element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    buckets: tuple[BucketSpec, ...]
+    buffer_numel: dict[tuple[torch.device, torch.dtype], int]  # total size of each flat buffer
+
+    def bucket_of(self) -> dict[int, tuple[int, int]]:
+        """param index -> (bucket index, position inside the bucket)."""
+        return {p: (b.index, pos) for b in self.buckets for pos, p in enumerate(b.params)}
+
+    def describe(self) -> str:
+        sizes = [b.nbytes for b in self.buckets]
+        if not sizes:
+            return "0 buckets"
+        return (f"{sum(len(b.params) for b in self.buckets)} params in {len(sizes)} buckets, "
+                f"first {_fmt_bytes(sizes[0])}, largest {_fmt_bytes(max(sizes))}")
+
+
+def cap_bytes_from_mb(bucket_cap_mb: float | None,
+                      bucket_cap_mb_list: Sequence[float] | None = None) -> list[int]:
+    """Byte caps per bucket index, as torch derives them: with no cap given, a
+    small first bucket (1 MiB) so that the first reduction starts early, then
+    25 MiB; with a cap given, that cap for every bucket; with a list, one cap per
+    bucket (the last repeated)."""
+    if bucket_cap_mb_list:
+        if any(c <= 0 for c in bucket_cap_mb_list):
+            raise ValueError(f"bucket_cap_mb_list must be positive, got {list(bucket_cap_mb_list)}")
+        return [int(c * _MB) for c in bucket_cap_mb_list]
+    if bucket_cap_mb is None:
+        return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * _MB]
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    return [int(bucket_cap_mb * _MB)]
+
+
+def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int], *,
+                 pad_to: int = 1, last_bucket_extra: int = 0) -> BucketPlan:
+    """Assign parameters to buckets.
+
+    Args:
+        params: all parameters that need gradient reduction, by index.
+        order: the fill order, a permutation of ``range(len(params))``
+            (see Note [bucket order]).
+        caps: byte caps; bucket k of a (device, dtype) closes once it holds at
+            least ``caps[min(k, len(caps) - 1)]`` bytes. A parameter larger than
+            the cap gets a bucket of its own.
+        pad_to: each bucket's size is rounded up to a multiple of this.
+        last_bucket_extra: control elements reserved in the bucket launched last.
+
+    Returns:
+        A plan whose buckets are numbered in launch order: by the position in
+        ``order`` of their first parameter.
+    """
+    if sorted(order) != list(range(len(params))):
+        raise ValueError(f"order must be a permutation of range({len(params)}), got {list(order)}")
+    if not caps or min(caps) <= 0:
+        raise ValueError(f"caps must be a non-empty list of positive byte counts, got {list(caps)}")
+    if pad_to < 1:
+        raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+
+    open_buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    open_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
+    closed_count: dict[tuple[torch.device, torch.dtype], int] = {}
+    groups: list[list[int]] = []  # closed and open buckets, in creation order
+    for idx in order:
+        p = params[idx]
+        key = (p.device, p.dtype)
+        if key not in open_buckets:
+            open_buckets[key] = []
+            open_bytes[key] = 0
+            groups.append(open_buckets[key])
+        open_buckets[key].append(idx)
+        open_bytes[key] += p.nbytes
+        k = closed_count.get(key, 0)
+        if open_bytes[key] >= caps[min(k, len(caps) - 1)]:
+            closed_count[key] = k + 1
+            del open_buckets[key]
+
+    position = {idx: pos for pos, idx in enumerate(order)}
+    groups.sort(key=lambda g: position[g[0]])
+
+    buckets = []
+    fill: dict[tuple[torch.device, torch.dtype], int] = {}
+    for b, members in enumerate(groups):
+        first = params[members[0]]
+        key = (first.device, first.dtype)
+        offsets, numel = [], 0
+        for idx in members:
+            offsets.append(numel)
+            numel += params[idx].numel
+        extra = last_bucket_extra if b == len(groups) - 1 else 0
+        padded = -(-(numel + extra) // pad_to) * pad_to
+        start = fill.get(key, 0)
+        buckets.append(BucketSpec(index=b, params=tuple(members), offsets=tuple(offsets),
+                                  numel=numel, extra=extra, padded_numel=padded,
+                                  dtype=first.dtype, device=first.device, buffer_offset=start))
+        fill[key] = start + padded
+    return BucketPlan(buckets=tuple(buckets), buffer_numel=fill)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _fmt_bytes(n: int) -> str:
+    if n >= _MB:
+        return f"{n / _MB:.1f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"

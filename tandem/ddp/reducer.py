@@ -1,0 +1,381 @@
+"""The gradient reducer: readiness hooks, in-order bucket launches, and the end of
+backward.
+
+Life of one synchronised step::
+
+    forward ends   -> arm(outputs)           buckets FILLING; unused params marked
+    grad of p lands-> _on_grad(p)            copy p.grad/world into its bucket view;
+                                             launch every complete bucket in order
+    backward ends  -> _finish()              launch the rest, wait all, write
+                                             averaged grads to param.grad
+
+# Note [launch order]
+Bucket k is launched only after buckets 0..k-1 (see Note [bucket order] in
+plan.py). Gradients may become ready in a different order on different ranks
+(rank-dependent control flow, or simply timing), but the sequence of collectives
+each rank issues is the same: bucket 0, 1, ..., n-1, then the used-parameter map
+when one is needed. Collectives are matched by issue order, so this is what keeps
+ranks from reducing the wrong buffers into each other or hanging.
+
+# Note [missing-gradient flag]
+Without find_unused_parameters, a parameter that gets no gradient on one rank
+would leave its bucket unlaunched there while the other ranks wait for it: torch
+hangs or reports it one iteration late by index. Here, the rank that finds a
+gradient missing at the end of backward launches its remaining buckets anyway
+(with zeros), and raises a flag: one reserved element after the parameters of
+the last bucket, which the reduction sums like any gradient. Every rank reads the
+flag after waiting for the last bucket; if any rank raised it, all ranks gather
+the missing names (a collective only on this error path) and raise the same
+error, naming the parameters and the ranks. The check costs no extra collective.
+
+# Note [end of backward]
+The finishing callback is queued on the autograd graph task that runs the
+outputs' gradients (a hook on each output tensor), not on whichever task fires a
+parameter hook first: with reentrant activation checkpointing, parameter hooks
+fire inside nested backward passes, and a callback queued there would run before
+the outer backward is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+from tandem._compat import foreach_copy_, queue_backward_callback
+from tandem.comm.group import GroupComm, Work
+from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
+from tandem.ddp.graph import iter_tensors, reachable_params
+from tandem.ddp.plan import BucketPlan, ParamInfo, plan_buckets
+
+__all__ = ["GradReducer", "ReducerOptions", "StepState"]
+
+logger = logging.getLogger(__name__)
+
+_FLAG_SLOTS = 1  # Note [missing-gradient flag]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReducerOptions:
+    caps: tuple[int, ...]
+    """Byte cap per bucket index (the last one repeats)."""
+    find_unused_parameters: bool = False
+    """Walk the graph after forward; unreached parameters do not hold up their buckets."""
+    static_graph: bool = False
+    """The graph is the same every step: learn hook counts and unused params in step one."""
+    gradient_as_bucket_view: bool = False
+    """param.grad is a view into the flat bucket buffer: no copies, less memory."""
+    rebuild_buckets: bool = True
+    """After the first step, re-plan buckets in the order gradients actually arrived."""
+
+
+class StepState(Enum):
+    IDLE = auto()        # no synchronised backward expected (no_sync, eval, or done)
+    ARMED = auto()       # forward armed the reducer; gradients may arrive
+    FINISHING = auto()   # end of backward: launching the rest, waiting, writing back
+
+
+class GradReducer:
+    """Averages the gradients of ``params`` across ``comm`` during backward."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], comm: GroupComm,
+                 options: ReducerOptions) -> None:
+        self.comm = comm
+        self.options = options
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._infos = [ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params]
+        self._div = 1.0 / comm.size
+        self.state = StepState.IDLE
+        self.steps = 0                      # synchronised backwards completed
+
+        self.plan: BucketPlan
+        self.buckets: list[Bucket] = []
+        self._where: list[tuple[int, int]] = []
+        self._build(list(reversed(range(len(self.params)))))
+
+        # per-step bookkeeping
+        self._next_launch = 0
+        self._callback_queued = False
+        self._locally_used = [False] * len(self.params)
+        self._arrival: list[int] = []       # param indices in order of first readiness
+        self._rebuild_pending = False
+        # static graph: learned in the first synchronised step
+        self._hook_count = [0] * len(self.params)
+        self._expected_count: list[int] | None = None
+        self._static_used: list[int] | None = None  # per param: used on some rank in step one
+
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self.params)]
+        logger.info("DDP: %s, world %d", self.plan.describe(), comm.size)
+
+    # ------------------------------------------------------------------ planning
+    def _build(self, order: list[int]) -> None:
+        plan = plan_buckets(self._infos, order, self.options.caps, pad_to=self.comm.size,
+                            last_bucket_extra=_FLAG_SLOTS)
+        buffer = GradBuffer(plan.buffer_numel)
+        self.buckets = [Bucket(spec, [self.params[i] for i in spec.params],
+                               [self.names[i] for i in spec.params], buffer.slice(spec))
+                        for spec in plan.buckets]
+        self.plan, self.buffer = plan, buffer
+        self._where = [(0, 0)] * len(self.params)
+        for b in self.buckets:
+            for pos, i in enumerate(b.spec.params):
+                self._where[i] = (b.index, pos)
+        if self.options.gradient_as_bucket_view:
+            # Existing gradients move into the (new) buffer and param.grad becomes the view.
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    view = self._view(i)
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    def _view(self, i: int) -> torch.Tensor:
+        b, pos = self._where[i]
+        return self.buckets[b].views[pos]
+
+    def before_forward(self) -> None:
+        """Called before a forward with grad enabled, on every rank in step."""
+        if self.state is StepState.ARMED and any(b.num_ready for b in self.buckets):
+            self._raise_unfinished()
+        self.state = StepState.IDLE
+        if self._rebuild_pending:
+            self._rebuild_pending = False
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        # Note [bucket order]: every rank adopts rank 0's arrival order.
+        seen = set(self._arrival)
+        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64)
+        if self.comm.size > 1:
+            self.comm.broadcast(t, 0, tag="bucket order")
+        order = t.tolist()
+        if order == [i for b in self.plan.buckets for i in b.params]:
+            return
+        self._build(order)
+        logger.info("DDP: buckets rebuilt in gradient arrival order: %s", self.plan.describe())
+
+    # ------------------------------------------------------------------ arming
+    def arm(self, output: object) -> None:
+        """Prepare for the synchronised backward of the forward that produced ``output``."""
+        for b in self.buckets:
+            b.reset()
+        self._next_launch = 0
+        self._callback_queued = False
+        self._locally_used = [False] * len(self.params)
+        self._hook_count = [0] * len(self.params)
+        self.state = StepState.ARMED
+        outputs = [t for t in iter_tensors(output) if t.requires_grad]
+        for t in outputs:
+            if t.grad_fn is not None:
+                t.register_hook(self._on_output_grad)
+        if self._learning_static_graph:
+            return
+        if self.options.static_graph:
+            assert self._static_used is not None
+            for i, used in enumerate(self._static_used):
+                if not used:
+                    self._mark_unused(i)
+        elif self.options.find_unused_parameters:
+            reach = reachable_params(outputs, self._index_of)
+            if not reach.opaque:
+                # Parameters hidden behind an opaque node (reentrant checkpointing)
+                # may still get gradients: then unreached ones wait for the end of
+                # backward instead (see _finish).
+                for i in range(len(self.params)):
+                    if i not in reach.params:
+                        self._mark_unused(i)
+        self._launch_complete()
+
+    @property
+    def _learning_static_graph(self) -> bool:
+        return self.options.static_graph and self._expected_count is None
+
+    # ------------------------------------------------------------------ hooks
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(i)
+        return hook
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._queue_finish()  # Note [end of backward]
+
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            queue_backward_callback(self._finish)
+
+    def _on_grad(self, i: int) -> None:
+        if self.state is not StepState.ARMED:
+            return  # no_sync, or a backward that no synchronised forward armed
+        self._queue_finish()
+        self._locally_used[i] = True
+        if self.options.static_graph:
+            self._hook_count[i] += 1
+            if self._expected_count is None:
+                if self._hook_count[i] == 1:
+                    self._arrival.append(i)
+                return  # first step of a static graph: everything is reduced at the end
+            if self._hook_count[i] < self._expected_count[i]:
+                return
+        b, pos = self._where[i]
+        bucket = self.buckets[b]
+        if bucket.state is not BucketState.FILLING:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: parameter '{self.names[i]}' received a gradient after "
+                f"its bucket {b} was already reduced in this backward (it was used again, e.g. "
+                "by a module called twice under reentrant activation checkpointing); pass "
+                "static_graph=True if the graph is the same every step, or use "
+                "torch.utils.checkpoint(..., use_reentrant=False)")
+        self._copy_in(i)
+        if not bucket.ready[pos]:
+            if self.steps == 0 and not self.options.static_graph:
+                self._arrival.append(i)
+            bucket.mark_ready(pos)
+            if bucket.complete:
+                self._launch_complete()
+
+    def _copy_in(self, i: int) -> None:
+        """Put p.grad / world into the bucket view (Note: pre-dividing keeps the
+        sum from overflowing in low precision, and matches torch's arithmetic)."""
+        p, view = self.params[i], self._view(i)
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+            return
+        if grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+            view.mul_(self._div)
+        else:
+            torch.mul(grad, self._div, out=view)
+            if self.options.gradient_as_bucket_view:
+                p.grad = view
+
+    def _mark_unused(self, i: int) -> None:
+        b, pos = self._where[i]
+        bucket = self.buckets[b]
+        if bucket.ready[pos]:
+            return
+        self._copy_in(i)
+        bucket.mark_ready(pos)
+
+    # ------------------------------------------------------------------ launching
+    def _launch_complete(self) -> None:
+        """Launch every complete bucket whose predecessors are launched (Note [launch order])."""
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket, flag: float = 0.0) -> None:
+        spec = bucket.spec
+        if spec.extra:
+            bucket.data[spec.numel] = flag
+        payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
+        work = self.comm.all_reduce(payload, tag=f"bucket {bucket.index}", async_op=True)
+        bucket.launched(work)
+
+    # ------------------------------------------------------------------ finishing
+    def _finish(self) -> None:
+        if self.state is not StepState.ARMED:
+            return
+        self.state = StepState.FINISHING
+        try:
+            self._finish_step()
+        finally:
+            self.state = StepState.IDLE
+            self._callback_queued = False
+
+    def _finish_step(self) -> None:
+        learning = self._learning_static_graph
+        track_used = learning or (self.options.find_unused_parameters and not self.options.static_graph)
+        if learning:
+            self._expected_count = list(self._hook_count)
+            for i in range(len(self.params)):
+                if self._hook_count[i]:
+                    self._copy_in(i)
+                    b, pos = self._where[i]
+                    self.buckets[b].mark_ready(pos)
+        missing = [i for b in self.buckets for pos, i in enumerate(b.spec.params) if not b.ready[pos]]
+        flag = 1.0 if missing and not track_used else 0.0  # Note [missing-gradient flag]
+        for i in missing:
+            self._mark_unused(i)
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            self._launch(bucket, flag if self._next_launch == len(self.buckets) - 1 else 0.0)
+            self._next_launch += 1
+
+        used_work: Work | None = None
+        used = None
+        if track_used:
+            used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.buckets[0].data.device)
+            used_work = self.comm.all_reduce(used, tag="used parameters", async_op=True)
+        for bucket in self.buckets:
+            bucket.wait()
+        if used_work is not None:
+            used_work.wait()
+        last = self.buckets[-1]
+        if float(last.data[last.spec.numel]) > 0:
+            self._raise_missing([self.names[i] for i in missing])
+
+        globally_used = None if used is None else used.tolist()
+        if learning:
+            self._static_used = globally_used
+        elif self.options.static_graph:
+            globally_used = self._static_used
+        self._write_back(globally_used)
+        if self.steps == 0 and self.options.rebuild_buckets and not (
+                self.options.find_unused_parameters and not self.options.static_graph):
+            self._rebuild_pending = True
+        self.steps += 1
+
+    def _write_back(self, globally_used: list[int] | None) -> None:
+        as_view = self.options.gradient_as_bucket_view
+        for bucket in self.buckets:
+            copy_dst, copy_src = [], []
+            for pos, i in enumerate(bucket.spec.params):
+                if globally_used is not None and not globally_used[i]:
+                    continue  # unused on every rank: .grad stays as it was, like torch
+                p, view = self.params[i], bucket.views[pos]
+                if as_view:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    copy_dst.append(p.grad)
+                    copy_src.append(view)
+            if copy_dst:
+                foreach_copy_(copy_dst, copy_src)
+
+    # ------------------------------------------------------------------ errors
+    def _raise_missing(self, mine: list[str]) -> None:
+        per_rank = self.comm.all_gather_object(mine, tag="missing gradients")
+        lines = [f"  rank {r}: {', '.join(repr(n) for n in names)}"
+                 for r, names in enumerate(per_rank) if names]
+        raise RuntimeError(
+            f"rank {self.comm.rank}: DistributedDataParallel: these parameters received no "
+            "gradient in this backward:\n" + "\n".join(lines) + "\n"
+            "Either they were not used in forward, or the outputs that use them did not reach "
+            "the loss. If some parameters are legitimately unused, pass "
+            "find_unused_parameters=True (or set requires_grad=False on parameters that never "
+            "train). With static_graph=True, the used parameters must be the same every step.")
+
+    def _raise_unfinished(self) -> None:
+        waiting = [n for b in self.buckets if b.state is BucketState.FILLING for n in b.missing()]
+        raise RuntimeError(
+            f"rank {self.comm.rank}: DistributedDataParallel: a new forward started before the "
+            "previous backward finished reducing gradients; still waiting for "
+            f"{', '.join(repr(n) for n in waiting[:10])}"
+            f"{' ...' if len(waiting) > 10 else ''}. Make sure every forward's output "
+            "reaches loss.backward(), or run forwards that are not trained under torch.no_grad()")
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+

@@ -1,0 +1,193 @@
+"""Run a function on N ranks in separate processes, with a deadline that kills.
+
+The harness is what tandem's own tests use, and users can use it for theirs::
+
+    def check(rank, world_size, scale):
+        t = torch.full((2,), float(rank))
+        dist.all_reduce(t)
+        return t * scale
+
+    results = run_distributed(check, world_size=2, args=(3.0,))  # one value per rank
+
+Each rank is a fresh process forked from a forkserver (torch imported once, no
+OpenMP threads inherited), joined into a gloo process group through a file store
+in a private temporary directory, so there are no ports to race for. Each rank
+runs with one intra-op thread, as a rank of a real job on a shared host would.
+
+If any rank raises, :class:`RankFailure` is raised in the caller with that rank's
+traceback, and every other rank is killed. If the ranks do not all finish within
+``timeout`` seconds (a hang in a collective, say), every rank is killed and
+:class:`TimeoutError` names the ranks that had not finished. A test can therefore
+fail, but never hang CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["RankFailure", "run_distributed"]
+
+# How long surviving ranks get to report their own error after the first failure.
+# Peers of a dead rank usually fail fast in gloo ("connection closed"), and their
+# messages help to tell cause from consequence.
+_GRACE_AFTER_FAILURE_S = 3.0
+_POLL_S = 0.02
+
+
+class RankFailure(RuntimeError):
+    """A rank raised. ``rank`` is the first failing rank; ``tracebacks`` maps every
+    rank that reported an error to its formatted traceback."""
+
+    def __init__(self, rank: int, tracebacks: dict[int, str]) -> None:
+        self.rank = rank
+        self.tracebacks = tracebacks
+        others = sorted(r for r in tracebacks if r != rank)
+        msg = f"rank {rank} failed:\n{tracebacks[rank]}"
+        if others:
+            msg += f"\n(ranks {others} also failed, probably as a consequence)"
+        super().__init__(msg)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return
+    the list of their return values (which must be picklable by ``torch.save``).
+
+    Args:
+        fn: a module-level function (it is pickled by name into each rank).
+        world_size: number of ranks.
+        args: extra positional arguments, pickled into each rank.
+        timeout: seconds for the whole run, process start-up included.
+        backend: process-group backend for the default group.
+        init_process_group: when False the ranks get no process group; the
+            variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+            ``LOCAL_WORLD_SIZE`` and ``TANDEM_TEST_STORE`` (a file path) are
+            set so that ``fn`` can build one itself.
+        env: extra environment variables for the ranks.
+
+    Raises:
+        RankFailure: a rank raised; carries its rank and traceback.
+        TimeoutError: not every rank finished within ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, tuple(args), str(workdir), backend,
+                      init_process_group, dict(env or {}), timeout),
+                name=f"tandem-rank-{rank}",
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        return _collect(procs, workdir, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(procs: list[Any], workdir: Path, timeout: float) -> list[Any]:
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    first_failure: int | None = None
+    failure_deadline = float("inf")
+    while True:
+        errors = {r: (workdir / f"{r}.err").read_text() for r in range(world_size)
+                  if (workdir / f"{r}.err").exists()}
+        done = [r for r in range(world_size) if (workdir / f"{r}.ok").exists()]
+        if errors and first_failure is None:
+            first_failure = min(errors)
+            failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE_S
+        dead = [r for r, p in enumerate(procs)
+                if not p.is_alive() and r not in errors and r not in done]
+        for r in dead:
+            # Died without writing a report: killed by a signal, os._exit, segfault.
+            code = procs[r].exitcode
+            errors[r] = f"process exited with code {code} without reporting a result"
+            if first_failure is None:
+                first_failure = r
+                failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE_S
+        if first_failure is not None and (
+            len(errors) + len(done) == world_size or time.monotonic() > failure_deadline
+        ):
+            raise RankFailure(first_failure, errors)
+        if len(done) == world_size:
+            return [_load((workdir / f"{r}.ok").read_bytes()) for r in range(world_size)]
+        if time.monotonic() > deadline:
+            pending = [r for r in range(world_size) if r not in done]
+            raise TimeoutError(
+                f"ranks {pending} of {world_size} did not finish within {timeout:.0f}s "
+                f"(finished: {done}); all ranks were killed")
+        time.sleep(_POLL_S)
+
+
+def _load(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
+               workdir: str, backend: str, init_pg: bool, env: dict[str, str],
+               timeout: float) -> None:
+    import torch.distributed as dist
+
+    out = Path(workdir)
+    # This process is the harness's own child: setting its environment is local to it.
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "TANDEM_TEST_STORE": str(out / "store"),
+    })
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group(
+                backend, init_method=f"file://{out / 'store'}", rank=rank,
+                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        _write_atomic(out / f"{rank}.ok", buf.getvalue())
+    except BaseException:
+        _write_atomic(out / f"{rank}.err", traceback.format_exc().encode())
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass

@@ -1,0 +1,271 @@
+"""tandem.comm.init/shutdown and the launcher variables they read.
+
+world_from_env is pure and tested on a grid of mappings in this process. The
+rendezvous methods run on two real ranks through the harness; the world of one
+runs as a plain script in a subprocess with the launcher variables scrubbed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tandem.comm import WorldInfo, init, shutdown, world_from_env
+from tandem.comm import bootstrap
+from tandem.comm.world import LaunchVars
+from tandem.testing import run_distributed
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT")
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_(**changes: str | None) -> dict[str, str]:
+    """TORCHRUN with some variables changed (a str) or removed (None)."""
+    env = dict(TORCHRUN)
+    for k, v in changes.items():
+        if v is None:
+            env.pop(k)
+        else:
+            env[k] = v
+    return env
+
+
+# ---------------------------------------------------------------- world_from_env, pure
+
+def test_no_variables_is_a_world_of_one():
+    assert world_from_env({}) is None
+    assert world_from_env({"PATH": "/usr/bin", "TANDEM_X": "1"}) is None
+    # MASTER_* are not read for tcp:// and file://, so alone they mean nothing there.
+    assert world_from_env({"MASTER_ADDR": "h", "MASTER_PORT": "1"}, require_master=False) is None
+
+
+@pytest.mark.parametrize("env, expected", [
+    (TORCHRUN, LaunchVars(rank=1, world_size=4, local_rank=1, local_world_size=2,
+                          master_addr="10.0.0.1", master_port=29500)),
+    (with_(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
+     LaunchVars(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                master_addr="10.0.0.1", master_port=29500)),
+    # No local variables: one node, local = global.
+    (with_(LOCAL_RANK=None, LOCAL_WORLD_SIZE=None, RANK="3"),
+     LaunchVars(rank=3, world_size=4, local_rank=3, local_world_size=4,
+                master_addr="10.0.0.1", master_port=29500)),
+    (with_(RANK=" 2 ", MASTER_PORT="65535"),
+     LaunchVars(rank=2, world_size=4, local_rank=1, local_world_size=2,
+                master_addr="10.0.0.1", master_port=65535)),
+], ids=["torchrun", "one-rank-launch", "no-local-vars", "whitespace"])
+def test_good_environments(env, expected):
+    assert world_from_env(env) == expected
+
+
+def test_master_not_read_without_env_rendezvous():
+    env = with_(MASTER_ADDR=None, MASTER_PORT="not-a-port")
+    got = world_from_env(env, require_master=False)
+    assert (got.rank, got.world_size, got.master_addr, got.master_port) == (1, 4, None, None)
+
+
+@pytest.mark.parametrize("env, needles", [
+    (with_(WORLD_SIZE=None), ["WORLD_SIZE is not", "RANK='1'"]),
+    (with_(RANK=None), ["RANK is not", "WORLD_SIZE='4'"]),
+    ({"LOCAL_RANK": "0"}, ["RANK is not", "LOCAL_RANK='0'"]),
+    ({"MASTER_ADDR": "h", "MASTER_PORT": "1"}, ["RANK is not", "single process"]),
+    (with_(RANK="x"), ["RANK='x'", "not an integer"]),
+    (with_(RANK=""), ["RANK=''", "not an integer"]),
+    (with_(RANK="1.0"), ["RANK='1.0'", "not an integer"]),
+    (with_(RANK="-1"), ["RANK=-1", "negative"]),
+    (with_(WORLD_SIZE="0", RANK="0"), ["WORLD_SIZE=0", "at least 1"]),
+    (with_(RANK="4"), ["RANK=4", "WORLD_SIZE=4", "0 to 3"]),
+    (with_(LOCAL_RANK="2"), ["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"]),
+    (with_(LOCAL_RANK="-1"), ["LOCAL_RANK=-1", "negative"]),
+    (with_(LOCAL_WORLD_SIZE="0", LOCAL_RANK="0"), ["LOCAL_WORLD_SIZE=0", "at least 1"]),
+    (with_(LOCAL_WORLD_SIZE="8"), ["LOCAL_WORLD_SIZE=8", "WORLD_SIZE=4"]),
+    (with_(LOCAL_WORLD_SIZE=None), ["LOCAL_RANK='1'", "LOCAL_WORLD_SIZE is not"]),
+    (with_(LOCAL_RANK=None), ["LOCAL_WORLD_SIZE='2'", "LOCAL_RANK is not"]),
+    (with_(MASTER_ADDR=None), ["MASTER_ADDR is not set", "env://", "tcp://"]),
+    (with_(MASTER_PORT=None), ["MASTER_PORT is not set", "env://"]),
+    (with_(MASTER_ADDR=" "), ["MASTER_ADDR=''", "empty"]),
+    (with_(MASTER_PORT="http"), ["MASTER_PORT='http'", "not an integer"]),
+    (with_(MASTER_PORT="0"), ["MASTER_PORT=0", "1..65535"]),
+    (with_(MASTER_PORT="70000"), ["MASTER_PORT=70000", "1..65535"]),
+])
+def test_bad_environments(env, needles):
+    with pytest.raises(ValueError) as info:
+        world_from_env(env)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(rank=2, world_size=2), dict(rank=-1), dict(world_size=0, rank=0, local_world_size=0),
+    dict(local_rank=1, local_world_size=1), dict(local_world_size=3),
+])
+def test_world_info_validates(fields):
+    base = dict(rank=0, local_rank=0, world_size=2, local_world_size=2,
+                device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ValueError, match="WorldInfo"):
+        WorldInfo(**{**base, **fields})
+
+
+# ------------------------------------------------------- init/shutdown in this process
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher variables, and no process group left behind whatever happens."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    yield monkeypatch
+    shutdown()
+
+
+def test_init_twice_raises_and_shutdown_allows_again(clean_env):
+    info = init()
+    assert info == WorldInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                             device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(RuntimeError, match=r"already initialised.*shutdown\(\)"):
+        init()
+    shutdown()
+    assert not dist.is_initialized()
+    shutdown()  # a no-op now
+    assert init(timeout=30.0).world_size == 1
+    t = torch.tensor([3.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+
+
+def test_inconsistent_env_raises_before_any_group(clean_env):
+    clean_env.setenv("RANK", "2")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK=2 is not less than WORLD_SIZE=2"):
+        init()
+    clean_env.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
+        init()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(init_method="nfs://x"), ValueError, "not supported"),
+    (dict(init_method="tcp://127.0.0.1"), ValueError, "host and a port"),
+    (dict(init_method="tcp://127.0.0.1:1"), ValueError, "needs this process's rank"),
+    (dict(init_method="file://"), ValueError, "needs a path"),
+    (dict(init_method="env://"), ValueError, "launch with torchrun"),
+    (dict(rank=0, world_size=1), ValueError, "launcher's RANK and WORLD_SIZE are used"),
+    (dict(init_method="tcp://h:1", rank=0), ValueError, "world_size is missing"),
+    (dict(init_method="tcp://h:1", rank=2, world_size=2), ValueError, "rank=2 must be in 0..1"),
+    (dict(init_method="tcp://h:1", rank=0, world_size=0), ValueError, "world_size=0"),
+    (dict(init_method="tcp://h:1", rank=0.0, world_size=1), TypeError, "rank must be an int"),
+    (dict(timeout=0), ValueError, "timeout must be positive"),
+    (dict(timeout=datetime.timedelta(seconds=-1)), ValueError, "timeout must be positive"),
+    (dict(timeout="10"), TypeError, "timeout must be"),
+    (dict(backend="nccl"), ValueError, "needs CUDA"),
+])
+def test_bad_arguments(clean_env, kwargs, error, needle):
+    with pytest.raises(error, match=needle):
+        init(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_rank_args_must_agree_with_env(clean_env):
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="contradict the environment's RANK=0, WORLD_SIZE=2"):
+        init(init_method="tcp://127.0.0.1:1", rank=1, world_size=2)
+
+
+def test_cuda_device_binding(monkeypatch):
+    """The CUDA path without a GPU: the backend choice and the device check."""
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    assert bootstrap._default_backend() == "nccl"
+    assert bootstrap._bind_device("nccl", 1, rank=5) == torch.device("cuda", 1)
+    assert bound == [1]
+    assert bootstrap._bind_device("gloo", 1, rank=5) == torch.device("cpu")
+    with pytest.raises(ValueError, match="rank 6: LOCAL_RANK=2 but this node has 2 CUDA"):
+        bootstrap._bind_device("cpu:gloo,cuda:nccl", 2, rank=6)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert bootstrap._default_backend() == "gloo"
+
+
+# ------------------------------------------------------------ two ranks, three rendezvous
+
+def _join_and_reduce(rank: int, world_size: int, how: str, port: int) -> WorldInfo:
+    store = os.environ["TANDEM_TEST_STORE"]
+    if how == "env":
+        info = init(timeout=TIMEOUT_S)
+    elif how == "tcp":  # rank and world size from the harness's RANK/WORLD_SIZE
+        info = init("gloo", f"tcp://127.0.0.1:{port}", datetime.timedelta(seconds=TIMEOUT_S))
+    else:  # explicit rank and world size, agreeing with the environment
+        info = init(init_method=f"file://{store}", timeout=TIMEOUT_S, rank=rank,
+                    world_size=world_size)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert t.item() == world_size * (world_size + 1) / 2, t
+    try:
+        init()
+    except RuntimeError as e:
+        assert "already initialised" in str(e)
+    else:
+        raise AssertionError("a second init() did not raise")
+    shutdown()
+    assert not dist.is_initialized()
+    # Join again through a fresh file store: shutdown leaves nothing behind.
+    again = init(init_method=f"file://{store}.again", timeout=TIMEOUT_S)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size and again == info
+    shutdown()
+    return info
+
+
+@pytest.mark.parametrize("how", ["env", "tcp", "file"])
+def test_two_ranks(how):
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if how == "env" else {}
+    infos = run_distributed(_join_and_reduce, 2, args=(how, port), timeout=TIMEOUT_S,
+                            init_process_group=False, env=env)
+    assert infos == [WorldInfo(rank=r, local_rank=r, world_size=2, local_world_size=2,
+                               device=torch.device("cpu"), backend="gloo") for r in range(2)]
+
+
+# ----------------------------------------------------------- a plain script, world of one
+
+_SCRIPT = textwrap.dedent("""
+    import logging
+    import torch, torch.distributed as dist
+    from tandem.comm import init, shutdown
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    info = init()
+    t = torch.tensor([2.0])
+    dist.all_reduce(t)
+    assert t.item() == 2.0 and dist.get_world_size() == 1
+    print(info)
+    shutdown()
+""")
+
+
+def test_world_of_one_in_a_clean_script():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank=0, local_rank=0, world_size=1, local_world_size=1" in proc.stdout
+    assert "tandem: rank 0/1 (local 0/1), backend gloo, device cpu" in proc.stderr
