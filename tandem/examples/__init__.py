@@ -1,0 +1,1 @@
+"""Example training scripts, runnable with ``python -m`` or ``torchrun -m``."""

@@ -1,0 +1,136 @@
+"""Tiny models that exercise DDP's corner cases. Each takes ``(x, step)`` so that
+models whose used parameters change from step to step can do so deterministically."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["MODELS", "make_model"]
+
+IN, OUT = 8, 4
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3, ckpt: str = "none") -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        dims = [IN] + [width] * (depth - 1)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                                    for a, b in zip(dims[:-1], dims[1:]))
+        self.head = nn.Linear(dims[-1], OUT)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            # The first layer is never checkpointed: reentrant checkpointing needs an
+            # input that requires grad, or its parameters get no gradient at all.
+            if self.ckpt == "none" or i == 0:
+                x = layer(x)
+            else:
+                x = checkpoint(layer, x, use_reentrant=self.ckpt == "reentrant")
+        return self.head(x)
+
+
+class Tied(nn.Module):
+    """Input and output projections share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(IN, 16, bias=False)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, IN, bias=False)
+        self.out.weight = self.proj.weight  # tied: (16, 8) used as (8, 16)^T
+        self.head = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        h = torch.tanh(self.mid(h))
+        return self.head(h @ self.proj.weight)
+
+
+class Frozen(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        for p in self.layers[0].parameters():
+            p.requires_grad_(False)
+
+
+class NeverUsed(MLP):
+    """A submodule that forward never calls (needs find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(16, 16)
+
+
+class Switching(nn.Module):
+    """Which branch runs depends on the step (needs find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(IN, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, OUT)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(self.a(h) if step % 2 == 0 else self.b(h))
+        return self.head(h)
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(IN, 16).double()
+        self.second = nn.Linear(16, OUT)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x.double())).float())
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(IN, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, OUT)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.fc(x))))
+
+
+class Encoder(nn.Module):
+    """A transformer encoder over a sequence made from the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, 16)
+        layer = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, OUT)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        seq = self.embed(x.view(x.shape[0], IN // 2, 2))
+        return self.head(self.encoder(seq).mean(dim=1))
+
+
+MODELS = {
+    "mlp": MLP,
+    "mlp_reentrant": lambda: MLP(ckpt="reentrant"),
+    "mlp_nonreentrant": lambda: MLP(ckpt="nonreentrant"),
+    "tied": Tied,
+    "frozen": Frozen,
+    "never_used": NeverUsed,
+    "switching": Switching,
+    "two_dtypes": TwoDtypes,
+    "batchnorm": WithBatchNorm,
+    "encoder": Encoder,
+}
+
+
+def make_model(name: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
