@@ -1,0 +1,182 @@
+"""What each rank puts on the wire: counted and ordered through ``ddp.comm.observers``.
+
+Overlap cannot be measured on 2 cores, but it is structural: a bucket's reduction
+is issued while backward is still producing earlier layers' gradients.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from torch import nn
+
+import tandem
+from tandem.testing import run_distributed
+from tandem.testing.models import IN, OUT, make_model
+
+
+def _record(ddp: tandem.DistributedDataParallel) -> list[tuple[str, str, int]]:
+    events: list[tuple[str, str, int]] = []
+    ddp.comm.observers.append(lambda e: events.append((e.op, e.tag, e.numel)))
+    return events
+
+
+def _step(ddp, x, y, *, backward=True) -> None:
+    loss = nn.functional.mse_loss(ddp(x), y)
+    if backward:
+        loss.backward()
+
+
+def _counts(rank: int, world_size: int) -> dict:
+    ddp = tandem.DistributedDataParallel(make_model("mlp", seed=rank), bucket_cap_mb=0.00001)
+    n_buckets = len(ddp.reducer.buckets)
+    events = _record(ddp)
+    x, y = torch.randn(4, IN), torch.randn(4, OUT)
+    per_phase = {}
+    _step(ddp, x, y)                                     # step 1 (buckets rebuilt after it)
+    per_phase["step1"] = list(events); events.clear()
+    _step(ddp, x, y)                                     # step 2: rebuild broadcast first
+    per_phase["step2"] = list(events); events.clear()
+    with ddp.no_sync():
+        _step(ddp, x, y)
+        _step(ddp, x, y)
+    per_phase["no_sync"] = list(events); events.clear()
+    _step(ddp, x, y)
+    per_phase["after_no_sync"] = list(events); events.clear()
+    with torch.no_grad():
+        ddp(x)
+    per_phase["no_grad"] = list(events); events.clear()
+    return {"n_buckets": n_buckets, "n_buckets_now": len(ddp.reducer.buckets), **per_phase}
+
+
+def test_one_reduction_per_bucket_per_step_and_none_under_no_sync() -> None:
+    for r in run_distributed(_counts, 2, timeout=60):
+        assert r["n_buckets"] > 3
+        buckets = lambda ev: [e for e in ev if e[0] == "all_reduce" and e[1].startswith("bucket")]
+        assert [e[1] for e in buckets(r["step1"])] == [f"bucket {i}" for i in range(r["n_buckets"])]
+        assert len(r["step1"]) == r["n_buckets"]
+        # Step 2 starts with the one-time broadcast of rank 0's gradient arrival order.
+        assert r["step2"][0][:2] == ("broadcast", "bucket order")
+        assert len(buckets(r["step2"])) == r["n_buckets_now"] == len(r["step2"]) - 1
+        assert r["no_sync"] == []
+        assert len(buckets(r["after_no_sync"])) == r["n_buckets_now"]
+        assert r["no_grad"] == []
+
+
+def _overlap(rank: int, world_size: int) -> list[str]:
+    model = make_model("mlp", seed=0)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=0.00001)
+    timeline: list[str] = []
+    ddp.comm.observers.append(lambda e: timeline.append(f"{e.op}:{e.tag}"))
+    # Registered after DDP's own hooks, so each entry follows DDP's handling of it.
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=name: timeline.append(f"grad:{n}"))
+    x, y = torch.randn(4, IN), torch.randn(4, OUT)
+    _step(ddp, x, y)
+    return timeline
+
+
+def test_first_bucket_launches_before_the_last_gradient_arrives() -> None:
+    for timeline in run_distributed(_overlap, 2, timeout=60):
+        first_launch = timeline.index("all_reduce:bucket 0")
+        last_grad = max(i for i, e in enumerate(timeline) if e.startswith("grad:"))
+        assert first_launch < last_grad, timeline
+        # And the launches are interleaved with backward, not all at the end.
+        launches_during_backward = [e for e in timeline[:last_grad] if e.startswith("all_reduce")]
+        assert len(launches_during_backward) >= 2, timeline
+
+
+class RankOrdered(nn.Module):
+    """Two branches whose order of computation (and so of gradient arrival)
+    depends on the rank."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.a = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
+        self.b = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank % 2 == 0:
+            ya = self.a(x)
+            yb = self.b(x)
+        else:
+            yb = self.b(x)
+            ya = self.a(x)
+        return ya + yb
+
+
+def _order(rank: int, world_size: int, as_view: bool) -> dict:
+    torch.manual_seed(0)
+    model = RankOrdered(rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=0.0002,
+                                         gradient_as_bucket_view=as_view)
+    rng = random.Random(rank)
+    # Registered before nothing else runs: each gradient is delayed at random, per rank.
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: time.sleep(rng.uniform(0, 0.004)))
+    arrival: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=name: arrival.append(n))
+    issued: list[tuple[str, str, int]] = []
+    ddp.comm.observers.append(lambda e: issued.append((e.op, e.tag, e.numel)))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x, y = torch.randn(4, IN, generator=g), torch.randn(4, OUT, generator=g)
+        ddp.zero_grad()
+        _step(ddp, x, y)
+    grads = [p.grad.clone() for p in model.parameters()]
+    return {"issued": issued, "arrival": arrival[:8], "grads": grads}
+
+
+def test_issue_order_is_identical_on_every_rank_despite_delays_and_arrival_order() -> None:
+    for as_view in (False, True):
+        results = run_distributed(_order, 4, args=(as_view,), timeout=90)
+        # The ranks really did see gradients in different orders...
+        assert results[0]["arrival"] != results[1]["arrival"]
+        # ...yet issued exactly the same collectives in the same order,
+        for r in results[1:]:
+            assert r["issued"] == results[0]["issued"]
+        # and hold the same averaged gradients.
+        for r in results[1:]:
+            for a, b in zip(r["grads"], results[0]["grads"]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def _buffers(rank: int, world_size: int) -> dict:
+    model = make_model("batchnorm", seed=rank)
+    ddp = tandem.DistributedDataParallel(model)
+    events = _record(ddp)
+    x, y = torch.randn(4, IN) + rank, torch.randn(4, OUT)
+    out = {}
+    _step(ddp, x, y)
+    out["first"] = [e[:2] for e in events if e[0] == "broadcast"]; events.clear()
+    with ddp.no_sync():
+        _step(ddp, x, y)
+        out["no_sync_first"] = [e[:2] for e in events if e[1] == "buffers"]; events.clear()
+        _step(ddp, x, y)
+        out["no_sync_second"] = [e[:2] for e in events if e[1] == "buffers"]; events.clear()
+    # The forward after an unsynchronised one does not broadcast buffers (as torch).
+    _step(ddp, x, y)
+    out["after"] = [e[:2] for e in events if e[0] == "broadcast" and e[1] == "buffers"]; events.clear()
+    _step(ddp, x, y)
+    out["next"] = [e[:2] for e in events if e[0] == "broadcast" and e[1] == "buffers"]
+    out["running_mean"] = model.bn.running_mean.clone()
+    return out
+
+
+def test_buffers_broadcast_before_synchronised_forwards_only() -> None:
+    results = run_distributed(_buffers, 2, timeout=60)
+    for r in results:
+        # BatchNorm's float buffers and its int64 counter: one collective per dtype.
+        assert r["first"] == [("broadcast", "buffers")] * 2
+        # Whether a forward broadcasts is decided by the forward before it (as torch):
+        # the first forward under no_sync follows a synchronised one.
+        assert r["no_sync_first"] == [("broadcast", "buffers")] * 2
+        assert r["no_sync_second"] == []
+        assert r["after"] == []
+        assert r["next"] == [("broadcast", "buffers")] * 2
+    # Each rank updated its own running stats in the last forward, after the broadcast.
+    assert not torch.equal(results[0]["running_mean"], results[1]["running_mean"])
