@@ -121,7 +121,7 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
 
     Returns:
         A plan whose buckets are numbered in launch order: by the position in
-        ``order`` of their first parameter.
+        ``order`` of their last parameter, i.e. the order in which they fill.
     """
     if sorted(order) != list(range(len(params))):
         raise ValueError(f"order must be a permutation of range({len(params)}), got {list(order)}")
@@ -148,8 +148,12 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
             closed_count[key] = k + 1
             del open_buckets[key]
 
+    # Launch order = completion order when gradients arrive in fill order: by the
+    # position of each bucket's last parameter. (With one dtype this is also the
+    # order of first parameters; with several, a bucket that closes early is not
+    # held back behind one of another dtype that opened earlier but fills later.)
     position = {idx: pos for pos, idx in enumerate(order)}
-    groups.sort(key=lambda g: position[g[0]])
+    groups.sort(key=lambda g: position[g[-1]])
 
     buckets = []
     fill: dict[tuple[torch.device, torch.dtype], int] = {}
