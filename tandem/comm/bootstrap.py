@@ -88,7 +88,7 @@ def init(
         raise RuntimeError(
             f"torch.distributed is already initialised (rank {dist.get_rank()} of "
             f"{dist.get_world_size()}, backend {dist.get_backend()}); call "
-            "tandem.comm.shutdown() before calling tandem.comm.init() again")
+            "tandem.shutdown() before calling tandem.init() again")
     scheme = _scheme(init_method)
     timeout_td = _as_timedelta(timeout)
     _check_rank_args(rank, world_size, scheme, init_method)

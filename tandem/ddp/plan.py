@@ -97,12 +97,12 @@ def cap_bytes_from_mb(bucket_cap_mb: float | None,
     if bucket_cap_mb_list:
         if any(c <= 0 for c in bucket_cap_mb_list):
             raise ValueError(f"bucket_cap_mb_list must be positive, got {list(bucket_cap_mb_list)}")
-        return [int(c * _MB) for c in bucket_cap_mb_list]
+        return [max(1, int(c * _MB)) for c in bucket_cap_mb_list]
     if bucket_cap_mb is None:
         return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * _MB]
     if bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-    return [int(bucket_cap_mb * _MB)]
+    return [max(1, int(bucket_cap_mb * _MB))]
 
 
 def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int], *,

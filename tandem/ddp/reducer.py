@@ -103,6 +103,7 @@ class GradReducer:
         self._callback_queued = False
         self._locally_used = [False] * len(self.params)
         self._arrival: list[int] = []       # param indices in order of first readiness
+        self._pending_unused: list[int] = []  # marked ready when backward starts
         self._rebuild_pending = False
         # static graph: learned in the first synchronised step
         self._hook_count = [0] * len(self.params)
@@ -174,23 +175,27 @@ class GradReducer:
         for t in outputs:
             if t.grad_fn is not None:
                 t.register_hook(self._on_output_grad)
+        if self.steps == 0:
+            self._arrival = []  # an earlier first step may have failed half-way
+        self._pending_unused = self._find_unused(outputs)
+
+    def _find_unused(self, outputs: list[torch.Tensor]) -> list[int]:
+        """Parameters known to get no gradient in this backward. They are marked
+        ready when backward starts, not now: a forward whose output is dropped
+        must not launch reductions (torch behaves the same)."""
         if self._learning_static_graph:
-            return
+            return []
         if self.options.static_graph:
             assert self._static_used is not None
-            for i, used in enumerate(self._static_used):
-                if not used:
-                    self._mark_unused(i)
-        elif self.options.find_unused_parameters:
+            return [i for i, used in enumerate(self._static_used) if not used]
+        if self.options.find_unused_parameters:
             reach = reachable_params(outputs, self._index_of)
             if not reach.opaque:
                 # Parameters hidden behind an opaque node (reentrant checkpointing)
                 # may still get gradients: then unreached ones wait for the end of
-                # backward instead (see _finish).
-                for i in range(len(self.params)):
-                    if i not in reach.params:
-                        self._mark_unused(i)
-        self._launch_complete()
+                # backward instead (see _finish_step).
+                return [i for i in range(len(self.params)) if i not in reach.params]
+        return []
 
     @property
     def _learning_static_graph(self) -> bool:
@@ -206,9 +211,14 @@ class GradReducer:
         self._queue_finish()  # Note [end of backward]
 
     def _queue_finish(self) -> None:
+        """First thing in a synchronised backward: queue the end-of-backward
+        callback and mark the parameters known to be unused."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self._finish)
+            for i in self._pending_unused:
+                self._mark_unused(i)
+            self._launch_complete()
 
     def _on_grad(self, i: int) -> None:
         if self.state is not StepState.ARMED:
