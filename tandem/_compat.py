@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["foreach_copy_", "is_opaque_backward_node", "preserve_version_counters",
+__all__ = ["bind_group_defaults_before_init", "foreach_copy_", "is_opaque_backward_node", "preserve_version_counters",
            "queue_backward_callback"]
 
 
@@ -66,3 +66,16 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
             d.copy_(s)
     else:
         fn(list(dst), list(src))
+
+
+def bind_group_defaults_before_init() -> None:
+    """Import ``torch.distributed.nn.functional`` before any process group exists.
+
+    Why: that module binds ``group.WORLD`` into the default arguments of its
+    functions when first imported. If that happens after the group is created (the
+    first ``optimizer.step()`` imports it through ``torch._dynamo``), the defaults
+    keep the group alive after ``destroy_process_group()``, gloo's threads outlive
+    the interpreter, and the process can abort at exit with "terminate called
+    without an active exception". Imported first, the defaults hold nothing.
+    """
+    import torch.distributed.nn.functional  # noqa: F401

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from tandem._compat import bind_group_defaults_before_init
 from tandem.comm.world import WorldInfo, world_from_env
 
 __all__ = ["DEFAULT_TIMEOUT", "init", "shutdown"]
@@ -121,6 +122,7 @@ def init(
 
     backend = backend if backend is not None else _default_backend()
     device = _bind_device(backend, local_rank, rank)
+    bind_group_defaults_before_init()
 
     if scheme is None and launch is None:
         # A world of one has nobody to meet: an in-memory store needs no port or file.

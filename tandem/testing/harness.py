@@ -166,6 +166,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
                timeout: float) -> None:
     import torch.distributed as dist
 
+    from tandem._compat import bind_group_defaults_before_init
+
+    bind_group_defaults_before_init()
     out = Path(workdir)
     # This process is the harness's own child: setting its environment is local to it.
     os.environ.update(env)
