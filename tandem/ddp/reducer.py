@@ -152,7 +152,7 @@ class GradReducer:
         # Note [bucket order]: every rank adopts rank 0's arrival order.
         seen = set(self._arrival)
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
-        t = torch.tensor(order, dtype=torch.int64)
+        t = torch.tensor(order, dtype=torch.int64, device=self.comm.device)
         if self.comm.size > 1:
             self.comm.broadcast(t, 0, tag="bucket order")
         order = t.tolist()
