@@ -8,8 +8,10 @@ Run book::
     python benchmarks/bench_ddp.py --models many --profile 30        # + cProfile of rank 0
 
 The script launches its own 2 ranks (tandem.testing.run_distributed: forkserver
-children, a gloo group, one intra-op thread per rank) and prints one Markdown
-table from rank 0's clock.
+children, a gloo group, one intra-op thread per rank) and prints two Markdown
+tables from rank 0's clocks: wall-clock time per step, and the main thread's CPU
+time per step (time.thread_time), which shows what each wrapper costs the
+training thread even when other processes share the machine.
 
 For each model, both wrappers are built once, on separate copies of the same
 model, with the same keyword arguments. After ``--warmup`` steps of each, the
@@ -22,15 +24,17 @@ contender, the blocks in rotating order, each block started on a barrier:
 * ``comm``    one dist.all_reduce of a flat fp32 tensor as large as all gradients
 
 A step is ``zero_grad(set_to_none=True)``, forward, MSE loss, backward, SGD step,
-timed with time.perf_counter. Alternating blocks in one run spreads drift of the
+timed with time.perf_counter (and time.thread_time). Alternating blocks in one run spreads drift of the
 machine (other processes, frequency, caches) over all contenders alike.
 
-Columns: median step time over all measured steps; in brackets the lowest and
-highest of the per-block medians (the spread across rounds); tandem/torch is the
-ratio of the medians, with the lowest and highest per-round ratio in brackets;
+Wall-clock columns: median step time over all measured steps; in brackets the first and
+third quartiles of the per-block medians (the spread across rounds); tandem/torch
+is the ratio of the medians, with the quartiles of the per-round ratios (tandem's
+block over torch's block of the same round) in brackets;
 overlap = (compute + comm - step) / min(compute, comm): 1 means the reduction is
 completely hidden behind backward, 0 means none of it is, negative means the
 wrapper costs more than compute and communication one after the other.
+CPU columns: median main-thread CPU per step; overhead = DDP minus compute.
 """
 
 from __future__ import annotations
@@ -134,15 +138,17 @@ def make_comm_step(numel: int) -> Callable[[], None]:
     return step
 
 
-def time_block(step: Callable[[], None], steps: int) -> list[float]:
-    """Per-step seconds of ``steps`` steps, all ranks starting together."""
+def time_block(step: Callable[[], None], steps: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and main-thread CPU seconds of each of ``steps`` steps, all ranks
+    starting together."""
     dist.barrier()
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    return times
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return wall, cpu
 
 
 def profile_steps(step: Callable[[], None], steps: int, rank: int, top: int = 30) -> str:
@@ -196,13 +202,16 @@ def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
         time_block(steps[c], cfg.warmup)
 
     blocks: dict[str, list[list[float]]] = {c: [] for c in CONTENDERS}
+    cpu: dict[str, list[float]] = {c: [] for c in CONTENDERS}
     for r in range(cfg.repeats):
         shift = r % len(CONTENDERS)
         for c in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            blocks[c].append(time_block(steps[c], cfg.steps))
+            wall, block_cpu = time_block(steps[c], cfg.steps)
+            blocks[c].append(wall)
+            cpu[c] += block_cpu
 
     record: dict[str, Any] = {"model": name, "numel": numel, "tensors": len(params),
-                              "blocks": blocks}
+                              "blocks": blocks, "cpu": cpu}
     if cfg.profile:
         record["profile"] = {c: profile_steps(steps[c], cfg.profile, rank)
                              for c in ("torch", "tandem")}
@@ -212,6 +221,13 @@ def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
 # ---------------------------------------------------------------------- report
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def summarise(record: dict[str, Any]) -> dict[str, Any]:
@@ -225,17 +241,16 @@ def summarise(record: dict[str, Any]) -> dict[str, Any]:
         return (compute + comm - step) / min(compute, comm)
 
     return {"model": record["model"], "numel": record["numel"], "tensors": record["tensors"],
-            "median": med, "block_min": {c: min(v) for c, v in block_med.items()},
-            "block_max": {c: max(v) for c, v in block_med.items()},
-            "ratio": med["tandem"] / med["torch"],
-            "ratio_min": min(round_ratio), "ratio_max": max(round_ratio),
-            "overlap": {c: overlap(med[c]) for c in ("torch", "tandem")}}
+            "median": med, "block_iqr": {c: _quartiles(v) for c, v in block_med.items()},
+            "ratio": med["tandem"] / med["torch"], "ratio_iqr": _quartiles(round_ratio),
+            "overlap": {c: overlap(med[c]) for c in ("torch", "tandem")},
+            "cpu": {c: statistics.median(record["cpu"][c]) for c in CONTENDERS}}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     def cell(row: dict[str, Any], c: str) -> str:
-        return (f"{_ms(row['median'][c])} "
-                f"[{_ms(row['block_min'][c])}–{_ms(row['block_max'][c])}]")
+        q1, q3 = row["block_iqr"][c]
+        return f"{_ms(row['median'][c])} [{_ms(q1)}–{_ms(q3)}]"
 
     lines = [
         "| model | params (tensors) | torch DDP step ms | tandem DDP step ms | tandem/torch "
@@ -246,9 +261,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['model']} | {row['numel'] / 1e6:.2f}M ({row['tensors']}) "
             f"| {cell(row, 'torch')} | {cell(row, 'tandem')} "
-            f"| **{row['ratio']:.3f}** [{row['ratio_min']:.2f}–{row['ratio_max']:.2f}] "
+            f"| **{row['ratio']:.3f}** [{row['ratio_iqr'][0]:.2f}–{row['ratio_iqr'][1]:.2f}] "
             f"| {cell(row, 'compute')} | {cell(row, 'comm')} "
             f"| {row['overlap']['torch']:.2f} | {row['overlap']['tandem']:.2f} |")
+    return "\n".join(lines)
+
+
+def format_cpu_table(rows: list[dict[str, Any]]) -> str:
+    """Main-thread CPU per step: what each wrapper costs the training thread itself,
+    whatever else the machine is running (waiting for a reduction costs none)."""
+    lines = [
+        "| model | torch DDP CPU ms | tandem DDP CPU ms | compute CPU ms "
+        "| torch overhead ms | tandem overhead ms | tandem/torch CPU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        t, d, c = (row["cpu"][k] for k in ("torch", "tandem", "compute"))
+        lines.append(f"| {row['model']} | {_ms(t)} | {_ms(d)} | {_ms(c)} | {_ms(t - c)} "
+                     f"| {_ms(d - c)} | {d / t:.3f} |")
     return "\n".join(lines)
 
 
@@ -259,12 +289,12 @@ def parse_ddp_kwargs(text: str) -> dict[str, Any]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
-            raise argparse.ArgumentTypeError(f"--ddp-kwargs: expected key=value, got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
         try:
             kwargs[key.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
             raise argparse.ArgumentTypeError(
-                f"--ddp-kwargs: value of {key.strip()!r} is not a Python literal: {value!r}") from None
+                f"value of {key.strip()!r} is not a Python literal: {value!r}") from None
     return kwargs
 
 
@@ -273,17 +303,17 @@ def parse_models(text: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in MODELS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"--models: unknown {unknown or text!r}; choose from {','.join(MODELS)}")
+            f"unknown {unknown or text!r}; choose from {','.join(MODELS)}")
     return names
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="steps per block (default 10)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="unmeasured steps per contender before the rounds (default 3)")
-    parser.add_argument("--repeats", type=int, default=8,
-                        help="rounds of one block per contender (default 8)")
+    parser.add_argument("--repeats", type=int, default=16,
+                        help="rounds of one block per contender (default 16)")
     parser.add_argument("--models", type=parse_models, default=MODELS,
                         help=f"comma-separated, from {','.join(MODELS)} (default all)")
     parser.add_argument("--ddp-kwargs", type=parse_ddp_kwargs, default={},
@@ -297,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = BenchConfig(models=args.models, steps=args.steps, warmup=args.warmup,
                       repeats=args.repeats, ddp_kwargs=args.ddp_kwargs, profile=args.profile)
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     records = run_distributed(bench_rank, world_size=2, args=(cfg,), timeout=3600)[0]
     elapsed = time.perf_counter() - started
@@ -305,8 +336,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.cpu_count()} CPUs, 2 gloo ranks x 1 intra-op thread; "
           f"ddp kwargs {cfg.ddp_kwargs or '(defaults)'}; "
           f"{cfg.repeats} rounds x {cfg.steps} steps per contender after {cfg.warmup} warm-up; "
-          f"ran {elapsed:.0f} s\n")
-    print(format_table([summarise(r) for r in records]))
+          f"ran {elapsed:.0f} s; 1-min load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after\n")
+    rows = [summarise(r) for r in records]
+    print("Wall-clock time per step, rank 0 (median [quartiles of the per-block medians])\n")
+    print(format_table(rows))
+    print("\nMain-thread CPU time per step, rank 0 (median)\n")
+    print(format_cpu_table(rows))
     for r in records:
         for contender, text in r.get("profile", {}).items():
             print(f"\n## cProfile, {r['model']}, {contender} (rank 0)\n\n{text}")

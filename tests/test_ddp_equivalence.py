@@ -49,7 +49,7 @@ _TORCH_KWARGS = ("find_unused_parameters", "gradient_as_bucket_view", "bucket_ca
 
 def _torch_model_name(name: str) -> str:
     # Checkpointing changes when activations are computed, not the arithmetic.
-    return name.split("_")[0] if name.startswith("mlp_") else name
+    return name.removesuffix("_reentrant").removesuffix("_nonreentrant")
 
 
 def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +139,8 @@ NAMED_CASES = [
     Case(model="mlp", ddp=dict(bucket_cap_mb=0.0001)),          # one bucket per parameter
     Case(model="mlp", ddp=dict(bucket_cap_mb=1000)),            # one bucket
     Case(model="mlp", ddp=dict(gradient_as_bucket_view=True)),
+    Case(model="wide", ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.01), micro=2),
+    Case(model="wide", opt="adam", ddp=dict(bucket_cap_mb=0.0001), micro=3),
     Case(model="mlp", opt="adam", ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.0005)),
     Case(model="mlp", micro=3),                                 # no_sync accumulation
     Case(model="mlp", micro=3, sync_via="attr", opt="adam"),    # nanoGPT style
@@ -166,7 +168,7 @@ def test_named_cases_two_ranks() -> None:
 
 def _matrix() -> list[Case]:
     cases = []
-    for model in ("mlp", "mlp_reentrant", "mlp_nonreentrant"):
+    for model in ("mlp", "wide_reentrant", "wide_nonreentrant"):
         for find_unused in (False, True):
             for static in (False, True):
                 for as_view in (False, True):
@@ -189,7 +191,8 @@ def test_odd_and_larger_worlds(world_size: int) -> None:
         Case(model="mlp", opt="adam"),
         Case(model="mlp", ddp=dict(bucket_cap_mb=0.0001, gradient_as_bucket_view=True), micro=2),
         Case(model="switching", ddp=dict(find_unused_parameters=True, static_graph=False), steps=4),
-        Case(model="mlp_reentrant", ddp=dict(static_graph=True), micro=2),
+        Case(model="wide_reentrant", ddp=dict(static_graph=True), micro=2),
+        Case(model="wide", ddp=dict(gradient_as_bucket_view=True), micro=2),
         # SGD: with 3 or 4 ranks the summation order depends on the bucket layout,
         # and Adam would amplify the rounding noise of the attention key bias's
         # (mathematically zero) gradient.

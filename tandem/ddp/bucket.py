@@ -7,10 +7,15 @@ from enum import Enum, auto
 
 import torch
 
+from tandem._compat import foreach_copy_
 from tandem.comm.group import Work
 from tandem.ddp.plan import BucketSpec
 
 __all__ = ["Bucket", "BucketState", "GradBuffer"]
+
+# Average parameter size (elements) under which a bucket copies its gradients in
+# one batch when complete rather than one by one (Note [copy granularity]).
+_BATCH_COPY_BELOW = 16384
 
 
 class BucketState(Enum):
@@ -40,6 +45,11 @@ class Bucket:
     def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter], names: list[str],
                  data: torch.Tensor) -> None:
         self.spec = spec
+        # Note [copy granularity]: large parameters are scaled into the bucket as each
+        # becomes ready (one fused pass over memory, early); a bucket of small ones
+        # is filled with one batched copy and one scaling when it is complete (per
+        # parameter, the Python and dispatch overhead would dominate).
+        self.copies_per_param = spec.numel >= _BATCH_COPY_BELOW * len(params)
         self.index = spec.index
         self.params = params
         self.names = names
@@ -65,7 +75,8 @@ class Bucket:
         self.work = None
 
     def mark_ready(self, pos: int) -> None:
-        self._expect(BucketState.FILLING)
+        if self.state is not BucketState.FILLING:  # hot path: check before calling
+            self._expect(BucketState.FILLING)
         if not self.ready[pos]:
             self.ready[pos] = True
             self.num_ready += 1
@@ -82,6 +93,40 @@ class Bucket:
         self.work = None
         self.state = BucketState.REDUCED
 
+    def copy_in(self, pos: int, scale: float, rebind: bool) -> None:
+        """Put ``param.grad * scale`` into the view of parameter ``pos`` (zeros when
+        the gradient is None). With ``rebind``, param.grad becomes the view."""
+        p, view = self.params[pos], self.views[pos]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif _aliases(grad, view):
+            view.mul_(scale)
+        else:
+            torch.mul(grad, scale, out=view)
+            if rebind:
+                p.grad = view
+
+    def copy_all(self, scale: float, rebind: bool) -> None:
+        """:meth:`copy_in` for every parameter, batched: one copy, one scaling."""
+        dst, src = [], []
+        for p, view in zip(self.params, self.views):
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+            elif not _aliases(grad, view):
+                dst.append(view)
+                src.append(grad)
+                if rebind:
+                    p.grad = view
+        if dst:
+            foreach_copy_(dst, src)
+        self.grads.mul_(scale)
+
+    def grad_is_view(self, pos: int) -> bool:
+        grad = self.params[pos].grad
+        return grad is not None and _aliases(grad, self.views[pos])
+
     def missing(self) -> list[str]:
         return [n for n, r in zip(self.names, self.ready) if not r]
 
@@ -91,3 +136,7 @@ class Bucket:
                 f"bucket {self.index} is {self.state.name}, expected "
                 f"{'/'.join(s.name for s in allowed)} "
                 f"({self.num_ready}/{len(self.params)} gradients ready)")
+
+
+def _aliases(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape

@@ -90,6 +90,8 @@ class GradReducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._infos = [ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params]
         self._div = 1.0 / comm.size
+        self._static = options.static_graph
+        self._as_view = options.gradient_as_bucket_view
         self.state = StepState.IDLE
         self.steps = 0                      # synchronised backwards completed
 
@@ -104,6 +106,7 @@ class GradReducer:
         self._locally_used = [False] * len(self.params)
         self._arrival: list[int] = []       # param indices in order of first readiness
         self._pending_unused: list[int] = []  # marked ready when backward starts
+        self._missing_flag = 0.0            # Note [missing-gradient flag]
         self._rebuild_pending = False
         # static graph: learned in the first synchronised step
         self._hook_count = [0] * len(self.params)
@@ -168,6 +171,7 @@ class GradReducer:
             b.reset()
         self._next_launch = 0
         self._callback_queued = False
+        self._missing_flag = 0.0
         self._locally_used = [False] * len(self.params)
         self._hook_count = [0] * len(self.params)
         self.state = StepState.ARMED
@@ -221,11 +225,13 @@ class GradReducer:
             self._launch_complete()
 
     def _on_grad(self, i: int) -> None:
+        # Hot path: runs once per parameter per backward.
         if self.state is not StepState.ARMED:
             return  # no_sync, or a backward that no synchronised forward armed
-        self._queue_finish()
+        if not self._callback_queued:
+            self._queue_finish()
         self._locally_used[i] = True
-        if self.options.static_graph:
+        if self._static:
             self._hook_count[i] += 1
             if self._expected_count is None:
                 if self._hook_count[i] == 1:
@@ -233,45 +239,47 @@ class GradReducer:
                 return  # first step of a static graph: everything is reduced at the end
             if self._hook_count[i] < self._expected_count[i]:
                 return
+        if self._ready(i) and self.steps == 0 and not self._static:
+            self._arrival.append(i)
+
+    def _ready(self, i: int) -> bool:
+        """Parameter i's gradient is final for this backward: copy it in (or leave
+        that to its bucket, Note [copy granularity]), mark it, launch what can go.
+        Returns whether it was newly marked."""
         b, pos = self._where[i]
         bucket = self.buckets[b]
-        if bucket.state is not BucketState.FILLING:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: parameter '{self.names[i]}' received a gradient after "
-                f"its bucket {b} was already reduced in this backward (it was used again, e.g. "
-                "by a module called twice under reentrant activation checkpointing); pass "
-                "static_graph=True if the graph is the same every step, or use "
-                "torch.utils.checkpoint(..., use_reentrant=False)")
-        self._copy_in(i)
-        if not bucket.ready[pos]:
-            if self.steps == 0 and not self.options.static_graph:
-                self._arrival.append(i)
-            bucket.mark_ready(pos)
-            if bucket.complete:
-                self._launch_complete()
+        if bucket.ready[pos] or bucket.state is not BucketState.FILLING:
+            self._ready_again(i, bucket, pos)
+            return False
+        if bucket.copies_per_param:
+            bucket.copy_in(pos, self._div, self._as_view)
+        bucket.mark_ready(pos)
+        if bucket.complete:
+            self._launch_complete()
+        return True
 
-    def _copy_in(self, i: int) -> None:
-        """Put p.grad / world into the bucket view (Note: pre-dividing keeps the
-        sum from overflowing in low precision, and matches torch's arithmetic)."""
-        p, view = self.params[i], self._view(i)
-        grad = p.grad
-        if grad is None:
-            view.zero_()
+    def _ready_again(self, i: int, bucket: Bucket, pos: int) -> None:
+        """A second gradient for a parameter in one backward. Harmless while its
+        bucket still fills and the gradient is a separate tensor (copy the sum
+        again); otherwise the first one was already taken."""
+        if (bucket.state is BucketState.FILLING and bucket.ready[pos]
+                and not (bucket.copies_per_param and bucket.grad_is_view(pos))):
+            if bucket.copies_per_param:
+                bucket.copy_in(pos, self._div, self._as_view)
             return
-        if grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
-            view.mul_(self._div)
-        else:
-            torch.mul(grad, self._div, out=view)
-            if self.options.gradient_as_bucket_view:
-                p.grad = view
+        raise RuntimeError(
+            f"rank {self.comm.rank}: parameter '{self.names[i]}' received its gradient "
+            f"twice in one backward, after bucket {bucket.index} had taken it (it was used "
+            "again, e.g. by a module called twice under reentrant activation checkpointing); "
+            "pass static_graph=True if the graph is the same every step, or use "
+            "torch.utils.checkpoint(..., use_reentrant=False)")
 
     def _mark_unused(self, i: int) -> None:
+        """Parameter i gets no gradient in this backward: it contributes its current
+        .grad (zeros when None, as torch), and is not counted as used."""
         b, pos = self._where[i]
-        bucket = self.buckets[b]
-        if bucket.ready[pos]:
-            return
-        self._copy_in(i)
-        bucket.mark_ready(pos)
+        if not self.buckets[b].ready[pos]:
+            self._ready(i)
 
     # ------------------------------------------------------------------ launching
     def _launch_complete(self) -> None:
@@ -280,10 +288,12 @@ class GradReducer:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    def _launch(self, bucket: Bucket, flag: float = 0.0) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         spec = bucket.spec
+        if not bucket.copies_per_param:
+            bucket.copy_all(self._div, self.options.gradient_as_bucket_view)
         if spec.extra:
-            bucket.data[spec.numel] = flag
+            bucket.data[spec.numel] = self._missing_flag
         payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
         work = self.comm.all_reduce(payload, tag=f"bucket {bucket.index}", async_op=True)
         bucket.launched(work)
@@ -306,17 +316,13 @@ class GradReducer:
             self._expected_count = list(self._hook_count)
             for i in range(len(self.params)):
                 if self._hook_count[i]:
-                    self._copy_in(i)
-                    b, pos = self._where[i]
-                    self.buckets[b].mark_ready(pos)
+                    self._ready(i)
         missing = [i for b in self.buckets for pos, i in enumerate(b.spec.params) if not b.ready[pos]]
-        flag = 1.0 if missing and not track_used else 0.0  # Note [missing-gradient flag]
+        if missing and not track_used:
+            self._missing_flag = 1.0  # Note [missing-gradient flag]
         for i in missing:
             self._mark_unused(i)
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            self._launch(bucket, flag if self._next_launch == len(self.buckets) - 1 else 0.0)
-            self._next_launch += 1
+        assert self._next_launch == len(self.buckets), "every bucket is complete and launched"
 
         used_work: Work | None = None
         used = None

@@ -119,8 +119,11 @@ class Encoder(nn.Module):
 
 MODELS = {
     "mlp": MLP,
-    "mlp_reentrant": lambda: MLP(ckpt="reentrant"),
-    "mlp_nonreentrant": lambda: MLP(ckpt="nonreentrant"),
+    # Wide enough (160 x 160 = 25600 elements) that DDP copies the middle weight
+    # into its bucket on its own, while the small tensors are copied in batches.
+    "wide": lambda: MLP(width=160),
+    "wide_reentrant": lambda: MLP(width=160, ckpt="reentrant"),
+    "wide_nonreentrant": lambda: MLP(width=160, ckpt="nonreentrant"),
     "tied": Tied,
     "frozen": Frozen,
     "never_used": NeverUsed,
