@@ -177,11 +177,6 @@ def _comm_hook(rank: int, ws: int) -> None:
     DDP(_mlp()).register_comm_hook(None, lambda state, bucket: bucket.buffer())
 
 
-def _join(rank: int, ws: int) -> None:
-    with DDP(_mlp()).join():
-        pass
-
-
 def _device_ids_on_cpu(rank: int, ws: int) -> None:
     DDP(_mlp(), device_ids=[0])
 
@@ -238,7 +233,6 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
     "param_to_hook_all_reduce": _build_with(param_to_hook_all_reduce=object()),
     "skip_all_reduce_unused_params": _build_with(skip_all_reduce_unused_params=True),
     "register_comm_hook": _comm_hook,
-    "join": _join,
     "device_ids": _device_ids_on_cpu,
     "output_device": _output_device_on_cpu,
     "no_trainable": _no_trainable_params,
@@ -349,11 +343,6 @@ def test_unsupported_argument(built2, arg):
 def test_register_comm_hook_not_supported(built2):
     for msg in _raised_everywhere(built2, "register_comm_hook", "NotImplementedError"):
         assert "register_comm_hook is not supported" in msg, msg
-
-
-def test_join_not_supported(built2):
-    for msg in _raised_everywhere(built2, "join", "NotImplementedError"):
-        assert "join" in msg and "same number of batches" in msg, msg
 
 
 # ---------------------------------------------------------------- bad arguments and modules

@@ -71,8 +71,8 @@ def _describe_entry(e: Entry | None) -> str:
     return f"{kind} '{name}' of shape {tuple(shape)} and {dtype.replace('torch.', '')}{rg}"
 
 
-def broadcast_module_state(tensors: Sequence[torch.Tensor], comm: GroupComm) -> None:
-    """Overwrite ``tensors`` with rank 0's values, coalesced into few collectives."""
+def broadcast_module_state(tensors: Sequence[torch.Tensor], comm: GroupComm, *, src: int) -> None:
+    """Overwrite ``tensors`` with group rank ``src``'s values, coalesced into few collectives."""
     chunk: list[torch.Tensor] = []
     size = 0
     with torch.no_grad(), preserve_version_counters(tensors):
@@ -80,7 +80,7 @@ def broadcast_module_state(tensors: Sequence[torch.Tensor], comm: GroupComm) -> 
             chunk.append(t)
             size += t.numel() * t.element_size()
             if size >= _BROADCAST_CHUNK_BYTES:
-                comm.broadcast_coalesced(chunk, 0, tag="initial state")
+                comm.broadcast_coalesced(chunk, src, tag="module state")
                 chunk, size = [], 0
         if chunk:
-            comm.broadcast_coalesced(chunk, 0, tag="initial state")
+            comm.broadcast_coalesced(chunk, src, tag="module state")

@@ -14,7 +14,10 @@ from torch import nn
 
 from tandem._compat import preserve_version_counters
 from tandem.comm.group import GroupComm
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
 from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
+from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
 from tandem.ddp.reducer import GradReducer, ReducerOptions
 
@@ -23,7 +26,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes: a drop-in for
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -100,7 +103,8 @@ class DistributedDataParallel(nn.Module):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
         _reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                             param_to_hook_all_reduce=param_to_hook_all_reduce,
                             mixed_precision=mixed_precision,
@@ -140,12 +144,13 @@ class DistributedDataParallel(nn.Module):
         # Per-step toggles, as in torch (nanoGPT sets require_backward_grad_sync directly).
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True  # set by the join hook
 
         if init_sync and self._comm.size > 1:
             sync_buffers = self._named_buffers if init_sync_buffers else []
             check_same_model_on_all_ranks(model_signature(named_params, sync_buffers), self._comm)
             broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
-                                   self._comm)
+                                   self._comm, src=0)
 
         self._reducer: GradReducer | None = None
         if self._comm.size > 1:
@@ -172,18 +177,23 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Note [join mirror] in join.py: the order of the collectives below is
+        # what a joined rank's hook mirrors.
+        join_work = Join.notify_join_context(self)
         grad_enabled = torch.is_grad_enabled()
         if self._reducer is not None and grad_enabled:
             self._reducer.before_forward()
         if self._will_sync_buffers():
-            self._sync_buffers()
+            self._sync_buffers(self._common_rank(candidate=True) if self._join_config.enable else 0)
+        if self._join_config.enable:
+            self._agree_on_grad_sync(joined=False)
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
         if grad_enabled and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             if self._reducer is not None:
-                self._reducer.arm(output)
+                self._reducer.arm(output, divisor=self._grad_divisor(join_work))
         else:
             self.require_forward_param_sync = False
         return output
@@ -192,11 +202,61 @@ class DistributedDataParallel(nn.Module):
         return (self._comm.size > 1 and self.require_forward_param_sync
                 and self.forward_sync_buffers and bool(self._named_buffers))
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, src: int) -> None:
         # Buffers may have been reassigned (module.running_mean = ...): look them up again.
         buffers = [b for n, b in self.module.named_buffers() if n not in self._ignored]
         with torch.no_grad(), preserve_version_counters(buffers):
-            self._comm.broadcast_coalesced(buffers, 0, tag="buffers")
+            self._comm.broadcast_coalesced(buffers, src, tag="buffers")
+
+    def _grad_divisor(self, join_work: Any) -> int:
+        """How many ranks' gradients the average is over: the world, or under
+        join with divide_by_initial_world_size=False, the ranks still training."""
+        if join_work is None or self._divide_by_initial_world_size:
+            return self._comm.size
+        join_work.wait()
+        return int(join_work.result()[0].item())
+
+    # ------------------------------------------------------------------ join
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context manager for uneven inputs over this model alone; see :func:`tandem.join`."""
+        return join([self], enable=enable, throw_on_early_termination=throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _common_rank(self, *, candidate: bool) -> int:
+        """The highest group rank among the candidates (Note [join mirror])."""
+        t = torch.tensor([self._comm.rank if candidate else -1], device=self._comm.device)
+        self._comm.all_reduce(t, op=dist.ReduceOp.MAX, tag="join: common rank")
+        rank = int(t.item())
+        assert rank >= 0, "at least one rank is a candidate"
+        return rank
+
+    def _agree_on_grad_sync(self, *, joined: bool) -> bool:
+        """Tell joined ranks whether this iteration's backward synchronises."""
+        t = torch.tensor([0.0 if joined or not self.require_backward_grad_sync else 1.0],
+                         device=self._comm.device)
+        work = self._comm.all_reduce(t, tag="join: grad sync", async_op=True)
+        if not joined:
+            return self.require_backward_grad_sync
+        work.wait()
+        return bool(t.item() != 0)
+
+    def _sync_final_model(self, src: int) -> None:
+        tensors = [p for n, p in self.module.named_parameters() if n not in self._ignored]
+        if self.forward_sync_buffers:
+            tensors += [b for n, b in self.module.named_buffers() if n not in self._ignored]
+        broadcast_module_state(tensors, self._comm, src=src)
 
     # ------------------------------------------------------------------ toggles
     @contextlib.contextmanager
@@ -220,10 +280,6 @@ class DistributedDataParallel(nn.Module):
             "tandem.DistributedDataParallel.register_comm_hook is not supported yet; "
             "remove the hook (gradients are averaged with all-reduce) or use torch's DDP")
 
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "tandem.DistributedDataParallel.join (uneven inputs) is not supported yet; give "
-            "every rank the same number of batches (DistributedSampler(drop_last=True))")
 
 
 def _reject_unsupported(**given: Any) -> None:

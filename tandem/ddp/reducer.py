@@ -165,8 +165,12 @@ class GradReducer:
         logger.info("DDP: buckets rebuilt in gradient arrival order: %s", self.plan.describe())
 
     # ------------------------------------------------------------------ arming
-    def arm(self, output: object) -> None:
-        """Prepare for the synchronised backward of the forward that produced ``output``."""
+    def arm(self, output: object, divisor: int | None = None) -> None:
+        """Prepare for the synchronised backward of the forward that produced ``output``.
+
+        ``divisor``: how many ranks the gradients are averaged over (default: the
+        group size; fewer under join with divide_by_initial_world_size=False)."""
+        self._div = 1.0 / (divisor or self.comm.size)
         for b in self.buckets:
             b.reset()
         self._next_launch = 0
@@ -311,7 +315,7 @@ class GradReducer:
 
     def _finish_step(self) -> None:
         learning = self._learning_static_graph
-        track_used = learning or (self.options.find_unused_parameters and not self.options.static_graph)
+        track_used = self._tracks_used
         if learning:
             self._expected_count = list(self._hook_count)
             for i in range(len(self.params)):
@@ -327,7 +331,7 @@ class GradReducer:
         used_work: Work | None = None
         used = None
         if track_used:
-            used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.buckets[0].data.device)
+            used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.comm.device)
             used_work = self.comm.all_reduce(used, tag="used parameters", async_op=True)
         for bucket in self.buckets:
             bucket.wait()
@@ -366,6 +370,27 @@ class GradReducer:
                     copy_src.append(view)
             if copy_dst:
                 foreach_copy_(copy_dst, copy_src)
+
+    # ------------------------------------------------------------------ join
+    def shadow_backward(self) -> None:
+        """On a rank that has joined: issue the collectives of one synchronised
+        backward with zero gradients (Note [join mirror] in join.py)."""
+        works = []
+        for bucket in self.buckets:
+            spec = bucket.spec
+            zeros = torch.zeros(spec.numel + spec.extra, dtype=spec.dtype, device=spec.device)
+            works.append(self.comm.all_reduce(zeros, tag=f"bucket {bucket.index}", async_op=True))
+        if self._tracks_used:
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
+            works.append(self.comm.all_reduce(used, tag="used parameters", async_op=True))
+        for work in works:
+            work.wait()
+
+    @property
+    def _tracks_used(self) -> bool:
+        """Whether this step all-reduces the map of locally used parameters."""
+        return self._learning_static_graph or (
+            self.options.find_unused_parameters and not self._static)
 
     # ------------------------------------------------------------------ errors
     def _raise_missing(self, mine: list[str]) -> None:
