@@ -10,9 +10,9 @@ Change one import, keep your script::
 import logging as _logging
 
 from tandem.comm import WorldInfo, init, shutdown
-from tandem.ddp import DistributedDataParallel
+from tandem.ddp import DistributedDataParallel, join
 
-__all__ = ["DistributedDataParallel", "WorldInfo", "init", "shutdown"]
+__all__ = ["DistributedDataParallel", "WorldInfo", "init", "join", "shutdown"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
