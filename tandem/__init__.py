@@ -10,9 +10,12 @@ Change one import, keep your script::
 import logging as _logging
 
 from tandem.comm import WorldInfo, init, shutdown
+from tandem.dp import DataParallel
 from tandem.ddp import DistributedDataParallel, join
+from tandem.nn import SyncBatchNorm
 
-__all__ = ["DistributedDataParallel", "WorldInfo", "init", "join", "shutdown"]
+__all__ = ["DataParallel", "DistributedDataParallel", "SyncBatchNorm", "WorldInfo", "init", "join",
+           "shutdown"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -1,0 +1,9 @@
+"""tandem's DataParallel: scatter (scatter_gather.py), replicate (replicate.py),
+run in threads (parallel_apply.py), gather; the wrapper is module.py."""
+
+from tandem.dp.module import DataParallel
+from tandem.dp.parallel_apply import parallel_apply
+from tandem.dp.replicate import replicate
+from tandem.dp.scatter_gather import gather, scatter, scatter_kwargs
+
+__all__ = ["DataParallel", "gather", "parallel_apply", "replicate", "scatter", "scatter_kwargs"]

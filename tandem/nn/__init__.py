@@ -1,0 +1,7 @@
+"""Layers for data-parallel training: SyncBatchNorm (sync_batchnorm.py) and its
+autograd function (functional.py)."""
+
+from tandem.nn.functional import sync_batch_norm
+from tandem.nn.sync_batchnorm import SyncBatchNorm
+
+__all__ = ["SyncBatchNorm", "sync_batch_norm"]
