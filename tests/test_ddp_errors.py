@@ -173,8 +173,18 @@ def _build_with(**kwargs: Any) -> Callable[[int, int], None]:
     return build
 
 
-def _comm_hook(rank: int, ws: int) -> None:
-    DDP(_mlp()).register_comm_hook(None, lambda state, bucket: bucket.buffer())
+def _comm_hook_twice(rank: int, ws: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    ddp = DDP(_mlp())
+    ddp.register_comm_hook(None, allreduce_hook)
+    ddp.register_comm_hook(None, allreduce_hook)
+
+
+def _comm_hook_after_backward(rank: int, ws: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    ddp = DDP(_mlp())
+    ddp(torch.randn(2, 4)).sum().backward()
+    ddp.register_comm_hook(None, allreduce_hook)
 
 
 def _device_ids_on_cpu(rank: int, ws: int) -> None:
@@ -232,7 +242,8 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
     "delay_all_reduce_named_params": _build_with(delay_all_reduce_named_params=object()),
     "param_to_hook_all_reduce": _build_with(param_to_hook_all_reduce=object()),
     "skip_all_reduce_unused_params": _build_with(skip_all_reduce_unused_params=True),
-    "register_comm_hook": _comm_hook,
+    "comm_hook_twice": _comm_hook_twice,
+    "comm_hook_after_backward": _comm_hook_after_backward,
     "device_ids": _device_ids_on_cpu,
     "output_device": _output_device_on_cpu,
     "no_trainable": _no_trainable_params,
@@ -340,9 +351,11 @@ def test_unsupported_argument(built2, arg):
         assert "torch.nn.parallel.DistributedDataParallel" in msg
 
 
-def test_register_comm_hook_not_supported(built2):
-    for msg in _raised_everywhere(built2, "register_comm_hook", "NotImplementedError"):
-        assert "register_comm_hook is not supported" in msg, msg
+def test_register_comm_hook_twice_or_late(built2):
+    for msg in _raised_everywhere(built2, "comm_hook_twice", "RuntimeError"):
+        assert "only be called once" in msg and "allreduce_hook" in msg, msg
+    for msg in _raised_everywhere(built2, "comm_hook_after_backward", "RuntimeError"):
+        assert "before the first backward" in msg, msg
 
 
 # ---------------------------------------------------------------- bad arguments and modules

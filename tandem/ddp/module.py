@@ -276,9 +276,21 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ not yet
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        raise NotImplementedError(
-            "tandem.DistributedDataParallel.register_comm_hook is not supported yet; "
-            "remove the hook (gradients are averaged with all-reduce) or use torch's DDP")
+        """Reduce gradient buckets with ``hook(state, bucket) -> Future[Tensor]``.
+
+        Torch's contract: the hook is called once per bucket when it is ready, with
+        a :class:`~tandem.ddp.grad_bucket.GradBucket` whose buffer holds the sum of
+        this rank's gradients (not divided by the world size: the hook averages);
+        the future's value becomes the bucket's reduced gradients. Hooks written
+        for torch's DDP (``torch.distributed.algorithms.ddp_comm_hooks``) work
+        unchanged. Register once, before the first backward.
+
+        Raises:
+            RuntimeError: a hook is already registered, or backward already ran.
+        """
+        if self._reducer is None:
+            return  # a world of one: nothing to reduce
+        self._reducer.register_comm_hook(state, hook)
 
 
 

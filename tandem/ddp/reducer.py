@@ -28,6 +28,17 @@ flag after waiting for the last bucket; if any rank raised it, all ranks gather
 the missing names (a collective only on this error path) and raise the same
 error, naming the parameters and the ranks. The check costs no extra collective.
 
+# Note [hook order]
+A communication hook may issue more than one collective per bucket, the later
+ones from future callbacks (torch's PowerSGD does). Those callbacks run when the
+earlier collective completes, on the backend's thread, so with several buckets
+in flight their collectives interleave differently on different ranks, and gloo
+aborts ("Received data size doesn't match expected size"). Unless a hook is
+known to issue exactly one collective from the caller's thread (torch's
+allreduce/fp16/bf16 hooks and tandem's hooks marked ``tandem_single_collective``),
+bucket k's hook is called only after bucket k-1's future has completed: the
+order is then the same on every rank, whatever the timing.
+
 # Note [end of backward]
 The finishing callback is queued on the autograd graph task that runs the
 outputs' gradients (a hook on each output tensor), not on whichever task fires a
@@ -39,6 +50,7 @@ the outer backward is done.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -48,10 +60,11 @@ import torch
 from tandem._compat import foreach_copy_, queue_backward_callback
 from tandem.comm.group import GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
+from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
 from tandem.ddp.graph import iter_tensors, reachable_params
 from tandem.ddp.plan import BucketPlan, ParamInfo, plan_buckets
 
-__all__ = ["GradReducer", "ReducerOptions", "StepState"]
+__all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +89,17 @@ class StepState(Enum):
     IDLE = auto()        # no synchronised backward expected (no_sync, eval, or done)
     ARMED = auto()       # forward armed the reducer; gradients may arrive
     FINISHING = auto()   # end of backward: launching the rest, waiting, writing back
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """Gradient communication of one synchronised backward, on this rank."""
+
+    bytes: int
+    """Payload bytes of the gradient collectives issued through tandem's comm layer
+    (hooks that call torch.distributed directly are not seen)."""
+    wait_s: float
+    """Seconds the end of backward spent waiting for reductions to finish."""
 
 
 class GradReducer:
@@ -112,6 +136,14 @@ class GradReducer:
         self._hook_count = [0] * len(self.params)
         self._expected_count: list[int] | None = None
         self._static_used: list[int] | None = None  # per param: used on some rank in step one
+
+        # communication hook (Note [hook order])
+        self._comm_hook: CommHook | None = None
+        self._comm_hook_state: object = None
+        self._serialize_hooks = False
+        self.last_stats: CommStats | None = None
+        self._bytes = 0
+        comm.observers.append(self._count_bytes)
 
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self.params)]
@@ -170,7 +202,9 @@ class GradReducer:
 
         ``divisor``: how many ranks the gradients are averaged over (default: the
         group size; fewer under join with divide_by_initial_world_size=False)."""
-        self._div = 1.0 / (divisor or self.comm.size)
+        # With a comm hook, buckets hold plain sums: the hook divides (as torch).
+        self._div = 1.0 if self._comm_hook else 1.0 / (divisor or self.comm.size)
+        self._bytes = 0
         for b in self.buckets:
             b.reset()
         self._next_launch = 0
@@ -296,6 +330,16 @@ class GradReducer:
         spec = bucket.spec
         if not bucket.copies_per_param:
             bucket.copy_all(self._div, self.options.gradient_as_bucket_view)
+        if self._comm_hook is not None:
+            if self._serialize_hooks and bucket.index > 0:
+                previous = self.buckets[bucket.index - 1].work
+                assert isinstance(previous, HookWork)
+                previous.settle()  # Note [hook order]
+            hook_name = getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
+            future = self._comm_hook(self._comm_hook_state,
+                                     GradBucket(bucket, bucket.index == len(self.buckets) - 1))
+            bucket.launched(HookWork(future, bucket, hook_name))
+            return
         if spec.extra:
             bucket.data[spec.numel] = self._missing_flag
         payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
@@ -328,17 +372,32 @@ class GradReducer:
             self._mark_unused(i)
         assert self._next_launch == len(self.buckets), "every bucket is complete and launched"
 
+        if self._serialize_hooks:
+            # The last hook may still issue collectives from its callbacks: let it
+            # finish before anything else goes on the wire (Note [hook order]).
+            last_work = self.buckets[-1].work
+            assert isinstance(last_work, HookWork)
+            last_work.settle()
         used_work: Work | None = None
         used = None
         if track_used:
             used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.comm.device)
             used_work = self.comm.all_reduce(used, tag="used parameters", async_op=True)
+        flag = None
+        if self._comm_hook is not None:
+            # A hook reduces only the parameters' region: the flag travels alone.
+            flag = torch.tensor([self._missing_flag], device=self.comm.device)
+            self.comm.all_reduce(flag, tag="missing gradients flag")
+        started = time.perf_counter()
         for bucket in self.buckets:
             bucket.wait()
         if used_work is not None:
             used_work.wait()
-        last = self.buckets[-1]
-        if float(last.data[last.spec.numel]) > 0:
+        self.last_stats = CommStats(self._bytes, time.perf_counter() - started)
+        if flag is None:
+            last = self.buckets[-1]
+            flag = last.data[last.spec.numel]
+        if float(flag) > 0:
             self._raise_missing([self.names[i] for i in missing])
 
         globally_used = None if used is None else used.tolist()
@@ -370,6 +429,28 @@ class GradReducer:
                     copy_src.append(view)
             if copy_dst:
                 foreach_copy_(copy_dst, copy_src)
+
+    # ------------------------------------------------------------------ hooks
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, GradBucket)`` instead of an
+        all-reduce; see DistributedDataParallel.register_comm_hook."""
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"register_comm_hook can only be called once; a hook is already registered "
+                f"({getattr(self._comm_hook, '__qualname__', self._comm_hook)!r})")
+        if self.steps > 0 or self.state is not StepState.IDLE:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first backward, as in torch: "
+                "register the hook right after constructing DistributedDataParallel")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self._comm_hook, self._comm_hook_state = hook, state
+        self._serialize_hooks = not _issues_one_collective(hook)
+
+    def _count_bytes(self, event: object) -> None:
+        tag = getattr(event, "tag", "")
+        if tag.startswith("bucket") or tag.startswith("hook"):
+            self._bytes += event.numel * (event.dtype.itemsize if event.dtype is not None else 0)
 
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
@@ -420,3 +501,13 @@ class GradReducer:
         self._hooks = []
 
 
+
+
+def _issues_one_collective(hook: object) -> bool:
+    """Whether ``hook`` issues exactly one collective per bucket, from the caller's
+    thread, so that buckets may be in flight together (Note [hook order])."""
+    if getattr(hook, "tandem_single_collective", False):
+        return True
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook,
+                    default_hooks.bf16_compress_hook)
