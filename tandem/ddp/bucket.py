@@ -109,6 +109,13 @@ class Bucket:
 
     def copy_all(self, scale: float, rebind: bool) -> None:
         """:meth:`copy_in` for every parameter, batched: one copy, one scaling."""
+        grads = [p.grad for p in self.params]
+        if not rebind and all(g is not None for g in grads):
+            # The common case: separate gradient tensors (only rebinding makes a
+            # gradient alias its view), all defined.
+            foreach_copy_(self.views, grads)
+            self.grads.mul_(scale)
+            return
         dst, src = [], []
         for p, view in zip(self.params, self.views):
             grad = p.grad

@@ -49,6 +49,7 @@ the outer backward is done.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -145,7 +146,7 @@ class GradReducer:
         self._bytes = 0
         comm.observers.append(self._count_bytes)
 
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
         logger.info("DDP: %s, world %d", self.plan.describe(), comm.size)
 
@@ -244,11 +245,6 @@ class GradReducer:
         return self.options.static_graph and self._expected_count is None
 
     # ------------------------------------------------------------------ hooks
-    def _make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(i)
-        return hook
-
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._queue_finish()  # Note [end of backward]
 
@@ -262,8 +258,8 @@ class GradReducer:
                 self._mark_unused(i)
             self._launch_complete()
 
-    def _on_grad(self, i: int) -> None:
-        # Hot path: runs once per parameter per backward.
+    def _on_grad(self, i: int, param: torch.Tensor | None = None) -> None:
+        # Hot path: runs once per parameter per backward (the post-accumulate-grad hook).
         if self.state is not StepState.ARMED:
             return  # no_sync, or a backward that no synchronised forward armed
         if not self._callback_queued:
@@ -337,7 +333,8 @@ class GradReducer:
                 previous.settle()  # Note [hook order]
             hook_name = getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
             future = self._comm_hook(self._comm_hook_state,
-                                     GradBucket(bucket, bucket.index == len(self.buckets) - 1))
+                                     GradBucket(bucket, bucket.index == len(self.buckets) - 1,
+                                                self.comm))
             bucket.launched(HookWork(future, bucket, hook_name))
             return
         if spec.extra:
@@ -414,6 +411,11 @@ class GradReducer:
     def _write_back(self, globally_used: list[int] | None) -> None:
         as_view = self.options.gradient_as_bucket_view
         for bucket in self.buckets:
+            if not as_view and globally_used is None:
+                grads = [p.grad for p in bucket.params]
+                if all(g is not None for g in grads):  # the common case, in one call
+                    foreach_copy_(grads, bucket.views)
+                    continue
             copy_dst, copy_src = [], []
             for pos, i in enumerate(bucket.spec.params):
                 if globally_used is not None and not globally_used[i]:
