@@ -1,0 +1,65 @@
+"""ZeRO's pure parts: shards of DDP's buckets, and the memory planner."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.ddp.plan import ParamInfo, plan_buckets
+from tandem.zero import estimate_memory, shard_bucket
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_shards_tile_every_bucket_and_every_parameter_once(seed: int) -> None:
+    rng = random.Random(seed)
+    world = rng.choice([1, 2, 3, 4, 7])
+    params = [ParamInfo(f"p{i}", rng.choice([1, 5, 33, 100, 1000]), torch.float32, CPU)
+              for i in range(rng.randint(1, 25))]
+    plan = plan_buckets(params, list(reversed(range(len(params)))), [rng.choice([64, 512, 1 << 20])],
+                        pad_to=world, last_bucket_extra=1)
+    covered = {i: [] for i in range(len(params))}
+    for spec in plan.buckets:
+        shards = shard_bucket(spec, world)
+        assert [s.rank for s in shards] == list(range(world))
+        assert [s.start for s in shards] == [r * spec.padded_numel // world for r in range(world)]
+        assert sum(s.length for s in shards) == spec.padded_numel
+        for s in shards:
+            for piece in s.pieces:
+                # The piece's place in the bucket is the parameter's offset plus its start.
+                k = spec.params.index(piece.param)
+                assert s.start + piece.shard_offset == spec.offsets[k] + piece.param_start
+                covered[piece.param].append((piece.param_start, piece.length))
+        assert sum(s.padding for s in shards) == spec.padded_numel - spec.numel
+    for i, ranges in covered.items():
+        ranges.sort()
+        pos = 0
+        for start, length in ranges:
+            assert start == pos and length > 0
+            pos += length
+        assert pos == params[i].numel
+
+
+def test_shard_rejects_a_bucket_planned_for_another_world() -> None:
+    plan = plan_buckets([ParamInfo("w", 10, torch.float32, CPU)], [0], [1 << 20], pad_to=2)
+    with pytest.raises(ValueError, match="world_size=4"):
+        shard_bucket(plan.buckets[0], 4)
+
+
+def test_memory_planner_shards_what_each_stage_promises() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 8))
+    n = sum(p.numel() for p in model.parameters())
+    stages = estimate_memory(model, 4, optimizer_bytes_per_param=8, bucket_cap_mb=0.1)
+    s0, s1, s2, s3 = stages
+    assert (s0.params, s0.grads, s0.optimizer) == (4 * n, 4 * n, 8 * n)  # fp32, no padding needed
+    assert s1.params == s0.params and s1.grads == s0.grads
+    assert s1.optimizer == pytest.approx(s0.optimizer / 4, rel=0.01)
+    assert s2.grads < s1.grads and s2.optimizer == s1.optimizer
+    assert s3.params == pytest.approx(s0.params / 4, rel=0.01)
+    assert [e.total for e in stages] == sorted((e.total for e in stages), reverse=True)
+    one = estimate_memory(model, 1)
+    assert one[0].total == one[1].total  # nothing to shard in a world of one
