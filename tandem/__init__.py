@@ -9,13 +9,15 @@ Change one import, keep your script::
 
 import logging as _logging
 
+from tandem import comm_hooks
 from tandem.comm import WorldInfo, init, shutdown
 from tandem.dp import DataParallel
 from tandem.ddp import DistributedDataParallel, join
+from tandem.launch import spawn
 from tandem.nn import SyncBatchNorm
 
 __all__ = ["DataParallel", "DistributedDataParallel", "SyncBatchNorm", "WorldInfo", "init", "join",
-           "shutdown"]
+           "shutdown", "spawn"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -79,3 +79,24 @@ def bind_group_defaults_before_init() -> None:
     without an active exception". Imported first, the defaults hold nothing.
     """
     import torch.distributed.nn.functional  # noqa: F401
+
+
+# ---------------------------------------------------------------- launcher (tandem.launch)
+
+__all__ += ["rendezvous_info"]
+
+
+def rendezvous_info(store: torch.distributed.Store, rank: int, world_size: int,
+                    master_addr: str, master_port: int) -> object:
+    """torch's ``RendezvousInfo`` with the workers' store at ``master_addr:master_port``.
+
+    Why: tandem's launcher gives every attempt's workers a store of their own (see
+    Note [one store per attempt] in ``tandem.launch.rendezvous``), which a
+    rendezvous handler reports through ``RendezvousInfo.bootstrap_store_info``.
+    Both classes are public from torch 2.4; before that ``next_rendezvous``
+    returned a plain tuple and the agent chose the workers' store itself.
+    """
+    from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
+
+    return RendezvousInfo(store, rank, world_size,
+                          RendezvousStoreInfo(master_addr=master_addr, master_port=master_port))

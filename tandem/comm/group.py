@@ -19,6 +19,11 @@ import torch.distributed as dist
 
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
+# torch 2.13 renamed the tensor forms of these collectives (the old names warn);
+# torch 2.4 has only the old ones.
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class CollectiveEvent:
@@ -86,6 +91,27 @@ class GroupComm:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(out, tensor, group=self.group)
         return out
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
+                       async_op: bool = False) -> Work:
+        """Sum ``input`` (``size`` equal chunks) across ranks; this rank's chunk of
+        the sum lands in ``output``. ``output`` must not alias ``input``. A group
+        of one copies."""
+        self._notify("reduce_scatter", input, tag)
+        if self.size == 1:
+            output.copy_(input)
+            return Work(None)
+        return Work(_reduce_scatter_tensor(output, input, group=self.group, async_op=async_op))
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
+                        async_op: bool = False) -> Work:
+        """Concatenate every rank's ``input`` into ``output`` (``size`` times its
+        length), in rank order. A group of one copies."""
+        self._notify("all_gather_into", input, tag)
+        if self.size == 1:
+            output.copy_(input)
+            return Work(None)
+        return Work(_all_gather_into_tensor(output, input, group=self.group, async_op=async_op))
 
     def all_gather_object(self, obj: Any, *, tag: str = "") -> list[Any]:
         """Gather a picklable object from every rank (slow; for set-up and error paths)."""

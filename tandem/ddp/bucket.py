@@ -38,6 +38,11 @@ class GradBuffer:
     def slice(self, spec: BucketSpec) -> torch.Tensor:
         return self.flat[(spec.device, spec.dtype)].narrow(0, spec.buffer_offset, spec.padded_numel)
 
+    def slice_shard(self, spec: BucketSpec, world_size: int) -> torch.Tensor:
+        """In a buffer of ``1/world_size`` the plan's size: one rank's shard of the bucket."""
+        return self.flat[(spec.device, spec.dtype)].narrow(
+            0, spec.buffer_offset // world_size, spec.padded_numel // world_size)
+
 
 class Bucket:
     """The parameters of one :class:`BucketSpec` and their gradient views."""

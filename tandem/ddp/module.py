@@ -20,6 +20,7 @@ from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ra
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
 from tandem.ddp.reducer import GradReducer, ReducerOptions
+from tandem.zero.config import ZeroConfig, ZeroStage
 
 __all__ = ["DistributedDataParallel"]
 
@@ -72,6 +73,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: accepted (gradients are always copied per bucket).
         forward_sync_buffers: torch's newer name for ``broadcast_buffers`` (before
             forward only; buffers are always synchronised at construction).
+        zero_stage: tandem only. 0 (default): all-reduce gradients. 1 or 2:
+            reduce-scatter each bucket so that each rank holds the averaged
+            gradients of its shard only, for :class:`tandem.ZeroOptimizer`
+            (which is then required to step); at stage 2 ``param.grad`` is
+            released after each synchronised backward. See Note [zero reduction].
+        zero_config: tandem only. Overlap options for stages 1 and 2
+            (:class:`tandem.zero.ZeroConfig`).
+
+    .. warning:: at ``zero_stage`` 1 and 2, ``param.grad`` does not hold averaged
+        gradients (stage 1: this rank's local ones; stage 2: None): clip with
+        ``ZeroOptimizer.clip_grad_norm_``, not ``torch.nn.utils.clip_grad_norm_``.
 
     Raises:
         ValueError: bad arguments, or a model that differs across ranks.
@@ -102,6 +114,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_cap_mb_list: list[float] | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        *,
+        zero_stage: int | ZeroStage = 0,
+        zero_config: ZeroConfig | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -110,6 +125,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                             mixed_precision=mixed_precision,
                             skip_all_reduce_unused_params=skip_all_reduce_unused_params or None)
         self.module = module
+        self.zero_stage = ZeroStage.parse(zero_stage)
+        self.zero_config = _check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view)
         self.process_group = _resolve_group(process_group, device_mesh)
         self._comm = GroupComm(self.process_group)
 
@@ -153,12 +170,16 @@ class DistributedDataParallel(nn.Module, Joinable):
                                    self._comm, src=0)
 
         self._reducer: GradReducer | None = None
-        if self._comm.size > 1:
+        if self._comm.size > 1 or self.zero_stage:
+            # A world of one needs no reducer, unless ZeRO's optimizer reads its shards.
             self._reducer = GradReducer(trainable, self._comm, ReducerOptions(
                 caps=tuple(cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list)),
                 find_unused_parameters=find_unused_parameters,
                 static_graph=static_graph,
-                gradient_as_bucket_view=gradient_as_bucket_view))
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                rebuild_buckets=not self.zero_stage,
+                zero_stage=int(self.zero_stage),
+                overlap=self.zero_config.overlap_grad_reduce))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -288,10 +309,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         Raises:
             RuntimeError: a hook is already registered, or backward already ran.
         """
+        if self.zero_stage:
+            raise NotImplementedError(
+                f"register_comm_hook is not supported with zero_stage={int(self.zero_stage)}: "
+                "ZeRO reduce-scatters each bucket itself")
         if self._reducer is None:
             return  # a world of one: nothing to reduce
         self._reducer.register_comm_hook(state, hook)
 
+
+
+def _check_zero_config(config: ZeroConfig | None, stage: ZeroStage,
+                       gradient_as_bucket_view: bool) -> ZeroConfig:
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(f"zero_config must be a tandem.zero.ZeroConfig, got {config!r}")
+    if config is not None and not stage:
+        raise ValueError("zero_config is given but zero_stage=0; pass zero_stage=1 or 2")
+    if stage and gradient_as_bucket_view:
+        raise ValueError(f"gradient_as_bucket_view=True is not supported with zero_stage={int(stage)}: "
+                         "param.grad does not hold the reduced gradients under ZeRO")
+    return config or ZeroConfig()
 
 
 def _reject_unsupported(**given: Any) -> None:

@@ -39,6 +39,18 @@ allreduce/fp16/bf16 hooks and tandem's hooks marked ``tandem_single_collective``
 bucket k's hook is called only after bucket k-1's future has completed: the
 order is then the same on every rank, whatever the timing.
 
+# Note [zero reduction]
+Under ZeRO stages 1 and 2 (Note [flat buffer layout] in plan.py) the same buckets
+are launched in the same order, but each is reduce-scattered instead of
+all-reduced: rank r receives only the averaged gradients of its shard, elements
+``[r * s, (r + 1) * s)`` of the bucket, in ``grad_shards[bucket]`` (a flat buffer
+of ``1/world`` the size, which the sharded optimizer steps from). The full bucket
+buffer is the staging area the reduce-scatter reads. The missing-gradient flag
+would land in one rank's shard only, so it travels in a one-element all-reduce of
+its own. ``param.grad`` is not overwritten: at stage 1 it keeps this rank's local
+(unaveraged) gradient, at stage 2 it is released (None). Buckets are never
+re-planned (the optimizer's shards are laid out over the construction-time plan).
+
 # Note [end of backward]
 The finishing callback is queued on the autograd graph task that runs the
 outputs' gradients (a hook on each output tensor), not on whichever task fires a
@@ -84,6 +96,11 @@ class ReducerOptions:
     """param.grad is a view into the flat bucket buffer: no copies, less memory."""
     rebuild_buckets: bool = True
     """After the first step, re-plan buckets in the order gradients actually arrived."""
+    zero_stage: int = 0
+    """0: all-reduce each bucket; 1, 2: reduce-scatter it (Note [zero reduction])."""
+    overlap: bool = True
+    """Launch each bucket's reduction during backward once it is complete (False:
+    launch them all at the end of backward)."""
 
 
 class StepState(Enum):
@@ -117,6 +134,10 @@ class GradReducer:
         self._div = 1.0 / comm.size
         self._static = options.static_graph
         self._as_view = options.gradient_as_bucket_view
+        self._zero = options.zero_stage > 0
+        if self._zero and options.rebuild_buckets:
+            raise ValueError("ZeRO needs a fixed bucket plan: pass rebuild_buckets=False")
+        self.grad_shards: list[torch.Tensor] = []  # Note [zero reduction]
         self.state = StepState.IDLE
         self.steps = 0                      # synchronised backwards completed
 
@@ -159,6 +180,10 @@ class GradReducer:
                                [self.names[i] for i in spec.params], buffer.slice(spec))
                         for spec in plan.buckets]
         self.plan, self.buffer = plan, buffer
+        if self._zero:
+            size = self.comm.size
+            shards = GradBuffer({key: n // size for key, n in plan.buffer_numel.items()})
+            self.grad_shards = [shards.slice_shard(spec, size) for spec in plan.buckets]
         self._where = [(0, 0)] * len(self.params)
         for b in self.buckets:
             for pos, i in enumerate(b.spec.params):
@@ -318,6 +343,8 @@ class GradReducer:
     # ------------------------------------------------------------------ launching
     def _launch_complete(self) -> None:
         """Launch every complete bucket whose predecessors are launched (Note [launch order])."""
+        if not self.options.overlap and self.state is StepState.ARMED:
+            return  # not overlapping: _finish_step launches them all
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -336,6 +363,11 @@ class GradReducer:
                                      GradBucket(bucket, bucket.index == len(self.buckets) - 1,
                                                 self.comm))
             bucket.launched(HookWork(future, bucket, hook_name))
+            return
+        if self._zero:
+            work = self.comm.reduce_scatter(self.grad_shards[bucket.index], bucket.data,
+                                            tag=f"bucket {bucket.index}", async_op=True)
+            bucket.launched(work)
             return
         if spec.extra:
             bucket.data[spec.numel] = self._missing_flag
@@ -367,6 +399,7 @@ class GradReducer:
             self._missing_flag = 1.0  # Note [missing-gradient flag]
         for i in missing:
             self._mark_unused(i)
+        self._launch_complete()
         assert self._next_launch == len(self.buckets), "every bucket is complete and launched"
 
         if self._serialize_hooks:
@@ -381,8 +414,9 @@ class GradReducer:
             used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.comm.device)
             used_work = self.comm.all_reduce(used, tag="used parameters", async_op=True)
         flag = None
-        if self._comm_hook is not None:
-            # A hook reduces only the parameters' region: the flag travels alone.
+        if self._comm_hook is not None or self._zero:
+            # A hook reduces only the parameters' region, a reduce-scatter leaves the
+            # flag on one rank (Note [zero reduction]): the flag travels alone.
             flag = torch.tensor([self._missing_flag], device=self.comm.device)
             self.comm.all_reduce(flag, tag="missing gradients flag")
         started = time.perf_counter()
@@ -409,6 +443,11 @@ class GradReducer:
         self.steps += 1
 
     def _write_back(self, globally_used: list[int] | None) -> None:
+        if self._zero:  # Note [zero reduction]
+            if self.options.zero_stage >= 2:
+                for p in self.params:
+                    p.grad = None
+            return
         as_view = self.options.gradient_as_bucket_view
         for bucket in self.buckets:
             if not as_view and globally_used is None:
@@ -461,6 +500,11 @@ class GradReducer:
         works = []
         for bucket in self.buckets:
             spec = bucket.spec
+            if self._zero:
+                zeros = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+                works.append(self.comm.reduce_scatter(self.grad_shards[bucket.index], zeros,
+                                                      tag=f"bucket {bucket.index}", async_op=True))
+                continue
             zeros = torch.zeros(spec.numel + spec.extra, dtype=spec.dtype, device=spec.device)
             works.append(self.comm.all_reduce(zeros, tag=f"bucket {bucket.index}", async_op=True))
         if self._tracks_used:

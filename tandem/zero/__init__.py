@@ -1,11 +1,15 @@
 """ZeRO: sharding optimizer state, gradients and parameters across ranks.
 
-So far: the pure shard layout over DDP's flat bucket buffers (layout.py) and the
-memory planner (memory.py). The sharded optimizer builds on both.
+The pure shard layout over DDP's flat bucket buffers (layout.py), the memory
+planner (memory.py), the stages and overlap options (config.py), and the sharded
+optimizer (optimizer.py), which steps the gradient shards that
+``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters.
 """
 
+from tandem.zero.config import ZeroConfig, ZeroStage
 from tandem.zero.layout import BucketShard, ShardPiece, shard_bucket
 from tandem.zero.memory import MemoryEstimate, estimate_memory, format_memory_table
+from tandem.zero.optimizer import ZeroOptimizer
 
-__all__ = ["BucketShard", "MemoryEstimate", "ShardPiece", "estimate_memory",
-           "format_memory_table", "shard_bucket"]
+__all__ = ["BucketShard", "MemoryEstimate", "ShardPiece", "ZeroConfig", "ZeroOptimizer", "ZeroStage",
+           "estimate_memory", "format_memory_table", "shard_bucket"]

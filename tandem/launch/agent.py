@@ -1,0 +1,188 @@
+"""Run one node's workers under torch's elastic agent: :func:`run_workers`.
+
+torch does the work: ``LocalElasticAgent`` starts, watches, stops and restarts
+the worker processes; the rendezvous handler (c10d or static) makes the nodes
+meet. tandem builds them from a :class:`~tandem.launch.config.LaunchConfig`, as
+``torch.distributed.launcher.api.launch_agent`` does, with three changes:
+
+- each attempt's workers meet in a store of their own (Note [one store per
+  attempt] in :mod:`tandem.launch.rendezvous`), so restarts work;
+- the workers' output goes to :class:`~tandem.launch.logs.WorkerLogs`, which also
+  carries the launcher's variables to the workers alone;
+- rendezvous failures (a timeout, a port in use) become a :class:`LaunchError`
+  whose message says what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from tandem.launch.config import LaunchConfig
+from tandem.launch.logs import WorkerLogs
+from tandem.launch.rendezvous import FreshWorkerStore
+
+__all__ = ["LaunchError", "SignalException", "quiet_torch_launch_logs", "run_workers"]
+
+logger = logging.getLogger(__name__)
+
+# The signals elastic's process context turns into SignalException while workers run.
+_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, name))
+
+
+_TORCH_LAUNCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+class LaunchError(RuntimeError):
+    """The job could not start: the nodes did not meet in time, a port was taken,
+    the rendezvous store could not be reached."""
+
+
+def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: Sequence[Any],
+                logs: WorkerLogs) -> RunResult:
+    """Run this node's workers until they all finish, one fails for good, or a
+    signal stops the launcher.
+
+    Args:
+        config: the job.
+        entrypoint: a program (each worker runs ``entrypoint *args``) or a
+            picklable function (each worker calls ``entrypoint(*args)``).
+        args: the workers' arguments.
+        logs: where their output goes (its ``worker_env`` reaches every worker).
+
+    Returns:
+        The agent's result: ``failures`` by global rank, empty when the workers
+        succeeded, and ``return_values`` by global rank for a function.
+
+    Raises:
+        LaunchError: the rendezvous failed; the message says what to change.
+        SignalException: the launcher got SIGTERM, SIGINT, SIGHUP or SIGQUIT
+            while the workers ran; they were sent the same signal and have exited.
+    """
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.rdzv_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rendezvous_options())
+    timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
+    with _rendezvous_errors(config):
+        handler = FreshWorkerStore(get_rendezvous_handler(params), timeout=timeout)
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler,
+        entrypoint=entrypoint, args=tuple(args), max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval_s, master_addr=None, master_port=None,
+        local_addr=config.local_addr)
+    agent = LocalElasticAgent(spec, logs, start_method=config.start_method,
+                              exit_barrier_timeout=config.exit_barrier_timeout_s)
+    close_rendezvous = True
+    try:
+        with _restored_signal_handlers(), _rendezvous_errors(config):
+            result = agent.run()
+    except SignalException:
+        # Like torchrun: a node stopped by a signal leaves the rendezvous open, so
+        # that the other nodes see a departure rather than the end of the job.
+        close_rendezvous = False
+        raise
+    finally:
+        if close_rendezvous:
+            handler.shutdown()
+    if result is None:
+        raise LaunchError(f"this node was not admitted to the job (rendezvous "
+                          f"{config.rdzv_endpoint}, id {config.rdzv_id!r}): {config.max_nodes} "
+                          "node(s) had already joined; check --nnodes")
+    return result
+
+
+@contextlib.contextmanager
+def _rendezvous_errors(config: LaunchConfig) -> Iterator[None]:
+    """Turn the rendezvous' failures into a :class:`LaunchError` that says what to do."""
+    where = f"{config.rdzv_backend} rendezvous at {config.rdzv_endpoint}"
+    nodes = (f"{config.max_nodes} node(s)" if config.min_nodes == config.max_nodes
+             else f"{config.min_nodes} node(s)")
+    timed_out = LaunchError(
+        f"the {where} did not complete within {config.rdzv_timeout_s:g} s: fewer than {nodes} "
+        "joined. Start every node with the same --nnodes and rendezvous flags, check that this "
+        "node can reach the address, or raise --rdzv-timeout")
+    try:
+        yield
+    except RendezvousTimeoutError as e:
+        raise timed_out from e
+    except RendezvousClosedError as e:
+        raise LaunchError(f"the {where} was closed by another node: the job has ended or was "
+                          "stopped; start a new one with a new --rdzv-id") from e
+    except RendezvousError as e:
+        raise LaunchError(f"the {where} failed: {_cause(e)}. Check the address and that the "
+                          "node hosting it is running") from e
+    except RuntimeError as e:
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise LaunchError(
+                f"port {config.rdzv_endpoint.rpartition(':')[2]} is already in use on this "
+                "machine, so the rendezvous store cannot listen on it. Pass another "
+                "--master-port, or leave it out on a single node to get a free one") from e
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise timed_out from e
+        raise
+
+
+def _cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}".strip()
+
+
+@contextlib.contextmanager
+def quiet_torch_launch_logs() -> Iterator[None]:
+    """Silence torch's elastic agent and process starter for the duration.
+
+    They log every step of a failure at WARNING and ERROR (each worker's
+    traceback, every SIGTERM sent); the launcher reports the failure itself, in
+    a few lines. The loggers are restored on exit.
+    """
+    loggers = [logging.getLogger(name) for name in _TORCH_LAUNCH_LOGGERS]
+    saved = [(lg, lg.propagate, list(lg.handlers)) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(logging.NullHandler())
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, propagate, handlers in saved:
+            lg.handlers[:] = handlers
+            lg.propagate = propagate
+
+
+@contextlib.contextmanager
+def _restored_signal_handlers() -> Iterator[None]:
+    """Put the process's signal handlers back after the agent replaced them.
+
+    elastic installs handlers that raise SignalException while workers run and
+    leaves them installed; a notebook calling ``tandem.spawn`` should get its
+    Ctrl-C back as KeyboardInterrupt afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)

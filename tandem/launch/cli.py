@@ -1,0 +1,264 @@
+"""The ``tandem`` command: ``tandem run [options] script.py [script args]``.
+
+``tandem run`` takes torchrun's options, in both spellings (``--nproc-per-node``
+and ``--nproc_per_node``), and runs the job on torch's elastic agent. What it adds
+is described in the README ("Start a job: tandem run"). This module is the
+command line only: flags to a :class:`~tandem.launch.config.LaunchConfig`
+(:func:`config_from_args`, pure), then the agent (:func:`run_job`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from tandem.launch.agent import LaunchError, SignalException, quiet_torch_launch_logs, run_workers
+from tandem.launch.command import TargetKind, WorkerCommand, check_target, worker_command
+from tandem.launch.config import (
+    DEFAULT_RDZV_TIMEOUT_S,
+    LaunchConfig,
+    parse_nnodes,
+    parse_rank_list,
+    parse_rdzv_conf,
+    resolve_nproc,
+    resolve_rendezvous,
+    threads_per_worker,
+)
+from tandem.launch.logs import WorkerLogs
+from tandem.launch.machine import usable_cpus, visible_gpus
+from tandem.launch.output import RankOutput
+from tandem.launch.summary import failure_summary
+
+__all__ = ["build_parser", "config_from_args", "main", "run_job"]
+
+_PROG = "tandem run"
+EXIT_FAILED = 1
+"""A worker failed (after any restarts), or the job could not start."""
+EXIT_USAGE = 2
+"""The command line was wrong (argparse's convention)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, plus "did you mean" for a misspelt option."""
+
+    options: list[str]
+    """The long options, for the hints."""
+    run: argparse.ArgumentParser | None = None
+    """On the top parser: the ``run`` sub-command's parser."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.options = []  # before argparse adds --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        self.options += [n for n in names if n.startswith("--")]
+        return super().add_argument(*names, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        words = [w for w in message.replace(",", " ").split() if w.startswith("--")]
+        hints = [m[0] for w in words
+                 for m in [difflib.get_close_matches(w.split("=")[0], self.options, n=1,
+                                                     cutoff=0.75)] if m]
+        hint = f" (did you mean {' / '.join(hints)}?)" if hints else ""
+        super().error(f"{message}{hint}")
+
+
+def build_parser() -> _Parser:
+    """The ``tandem`` parser with its ``run`` sub-command (``.run``)."""
+    top = _Parser(prog="tandem", description="tandem: data-parallel training for PyTorch.")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser(
+        "run", help="start a job on this node (torchrun's options)",
+        description="Start the workers of a distributed job on this node, on torch's elastic "
+                    "agent. Takes torchrun's options; each worker's output lines carry its rank.")
+    top.run = p
+
+    def opt(*names: str, **kw) -> None:
+        # torchrun accepts --foo-bar and --foo_bar; so does tandem run.
+        spelled = list(names)
+        for n in names:
+            if n.startswith("--") and "-" in n[2:]:
+                spelled.append("--" + n[2:].replace("-", "_"))
+        p.add_argument(*spelled, **kw)
+
+    g = p.add_argument_group("workers and nodes")
+    opt("--nproc-per-node", default="1", metavar="N|auto|cpu|gpu",
+        help="workers on this node (default 1). auto: one per GPU, or without GPUs one per "
+             "CPU core up to 8; cpu: one per core; gpu: one per GPU")
+    opt("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
+    opt("--node-rank", type=int, default=None, metavar="R",
+        help="this node's rank, 0..nnodes-1, with --master-addr/--master-port")
+    opt("--master-addr", default=None, metavar="HOST",
+        help="node 0's address for the static rendezvous (default 127.0.0.1)")
+    opt("--master-port", type=int, default=None, metavar="PORT",
+        help="node 0's port for the static rendezvous; without it a one-node job picks a "
+             "free port")
+    g = p.add_argument_group("rendezvous")
+    opt("--standalone", action="store_true",
+        help="a one-node job with its rendezvous on a free local port")
+    opt("--rdzv-backend", default=None, metavar="NAME",
+        help="c10d (the default with --rdzv-endpoint) or static")
+    opt("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+        help="where the nodes meet; the same on every node, node ranks are assigned on arrival")
+    opt("--rdzv-id", default=None, metavar="ID", help="job id, the same on every node")
+    opt("--rdzv-conf", default="", metavar="K=V,...",
+        help="more rendezvous settings, e.g. join_timeout=900")
+    opt("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
+        help=f"fail if the nodes have not met within this (default {DEFAULT_RDZV_TIMEOUT_S:g})")
+    opt("--local-addr", default=None, metavar="HOST",
+        help="this node's address as the others should see it")
+    g = p.add_argument_group("failures")
+    opt("--max-restarts", type=int, default=0, metavar="K",
+        help="restart the whole group up to K times after a worker fails (default 0)")
+    opt("--monitor-interval", type=float, default=0.1, metavar="SECONDS",
+        help="how often the agent checks the workers (default 0.1)")
+    g = p.add_argument_group("output")
+    opt("--ranks", default=None, metavar="LIST",
+        help="show only these global ranks' output, e.g. 0 or 0,2-3 (the logs keep all)")
+    opt("--local-ranks-filter", default=None, metavar="LIST",
+        help="show only these local ranks' output (torchrun's spelling)")
+    opt("--log-dir", default=None, metavar="DIR",
+        help="keep the workers' logs here (default: a temporary directory, removed when the "
+             "job succeeds)")
+    opt("-v", "--verbose", action="store_true", help="also show the elastic agent's own log")
+    g = p.add_argument_group("what to run")
+    opt("-m", "--module", action="store_true", help="run the target as python -m module")
+    opt("--no-python", action="store_true",
+        help="run the target directly, not through python")
+    opt("--role", default="default", help="the workers' role name (ROLE_NAME)")
+    opt("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+        help="accepted for torchrun compatibility; scripts always start as new processes")
+    p.add_argument("script", help="the training script (or module with -m, program with "
+                                  "--no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return top
+
+
+def config_from_args(args: argparse.Namespace, *, cpus: int, gpus: int,
+                     environ: Mapping[str, str]) -> LaunchConfig:
+    """The job described by ``tandem run``'s flags, on a machine with ``cpus`` cores
+    and ``gpus`` GPUs, launched from ``environ``. Pure.
+
+    Raises:
+        ValueError: a flag is invalid or contradicts another; the message names it.
+    """
+    choice = resolve_nproc(args.nproc_per_node, cpus=cpus, gpus=gpus)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    rdzv = resolve_rendezvous(
+        standalone=args.standalone, max_nodes=max_nodes, rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, master_addr=args.master_addr,
+        master_port=args.master_port)
+    if args.node_rank is not None and rdzv.backend != "static" and args.node_rank != 0:
+        raise ValueError(f"--node-rank {args.node_rank} is only used with --master-addr/"
+                         f"--master-port (the static rendezvous); with the {rdzv.reason} node "
+                         "ranks are assigned as nodes arrive, so leave --node-rank out")
+    return LaunchConfig(
+        nproc_per_node=choice.nproc, min_nodes=min_nodes, max_nodes=max_nodes,
+        node_rank=args.node_rank or 0, rdzv_backend=rdzv.backend, rdzv_endpoint=rdzv.endpoint,
+        rdzv_id=rdzv.run_id, rdzv_timeout_s=args.rdzv_timeout,
+        rdzv_options=parse_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
+        monitor_interval_s=args.monitor_interval,
+        omp_num_threads=threads_per_worker(choice.nproc, cpus=cpus, environ=environ),
+        output_ranks=None if args.ranks is None else parse_rank_list(args.ranks, flag="--ranks"),
+        output_local_ranks=(None if args.local_ranks_filter is None else
+                            parse_rank_list(args.local_ranks_filter, flag="--local-ranks-filter")),
+        log_dir=args.log_dir, local_addr=args.local_addr, role=args.role,
+        start_method=args.start_method, nproc_reason=choice.reason, rdzv_reason=rdzv.reason)
+
+
+def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | None = None,
+            stderr: TextIO | None = None) -> int:
+    """Run the job and return the launcher's exit status: 0 when every worker
+    succeeded, :data:`EXIT_FAILED` after a failure (with a summary on
+    ``stderr``), 128+N after signal N. Output goes to ``stdout``/``stderr``
+    (default: the process's own)."""
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    owned_logs = config.log_dir is None
+    log_root = config.log_dir or tempfile.mkdtemp(prefix="tandem-run-")
+    output = RankOutput(stdout, stderr, ranks=config.output_ranks,
+                        local_ranks=config.output_local_ranks)
+    logs = WorkerLogs(log_root, worker_env=config.worker_env, on_attempt=output.follow)
+    start = time.monotonic()
+    output.start()
+    try:
+        result = run_workers(config, command.program, command.args, logs)
+    except LaunchError as e:
+        output.stop()
+        _say(stderr, f"error: {e}")
+        if owned_logs:
+            shutil.rmtree(log_root, ignore_errors=True)
+        return EXIT_FAILED
+    except SignalException as e:
+        output.stop()
+        _say(stderr, f"got {e.sigval.name}: the workers were sent it and have exited "
+                     f"(logs: {log_root})")
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        output.stop()
+        _say(stderr, "interrupted before the workers started")
+        return 130
+    finally:
+        output.stop()
+    elapsed = time.monotonic() - start
+    if result.is_failed():
+        summary = failure_summary(result.failures, logs.attempts, host=socket.gethostname(),
+                                  max_restarts=config.max_restarts, log_root=log_root)
+        _say(stderr, f"the job failed after {elapsed:.1f} s: {summary}")
+        return EXIT_FAILED
+    attempts = len(logs.attempts)
+    again = f" after {attempts - 1} restart(s)" if attempts > 1 else ""
+    _say(stderr, f"{config.nproc_per_node} worker(s) on this node finished in {elapsed:.1f} s{again}")
+    if owned_logs:
+        shutil.rmtree(log_root, ignore_errors=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tandem`` console script and of ``python -m tandem``."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "run":
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if unknown:
+        # Report it as `tandem run`'s error, with its usage and a spelling hint.
+        assert parser.run is not None
+        parser.run.error(f"unrecognized arguments: {' '.join(unknown)}")
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    try:
+        config = config_from_args(args, cpus=usable_cpus(), gpus=_visible_gpus(args),
+                                  environ=os.environ)
+        command = worker_command(args.script, args.script_args, module=args.module,
+                                 no_python=args.no_python, python=python)
+        # Another interpreter (PYTHON_EXEC) has its own path: let it find the module itself.
+        if not (command.kind is TargetKind.MODULE and python != sys.executable):
+            check_target(command, cwd=os.getcwd())
+    except ValueError as e:
+        _say(sys.stderr, f"error: {e}")
+        return EXIT_USAGE
+    _say(sys.stderr, config.describe())
+    if args.verbose:
+        return run_job(config, command)
+    with quiet_torch_launch_logs():
+        return run_job(config, command)
+
+
+def _say(stream: TextIO, text: str) -> None:
+    stream.write(f"{_PROG}: {text}\n")
+    stream.flush()
+
+
+def _visible_gpus(args: argparse.Namespace) -> int:
+    # Only "auto" and "gpu" look at GPUs: a plain number never touches CUDA.
+    if str(args.nproc_per_node).strip() not in ("auto", "gpu"):
+        return 0
+    return visible_gpus()

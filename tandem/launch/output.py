@@ -1,0 +1,162 @@
+"""The workers' output on the launcher's console: :class:`RankOutput`.
+
+Each worker writes to its own files (:mod:`tandem.launch.logs`); one thread here
+follows them and copies every complete line to the launcher's stdout or stderr
+with the worker's global rank in front, flushing after each line::
+
+    [rank 0] step 10 loss 0.52
+    [rank 1] step 10 loss 0.49
+
+A line is printed only once its newline has arrived, so lines of different
+ranks never interleave mid-line (torch's own log tailer prints a half-written
+line with a prefix and its rest with another). Output can be limited to chosen
+ranks; the log files always hold everything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+from tandem.launch.logs import Attempt
+
+__all__ = ["RankOutput", "rank_prefix", "split_lines"]
+
+_POLL_S = 0.05
+_CHUNK = 1 << 16
+
+
+def rank_prefix(rank: int, world_size: int) -> str:
+    """``"[rank 3] "``, the rank right-aligned to the width of the largest rank."""
+    width = len(str(max(world_size - 1, 0)))
+    return f"[rank {rank:>{width}}] "
+
+
+def split_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
+    """Append ``chunk`` to ``pending``; return the complete lines (without their
+    newline) and what is left of an unfinished last line."""
+    data = pending + chunk
+    *lines, rest = data.split(b"\n")
+    return lines, rest
+
+
+@dataclass
+class _Follow:
+    path: Path
+    dst: TextIO
+    prefix: str
+    fp: BinaryIO | None = None
+    pending: bytes = b""
+
+
+class RankOutput:
+    """Copies the workers' output to ``stdout``/``stderr`` with rank prefixes.
+
+    Args:
+        stdout: where the workers' stdout lines go (the launcher's stdout).
+        stderr: where their stderr lines go.
+        ranks: only these global ranks are shown; None shows all.
+        local_ranks: only these local ranks are shown; None shows all.
+
+    :meth:`follow` is the ``on_attempt`` callback of
+    :class:`tandem.launch.logs.WorkerLogs`; call :meth:`start` before the job
+    and :meth:`stop` after it, which prints whatever is left.
+    """
+
+    def __init__(self, stdout: TextIO, stderr: TextIO, *, ranks: frozenset[int] | None = None,
+                 local_ranks: frozenset[int] | None = None) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self._ranks = ranks
+        self._local_ranks = local_ranks
+        self._lock = threading.Lock()
+        self._follows: list[_Follow] = []
+        self._retired: list[_Follow] = []
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._broken = False
+
+    def follow(self, attempt: Attempt) -> None:
+        """Show ``attempt``'s workers from now on. The previous attempt's workers
+        have exited by the time the agent starts the next, so its files are
+        read to the end and closed."""
+        new = [
+            _Follow(path, dst, rank_prefix(rank, attempt.world_size))
+            for rank, logs in sorted(attempt.ranks.items())
+            if (self._ranks is None or rank in self._ranks)
+            and (self._local_ranks is None or logs.local_rank in self._local_ranks)
+            for path, dst in ((logs.stdout, self._stdout), (logs.stderr, self._stderr))
+        ]
+        with self._lock:
+            self._retired.extend(self._follows)
+            self._follows = new
+
+    def start(self) -> RankOutput:
+        self._thread = threading.Thread(target=self._run, name="tandem-output", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Print everything that is left, unfinished last lines included, and stop."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            follows = self._retired + self._follows
+            self._retired, self._follows = [], []
+        for f in follows:
+            self._drain(f)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                retired, self._retired = self._retired, []
+                follows = list(self._follows)
+            for f in retired:
+                self._drain(f)
+            for f in follows:
+                self._pump(f)
+            self._stopping.wait(_POLL_S)
+
+    def _pump(self, f: _Follow) -> None:
+        if f.fp is None:
+            try:
+                f.fp = open(f.path, "rb")  # noqa: SIM115 (kept open while the worker writes)
+            except FileNotFoundError:
+                return  # the worker has not started yet
+        for chunk in _read_available(f.fp):
+            lines, f.pending = split_lines(f.pending, chunk)
+            self._emit(f, lines)
+
+    def _drain(self, f: _Follow) -> None:
+        self._pump(f)
+        if f.pending:
+            self._emit(f, [f.pending])
+            f.pending = b""
+        if f.fp is not None:
+            f.fp.close()
+            f.fp = None
+
+    def _emit(self, f: _Follow, lines: list[bytes]) -> None:
+        if not lines or self._broken:
+            return
+        text = "".join(f"{f.prefix}{line.decode(errors='replace').rstrip(chr(13))}\n"
+                       for line in lines)
+        try:
+            f.dst.write(text)
+            f.dst.flush()
+        except (BrokenPipeError, ValueError):
+            # The console went away (a closed pipe): the log files still have everything.
+            self._broken = True
+
+
+def _read_available(fp: BinaryIO) -> Iterator[bytes]:
+    while True:
+        chunk = fp.read(_CHUNK)
+        if not chunk:
+            return
+        yield chunk

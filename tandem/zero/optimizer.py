@@ -1,0 +1,509 @@
+"""``tandem.ZeroOptimizer``: any torch.optim optimizer, stepping only this rank's
+shard of every DDP bucket (ZeRO stages 1 and 2).
+
+Life of one step::
+
+    backward       reducer reduce-scatters each bucket: grad_shards[b] holds the
+                   averaged gradients of this rank's shard (Note [zero reduction])
+    step()         each run's .grad is a view of its slice of grad_shards[b];
+                   the wrapped optimizer steps the runs (its state exists only
+                   for them); the updated shard of each bucket is all-gathered
+                   into the parameters of every rank
+
+# Note [shard runs]
+A rank's shard of a bucket cuts across parameters (layout.py's pieces), and the
+parameters may belong to different param groups. The wrapped optimizer gets one
+flat tensor per *run*: a maximal stretch of the shard whose pieces are adjacent
+and belong to the same param group (usually one or two per bucket). A run's
+``.grad`` is a view of the reduced gradient shard, so no gradient is copied, and
+its optimizer state is flat too. Runs hold the master values (fp32, or the
+parameter's dtype when wider); pieces are what map them back to parameter
+elements, for the all-gather and for checkpoints in torch's per-parameter format,
+which is also what makes a checkpoint loadable at another world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem._compat import foreach_copy_
+from tandem.comm.group import Work
+from tandem.ddp.plan import BucketSpec
+from tandem.zero.layout import ShardPiece, shard_bucket
+
+__all__ = ["ShardRun", "ZeroOptimizer", "plan_runs"]
+
+logger = logging.getLogger(__name__)
+
+_SHARD_FORMAT = "tandem.zero.sharded/1"
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """Elements ``[start, start + length)`` of this rank's shard of ``bucket``,
+    all in param group ``group`` (Note [shard runs])."""
+
+    bucket: int
+    group: int
+    start: int
+    length: int
+    pieces: tuple[ShardPiece, ...]
+
+
+def plan_runs(specs: Iterable[BucketSpec], world_size: int, rank: int,
+              group_of: dict[int, int]) -> list[ShardRun]:
+    """Split ``rank``'s shard of every bucket into runs (Note [shard runs]).
+
+    Args:
+        specs: the DDP bucket plan's buckets.
+        world_size, rank: whose shard.
+        group_of: parameter index -> param group; parameters absent from it are
+            not optimized (their elements belong to no run).
+    """
+    runs = []
+    for spec in specs:
+        current: list[ShardPiece] = []
+        for piece in shard_bucket(spec, world_size)[rank].pieces:
+            group = group_of.get(piece.param)
+            if current and (group != group_of.get(current[-1].param) or
+                            piece.shard_offset != current[-1].shard_offset + current[-1].length):
+                runs.append(_run(spec.index, group_of, current))
+                current = []
+            if group is not None:
+                current.append(piece)
+        if current:
+            runs.append(_run(spec.index, group_of, current))
+    return runs
+
+
+def _run(bucket: int, group_of: dict[int, int], pieces: list[ShardPiece]) -> ShardRun:
+    start = pieces[0].shard_offset
+    end = pieces[-1].shard_offset + pieces[-1].length
+    return ShardRun(bucket, group_of[pieces[0].param], start, end - start, tuple(pieces))
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A distributed optimizer that shards optimizer state (ZeRO stage 1) and works
+    with sharded gradients (stage 2) of a :class:`tandem.DistributedDataParallel`
+    built with ``zero_stage=1`` or ``2``.
+
+    Each rank owns a contiguous shard of every gradient bucket, keeps the wrapped
+    optimizer's state only for that shard, steps only that shard, and then
+    all-gathers the updated parameters, so that after :meth:`step` every rank
+    holds the same full parameters, as with plain DDP.
+
+    ``param_groups`` hold the model's parameters and the hyper-parameters, as in
+    any torch optimizer: learning-rate schedulers work on this object.
+
+    Args:
+        ddp_model: a ``tandem.DistributedDataParallel`` with ``zero_stage`` 1 or 2.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, e.g. ``torch.optim.AdamW``.
+        params: ``ddp_model``'s parameters to optimize, or a list of param-group
+            dicts, as for any torch optimizer (default: all trainable parameters).
+        **optimizer_kwargs: the defaults for ``optimizer_class``.
+
+    Raises:
+        ValueError: ``ddp_model`` is not a ZeRO DDP, or ``params`` names a tensor
+            that is not one of its trainable parameters.
+
+    .. warning:: ``param.grad`` does not hold averaged gradients under ZeRO; clip
+        with :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``.
+    """
+
+    def __init__(self, ddp_model: torch.nn.Module, optimizer_class: type[torch.optim.Optimizer],
+                 params: Iterable[Any] | None = None, **optimizer_kwargs: Any) -> None:
+        reducer = getattr(ddp_model, "reducer", None)
+        stage = int(getattr(ddp_model, "zero_stage", 0))
+        if reducer is None or not stage:
+            raise ValueError("ZeroOptimizer needs tandem.DistributedDataParallel(..., zero_stage=1 or 2), "
+                             f"got {type(ddp_model).__name__} with zero_stage={stage}")
+        self._reducer = reducer
+        self._comm = reducer.comm
+        self.zero_stage = stage
+        groups = _normalise_groups(reducer.params if params is None else params)
+        group_of = _group_of(groups, reducer)
+        self._runs = plan_runs(reducer.plan.buckets, self._comm.size, self._comm.rank, group_of)
+        self._masters = [self._new_master(run) for run in self._runs]
+        self._optim = optimizer_class(self._inner_groups(groups), **optimizer_kwargs)
+        super().__init__(groups, self._optim.defaults)
+        self._sync_hyperparams()
+        self._seen_steps = reducer.steps
+        self._pending: dict[int, tuple[Work, torch.Tensor]] = {}  # bucket -> gather in flight
+        self._overlap_gather = bool(getattr(ddp_model, "zero_config").overlap_param_gather)
+        self._gather_hooks = (_register_gather_hooks(ddp_model.module, reducer, self._finish_gather)
+                              if self._overlap_gather else [])
+        owned = sum(r.length for r in self._runs)
+        total = sum(b.numel for b in reducer.plan.buckets)
+        logger.info("ZeRO-%d: rank %d owns %d of %d elements in %d runs over %d buckets",
+                    stage, self._comm.rank, owned, total, len(self._runs), len(reducer.plan.buckets))
+
+    # ------------------------------------------------------------------ set-up
+    def _new_master(self, run: ShardRun) -> torch.Tensor:
+        spec = self._reducer.plan.buckets[run.bucket]
+        dtype = torch.promote_types(spec.dtype, torch.float32)
+        master = torch.empty(run.length, dtype=dtype, device=spec.device)
+        self._copy_params_into(run, master)
+        return master.requires_grad_(True)
+
+    def _copy_params_into(self, run: ShardRun, master: torch.Tensor) -> None:
+        params = self._reducer.params
+        with torch.no_grad():
+            for piece in run.pieces:
+                src = params[piece.param].detach().reshape(-1).narrow(0, piece.param_start, piece.length)
+                master.narrow(0, piece.shard_offset - run.start, piece.length).copy_(src)
+
+    def _inner_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        inner = []
+        for g, group in enumerate(groups):
+            masters = [m for run, m in zip(self._runs, self._masters) if run.group == g]
+            if not masters:
+                # This rank owns no element of the group: a placeholder keeps group
+                # indices aligned (it never gets a gradient, so it is never stepped).
+                device = self._reducer.params[0].device
+                masters = [torch.zeros(0, device=device, requires_grad=True)]
+            inner.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        return inner
+
+    def _sync_hyperparams(self) -> None:
+        """Copy hyper-parameters (a scheduler may have changed them) to the wrapped optimizer."""
+        for outer, inner in zip(self.param_groups, self._optim.param_groups):
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step this rank's shards, then all-gather the updated parameters.
+
+        With ``overlap_param_gather``, the all-gathers are still in flight when
+        this returns; the next forward waits for each bucket before a module
+        that uses it runs (call :meth:`finish_param_gather` to read parameters
+        before that).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.finish_param_gather()
+        self._bind_grads()
+        for run, master in zip(self._runs, self._masters):
+            if master.dtype == self._reducer.plan.buckets[run.bucket].dtype:
+                # Lossless, and parameters may have been loaded since the last step.
+                self._copy_params_into(run, master)
+        self._sync_hyperparams()
+        self._optim.step()
+        self._launch_gather()
+        if not self._overlap_gather:
+            self.finish_param_gather()
+        return loss
+
+    def _bind_grads(self) -> None:
+        """Point each run's .grad at its reduced gradients, if a synchronised
+        backward ran since the last step (otherwise .grad stays as zero_grad left it)."""
+        if self._reducer.steps == self._seen_steps:
+            return
+        self._seen_steps = self._reducer.steps
+        shards = self._reducer.grad_shards
+        for run, master in zip(self._runs, self._masters):
+            grad = shards[run.bucket].narrow(0, run.start, run.length)
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+
+    def _launch_gather(self) -> None:
+        """Start one all-gather per bucket, in bucket order, of this rank's updated shard."""
+        reducer, comm = self._reducer, self._comm
+        by_bucket: dict[int, list[tuple[ShardRun, torch.Tensor]]] = {}
+        for run, master in zip(self._runs, self._masters):
+            by_bucket.setdefault(run.bucket, []).append((run, master))
+        for spec in reducer.plan.buckets:
+            size = spec.padded_numel // comm.size
+            shard = torch.zeros(size, dtype=spec.dtype, device=spec.device)
+            mine = shard_bucket(spec, comm.size)[comm.rank]
+            for piece in mine.pieces:  # parameters no group optimizes keep their values
+                src = reducer.params[piece.param].detach().reshape(-1)
+                shard.narrow(0, piece.shard_offset, piece.length).copy_(
+                    src.narrow(0, piece.param_start, piece.length))
+            for run, master in by_bucket.get(spec.index, []):
+                shard.narrow(0, run.start, run.length).copy_(master)
+            full = torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+            work = comm.all_gather_into(full, shard, tag=f"params {spec.index}", async_op=True)
+            self._pending[spec.index] = (work, full)
+
+    def _finish_gather(self, bucket: int) -> None:
+        pending = self._pending.pop(bucket, None)
+        if pending is None:
+            return
+        work, full = pending
+        work.wait()
+        spec = self._reducer.plan.buckets[bucket]
+        params = [self._reducer.params[i] for i in spec.params]
+        views = [full.narrow(0, off, p.numel()).view_as(p) for off, p in zip(spec.offsets, params)]
+        with torch.no_grad():
+            foreach_copy_(params, views)
+
+    def finish_param_gather(self) -> None:
+        """Wait for every parameter all-gather still in flight and write the
+        parameters (a no-op unless ``overlap_param_gather`` left some)."""
+        for bucket in sorted(self._pending):
+            self._finish_gather(bucket)
+
+    # ------------------------------------------------------------------ gradients
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the model's parameters and of this rank's shards."""
+        for p in self._reducer.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().zero_()
+        for master in self._masters:
+            if set_to_none:
+                master.grad = None
+            elif master.grad is not None:
+                master.grad.zero_()
+        if not set_to_none:
+            for shard in self._reducer.grad_shards:
+                shard.zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, computed across every
+        rank's shard (one all-reduce of a scalar), like
+        ``torch.nn.utils.clip_grad_norm_`` over all parameters under plain DDP.
+        Call after backward, before :meth:`step`.
+
+        Returns:
+            The total norm of the gradients before clipping.
+        """
+        shards = self._reducer.grad_shards
+        device = shards[0].device if shards else torch.device("cpu")
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = torch.stack([s.abs().max().float() for s in shards if s.numel()]).max()
+            self._comm.all_reduce(local, op=dist.ReduceOp.MAX, tag="grad norm")
+            total = local
+        else:
+            local = torch.stack([torch.linalg.vector_norm(s.float(), norm_type) for s in shards])
+            local = local.pow(norm_type).sum().to(device)
+            self._comm.all_reduce(local, tag="grad norm")
+            total = local.pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"rank {self._comm.rank}: the total norm of order {norm_type} of "
+                               "the gradients is non-finite, so it cannot be clipped")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for s in shards:
+            s.mul_(coef.to(s.dtype))
+        return total
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, *, to: int | None = 0) -> dict[str, Any] | None:  # type: ignore[override]
+        """The whole optimizer state in the wrapped torch optimizer's format
+        (per-parameter full state tensors keyed by parameter index), consolidated
+        from every rank's shard. A collective: call it on every rank.
+
+        Args:
+            to: the group rank that receives it; None: every rank.
+
+        Returns:
+            The state dict on rank ``to`` (every rank when None), None elsewhere.
+        """
+        shards = self._comm.all_gather_object(self._local_entries(), tag="optimizer state")
+        if to is not None and self._comm.rank != to:
+            return None
+        return _assemble(shards, self._groups_for_save(), self._shapes())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict in torch's format (from :meth:`state_dict`, from the
+        wrapped torch optimizer, or from a run at another world size): each rank
+        keeps its own shard of it. Every rank must pass the whole state dict."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError(
+                "the state dict's param groups do not match this optimizer's: "
+                f"{[len(s['params']) for s in saved_groups]} vs "
+                f"{[len(g['params']) for g in self.param_groups]} parameters per group")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._sync_hyperparams()
+        index = self._param_index()
+        state = {int(k): v for k, v in state_dict["state"].items()}
+        self._optim.state.clear()
+        for run, master in zip(self._runs, self._masters):
+            self._copy_params_into(run, master)
+            entries = [state.get(index[piece.param]) for piece in run.pieces]
+            if not entries or entries[0] is None:
+                continue
+            run_state = {}
+            for key, value in entries[0].items():
+                if _is_elementwise(value, self._reducer.params[run.pieces[0].param]):
+                    parts = [s[key].reshape(-1).narrow(0, piece.param_start, piece.length)
+                             for s, piece in zip(entries, run.pieces)]
+                    run_state[key] = torch.cat(parts).to(master.device)
+                else:
+                    run_state[key] = value.clone() if torch.is_tensor(value) else value
+            self._optim.state[master] = run_state
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, without communication: save
+        one per rank, in parallel (see :meth:`save_sharded`)."""
+        return {"format": _SHARD_FORMAT, "rank": self._comm.rank, "world_size": self._comm.size,
+                "param_groups": self._groups_for_save(), "shapes": self._shapes(),
+                "entries": self._local_entries()}
+
+    def load_sharded_state_dicts(self, shards: list[dict[str, Any]]) -> None:
+        """Load the :meth:`sharded_state_dict` of every rank of a run, at any world
+        size (the shards are reassembled per parameter, then resharded)."""
+        if not shards or any(s.get("format") != _SHARD_FORMAT for s in shards):
+            raise ValueError(f"expected a non-empty list of {_SHARD_FORMAT} shards")
+        world = shards[0]["world_size"]
+        if sorted(s["rank"] for s in shards) != list(range(world)):
+            raise ValueError(f"need the shards of all {world} ranks, got ranks "
+                             f"{sorted(s['rank'] for s in shards)}")
+        self.load_state_dict(_assemble([s["entries"] for s in shards], shards[0]["param_groups"],
+                                       shards[0]["shapes"]))
+
+    def save_sharded(self, directory: str | os.PathLike[str]) -> Path:
+        """Write this rank's shard to ``directory/zero-shard-{rank}-of-{world}.pt``
+        (every rank its own file). Returns the path written."""
+        path = Path(directory) / f"zero-shard-{self._comm.rank}-of-{self._comm.size}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.sharded_state_dict(), path)
+        return path
+
+    def load_sharded(self, directory: str | os.PathLike[str]) -> None:
+        """Load the shards :meth:`save_sharded` wrote, from a run at any world size."""
+        files = sorted(Path(directory).glob("zero-shard-*-of-*.pt"))
+        if not files:
+            raise FileNotFoundError(f"no zero-shard-*-of-*.pt files in {directory}")
+        self.load_sharded_state_dicts([torch.load(f, map_location="cpu", weights_only=False)
+                                       for f in files])
+
+    def _param_index(self) -> dict[int, int]:
+        """Reducer parameter index -> the torch state-dict index (order of param_groups)."""
+        position = {id(p): i for i, p in enumerate(self._reducer.params)}
+        flat = [p for g in self.param_groups for p in g["params"]]
+        return {position[id(p)]: k for k, p in enumerate(flat)}
+
+    def _shapes(self) -> dict[int, tuple[int, ...]]:
+        flat = [p for g in self.param_groups for p in g["params"]]
+        return {k: tuple(p.shape) for k, p in enumerate(flat)}
+
+    def _groups_for_save(self) -> list[dict[str, Any]]:
+        groups, k = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{key: v for key, v in g.items() if key != "params"},
+                           "params": list(range(k, k + n))})
+            k += n
+        return groups
+
+    def _local_entries(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """(state index, param_start, length, {key: slice or scalar}) for each piece
+        of each run that has state; tensors on the CPU."""
+        index = self._param_index()
+        entries = []
+        for run, master in zip(self._runs, self._masters):
+            run_state = self._optim.state.get(master)
+            if not run_state:
+                continue
+            for piece in run.pieces:
+                offset = piece.shard_offset - run.start
+                values = {}
+                for key, value in run_state.items():
+                    if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == run.length:
+                        values[key] = value.narrow(0, offset, piece.length).detach().cpu().clone()
+                    else:
+                        values[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+                entries.append((index[piece.param], piece.param_start, piece.length, values))
+        return entries
+
+
+def _assemble(per_rank: list[list[tuple[int, int, int, dict[str, Any]]]],
+              param_groups: list[dict[str, Any]], shapes: dict[int, tuple[int, ...]]) -> dict[str, Any]:
+    """Per-parameter full state (torch's format) from every rank's pieces."""
+    state: dict[int, dict[str, Any]] = {}
+    for entries in per_rank:
+        for idx, start, length, values in entries:
+            numel = 1
+            for d in shapes[idx]:
+                numel *= d
+            slot = state.setdefault(idx, {})
+            for key, value in values.items():
+                if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == length:
+                    if key not in slot:
+                        slot[key] = torch.zeros(numel, dtype=value.dtype)
+                    slot[key].narrow(0, start, length).copy_(value)
+                else:
+                    slot.setdefault(key, value)
+    for idx, slot in state.items():
+        for key, value in slot.items():
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == _numel(shapes[idx]) \
+                    and len(shapes[idx]) != 1:
+                slot[key] = value.view(shapes[idx])
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_elementwise(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == param.numel()
+
+
+def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    params = list(params)
+    if not params:
+        raise ValueError("ZeroOptimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for g in params:
+        members = g["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        groups.append({**g, "params": members})
+    return groups
+
+
+def _group_of(groups: list[dict[str, Any]], reducer: Any) -> dict[int, int]:
+    position = {id(p): i for i, p in enumerate(reducer.params)}
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        for p in group["params"]:
+            i = position.get(id(p))
+            if i is None:
+                raise ValueError(
+                    f"param group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "trainable parameter of the DistributedDataParallel model; pass the "
+                    "parameters of ddp_model (with requires_grad=True)")
+            if i in group_of:
+                raise ValueError(f"parameter '{reducer.names[i]}' appears in more than one param group")
+            group_of[i] = g
+    return group_of
+
+
+def _register_gather_hooks(module: torch.nn.Module, reducer: Any,
+                           finish: Callable[[int], None]) -> list[Any]:
+    """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
+    bucket_of = {id(reducer.params[i]): b.index for b in reducer.plan.buckets for i in b.params}
+    handles = []
+    for sub in module.modules():
+        buckets = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in bucket_of})
+        if buckets:
+            def hook(_module: Any, _args: Any, buckets: list[int] = buckets) -> None:
+                for b in buckets:
+                    finish(b)
+            handles.append(sub.register_forward_pre_hook(hook))
+    return handles

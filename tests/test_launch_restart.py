@@ -1,0 +1,64 @@
+"""Restarts that work: a worker SIGKILLed mid-training under ``--max-restarts`` makes
+the agent restart the whole group and the job completes, every time (plain
+torchrun failed this 3 times out of 3, see Note [one store per attempt]); a
+script that fails on every attempt ends after exactly K+1 attempts."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_launch_support import lines_with, script, tandem
+
+TRAIN = """
+    import os, signal, time
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"start rank={rank} attempt={attempt}", flush=True)
+    w = torch.zeros(4)
+    for step in range(20):
+        g = torch.full((4,), float(rank + 1))
+        dist.all_reduce(g)
+        w -= 0.1 * g / dist.get_world_size()
+        if attempt == 0 and rank == 1 and step == 8:
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye
+        time.sleep(0.01)
+    print(f"done rank={rank} attempt={attempt} w={w[0].item():.2f}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_sigkill_mid_training_restarts_the_group_and_completes(tmp_path, trial):
+    path = script(tmp_path, "train.py", TRAIN)
+    r = tandem(["--nproc-per-node", "2", "--max-restarts", "1", str(path)], cwd=tmp_path,
+               timeout=90)
+    assert r.returncode == 0, r
+    # Both ranks started twice: the whole group was restarted, not just the dead rank.
+    for rank in (0, 1):
+        assert f"start rank={rank} attempt=0" in r.stdout and f"start rank={rank} attempt=1" in r.stdout
+        assert f"done rank={rank} attempt=1 w=-3.00" in r.stdout, r
+    assert "after 1 restart(s)" in r.stderr
+    assert r.orphans == []
+
+
+ALWAYS_FAILS = """
+    import os
+    print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} of rank {os.environ['RANK']}")
+    raise SystemExit(3)
+"""
+
+
+def test_a_script_failing_every_attempt_gets_exactly_k_plus_one(tmp_path):
+    path = script(tmp_path, "always_fails.py", ALWAYS_FAILS)
+    r = tandem(["--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"),
+                str(path)], cwd=tmp_path, timeout=60)
+    assert r.returncode == 1, r
+    assert len(lines_with(r.stdout, "[rank 0] attempt")) == 3
+    assert [l.split("] ")[1] for l in lines_with(r.stdout, "[rank 1] attempt")] == [
+        "attempt 0 of rank 1", "attempt 1 of rank 1", "attempt 2 of rank 1"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "attempt_0", "attempt_1", "attempt_2"]
+    assert "with exit code 3" in r.stderr and "gave up after 3 attempt(s) (--max-restarts 2)" in r.stderr
+    assert r.orphans == []

@@ -1,0 +1,293 @@
+"""ZeRO stages 1 and 2 (tandem.ZeroOptimizer over DistributedDataParallel(zero_stage=...))
+train to the same parameters as plain tandem DDP with the same torch optimizer, and
+as torch's ZeroRedundancyOptimizer; checkpoints round-trip across world sizes.
+
+A grid of cases runs inside one spawned group per world size; buckets are tiny so
+that the small model makes many buckets and shards cut across parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import tandem
+from tandem.ddp.plan import ParamInfo, plan_buckets
+from tandem.testing import run_distributed
+from tandem.testing.models import IN, OUT, make_model
+from tandem.zero import ZeroConfig, ZeroOptimizer
+from tandem.zero.optimizer import plan_runs
+
+TOL = 1e-6
+GLOBAL_BATCH = 16
+CAP_MB = 0.0001  # ~26 fp32 elements: the 484-parameter MLP makes 3 buckets
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int = 1
+    groups: bool = False        # two param groups, different lr and weight decay
+    clip: float | None = None   # clip by global norm
+    sched: bool = False         # StepLR on the optimizer
+    micro: int = 1              # micro-batches per step, all but the last under no_sync
+    overlap_grad: bool = True
+    overlap_gather: bool = False
+    steps: int = 4
+
+
+def _batch(step: int, micro: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s part of a global batch that does not depend on the world size."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x, y = torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    n = GLOBAL_BATCH // world_size
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _param_groups(model: nn.Module, case: Case) -> list[dict]:
+    if not case.groups:
+        return [{"params": list(model.parameters())}]
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "lr": 0.01, "weight_decay": 0.1},
+            {"params": [p for n, p in named if not n.endswith("weight")], "lr": 0.03,
+             "weight_decay": 0.0}]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: int, world_size: int,
+           clip: callable, first_step: int = 0) -> None:
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if case.sched else None
+    for step in range(first_step, case.steps):
+        opt.zero_grad()
+        for m in range(case.micro):
+            last = m == case.micro - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                x, y = _batch(step, m, rank, world_size)
+                nn.functional.mse_loss(model(x), y).backward()
+        if case.clip is not None:
+            clip(case.clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _reference(rank: int, world_size: int, case: Case) -> dict[str, torch.Tensor]:
+    model = make_model("mlp", seed=rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.Adam(_param_groups(model, case), lr=0.01)
+    _train(ddp, opt, case, rank, world_size,
+           lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero(rank: int, world_size: int, case: Case) -> dict[str, torch.Tensor]:
+    model = make_model("mlp", seed=rank)
+    config = ZeroConfig(overlap_grad_reduce=case.overlap_grad, overlap_param_gather=case.overlap_gather)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=case.stage,
+                                         zero_config=config)
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, _param_groups(model, case), lr=0.01)
+    _train(ddp, opt, case, rank, world_size, opt.clip_grad_norm_)
+    opt.finish_param_gather()
+    if case.stage == 2:
+        assert all(p.grad is None for p in model.parameters()), "stage 2 releases param.grad"
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+CASES = [
+    Case(stage=1), Case(stage=2),
+    Case(stage=1, groups=True, sched=True), Case(stage=2, groups=True, sched=True),
+    Case(stage=1, clip=0.05), Case(stage=2, clip=0.05, groups=True),
+    Case(stage=1, micro=2), Case(stage=2, micro=2),
+    Case(stage=1, overlap_grad=False), Case(stage=2, overlap_grad=False, overlap_gather=True),
+    Case(stage=2, overlap_gather=True, groups=True, clip=0.05, sched=True),
+]
+
+
+def _grid(rank: int, world_size: int) -> dict[str, float]:
+    out = {}
+    refs: dict[tuple, dict] = {}
+    for case in CASES:
+        key = (case.groups, case.clip, case.sched, case.micro)
+        if key not in refs:
+            refs[key] = _reference(rank, world_size, case)
+        # The reference is stage-agnostic: plain DDP with the same optimizer.
+        out[repr(case)] = _max_diff(refs[key], _zero(rank, world_size, case))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_matches_plain_ddp_with_adam(world_size: int) -> None:
+    results = run_distributed(_grid, world_size, timeout=300)
+    for rank, diffs in enumerate(results):
+        bad = {k: v for k, v in diffs.items() if v > TOL}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def _against_torch_zero(rank: int, world_size: int) -> float:
+    case = Case(stage=1)
+    model = make_model("mlp", seed=rank)
+    ref = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    _train(TorchDDP(model), ref, case, rank, world_size, clip=None)
+    ours = _zero(rank, world_size, case)
+    return _max_diff({n: p.detach() for n, p in model.named_parameters()}, ours)
+
+
+def test_stage1_matches_torch_zero_redundancy_optimizer() -> None:
+    assert max(run_distributed(_against_torch_zero, 2)) <= TOL
+
+
+# ---------------------------------------------------------------- collectives
+def _record(rank: int, world_size: int, stage: int, overlap: bool) -> dict:
+    model = make_model("mlp", seed=rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=stage,
+                                         zero_config=ZeroConfig(overlap_grad_reduce=overlap))
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01)
+    events: list[tuple[str, str]] = []
+    ddp.comm.observers.append(lambda e: events.append((e.op, e.tag)))
+    # The first layer's weight gets its gradient last in backward.
+    first = next(iter(model.parameters()))
+    first.register_post_accumulate_grad_hook(lambda p: events.append(("marker", "last gradient")))
+    per_step = []
+    for step in range(3):
+        events.clear()
+        opt.zero_grad()
+        x, y = _batch(step, 0, rank, world_size)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        per_step.append(list(events))
+    return {"events": per_step, "buckets": len(ddp.reducer.buckets)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_reduce_scatters_each_bucket_and_gathers_parameters(stage: int) -> None:
+    for result in run_distributed(_record, 2, args=(stage, True)):
+        n = result["buckets"]
+        assert n >= 3
+        for events in result["events"]:
+            ops = [(op, tag) for op, tag in events if op != "marker"]
+            assert [t for op, t in ops if op == "reduce_scatter"] == [f"bucket {b}" for b in range(n)]
+            assert [t for op, t in ops if op == "all_gather_into"] == [f"params {b}" for b in range(n)]
+            assert [t for op, t in ops if op == "all_reduce"] == ["missing gradients flag"]
+            assert len(ops) == 2 * n + 1, ops
+            # Overlap: the first bucket is on the wire before backward reaches the first layer.
+            assert events.index(("reduce_scatter", "bucket 0")) < events.index(("marker", "last gradient"))
+
+
+def test_without_overlap_reductions_start_at_the_end_of_backward() -> None:
+    for result in run_distributed(_record, 2, args=(2, False)):
+        for events in result["events"]:
+            assert events.index(("marker", "last gradient")) < events.index(("reduce_scatter", "bucket 0"))
+
+
+# ---------------------------------------------------------------- checkpoints
+CKPT_CASE = Case(stage=2, groups=True, sched=True, clip=0.05, steps=4)
+SAVE_AT = 2
+
+
+def _save(rank: int, world_size: int, directory: str) -> None:
+    case = replace(CKPT_CASE, steps=SAVE_AT)
+    model = make_model("mlp", seed=rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=case.stage)
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, _param_groups(model, case), lr=0.01)
+    _train(ddp, opt, case, rank, world_size, opt.clip_grad_norm_)
+    full = opt.state_dict()
+    opt.save_sharded(f"{directory}/sharded")
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": full}, f"{directory}/full.pt")
+    else:
+        assert full is None
+
+
+def _resume(rank: int, world_size: int, directory: str, sharded: bool) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(f"{directory}/full.pt", weights_only=False)
+    model = make_model("mlp", seed=rank)
+    model.load_state_dict(ckpt["model"])
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=CKPT_CASE.stage)
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, _param_groups(model, CKPT_CASE), lr=0.01)
+    if sharded:
+        opt.load_sharded(f"{directory}/sharded")
+    else:
+        opt.load_state_dict(ckpt["optim"])
+    # The learning rates come back from the state dict (StepLR halved them at
+    # SAVE_AT, and would not change them again before the end).
+    _train(ddp, opt, replace(CKPT_CASE, sched=False), rank, world_size, opt.clip_grad_norm_,
+           first_step=SAVE_AT)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _uninterrupted(rank: int, world_size: int) -> dict:
+    model = make_model("mlp", seed=rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+    opt = torch.optim.Adam(_param_groups(model, CKPT_CASE), lr=0.01)
+    short = replace(CKPT_CASE, steps=SAVE_AT)
+    clip = lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # noqa: E731
+    _train(ddp, opt, short, rank, world_size, clip)
+    torch_state = copy.deepcopy(opt.state_dict())  # its tensors are the live state
+    _train(ddp, opt, replace(CKPT_CASE, sched=False), rank, world_size, clip, first_step=SAVE_AT)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "torch_state": torch_state}
+
+
+def test_checkpoint_saved_at_4_ranks_resumes_at_2(tmp_path) -> None:
+    run_distributed(_save, 4, args=(str(tmp_path),))
+    expected = run_distributed(_uninterrupted, 2)[0]
+    # The consolidated state dict has torch's format and values.
+    ours = torch.load(tmp_path / "full.pt", weights_only=False)["optim"]
+    theirs = expected["torch_state"]
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for idx, state in theirs["state"].items():
+        assert state.keys() == ours["state"][idx].keys()
+        for key, value in state.items():
+            assert ours["state"][idx][key].shape == value.shape, (idx, key)
+            assert (ours["state"][idx][key].double() - value.double()).abs().max() <= TOL, (idx, key)
+    for sharded in (False, True):
+        for params in run_distributed(_resume, 2, args=(str(tmp_path), sharded)):
+            assert _max_diff(params, expected["params"]) <= TOL, f"sharded={sharded}"
+
+
+# ---------------------------------------------------------------- pure layout
+def test_runs_split_shards_by_param_group_and_cover_every_element() -> None:
+    sizes = [7, 5, 12, 3, 9, 1]
+    infos = [ParamInfo(f"p{i}", n, torch.float32, torch.device("cpu")) for i, n in enumerate(sizes)]
+    for world in (1, 2, 3, 4):
+        plan = plan_buckets(infos, list(reversed(range(len(sizes)))), [40], pad_to=world)
+        group_of = {i: i % 2 for i in range(len(sizes)) if i != 3}  # p3 not optimized
+        covered = {i: [0] * n for i, n in enumerate(sizes)}
+        for rank in range(world):
+            for run in plan_runs(plan.buckets, world, rank, group_of):
+                assert run.length == sum(p.length for p in run.pieces)
+                for piece in run.pieces:
+                    assert group_of[piece.param] == run.group
+                    for e in range(piece.param_start, piece.param_start + piece.length):
+                        covered[piece.param][e] += 1
+        for i, counts in covered.items():
+            assert counts == ([0] * sizes[i] if i == 3 else [1] * sizes[i]), (world, i)
+
+
+# ---------------------------------------------------------------- errors
+def _errors(rank: int, world_size: int) -> None:
+    model = make_model("mlp", seed=rank)
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
+        tandem.DistributedDataParallel(model, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=1 or 2"):
+        ZeroOptimizer(tandem.DistributedDataParallel(model), torch.optim.Adam)
+    ddp = tandem.DistributedDataParallel(model, zero_stage=1)
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        ZeroOptimizer(ddp, torch.optim.Adam, [torch.zeros(3, requires_grad=True)])
+    with pytest.raises(NotImplementedError, match="register_comm_hook"):
+        ddp.register_comm_hook(None, lambda s, b: None)
+
+
+def test_bad_zero_arguments_fail_clearly() -> None:
+    run_distributed(_errors, 2)
