@@ -15,9 +15,10 @@ from tandem.dp import DataParallel
 from tandem.ddp import DistributedDataParallel, join
 from tandem.launch import spawn
 from tandem.nn import SyncBatchNorm
+from tandem.zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "DistributedDataParallel", "SyncBatchNorm", "WorldInfo", "init", "join",
-           "shutdown", "spawn"]
+__all__ = ["DataParallel", "DistributedDataParallel", "SyncBatchNorm", "WorldInfo", "ZeroOptimizer", "init",
+           "join", "shutdown", "spawn"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -287,6 +287,11 @@ def _errors(rank: int, world_size: int) -> None:
         ZeroOptimizer(ddp, torch.optim.Adam, [torch.zeros(3, requires_grad=True)])
     with pytest.raises(NotImplementedError, match="register_comm_hook"):
         ddp.register_comm_hook(None, lambda s, b: None)
+    with pytest.raises(NotImplementedError, match="join"):
+        ddp.join_hook()
+    opt = ZeroOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    with pytest.raises(NotImplementedError, match="param groups"):
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
 
 
 def test_bad_zero_arguments_fail_clearly() -> None:

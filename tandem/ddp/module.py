@@ -245,6 +245,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.zero_stage:
+            # A joined rank would also have to mirror ZeroOptimizer's all-gathers.
+            raise NotImplementedError(
+                f"tandem.join is not supported with zero_stage={int(self.zero_stage)} yet")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

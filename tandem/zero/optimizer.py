@@ -134,6 +134,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._masters = [self._new_master(run) for run in self._runs]
         self._optim = optimizer_class(self._inner_groups(groups), **optimizer_kwargs)
         super().__init__(groups, self._optim.defaults)
+        self._groups_fixed = True  # the shards are laid out for these groups
         self._sync_hyperparams()
         self._seen_steps = reducer.steps
         self._pending: dict[int, tuple[Work, torch.Tensor]] = {}  # bucket -> gather in flight
@@ -171,6 +172,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 masters = [torch.zeros(0, device=device, requires_grad=True)]
             inner.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         return inner
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_groups_fixed", False):
+            raise NotImplementedError(
+                "ZeroOptimizer cannot add param groups after construction (each rank's shards "
+                "are laid out over the groups given then); pass every group to the constructor")
+        super().add_param_group(param_group)
 
     def _sync_hyperparams(self) -> None:
         """Copy hyper-parameters (a scheduler may have changed them) to the wrapped optimizer."""
