@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import max_abs_diff, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 TOL = 1e-6
@@ -92,29 +92,18 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (a.keys(), b.keys())
-    worst = 0.0
-    for k in a:
-        if (a[k] is None) != (b[k] is None):
-            return float("inf")
-        if a[k] is not None:
-            worst = max(worst, (a[k].double() - b[k].double()).abs().max().item())
-    return worst
-
-
 def _run_case(rank: int, world_size: int, case: Case) -> dict[str, float]:
     torch_kwargs = {k: v for k, v in case.ddp.items() if k in _TORCH_KWARGS}
     ref = _train(TorchDDP(make_model(_torch_model_name(case.model), seed=rank), **torch_kwargs),
                  case, lambda s, m: _batch(s, m, rank))
     ours = _train(tandem.DistributedDataParallel(make_model(case.model, seed=rank), **case.ddp),
                   case, lambda s, m: _batch(s, m, rank))
-    out = {"torch": _max_diff(ref, ours)}
+    out = {"torch": max_abs_diff(ref, ours)}
     if case.global_ref:
         # Rank 0's initial values, since DDP starts every rank from them.
         local = _train(make_model(_torch_model_name(case.model), seed=0), case,
                        lambda s, m: _global_batch(s, m, world_size))
-        out["global"] = _max_diff(local, ours)
+        out["global"] = max_abs_diff(local, ours)
     return out
 
 

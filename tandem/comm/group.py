@@ -47,6 +47,13 @@ class Work:
         if self._work is not None:
             self._work.wait()
 
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the collective's output tensors (a list), for
+        communication hooks that chain work on the result (async collectives only)."""
+        if self._work is None:
+            raise RuntimeError("a synchronous collective has no future: issue it with async_op=True")
+        return self._work.get_future()
+
 
 class GroupComm:
     """Collectives over one process group (the default group when ``group`` is None)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tandem.comm.group import GroupComm
 from tandem.ddp.bucket import Bucket
 
 __all__ = ["CommHook", "GradBucket", "HookWork"]
@@ -21,10 +22,18 @@ CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[torch.Tensor]"]
 class GradBucket:
     """One bucket's flattened, not yet averaged gradients (torch's GradBucket API)."""
 
-    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+    def __init__(self, bucket: Bucket, is_last: bool, comm: GroupComm | None = None) -> None:
         self._bucket = bucket
         self._buffer = bucket.grads
         self._is_last = is_last
+        self._comm = comm
+
+    @property
+    def comm(self) -> GroupComm | None:
+        """tandem only: the collectives layer the DDP reduces over. Hooks that issue
+        through it (tags starting with "hook") are counted in ``ddp.comm_stats``;
+        tandem's built-in hooks use it when their state names no other group."""
+        return self._comm
 
     def index(self) -> int:
         """The bucket's index; bucket 0 holds the last parameters to be registered."""

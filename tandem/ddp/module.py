@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
-from tandem.ddp.reducer import GradReducer, ReducerOptions
+from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions
 from tandem.zero.config import ZeroConfig, ZeroStage
 
 __all__ = ["DistributedDataParallel"]
@@ -195,6 +195,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def reducer(self) -> GradReducer | None:
         """The gradient reducer (None in a world of one)."""
         return self._reducer
+
+    @property
+    def comm_stats(self) -> CommStats | None:
+        """This rank's gradient communication in the last synchronised backward:
+        ``bytes`` sent (payload of the bucket all-reduces, or of the collectives a
+        communication hook issued through ``bucket.comm``) and ``wait_s``, the
+        seconds the end of backward waited for them. None before the first
+        synchronised backward, and in a world of one."""
+        return None if self._reducer is None else self._reducer.last_stats
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

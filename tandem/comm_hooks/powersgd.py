@@ -1,0 +1,255 @@
+"""PowerSGD: low-rank gradient compression with error feedback (Vogels et al.,
+2019, https://arxiv.org/abs/1905.13727), with the knobs of torch's
+``powerSGD_hook``.
+
+Per bucket and step, after ``start_iter`` plain steps (Note [low-rank layout]
+in low_rank.py for what is compressed)::
+
+    M  = grad + error                     error feedback: what was lost last step
+    P  = M @ orth(Q)                      Q: last step's (warm start) or random
+    all-reduce [uncompressed / world | P]     collective 1
+    P^ = orth(P)
+    Q  = M.T @ P^
+    all-reduce Q, Q /= world                  collective 2
+    grad  = P^ @ Q.T                      the same on every rank
+    error = M - grad                      this rank's loss, added back next step
+
+# Note [powersgd order]
+torch's powerSGD_hook issues its second and third collectives from future
+callbacks, on the backend's thread; with several buckets in flight their order
+differs across ranks and gloo aborts. This hook issues both collectives from the
+calling thread, waits for each, and returns a completed future: every rank
+issues the same collectives in the same order whatever the timing, on tandem's
+DDP and on torch's alike. Computing Q needs the reduced P anyway, so only the
+overlap of the last all-reduce with the rest of backward is given up.
+
+# Note [powersgd random Q]
+An initial Q is drawn from a generator seeded by (seed, m, r) alone, and without
+warm start also by the step: the same on every rank, whatever the order in which
+buckets present the parameters (torch's DDP orders a bucket's parameters
+differently from tandem's before its rebuild), so tandem's DDP and torch's train
+to the same parameters with this hook. Gradients of equal shape start from the
+same Q, which the power iteration does not mind: each matrix is approximated on
+its own.
+
+# Note [powersgd memory]
+Error and warm-start Q are kept per parameter (keyed by the parameter object's
+identity), not per bucket index as in torch, so they survive DDP rebuilding its
+buckets after the first step: compression may start at any step (torch requires
+``start_powerSGD_iter >= 2``).
+"""
+
+# Annotations stay evaluated (no ``from __future__ import annotations``): torch's
+# DDP compares a hook's ``bucket`` and return annotations with dist.GradBucket and
+# Future[Tensor] by value, so that these hooks also work on torch's DDP.
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem._compat import foreach_copy_
+from tandem.comm.group import GroupComm
+from tandem.comm_hooks._comm import hook_comm
+from tandem.comm_hooks.allreduce import allreduce_hook
+from tandem.comm_hooks.low_rank import LowRankPlan, orthogonalize_, plan_low_rank
+
+__all__ = ["PowerSGDConfig", "PowerSGDState", "powersgd_hook"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PowerSGDConfig:
+    """PowerSGD's hyperparameters (torch's names in brackets)."""
+
+    matrix_rank: int = 1
+    """Rank r of each approximation P @ Q.T [matrix_approximation_rank]: bytes on the
+    wire and accuracy both grow with it; start at 1 and double until accuracy holds."""
+    start_iter: int = 1000
+    """Synchronised steps reduced uncompressed before compression starts
+    [start_powerSGD_iter]: early training is the most sensitive to gradient error."""
+    min_compression_rate: float = 2.0
+    """Compress an n x m gradient only if n*m > (n+m)*r*rate; the others travel
+    uncompressed, all of a bucket's in one tensor [min_compression_rate]."""
+    error_feedback: bool = True
+    """Add what compression lost on this rank last step to this step's gradient
+    [use_error_feedback]; without it PowerSGD rarely matches uncompressed accuracy."""
+    warm_start: bool = True
+    """Start each step's power iteration from last step's Q rather than a random
+    matrix: a better approximation for no extra communication [warm_start]."""
+    orthogonalization_epsilon: float = 0.0
+    """Added to column norms when orthogonalising; zero columns are safe without it."""
+    seed: int = 0
+    """Seed of the random initial Qs; ranks must agree on it [random_seed]."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.matrix_rank, int) or self.matrix_rank < 1:
+            raise ValueError(f"PowerSGDConfig.matrix_rank must be an int >= 1, got {self.matrix_rank!r}")
+        if not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise ValueError(f"PowerSGDConfig.start_iter must be an int >= 0, got {self.start_iter!r}")
+        if not self.min_compression_rate > 0:
+            raise ValueError("PowerSGDConfig.min_compression_rate must be > 0, got "
+                             f"{self.min_compression_rate!r}")
+        if not self.orthogonalization_epsilon >= 0:
+            raise ValueError("PowerSGDConfig.orthogonalization_epsilon must be >= 0, got "
+                             f"{self.orthogonalization_epsilon!r}")
+
+
+class PowerSGDState:
+    """What :func:`powersgd_hook` keeps between steps: the step count, and each
+    compressed parameter's error and Q (Note [powersgd memory]).
+
+    Args:
+        config: the hyperparameters (default ``PowerSGDConfig()``).
+        process_group: ``None`` (the DDP's group), a ``ProcessGroup`` or a
+            ``GroupComm``.
+
+    Use one state per DDP model; it holds per-parameter memory of the size of the
+    compressed gradients (with error feedback).
+    """
+
+    def __init__(self, config: PowerSGDConfig | None = None, process_group: Any = None) -> None:
+        self.config = config if config is not None else PowerSGDConfig()
+        if not isinstance(self.config, PowerSGDConfig):
+            raise TypeError(f"config must be a PowerSGDConfig, got {type(config).__name__}")
+        self.process_group = process_group
+        self.iter = 0
+        """Synchronised backwards seen (advanced at each backward's last bucket)."""
+        self._error: dict[int, torch.Tensor] = {}
+        self._q: dict[int, torch.Tensor] = {}
+        self._plans: dict[tuple[tuple[int, ...], ...], LowRankPlan] = {}
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next backward is compressed (``iter >= start_iter``)."""
+        return self.iter >= self.config.start_iter
+
+    def plan(self, shapes: tuple[tuple[int, ...], ...]) -> LowRankPlan:
+        """The bucket layout for gradients of ``shapes`` (cached)."""
+        plan = self._plans.get(shapes)
+        if plan is None:
+            plan = plan_low_rank(shapes, self.config.matrix_rank, self.config.min_compression_rate)
+            self._plans[shapes] = plan
+            logger.info("PowerSGD: a bucket of %d tensors sends %d of %d elements "
+                        "(%d matrices compressed at rank %d)", len(shapes), plan.numel_on_wire,
+                        plan.total_numel, len(plan.compressed), self.config.matrix_rank)
+        return plan
+
+    def _initial_q(self, key: int, q: torch.Tensor) -> None:
+        """Fill ``q`` with last step's Q for parameter ``key``, or random numbers
+        (Note [powersgd random Q])."""
+        previous = self._q.get(key) if self.config.warm_start else None
+        if previous is not None:
+            q.copy_(previous)
+            return
+        draw = self.iter if not self.config.warm_start else 0
+        seed = _mix(self.config.seed, *q.shape, draw)
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed),
+                            dtype=torch.float32))
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from small integers, the same in every process (unlike hash()
+    of strings)."""
+    seed = 0
+    for v in values:
+        seed = (seed * 0x100000001B3 + v + 0x9E3779B97F4A7C15) % (1 << 63)
+    return seed
+
+
+def powersgd_hook(state: PowerSGDState,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce a bucket with PowerSGD low-rank compression.
+
+    For the first ``state.config.start_iter`` synchronised steps the bucket is
+    averaged uncompressed (as :func:`~tandem.comm_hooks.allreduce_hook`, so those
+    steps equal training without a hook exactly). Afterwards each gradient
+    worth compressing is replaced by a rank-r approximation of the average
+    gradient, and the others are averaged exactly; two all-reduces per bucket,
+    both issued from the calling thread in a fixed order (Note [powersgd order]).
+
+    Args:
+        state: a :class:`PowerSGDState`, one per model.
+        bucket: the ``GradBucket`` (tandem's or torch's).
+
+    Returns:
+        A future holding the bucket's reduced gradients (its own buffer).
+    """
+    comm = hook_comm(state.process_group, bucket)
+    last = bucket.is_last()
+    if not state.compressing:
+        if last:
+            state.iter += 1
+            if state.compressing:
+                logger.info("PowerSGD: compression starts after %d uncompressed steps", state.iter)
+        return allreduce_hook(comm, bucket)
+    _reduce_low_rank(state, comm, bucket)
+    if last:
+        state.iter += 1
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _reduce_low_rank(state: PowerSGDState, comm: GroupComm, bucket: Any) -> None:
+    cfg = state.config
+    grads = bucket.gradients()
+    params = bucket.parameters()
+    plan = state.plan(tuple(tuple(g.shape) for g in grads))
+    buffer = bucket.buffer()
+    inv_world = 1.0 / comm.size
+    index = bucket.index()
+
+    # Collective 1 carries [uncompressed / world | P] (Note [low-rank layout]).
+    first = torch.empty(plan.uncompressed_numel + plan.p_numel, dtype=buffer.dtype,
+                        device=buffer.device)
+    flat_unc = first.narrow(0, 0, plan.uncompressed_numel)
+    flat_p = first.narrow(0, plan.uncompressed_numel, plan.p_numel)
+    flat_q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
+    unc_grads = [grads[i] for i in plan.uncompressed]
+    if unc_grads:
+        torch.cat([g.reshape(-1) for g in unc_grads], out=flat_unc)
+        flat_unc.mul_(inv_world)  # as without a hook: these stay exact
+
+    factors = []
+    for slot in plan.compressed:
+        m = grads[slot.index].view(slot.rows, slot.cols)
+        p = flat_p.narrow(0, slot.p_offset, slot.rows * slot.rank).view(slot.rows, slot.rank)
+        q = flat_q.narrow(0, slot.q_offset, slot.cols * slot.rank).view(slot.cols, slot.rank)
+        key = id(params[slot.index])
+        if cfg.error_feedback:
+            error = state._error.get(key)
+            if error is None:
+                state._error[key] = m.clone()
+            else:
+                m.add_(error)
+                error.copy_(m)  # the decompressed gradient is subtracted below
+        state._initial_q(key, q)
+        orthogonalize_(q, cfg.orthogonalization_epsilon)
+        torch.mm(m, q, out=p)
+        factors.append((key, m, p, q))
+
+    comm.all_reduce(first, tag=f"hook powersgd uncompressed+P bucket {index}")
+    if unc_grads:
+        offsets = [0]
+        for g in unc_grads:
+            offsets.append(offsets[-1] + g.numel())
+        foreach_copy_(unc_grads, [flat_unc.narrow(0, a, b - a).view_as(g)
+                                  for g, a, b in zip(unc_grads, offsets, offsets[1:])])
+
+    for _, m, p, q in factors:
+        orthogonalize_(p, cfg.orthogonalization_epsilon)
+        torch.mm(m.T, p, out=q)
+    if not factors:
+        return  # nothing compressed in this bucket (the same on every rank: shapes decide)
+    comm.all_reduce(flat_q, tag=f"hook powersgd Q bucket {index}")
+    flat_q.mul_(inv_world)
+
+    for key, m, p, q in factors:
+        torch.mm(p, q.T, out=m)
+        if cfg.error_feedback:
+            state._error[key].sub_(m)
+        if cfg.warm_start:
+            state._q[key] = q
