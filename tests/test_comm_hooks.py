@@ -305,9 +305,20 @@ def _bf16_vs_reference(rank: int, world_size: int) -> float:
     return worst
 
 
+def _join_with_hook(rank: int) -> str:
+    ddp = tandem.DistributedDataParallel(make_model("mlp", rank))
+    ddp.register_comm_hook(None, comm_hooks.fp16_compress_hook)
+    try:
+        with tandem.join([ddp]):
+            pass
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
 def _two_ranks(rank: int, world_size: int) -> dict:
     return {"pairs": _pairs(rank, world_size, _CASES, _PAIRS), "accounting": _accounting(rank, world_size),
-            "torch_powersgd": _torch_powersgd_on_tandem(rank)}
+            "torch_powersgd": _torch_powersgd_on_tandem(rank), "join": _join_with_hook(rank)}
 
 
 def _torch_powersgd_on_tandem(rank: int) -> float:
@@ -351,6 +362,13 @@ def test_bytes_per_step(two_ranks: list[dict]) -> None:
     assert acc["skip"] == [0, 0, 4 * numel] * 2
     assert acc["tags"] == ["bucket order", "hook allreduce", "hook powersgd Q",
                            "hook powersgd uncompressed+P", "missing gradients flag"]
+
+
+def test_join_with_a_hook_is_a_clear_error(two_ranks: list[dict]) -> None:
+    # A joined rank would mirror plain all-reduces while the others run the hook's
+    # collectives: gloo would abort the process.
+    for r in two_ranks:
+        assert "not supported with a communication hook" in r["join"] and "fp16" in r["join"], r["join"]
 
 
 # ---------------------------------------------------------------------- PowerSGD at scale
