@@ -189,6 +189,36 @@ def test_without_overlap_reductions_start_at_the_end_of_backward() -> None:
             assert events.index(("marker", "last gradient")) < events.index(("reduce_scatter", "bucket 0"))
 
 
+# ---------------------------------------------------------------- memory
+def _holdings(rank: int, world_size: int) -> dict:
+    model = make_model("mlp", seed=rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=2)
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _batch(step, 0, rank, world_size)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    state = [t for s in opt._optim.state.values() for t in s.values() if t.dim()]
+    reducer = ddp.reducer
+    return {"state_numel": sum(t.numel() for t in state),
+            "owned": sum(r.length for r in opt._runs),
+            "shard_numel": sum(g.numel() for g in reducer.grad_shards),
+            "param_numel": sum(p.numel() for p in model.parameters()),
+            "param_grads": [p.grad for p in model.parameters() if p.grad is not None],
+            "buffer_released": reducer.buffer.released}
+
+
+def test_stage2_holds_only_its_shards_between_steps() -> None:
+    results = run_distributed(_holdings, 4)
+    total = results[0]["param_numel"]
+    assert sum(r["owned"] for r in results) == total  # every element stepped exactly once
+    for r in results:
+        assert r["state_numel"] == 2 * r["owned"]     # Adam's two moments, for the shard only
+        assert r["shard_numel"] * 4 < total + 4 * 3 * 4  # 1/N of the buckets, plus padding
+        assert r["param_grads"] == [] and r["buffer_released"]
+
+
 # ---------------------------------------------------------------- checkpoints
 CKPT_CASE = Case(stage=2, groups=True, sched=True, clip=0.05, steps=4)
 SAVE_AT = 2

@@ -38,6 +38,23 @@ class GradBuffer:
     def slice(self, spec: BucketSpec) -> torch.Tensor:
         return self.flat[(spec.device, spec.dtype)].narrow(0, spec.buffer_offset, spec.padded_numel)
 
+    @property
+    def released(self) -> bool:
+        return any(t.untyped_storage().size() == 0 for t in self.flat.values() if t.numel())
+
+    def release(self) -> None:
+        """Free the memory of the flat tensors. Views into them stay valid objects
+        but must not be used until :meth:`restore` (ZeRO-2 between steps)."""
+        for t in self.flat.values():
+            t.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Allocate the memory again (uninitialised) after :meth:`release`."""
+        for t in self.flat.values():
+            storage = t.untyped_storage()
+            if storage.size() == 0 and t.numel():
+                storage.resize_(t.numel() * t.element_size())
+
     def slice_shard(self, spec: BucketSpec, world_size: int) -> torch.Tensor:
         """In a buffer of ``1/world_size`` the plan's size: one rank's shard of the bucket."""
         return self.flat[(spec.device, spec.dtype)].narrow(

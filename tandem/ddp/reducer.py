@@ -48,8 +48,10 @@ of ``1/world`` the size, which the sharded optimizer steps from). The full bucke
 buffer is the staging area the reduce-scatter reads. The missing-gradient flag
 would land in one rank's shard only, so it travels in a one-element all-reduce of
 its own. ``param.grad`` is not overwritten: at stage 1 it keeps this rank's local
-(unaveraged) gradient, at stage 2 it is released (None). Buckets are never
-re-planned (the optimizer's shards are laid out over the construction-time plan).
+(unaveraged) gradient, at stage 2 it is released (None), and so is the memory of
+the bucket buffer until the next synchronised forward: between steps a rank holds
+only its gradient shards. Buckets are never re-planned (the optimizer's shards
+are laid out over the construction-time plan).
 
 # Note [end of backward]
 The finishing callback is queued on the autograd graph task that runs the
@@ -231,6 +233,10 @@ class GradReducer:
         # With a comm hook, buckets hold plain sums: the hook divides (as torch).
         self._div = 1.0 if self._comm_hook else 1.0 / (divisor or self.comm.size)
         self._bytes = 0
+        if self.buffer.released:  # Note [zero reduction]
+            self.buffer.restore()
+            for b in self.buckets:  # parameters' regions are all written before launch
+                b.data.narrow(0, b.spec.numel, b.spec.padded_numel - b.spec.numel).zero_()
         for b in self.buckets:
             b.reset()
         self._next_launch = 0
@@ -447,6 +453,7 @@ class GradReducer:
             if self.options.zero_stage >= 2:
                 for p in self.params:
                     p.grad = None
+                self.buffer.release()
             return
         as_view = self.options.gradient_as_bucket_view
         for bucket in self.buckets:
