@@ -369,3 +369,15 @@ def test_unknown_option_is_named_with_a_hint(capsys):
     assert info.value.code == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "unrecognized arguments: --nprocs-per-node" in err and "did you mean --nproc-per-node" in err
+
+
+def test_output_does_not_hold_back_endless_lines(tmp_path):
+    out = io.StringIO()
+    shown = RankOutput(out, io.StringIO())
+    logs = WorkerLogs(tmp_path / "logs", on_attempt=shown.follow)
+    logs.reify({0: {"RANK": "0", "WORLD_SIZE": "1"}})
+    logs.attempts[0].ranks[0].stdout.write_bytes(b"\r" + b"=" * 100_000)
+    shown.start()
+    time.sleep(0.3)
+    assert out.getvalue().startswith("[rank 0] \r===")  # printed before the job ends
+    shown.stop()

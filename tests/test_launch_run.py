@@ -261,3 +261,20 @@ def test_readme_main_job(tmp_path):
     assert r.returncode == 0, r
     assert "over 2 rank(s)" in r.stdout and "terminate called" not in r.stderr
     assert r.orphans == []
+
+
+def test_auto_workers_and_threads_on_this_machine(tmp_path):
+    from tandem.launch.config import resolve_nproc, threads_per_worker
+    from tandem.launch.machine import usable_cpus, visible_gpus
+
+    cpus = usable_cpus()
+    n = resolve_nproc("auto", cpus=cpus, gpus=visible_gpus()).nproc
+    threads = threads_per_worker(n, cpus=cpus, environ={})
+    # --no-python: a shell as the program, its arguments after it.
+    r = tandem(["--nproc-per-node", "auto", "--no-python", "sh", "-c",
+                "echo rank=$RANK omp=$OMP_NUM_THREADS"], cwd=tmp_path)
+    assert r.returncode == 0, r
+    assert sorted(lines_with(r.stdout, "rank=")) == sorted(
+        f"[rank {rank:>{len(str(n - 1))}}] rank={rank} omp={threads}" for rank in range(n))
+    said = lines_with(r.stderr, "worker(s) on this node (auto:")
+    assert len(said) == 1 and f"{n} worker(s)" in said[0] and f"OMP_NUM_THREADS={threads}" in said[0]

@@ -80,6 +80,7 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.rdzv_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rendezvous_options())
+    logger.info("tandem.launch: %s", config.describe())
     timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
     with _rendezvous_errors(config):
         handler = FreshWorkerStore(get_rendezvous_handler(params), timeout=timeout)

@@ -27,6 +27,9 @@ __all__ = ["RankOutput", "rank_prefix", "split_lines"]
 
 _POLL_S = 0.05
 _CHUNK = 1 << 16
+# A "line" this long without a newline (a progress bar redrawn with \r, say) is
+# printed as it is rather than held back without bound.
+_MAX_PENDING = 1 << 16
 
 
 def rank_prefix(rank: int, world_size: int) -> str:
@@ -130,6 +133,9 @@ class RankOutput:
                 return  # the worker has not started yet
         for chunk in _read_available(f.fp):
             lines, f.pending = split_lines(f.pending, chunk)
+            if len(f.pending) > _MAX_PENDING:
+                lines.append(f.pending)
+                f.pending = b""
             self._emit(f, lines)
 
     def _drain(self, f: _Follow) -> None:

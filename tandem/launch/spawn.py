@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
@@ -99,7 +100,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
         output.stop()
         if result.is_failed():
             last = logs.attempts[-1] if logs.attempts else None
-            first = in_order_of_failure(collect_failures(result.failures, last, host="localhost"))[0]
+            failures = collect_failures(result.failures, last, host=socket.gethostname())
+            first = in_order_of_failure(failures)[0]
             raise SpawnError(first.rank, first.exitcode, first.how, first.text)
         return [result.return_values[rank] for rank in range(nprocs)]
     finally:
