@@ -50,17 +50,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse, plus "did you mean" for a misspelt option."""
 
     options: list[str]
-    """The long options, for the hints."""
+    """The long options, for the hints (filled by :func:`build_parser`)."""
     run: argparse.ArgumentParser | None = None
     """On the top parser: the ``run`` sub-command's parser."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self.options = []  # before argparse adds --help
         super().__init__(*args, **kwargs)
-
-    def add_argument(self, *names, **kwargs):
-        self.options += [n for n in names if n.startswith("--")]
-        return super().add_argument(*names, **kwargs)
+        self.options = []
 
     def error(self, message: str):  # type: ignore[override]
         words = [w for w in message.replace(",", " ").split() if w.startswith("--")]
@@ -75,66 +71,67 @@ def build_parser() -> _Parser:
     """The ``tandem`` parser with its ``run`` sub-command (``.run``)."""
     top = _Parser(prog="tandem", description="tandem: data-parallel training for PyTorch.")
     sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    p = sub.add_parser(
+    p: _Parser = sub.add_parser(
         "run", help="start a job on this node (torchrun's options)",
         description="Start the workers of a distributed job on this node, on torch's elastic "
                     "agent. Takes torchrun's options; each worker's output lines carry its rank.")
     top.run = p
 
-    def opt(*names: str, **kw) -> None:
+    def opt(group: argparse._ArgumentGroup, *names: str, **kw) -> None:
         # torchrun accepts --foo-bar and --foo_bar; so does tandem run.
         spelled = list(names)
         for n in names:
             if n.startswith("--") and "-" in n[2:]:
                 spelled.append("--" + n[2:].replace("-", "_"))
-        p.add_argument(*spelled, **kw)
+        p.options += [n for n in spelled if n.startswith("--")]
+        group.add_argument(*spelled, **kw)
 
     g = p.add_argument_group("workers and nodes")
-    opt("--nproc-per-node", default="1", metavar="N|auto|cpu|gpu",
+    opt(g, "--nproc-per-node", default="1", metavar="N|auto|cpu|gpu",
         help="workers on this node (default 1). auto: one per GPU, or without GPUs one per "
              "CPU core up to 8; cpu: one per core; gpu: one per GPU")
-    opt("--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
-    opt("--node-rank", type=int, default=None, metavar="R",
+    opt(g, "--nnodes", default="1", metavar="N|MIN:MAX", help="number of nodes (default 1)")
+    opt(g, "--node-rank", type=int, default=None, metavar="R",
         help="this node's rank, 0..nnodes-1, with --master-addr/--master-port")
-    opt("--master-addr", default=None, metavar="HOST",
+    opt(g, "--master-addr", default=None, metavar="HOST",
         help="node 0's address for the static rendezvous (default 127.0.0.1)")
-    opt("--master-port", type=int, default=None, metavar="PORT",
+    opt(g, "--master-port", type=int, default=None, metavar="PORT",
         help="node 0's port for the static rendezvous; without it a one-node job picks a "
              "free port")
     g = p.add_argument_group("rendezvous")
-    opt("--standalone", action="store_true",
+    opt(g, "--standalone", action="store_true",
         help="a one-node job with its rendezvous on a free local port")
-    opt("--rdzv-backend", default=None, metavar="NAME",
+    opt(g, "--rdzv-backend", default=None, metavar="NAME",
         help="c10d (the default with --rdzv-endpoint) or static")
-    opt("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    opt(g, "--rdzv-endpoint", default=None, metavar="HOST:PORT",
         help="where the nodes meet; the same on every node, node ranks are assigned on arrival")
-    opt("--rdzv-id", default=None, metavar="ID", help="job id, the same on every node")
-    opt("--rdzv-conf", default="", metavar="K=V,...",
+    opt(g, "--rdzv-id", default=None, metavar="ID", help="job id, the same on every node")
+    opt(g, "--rdzv-conf", default="", metavar="K=V,...",
         help="more rendezvous settings, e.g. join_timeout=900")
-    opt("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
+    opt(g, "--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
         help=f"fail if the nodes have not met within this (default {DEFAULT_RDZV_TIMEOUT_S:g})")
-    opt("--local-addr", default=None, metavar="HOST",
+    opt(g, "--local-addr", default=None, metavar="HOST",
         help="this node's address as the others should see it")
     g = p.add_argument_group("failures")
-    opt("--max-restarts", type=int, default=0, metavar="K",
+    opt(g, "--max-restarts", type=int, default=0, metavar="K",
         help="restart the whole group up to K times after a worker fails (default 0)")
-    opt("--monitor-interval", type=float, default=0.1, metavar="SECONDS",
+    opt(g, "--monitor-interval", type=float, default=0.1, metavar="SECONDS",
         help="how often the agent checks the workers (default 0.1)")
     g = p.add_argument_group("output")
-    opt("--ranks", default=None, metavar="LIST",
+    opt(g, "--ranks", default=None, metavar="LIST",
         help="show only these global ranks' output, e.g. 0 or 0,2-3 (the logs keep all)")
-    opt("--local-ranks-filter", default=None, metavar="LIST",
+    opt(g, "--local-ranks-filter", default=None, metavar="LIST",
         help="show only these local ranks' output (torchrun's spelling)")
-    opt("--log-dir", default=None, metavar="DIR",
+    opt(g, "--log-dir", default=None, metavar="DIR",
         help="keep the workers' logs here (default: a temporary directory, removed when the "
              "job succeeds)")
-    opt("-v", "--verbose", action="store_true", help="also show the elastic agent's own log")
+    opt(g, "-v", "--verbose", action="store_true", help="also show the elastic agent's own log")
     g = p.add_argument_group("what to run")
-    opt("-m", "--module", action="store_true", help="run the target as python -m module")
-    opt("--no-python", action="store_true",
+    opt(g, "-m", "--module", action="store_true", help="run the target as python -m module")
+    opt(g, "--no-python", action="store_true",
         help="run the target directly, not through python")
-    opt("--role", default="default", help="the workers' role name (ROLE_NAME)")
-    opt("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
+    opt(g, "--role", default="default", help="the workers' role name (ROLE_NAME)")
+    opt(g, "--start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
         help="accepted for torchrun compatibility; scripts always start as new processes")
     p.add_argument("script", help="the training script (or module with -m, program with "
                                   "--no-python)")
