@@ -132,6 +132,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group_of = _group_of(groups, reducer)
         self._runs = plan_runs(reducer.plan.buckets, self._comm.size, self._comm.rank, group_of)
         self._masters = [self._new_master(run) for run in self._runs]
+        # Per bucket, the pieces of this rank's shard that no run steps: they are
+        # sent in the all-gather as they are.
+        covered = {(r.bucket, p.shard_offset) for r in self._runs for p in r.pieces}
+        self._unstepped = [[p for p in shard_bucket(spec, self._comm.size)[self._comm.rank].pieces
+                            if (spec.index, p.shard_offset) not in covered]
+                           for spec in reducer.plan.buckets]
         self._optim = optimizer_class(self._inner_groups(groups), **optimizer_kwargs)
         super().__init__(groups, self._optim.defaults)
         self._groups_fixed = True  # the shards are laid out for these groups
@@ -234,8 +240,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for spec in reducer.plan.buckets:
             size = spec.padded_numel // comm.size
             shard = torch.zeros(size, dtype=spec.dtype, device=spec.device)
-            mine = shard_bucket(spec, comm.size)[comm.rank]
-            for piece in mine.pieces:  # parameters no group optimizes keep their values
+            for piece in self._unstepped[spec.index]:
                 src = reducer.params[piece.param].detach().reshape(-1)
                 shard.narrow(0, piece.shard_offset, piece.length).copy_(
                     src.narrow(0, piece.param_start, piece.length))
