@@ -3,13 +3,14 @@
 # Note [one store per attempt]
 The elastic agent gives its workers ``MASTER_ADDR``/``MASTER_PORT`` of a store
 hosted by node 0's agent, and ``TORCHELASTIC_USE_AGENT_STORE=True`` so that
-``init_process_group`` connects to it as a client. torch (2.4 to 2.13 at least)
-keeps that store for the life of the agent: after a restart the new workers meet
-in the same store, where the dead attempt's keys (gloo's peer addresses, the
-barrier counters under ``default_pg/``) are still set. The new workers then read
-the old addresses and fail to connect, or wait for a barrier that has already
-counted past them. Plain ``torchrun --max-restarts 1`` fails this way after a
-worker is killed.
+``init_process_group`` connects to it as a client. The agent keeps that store
+for its whole life (the static rendezvous always has; the c10d one since torch
+shares its TCPStore with the workers, 2.13 included): after a restart the new
+workers meet in the same store, where the dead attempt's keys (gloo's peer
+addresses, the barrier counters under ``default_pg/``) are still set. They then
+read the old addresses and fail to connect, or wait for a barrier that has
+already counted past them. Plain ``torchrun --max-restarts 1`` fails this way
+after a worker is killed.
 
 :class:`FreshWorkerStore` wraps torch's own rendezvous handler and changes one
 thing: after each rendezvous node 0 starts a new ``TCPStore`` on a free port
