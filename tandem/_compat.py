@@ -85,9 +85,14 @@ def bind_group_defaults_before_init() -> None:
 
 __all__ += ["rendezvous_info"]
 
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousInfo
+
 
 def rendezvous_info(store: torch.distributed.Store, rank: int, world_size: int,
-                    master_addr: str, master_port: int) -> object:
+                    master_addr: str, master_port: int) -> RendezvousInfo:
     """torch's ``RendezvousInfo`` with the workers' store at ``master_addr:master_port``.
 
     Why: tandem's launcher gives every attempt's workers a store of their own (see

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["AUTO_MAX_CPU_WORKERS", "DEFAULT_RDZV_TIMEOUT_S", "LaunchConfig", "NprocChoice",
            "RendezvousChoice", "parse_nnodes", "parse_rank_list", "parse_rdzv_conf",
@@ -284,8 +284,6 @@ class LaunchConfig:
     """Where ``nproc_per_node`` came from, for the summary line."""
     rdzv_reason: str = ""
     """How the rendezvous was chosen, for the summary line."""
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-    """More variables for the workers only (never the launcher's own environment)."""
 
     def __post_init__(self) -> None:
         _check(self.nproc_per_node >= 1, "--nproc-per-node", self.nproc_per_node, "at least 1")
@@ -319,7 +317,7 @@ class LaunchConfig:
     def worker_env(self) -> dict[str, str]:
         """Variables the launcher adds to each worker's environment, on top of
         torchrun's (RANK, WORLD_SIZE, ...) which the elastic agent sets."""
-        env = dict(self.extra_env)
+        env: dict[str, str] = {}
         if self.omp_num_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.omp_num_threads)
         # Python workers flush every write, so each line reaches the console as it is printed.

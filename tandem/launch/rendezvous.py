@@ -32,7 +32,7 @@ import datetime
 import logging
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from tandem._compat import rendezvous_info
 
@@ -61,7 +61,7 @@ class FreshWorkerStore(RendezvousHandler):
         # The workers connect to the store made here as clients.
         return True
 
-    def next_rendezvous(self):  # -> RendezvousInfo
+    def next_rendezvous(self) -> RendezvousInfo:
         info = self._inner.next_rendezvous()
         self._attempt += 1
         key = _PORT_KEY
