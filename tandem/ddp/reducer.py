@@ -48,9 +48,9 @@ of ``1/world`` the size, which the sharded optimizer steps from). The full bucke
 buffer is the staging area the reduce-scatter reads. The missing-gradient flag
 would land in one rank's shard only, so it travels in a one-element all-reduce of
 its own. ``param.grad`` is not overwritten: at stage 1 it keeps this rank's local
-(unaveraged) gradient, at stage 2 it is released (None), and so is the memory of
-the bucket buffer until the next synchronised forward: between steps a rank holds
-only its gradient shards. Buckets are never re-planned (the optimizer's shards
+(unaveraged) gradient, at stage 2 it is released (None). At both stages the
+memory of the bucket buffer is released until the next synchronised forward, so
+that between steps a stage-2 rank holds only its gradient shards. Buckets are never re-planned (the optimizer's shards
 are laid out over the construction-time plan).
 
 # Note [end of backward]
@@ -453,7 +453,7 @@ class GradReducer:
             if self.options.zero_stage >= 2:
                 for p in self.params:
                     p.grad = None
-                self.buffer.release()
+            self.buffer.release()
             return
         as_view = self.options.gradient_as_bucket_view
         for bucket in self.buckets:
