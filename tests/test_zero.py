@@ -125,7 +125,7 @@ def _grid(rank: int, world_size: int) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])  # 3: shards end in padding
 def test_zero_matches_plain_ddp_with_adam(world_size: int) -> None:
     results = run_distributed(_grid, world_size, timeout=300)
     for rank, diffs in enumerate(results):
@@ -144,6 +144,15 @@ def _against_torch_zero(rank: int, world_size: int) -> float:
 
 def test_stage1_matches_torch_zero_redundancy_optimizer() -> None:
     assert max(run_distributed(_against_torch_zero, 2)) <= TOL
+
+
+def _world_of_one(rank: int, world_size: int) -> float:
+    case = Case(stage=2, groups=True, clip=0.05)
+    return _max_diff(_reference(rank, world_size, case), _zero(rank, world_size, case))
+
+
+def test_world_of_one() -> None:
+    assert run_distributed(_world_of_one, 1)[0] <= TOL
 
 
 # ---------------------------------------------------------------- collectives
@@ -238,14 +247,16 @@ def _save(rank: int, world_size: int, directory: str) -> None:
         assert full is None
 
 
-def _resume(rank: int, world_size: int, directory: str, sharded: bool) -> dict[str, torch.Tensor]:
+def _resume(rank: int, world_size: int, directory: str, source: str) -> dict[str, torch.Tensor]:
     ckpt = torch.load(f"{directory}/full.pt", weights_only=False)
     model = make_model("mlp", seed=rank)
     model.load_state_dict(ckpt["model"])
     ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=CKPT_CASE.stage)
     opt = ZeroOptimizer(ddp, torch.optim.Adam, _param_groups(model, CKPT_CASE), lr=0.01)
-    if sharded:
+    if source == "sharded":
         opt.load_sharded(f"{directory}/sharded")
+    elif source == "torch":  # plain DDP's torch.optim.Adam state dict: the same format
+        opt.load_state_dict(torch.load(f"{directory}/torch.pt", weights_only=False))
     else:
         opt.load_state_dict(ckpt["optim"])
     # The learning rates come back from the state dict (StepLR halved them at
@@ -281,9 +292,10 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2(tmp_path) -> None:
         for key, value in state.items():
             assert ours["state"][idx][key].shape == value.shape, (idx, key)
             assert (ours["state"][idx][key].double() - value.double()).abs().max() <= TOL, (idx, key)
-    for sharded in (False, True):
-        for params in run_distributed(_resume, 2, args=(str(tmp_path), sharded)):
-            assert _max_diff(params, expected["params"]) <= TOL, f"sharded={sharded}"
+    torch.save(theirs, tmp_path / "torch.pt")
+    for source in ("full", "sharded", "torch"):
+        for params in run_distributed(_resume, 2, args=(str(tmp_path), source)):
+            assert _max_diff(params, expected["params"]) <= TOL, source
 
 
 # ---------------------------------------------------------------- pure layout
