@@ -68,7 +68,7 @@ def contender(name: str, args: argparse.Namespace, rank: int) -> tuple[Callable[
     else:
         ddp = tandem.DistributedDataParallel(model, zero_stage=int(name[-1]))
         opt = tandem.ZeroOptimizer(ddp, torch.optim.Adam, lr=1e-4)
-        state = lambda: opt._optim.state  # noqa: E731
+        state = lambda: opt.optim.state  # noqa: E731
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

@@ -155,6 +155,27 @@ def test_world_of_one() -> None:
     assert run_distributed(_world_of_one, 1)[0] <= TOL
 
 
+def _bf16(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = make_model("mlp", seed=rank).to(torch.bfloat16)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=2)
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01)
+    assert all(p.dtype == torch.float32 for g in opt.optim.param_groups for p in g["params"])
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(step, 0, rank, world_size)
+        nn.functional.mse_loss(ddp(x.bfloat16()), y.bfloat16()).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return [p.detach().float() for p in model.parameters()]
+
+
+def test_bf16_parameters_step_with_fp32_master_shards_and_stay_identical() -> None:
+    a, b = run_distributed(_bf16, 2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 # ---------------------------------------------------------------- collectives
 def _record(rank: int, world_size: int, stage: int, overlap: bool) -> dict:
     model = make_model("mlp", seed=rank)
@@ -208,10 +229,10 @@ def _holdings(rank: int, world_size: int) -> dict:
         x, y = _batch(step, 0, rank, world_size)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
-    state = [t for s in opt._optim.state.values() for t in s.values() if t.dim()]
+    state = [t for s in opt.optim.state.values() for t in s.values() if t.dim()]
     reducer = ddp.reducer
     return {"state_numel": sum(t.numel() for t in state),
-            "owned": sum(r.length for r in opt._runs),
+            "owned": opt.owned_numel,
             "shard_numel": sum(g.numel() for g in reducer.grad_shards),
             "param_numel": sum(p.numel() for p in model.parameters()),
             "param_grads": [p.grad for p in model.parameters() if p.grad is not None],

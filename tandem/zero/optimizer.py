@@ -147,10 +147,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._overlap_gather = bool(getattr(ddp_model, "zero_config").overlap_param_gather)
         self._gather_hooks = (_register_gather_hooks(ddp_model.module, reducer, self._finish_gather)
                               if self._overlap_gather else [])
-        owned = sum(r.length for r in self._runs)
+        owned = self.owned_numel
         total = sum(b.numel for b in reducer.plan.buckets)
         logger.info("ZeRO-%d: rank %d owns %d of %d elements in %d runs over %d buckets",
                     stage, self._comm.rank, owned, total, len(self._runs), len(reducer.plan.buckets))
+
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, over this rank's shard runs only (as torch's
+        ``ZeroRedundancyOptimizer.optim``)."""
+        return self._optim
+
+    @property
+    def owned_numel(self) -> int:
+        """How many parameter elements this rank steps."""
+        return sum(run.length for run in self._runs)
 
     # ------------------------------------------------------------------ set-up
     def _new_master(self, run: ShardRun) -> torch.Tensor:
