@@ -219,6 +219,27 @@ def test_without_overlap_reductions_start_at_the_end_of_backward() -> None:
             assert events.index(("marker", "last gradient")) < events.index(("reduce_scatter", "bucket 0"))
 
 
+def _deferred_gather(rank: int, world_size: int) -> list[int]:
+    model = make_model("mlp", seed=rank)
+    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=1,
+                                         zero_config=ZeroConfig(overlap_param_gather=True))
+    opt = ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01)
+    x, y = _batch(0, 0, rank, world_size)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    counts = [opt.gathers_in_flight]
+    model.head(torch.zeros(1, 16))  # the head's forward waits for the head's bucket only
+    counts.append(opt.gathers_in_flight)
+    ddp(x)
+    counts.append(opt.gathers_in_flight)
+    return counts
+
+
+def test_overlap_param_gather_waits_per_bucket_in_forward() -> None:
+    for counts in run_distributed(_deferred_gather, 2):
+        assert counts == [3, 2, 0], counts
+
+
 # ---------------------------------------------------------------- memory
 def _holdings(rank: int, world_size: int) -> dict:
     model = make_model("mlp", seed=rank)

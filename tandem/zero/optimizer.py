@@ -273,6 +273,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             foreach_copy_(params, views)
 
+    @property
+    def gathers_in_flight(self) -> int:
+        """Buckets whose updated parameters are not written yet (overlap_param_gather)."""
+        return len(self._pending)
+
     def finish_param_gather(self) -> None:
         """Wait for every parameter all-gather still in flight and write the
         parameters (a no-op unless ``overlap_param_gather`` left some)."""
