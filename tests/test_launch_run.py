@@ -265,10 +265,10 @@ def test_readme_main_job(tmp_path):
 
 def test_auto_workers_and_threads_on_this_machine(tmp_path):
     from tandem.launch.config import resolve_nproc, threads_per_worker
-    from tandem.launch.machine import usable_cpus, visible_gpus
+    from tandem.launch.machine import usable_cpus
 
     cpus = usable_cpus()
-    n = resolve_nproc("auto", cpus=cpus, gpus=visible_gpus()).nproc
+    n = resolve_nproc("auto", cpus=cpus, gpus=0).nproc  # the tests hide GPUs (clean_env)
     threads = threads_per_worker(n, cpus=cpus, environ={})
     # --no-python: a shell as the program, its arguments after it.
     r = tandem(["--nproc-per-node", "auto", "--no-python", "sh", "-c",

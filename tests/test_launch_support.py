@@ -32,9 +32,12 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without any launcher's variables."""
+    """The test process's environment without any launcher's variables, and
+    without GPUs: the launcher tests are CPU jobs on gloo, also on a machine with
+    one GPU (where two NCCL workers could not each bind a device)."""
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "PET_", "TANDEM_TEST"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 
