@@ -23,7 +23,7 @@ from tandem.ddp.plan import ParamInfo, plan_buckets
 from tandem.testing import run_distributed
 from tandem.testing.models import IN, OUT, make_model
 from tandem.zero import ZeroConfig, ZeroOptimizer
-from tandem.zero.optimizer import plan_runs
+from tandem.zero.layout import plan_runs
 
 TOL = 1e-6
 GLOBAL_BATCH = 16

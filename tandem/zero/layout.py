@@ -12,11 +12,12 @@ tensors at another world size.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tandem.ddp.plan import BucketSpec
 
-__all__ = ["BucketShard", "ShardPiece", "shard_bucket"]
+__all__ = ["BucketShard", "ShardPiece", "ShardRun", "plan_runs", "shard_bucket"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,48 @@ def _param_numel(spec: BucketSpec, param: int, offset: int) -> int:
     k = spec.params.index(param)
     end = spec.offsets[k + 1] if k + 1 < len(spec.offsets) else spec.numel
     return end - offset
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """Elements ``[start, start + length)`` of this rank's shard of ``bucket``,
+    all in param group ``group``: what a sharded optimizer steps as one flat
+    tensor (Note [shard runs] in optimizer.py)."""
+
+    bucket: int
+    group: int
+    start: int
+    length: int
+    pieces: tuple[ShardPiece, ...]
+
+
+def plan_runs(specs: Iterable[BucketSpec], world_size: int, rank: int,
+              group_of: dict[int, int]) -> list[ShardRun]:
+    """Split ``rank``'s shard of every bucket into runs (Note [shard runs] in optimizer.py).
+
+    Args:
+        specs: the DDP bucket plan's buckets.
+        world_size, rank: whose shard.
+        group_of: parameter index -> param group; parameters absent from it are
+            not optimized (their elements belong to no run).
+    """
+    runs = []
+    for spec in specs:
+        current: list[ShardPiece] = []
+        for piece in shard_bucket(spec, world_size)[rank].pieces:
+            group = group_of.get(piece.param)
+            if current and (group != group_of.get(current[-1].param) or
+                            piece.shard_offset != current[-1].shard_offset + current[-1].length):
+                runs.append(_run(spec.index, group_of, current))
+                current = []
+            if group is not None:
+                current.append(piece)
+        if current:
+            runs.append(_run(spec.index, group_of, current))
+    return runs
+
+
+def _run(bucket: int, group_of: dict[int, int], pieces: list[ShardPiece]) -> ShardRun:
+    start = pieces[0].shard_offset
+    end = pieces[-1].shard_offset + pieces[-1].length
+    return ShardRun(bucket, group_of[pieces[0].param], start, end - start, tuple(pieces))

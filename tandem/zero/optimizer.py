@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,59 +35,12 @@ import torch.distributed as dist
 
 from tandem._compat import foreach_copy_
 from tandem.comm.group import Work
-from tandem.ddp.plan import BucketSpec
-from tandem.zero.layout import ShardPiece, shard_bucket
+from tandem.zero.layout import ShardRun, plan_runs, shard_bucket
+from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, entries_of_run, run_state_from
 
-__all__ = ["ShardRun", "ZeroOptimizer", "plan_runs"]
+__all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-_SHARD_FORMAT = "tandem.zero.sharded/1"
-
-
-@dataclass(frozen=True)
-class ShardRun:
-    """Elements ``[start, start + length)`` of this rank's shard of ``bucket``,
-    all in param group ``group`` (Note [shard runs])."""
-
-    bucket: int
-    group: int
-    start: int
-    length: int
-    pieces: tuple[ShardPiece, ...]
-
-
-def plan_runs(specs: Iterable[BucketSpec], world_size: int, rank: int,
-              group_of: dict[int, int]) -> list[ShardRun]:
-    """Split ``rank``'s shard of every bucket into runs (Note [shard runs]).
-
-    Args:
-        specs: the DDP bucket plan's buckets.
-        world_size, rank: whose shard.
-        group_of: parameter index -> param group; parameters absent from it are
-            not optimized (their elements belong to no run).
-    """
-    runs = []
-    for spec in specs:
-        current: list[ShardPiece] = []
-        for piece in shard_bucket(spec, world_size)[rank].pieces:
-            group = group_of.get(piece.param)
-            if current and (group != group_of.get(current[-1].param) or
-                            piece.shard_offset != current[-1].shard_offset + current[-1].length):
-                runs.append(_run(spec.index, group_of, current))
-                current = []
-            if group is not None:
-                current.append(piece)
-        if current:
-            runs.append(_run(spec.index, group_of, current))
-    return runs
-
-
-def _run(bucket: int, group_of: dict[int, int], pieces: list[ShardPiece]) -> ShardRun:
-    start = pieces[0].shard_offset
-    end = pieces[-1].shard_offset + pieces[-1].length
-    return ShardRun(bucket, group_of[pieces[0].param], start, end - start, tuple(pieces))
-
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """A distributed optimizer that shards optimizer state (ZeRO stage 1) and works
@@ -347,7 +299,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards = self._comm.all_gather_object(self._local_entries(), tag="optimizer state")
         if to is not None and self._comm.rank != to:
             return None
-        return _assemble(shards, self._groups_for_save(), self._shapes())
+        return assemble_state(shards, self._groups_for_save(), self._shapes())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict in torch's format (from :meth:`state_dict`, from the
@@ -365,39 +317,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sync_hyperparams()
         index = self._param_index()
         state = {int(k): v for k, v in state_dict["state"].items()}
+        numels = [p.numel() for p in self._reducer.params]
         self._optim.state.clear()
         for run, master in zip(self._runs, self._masters):
             self._copy_params_into(run, master)
-            entries = [state.get(index[piece.param]) for piece in run.pieces]
-            if not entries or entries[0] is None:
-                continue
-            run_state = {}
-            for key, value in entries[0].items():
-                if _is_elementwise(value, self._reducer.params[run.pieces[0].param]):
-                    parts = [s[key].reshape(-1).narrow(0, piece.param_start, piece.length)
-                             for s, piece in zip(entries, run.pieces)]
-                    run_state[key] = torch.cat(parts).to(master.device)
-                else:
-                    run_state[key] = value.clone() if torch.is_tensor(value) else value
-            self._optim.state[master] = run_state
+            run_state = run_state_from(run, state, index, numels, master.device)
+            if run_state is not None:
+                self._optim.state[master] = run_state
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, without communication: save
         one per rank, in parallel (see :meth:`save_sharded`)."""
-        return {"format": _SHARD_FORMAT, "rank": self._comm.rank, "world_size": self._comm.size,
+        return {"format": SHARD_FORMAT, "rank": self._comm.rank, "world_size": self._comm.size,
                 "param_groups": self._groups_for_save(), "shapes": self._shapes(),
                 "entries": self._local_entries()}
 
     def load_sharded_state_dicts(self, shards: list[dict[str, Any]]) -> None:
         """Load the :meth:`sharded_state_dict` of every rank of a run, at any world
         size (the shards are reassembled per parameter, then resharded)."""
-        if not shards or any(s.get("format") != _SHARD_FORMAT for s in shards):
-            raise ValueError(f"expected a non-empty list of {_SHARD_FORMAT} shards")
+        if not shards or any(s.get("format") != SHARD_FORMAT for s in shards):
+            raise ValueError(f"expected a non-empty list of {SHARD_FORMAT} shards")
         world = shards[0]["world_size"]
         if sorted(s["rank"] for s in shards) != list(range(world)):
             raise ValueError(f"need the shards of all {world} ranks, got ranks "
                              f"{sorted(s['rank'] for s in shards)}")
-        self.load_state_dict(_assemble([s["entries"] for s in shards], shards[0]["param_groups"],
+        self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
                                        shards[0]["shapes"]))
 
     def save_sharded(self, directory: str | os.PathLike[str]) -> Path:
@@ -435,61 +379,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             k += n
         return groups
 
-    def _local_entries(self) -> list[tuple[int, int, int, dict[str, Any]]]:
-        """(state index, param_start, length, {key: slice or scalar}) for each piece
-        of each run that has state; tensors on the CPU."""
+    def _local_entries(self) -> list[Entry]:
         index = self._param_index()
-        entries = []
-        for run, master in zip(self._runs, self._masters):
-            run_state = self._optim.state.get(master)
-            if not run_state:
-                continue
-            for piece in run.pieces:
-                offset = piece.shard_offset - run.start
-                values = {}
-                for key, value in run_state.items():
-                    if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == run.length:
-                        values[key] = value.narrow(0, offset, piece.length).detach().cpu().clone()
-                    else:
-                        values[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
-                entries.append((index[piece.param], piece.param_start, piece.length, values))
-        return entries
-
-
-def _assemble(per_rank: list[list[tuple[int, int, int, dict[str, Any]]]],
-              param_groups: list[dict[str, Any]], shapes: dict[int, tuple[int, ...]]) -> dict[str, Any]:
-    """Per-parameter full state (torch's format) from every rank's pieces."""
-    state: dict[int, dict[str, Any]] = {}
-    for entries in per_rank:
-        for idx, start, length, values in entries:
-            numel = 1
-            for d in shapes[idx]:
-                numel *= d
-            slot = state.setdefault(idx, {})
-            for key, value in values.items():
-                if torch.is_tensor(value) and value.dim() >= 1 and value.numel() == length:
-                    if key not in slot:
-                        slot[key] = torch.zeros(numel, dtype=value.dtype)
-                    slot[key].narrow(0, start, length).copy_(value)
-                else:
-                    slot.setdefault(key, value)
-    for idx, slot in state.items():
-        for key, value in slot.items():
-            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == _numel(shapes[idx]) \
-                    and len(shapes[idx]) != 1:
-                slot[key] = value.view(shapes[idx])
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _is_elementwise(value: Any, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == param.numel()
+        return [entry for run, master in zip(self._runs, self._masters)
+                if self._optim.state.get(master)
+                for entry in entries_of_run(run, self._optim.state[master], index)]
 
 
 def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
