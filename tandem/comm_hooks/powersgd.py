@@ -137,6 +137,26 @@ class PowerSGDState:
                         plan.total_numel, len(plan.compressed), self.config.matrix_rank)
         return plan
 
+    def _add_error(self, key: int, m: torch.Tensor) -> None:
+        """Error feedback in: ``m += `` last step's error of parameter ``key``; the
+        error memory then holds this compensated local gradient."""
+        if not self.config.error_feedback:
+            return
+        error = self._error.get(key)
+        if error is None:
+            self._error[key] = m.clone()
+        else:
+            m.add_(error)
+            error.copy_(m)
+
+    def _settle(self, key: int, decompressed: torch.Tensor, q: torch.Tensor) -> None:
+        """Error feedback out (error = compensated local gradient - ``decompressed``),
+        and ``q`` kept for the next step's warm start."""
+        if self.config.error_feedback:
+            self._error[key].sub_(decompressed)
+        if self.config.warm_start:
+            self._q[key] = q
+
     def _initial_q(self, key: int, q: torch.Tensor) -> None:
         """Fill ``q`` with last step's Q for parameter ``key``, or random numbers
         (Note [powersgd random Q])."""
@@ -194,62 +214,60 @@ def powersgd_hook(state: PowerSGDState,
 
 
 def _reduce_low_rank(state: PowerSGDState, comm: GroupComm, bucket: Any) -> None:
-    cfg = state.config
+    """The compressed step of the module docstring, for one bucket, in place."""
     grads = bucket.gradients()
-    params = bucket.parameters()
     plan = state.plan(tuple(tuple(g.shape) for g in grads))
     buffer = bucket.buffer()
-    inv_world = 1.0 / comm.size
-    index = bucket.index()
-
     # Collective 1 carries [uncompressed / world | P] (Note [low-rank layout]).
-    first = torch.empty(plan.uncompressed_numel + plan.p_numel, dtype=buffer.dtype,
-                        device=buffer.device)
+    first = buffer.new_empty(plan.uncompressed_numel + plan.p_numel)
     flat_unc = first.narrow(0, 0, plan.uncompressed_numel)
-    flat_p = first.narrow(0, plan.uncompressed_numel, plan.p_numel)
-    flat_q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
+    flat_q = buffer.new_empty(plan.q_numel)
     unc_grads = [grads[i] for i in plan.uncompressed]
     if unc_grads:
         torch.cat([g.reshape(-1) for g in unc_grads], out=flat_unc)
-        flat_unc.mul_(inv_world)  # as without a hook: these stay exact
-
-    factors = []
-    for slot in plan.compressed:
-        m = grads[slot.index].view(slot.rows, slot.cols)
-        p = flat_p.narrow(0, slot.p_offset, slot.rows * slot.rank).view(slot.rows, slot.rank)
-        q = flat_q.narrow(0, slot.q_offset, slot.cols * slot.rank).view(slot.cols, slot.rank)
-        key = id(params[slot.index])
-        if cfg.error_feedback:
-            error = state._error.get(key)
-            if error is None:
-                state._error[key] = m.clone()
-            else:
-                m.add_(error)
-                error.copy_(m)  # the decompressed gradient is subtracted below
+        flat_unc.mul_(1.0 / comm.size)  # averaged as without a hook
+    factors = _factor_views(plan, grads, bucket.parameters(),
+                            first.narrow(0, plan.uncompressed_numel, plan.p_numel), flat_q)
+    for key, m, p, q in factors:
+        state._add_error(key, m)
         state._initial_q(key, q)
-        orthogonalize_(q, cfg.orthogonalization_epsilon)
+        orthogonalize_(q, state.config.orthogonalization_epsilon)
         torch.mm(m, q, out=p)
-        factors.append((key, m, p, q))
 
-    comm.all_reduce(first, tag=f"hook powersgd uncompressed+P bucket {index}")
+    comm.all_reduce(first, tag=f"hook powersgd uncompressed+P bucket {bucket.index()}")
     if unc_grads:
-        offsets = [0]
-        for g in unc_grads:
-            offsets.append(offsets[-1] + g.numel())
-        foreach_copy_(unc_grads, [flat_unc.narrow(0, a, b - a).view_as(g)
-                                  for g, a, b in zip(unc_grads, offsets, offsets[1:])])
-
-    for _, m, p, q in factors:
-        orthogonalize_(p, cfg.orthogonalization_epsilon)
-        torch.mm(m.T, p, out=q)
+        foreach_copy_(unc_grads, _split_like(flat_unc, unc_grads))
     if not factors:
         return  # nothing compressed in this bucket (the same on every rank: shapes decide)
-    comm.all_reduce(flat_q, tag=f"hook powersgd Q bucket {index}")
-    flat_q.mul_(inv_world)
+    for _, m, p, q in factors:
+        orthogonalize_(p, state.config.orthogonalization_epsilon)
+        torch.mm(m.T, p, out=q)
 
+    comm.all_reduce(flat_q, tag=f"hook powersgd Q bucket {bucket.index()}")
+    flat_q.mul_(1.0 / comm.size)
     for key, m, p, q in factors:
         torch.mm(p, q.T, out=m)
-        if cfg.error_feedback:
-            state._error[key].sub_(m)
-        if cfg.warm_start:
-            state._q[key] = q
+        state._settle(key, m, q)
+
+
+def _factor_views(plan: LowRankPlan, grads: list[torch.Tensor], params: list[torch.Tensor],
+                  flat_p: torch.Tensor, flat_q: torch.Tensor,
+                  ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(parameter key, M, P, Q) per compressed gradient: M a view of the bucket, P
+    and Q views of the collectives' flat tensors."""
+    out = []
+    for s in plan.compressed:
+        m = grads[s.index].view(s.rows, s.cols)
+        p = flat_p.narrow(0, s.p_offset, s.rows * s.rank).view(s.rows, s.rank)
+        q = flat_q.narrow(0, s.q_offset, s.cols * s.rank).view(s.cols, s.rank)
+        out.append((id(params[s.index]), m, p, q))
+    return out
+
+
+def _split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like each tensor of ``like``."""
+    views, offset = [], 0
+    for t in like:
+        views.append(flat.narrow(0, offset, t.numel()).view_as(t))
+        offset += t.numel()
+    return views
