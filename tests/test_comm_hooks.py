@@ -199,6 +199,7 @@ _PAIRS = [
     ("powersgd_late", "none", "tandem"),      # PowerSGD's warm-up steps are plain averaging
     ("fp16", "torch_fp16", "torch"),          # tandem's fp16 == torch's DDP with torch's fp16
     ("torch_fp16", "torch_fp16", "torch"),    # torch's hook on tandem == on torch
+    ("torch_allreduce", "none", "tandem"),    # torch's divides by 2, tandem multiplies by 1/2
     ("bf16", "torch_bf16", "tandem"),         # torch's DDP refuses torch's bf16 on gloo
     ("powersgd", "powersgd", "torch"),        # the same PowerSGD on torch's DDP
 ]
@@ -345,7 +346,8 @@ def test_bf16_equals_the_reference_arithmetic(two_ranks: list[dict]) -> None:
 
 
 def test_torch_hooks_run_on_tandem(two_ranks: list[dict]) -> None:
-    # allreduce, fp16 and bf16 are among the pairs above; PowerSGD with several buckets:
+    # allreduce, fp16 and bf16 are among the pairs above (bf16 as the reference of
+    # tandem's bf16); PowerSGD with several buckets:
     values = [r["torch_powersgd"] for r in two_ranks]
     assert values[0] == values[1] and math.isfinite(values[0])
 
