@@ -366,6 +366,10 @@ def _errors(rank: int, world_size: int) -> None:
         tandem.DistributedDataParallel(model, zero_stage=3)
     with pytest.raises(ValueError, match="zero_stage=1 or 2"):
         ZeroOptimizer(tandem.DistributedDataParallel(model), torch.optim.Adam)
+    with pytest.raises(NotImplementedError, match="find_unused_parameters"):
+        tandem.DistributedDataParallel(model, zero_stage=1, find_unused_parameters=True)
+    with pytest.raises(ValueError, match="gradient_as_bucket_view"):
+        tandem.DistributedDataParallel(model, zero_stage=2, gradient_as_bucket_view=True)
     ddp = tandem.DistributedDataParallel(model, zero_stage=1)
     with pytest.raises(ValueError, match="not a trainable parameter"):
         ZeroOptimizer(ddp, torch.optim.Adam, [torch.zeros(3, requires_grad=True)])

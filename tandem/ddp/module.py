@@ -84,6 +84,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     .. warning:: at ``zero_stage`` 1 and 2, ``param.grad`` does not hold averaged
         gradients (stage 1: this rank's local ones; stage 2: None): clip with
         ``ZeroOptimizer.clip_grad_norm_``, not ``torch.nn.utils.clip_grad_norm_``.
+        Each synchronised backward replaces the reduced gradients: to accumulate
+        over micro-batches, run all but the last under ``no_sync()``.
 
     Raises:
         ValueError: bad arguments, or a model that differs across ranks.
@@ -126,7 +128,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                             skip_all_reduce_unused_params=skip_all_reduce_unused_params or None)
         self.module = module
         self.zero_stage = ZeroStage.parse(zero_stage)
-        self.zero_config = _check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view)
+        self.zero_config = _check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view,
+                                              find_unused_parameters)
         self.process_group = _resolve_group(process_group, device_mesh)
         self._comm = GroupComm(self.process_group)
 
@@ -338,8 +341,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 
 
-def _check_zero_config(config: ZeroConfig | None, stage: ZeroStage,
-                       gradient_as_bucket_view: bool) -> ZeroConfig:
+def _check_zero_config(config: ZeroConfig | None, stage: ZeroStage, gradient_as_bucket_view: bool,
+                       find_unused_parameters: bool) -> ZeroConfig:
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"zero_config must be a tandem.zero.ZeroConfig, got {config!r}")
     if config is not None and not stage:
@@ -347,6 +350,11 @@ def _check_zero_config(config: ZeroConfig | None, stage: ZeroStage,
     if stage and gradient_as_bucket_view:
         raise ValueError(f"gradient_as_bucket_view=True is not supported with zero_stage={int(stage)}: "
                          "param.grad does not hold the reduced gradients under ZeRO")
+    if stage and find_unused_parameters:
+        # The shard holds zeros for a parameter no rank used, and the optimizer would
+        # step it (torch's optimizers skip a parameter whose .grad is None).
+        raise NotImplementedError(
+            f"find_unused_parameters=True is not supported with zero_stage={int(stage)} yet")
     return config or ZeroConfig()
 
 
