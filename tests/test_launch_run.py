@@ -163,7 +163,8 @@ FAILING = """
 
 def test_failure_summary_and_fail_fast(tmp_path):
     path = script(tmp_path, "failing.py", FAILING)
-    r = tandem(["--nproc-per-node", "3", str(path)], cwd=tmp_path, timeout=90)
+    r = tandem(["--nproc-per-node", "3", "--log-dir", str(tmp_path / "logs"), str(path)],
+               cwd=tmp_path, timeout=90)
     assert r.returncode == 1, r
     failed_at = float(lines_with(r.stdout, "FAILING_AT")[0].split()[-1])
     # Torn down within a couple of seconds, not after the 300 s collective timeout.
@@ -174,7 +175,8 @@ def test_failure_summary_and_fail_fast(tmp_path):
     assert "    ValueError: corrupt batch at step 7" in lines, summary
     assert any("load_batch" in l for l in lines), summary
     log = next(l for l in lines if l.startswith("  full log: ")).split(": ", 1)[1]
-    assert log.endswith("attempt_0/rank_1/stderr.log") and "corrupt batch" in open(log).read()
+    assert log == str(tmp_path / "logs/attempt_0/rank_1/stderr.log")
+    assert "corrupt batch" in open(log).read()
     assert "rank 2 (stopped by the launcher)" in summary
     assert len(lines) <= 16 and "elastic" not in summary.lower(), summary
     assert r.orphans == []
@@ -190,7 +192,8 @@ SLEEPER = """
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_launcher_reaches_the_workers(tmp_path, sig):
     path = script(tmp_path, "sleeper.py", SLEEPER)
-    job = Job(TANDEM + ["--nproc-per-node", "2", str(path)], cwd=tmp_path)
+    job = Job(TANDEM + ["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(path)],
+              cwd=tmp_path)
     pids: list[int] = []
     deadline = time.monotonic() + 30
     while len(pids) < 2 and time.monotonic() < deadline:
