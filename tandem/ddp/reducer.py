@@ -48,7 +48,8 @@ of ``1/world`` the size, which the sharded optimizer steps from). The full bucke
 buffer is the staging area the reduce-scatter reads. The missing-gradient flag
 would land in one rank's shard only, so it travels in a one-element all-reduce of
 its own. ``param.grad`` is not overwritten: at stage 1 it keeps this rank's local
-(unaveraged) gradient, at stage 2 it is released (None). At both stages the
+(unaveraged) gradient, at stage 2 it is released (None) as soon as its bucket is
+launched, so that backward does not hold two full copies. At both stages the
 memory of the bucket buffer is released until the next synchronised forward, so
 that between steps a stage-2 rank holds only its gradient shards. Buckets are never re-planned (the optimizer's shards
 are laid out over the construction-time plan).
@@ -374,6 +375,9 @@ class GradReducer:
             work = self.comm.reduce_scatter(self.grad_shards[bucket.index], bucket.data,
                                             tag=f"bucket {bucket.index}", async_op=True)
             bucket.launched(work)
+            if self.options.zero_stage >= 2:
+                for p in bucket.params:  # copied into the bucket: free it during backward
+                    p.grad = None
             return
         if spec.extra:
             bucket.data[spec.numel] = self._missing_flag
