@@ -6,6 +6,7 @@ Run book::
     python benchmarks/bench_ddp.py --models many --steps 20 --repeats 8
     python benchmarks/bench_ddp.py --ddp-kwargs gradient_as_bucket_view=True
     python benchmarks/bench_ddp.py --models many --profile 30        # + cProfile of rank 0
+    python benchmarks/bench_ddp.py --hooks none,fp16,bf16,powersgd   # communication hooks
 
 The script launches its own 2 ranks (tandem.testing.run_distributed: forkserver
 children, a gloo group, one intra-op thread per rank) and prints two Markdown
@@ -35,6 +36,18 @@ overlap = (compute + comm - step) / min(compute, comm): 1 means the reduction is
 completely hidden behind backward, 0 means none of it is, negative means the
 wrapper costs more than compute and communication one after the other.
 CPU columns: median main-thread CPU per step; overhead = DDP minus compute.
+
+With ``--hooks``, the contenders are instead each DDP with each communication
+hook (``none`` is no hook), plus ``compute`` and ``comm``, and the table gives
+per hook the step time and the bytes each rank sends per step. tandem's bytes
+are measured (``ddp.comm_stats``); torch's are what its hook hands to the
+backend: all gradients at 4 bytes (none) or 2 (fp16), and for PowerSGD the
+growth of its state's ``total_numel_after_compression`` at 4 bytes. torch's
+equivalents: ``fp16_compress_hook``; ``bf16_compress_hook`` (torch's DDP refuses
+it without NCCL: the refusal is reported); ``powerSGD_hook``, which aborts the
+process on gloo with several buckets (a separate probe run checks, and reports,
+whether it still does), so it is timed with one bucket (``bucket_cap_mb`` above
+the model's size). Both PowerSGDs start compressing at step 2, inside warm-up.
 """
 
 from __future__ import annotations
@@ -60,10 +73,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import RankFailure, run_distributed
 
 MODELS = ("mlp", "transformer", "many")
 CONTENDERS = ("torch", "tandem", "compute", "comm")
+HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 # ---------------------------------------------------------------------- models
@@ -177,13 +191,35 @@ class BenchConfig:
     repeats: int
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     profile: int = 0
+    hooks: tuple[str, ...] = ()
+    powersgd_rank: int = 1
 
 
 def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> list[dict[str, Any]]:
     """Runs on each rank (module-level, for the harness); returns one record per model."""
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
+    if cfg.hooks:
+        return [bench_hooks_model(name, rank, cfg) for name in cfg.models]
     return [bench_model(name, rank, cfg) for name in cfg.models]
+
+
+def run_rounds(steps: dict[str, Callable[[], None]], cfg: BenchConfig,
+               ) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
+    """Warm up each contender, then ``cfg.repeats`` rounds of one block each, in
+    rotating order; returns the wall-clock blocks and CPU times per contender."""
+    names = tuple(steps)
+    for c in names:
+        time_block(steps[c], cfg.warmup)
+    blocks: dict[str, list[list[float]]] = {c: [] for c in names}
+    cpu: dict[str, list[float]] = {c: [] for c in names}
+    for r in range(cfg.repeats):
+        shift = r % len(names)
+        for c in names[shift:] + names[:shift]:
+            wall, block_cpu = time_block(steps[c], cfg.steps)
+            blocks[c].append(wall)
+            cpu[c] += block_cpu
+    return blocks, cpu
 
 
 def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
@@ -198,17 +234,7 @@ def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
         "compute": make_train_step(copy.deepcopy(work.model), work),
         "comm": make_comm_step(numel),
     }
-    for c in CONTENDERS:
-        time_block(steps[c], cfg.warmup)
-
-    blocks: dict[str, list[list[float]]] = {c: [] for c in CONTENDERS}
-    cpu: dict[str, list[float]] = {c: [] for c in CONTENDERS}
-    for r in range(cfg.repeats):
-        shift = r % len(CONTENDERS)
-        for c in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            wall, block_cpu = time_block(steps[c], cfg.steps)
-            blocks[c].append(wall)
-            cpu[c] += block_cpu
+    blocks, cpu = run_rounds(steps, cfg)
 
     record: dict[str, Any] = {"model": name, "numel": numel, "tensors": len(params),
                               "blocks": blocks, "cpu": cpu}
@@ -216,6 +242,187 @@ def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
         record["profile"] = {c: profile_steps(steps[c], cfg.profile, rank)
                              for c in ("torch", "tandem")}
     return record
+
+
+# ---------------------------------------------------------------------- hooks
+POWERSGD_START = 2  # torch's minimum with error feedback; inside the warm-up steps
+PROBE_STEPS = 20
+
+
+def tandem_with_hook(model: nn.Module, hook: str, cfg: BenchConfig) -> tandem.DistributedDataParallel:
+    """tandem's DDP reducing with ``hook`` (a name from HOOKS)."""
+    from tandem import comm_hooks
+
+    ddp = tandem.DistributedDataParallel(model, **cfg.ddp_kwargs)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, comm_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        ddp.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        config = comm_hooks.PowerSGDConfig(matrix_rank=cfg.powersgd_rank, start_iter=POWERSGD_START)
+        ddp.register_comm_hook(comm_hooks.PowerSGDState(config), comm_hooks.powersgd_hook)
+    return ddp
+
+
+def torch_with_hook(model: nn.Module, hook: str, cfg: BenchConfig, numel: int, *,
+                    one_bucket: bool) -> tuple[nn.Module | None, Callable[[], int] | None, str]:
+    """torch's DDP with the hook equivalent to tandem's ``hook``; returns the DDP
+    (None if torch refuses the hook), a function giving the bytes of the step just
+    taken, and a note for the table."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    kwargs = dict(cfg.ddp_kwargs)
+    note = ""
+    if one_bucket:
+        kwargs["bucket_cap_mb"] = numel * 4 / 2**20 + 1
+        note = "1 bucket"
+    ddp = nn.parallel.DistributedDataParallel(model, **kwargs)
+    if hook == "none":
+        return ddp, lambda: numel * 4, note
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return ddp, lambda: numel * 2, note
+    if hook == "bf16":
+        try:
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        except (TypeError, RuntimeError) as e:  # torch: "requires CUDA 11+ and NCCL 2.10+"
+            return None, None, f"n/a: torch's DDP refuses it ({str(e).splitlines()[0]})"
+        return ddp, lambda: numel * 2, note
+    assert hook == "powersgd", hook
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                                        start_powerSGD_iter=POWERSGD_START)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    seen = [0]
+
+    def step_bytes() -> int:
+        # Elements the hook sent since the last call: P, Q and the uncompressed
+        # tensors (its counter only moves once compression has started).
+        sent = state.total_numel_after_compression - seen[0]
+        seen[0] = state.total_numel_after_compression
+        return (sent or numel) * 4
+
+    return ddp, step_bytes, note
+
+
+def make_counted_step(ddp: nn.Module, work: Workload, step_bytes: Callable[[], int],
+                      record: list[int]) -> Callable[[], None]:
+    """A training step that appends the bytes it sent to ``record``."""
+    train = make_train_step(ddp, work)
+
+    def step() -> None:
+        train()
+        record.append(step_bytes())
+
+    return step
+
+
+def bench_hooks_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
+    work = build_workload(name, rank)
+    params = [p for p in work.model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    steps: dict[str, Callable[[], None]] = {
+        "compute": make_train_step(copy.deepcopy(work.model), work),
+        "comm": make_comm_step(numel),
+    }
+    sent: dict[str, list[int]] = {}
+    notes: dict[str, str] = {}
+    for hook in cfg.hooks:
+        ddp, step_bytes, notes[f"torch {hook}"] = torch_with_hook(
+            copy.deepcopy(work.model), hook, cfg, numel, one_bucket=hook == "powersgd")
+        if ddp is not None and step_bytes is not None:
+            sent[f"torch {hook}"] = []
+            steps[f"torch {hook}"] = make_counted_step(ddp, work, step_bytes, sent[f"torch {hook}"])
+        ours = tandem_with_hook(copy.deepcopy(work.model), hook, cfg)
+        sent[f"tandem {hook}"] = []
+        steps[f"tandem {hook}"] = make_counted_step(
+            ours, work, lambda ddp=ours: ddp.comm_stats.bytes, sent[f"tandem {hook}"])
+    blocks, cpu = run_rounds(steps, cfg)
+    measured = cfg.repeats * cfg.steps
+    return {"model": name, "numel": numel, "tensors": len(params), "blocks": blocks, "cpu": cpu,
+            "bytes": {c: statistics.median(b[-measured:]) for c, b in sent.items()},
+            "notes": notes}
+
+
+def probe_torch_powersgd(rank: int, world_size: int, name: str, cfg: BenchConfig) -> int:
+    """A few steps of torch's DDP with powerSGD_hook and its default buckets."""
+    torch.set_num_threads(1)
+    work = build_workload(name, rank)
+    numel = sum(p.numel() for p in work.model.parameters())
+    ddp, _, _ = torch_with_hook(work.model, "powersgd", cfg, numel, one_bucket=False)
+    assert ddp is not None
+    step = make_train_step(ddp, work)
+    for _ in range(PROBE_STEPS):
+        step()
+    logging_data = getattr(ddp, "_get_ddp_logging_data", dict)()  # private, informative only
+    return int(logging_data.get("num_buckets_reduced", 0))
+
+
+def probe_torch_powersgd_all(cfg: BenchConfig) -> dict[str, str]:
+    """Per model: whether torch's powerSGD_hook survives its default buckets on
+    gloo (in separate processes: when it fails, gloo aborts the process)."""
+    verdicts = {}
+    for name in cfg.models:
+        try:
+            buckets = run_distributed(probe_torch_powersgd, world_size=2, args=(name, cfg),
+                                      timeout=600)[0]
+            verdicts[name] = (f"with its default buckets ({buckets or '?'}) it ran {PROBE_STEPS} "
+                              "steps this time")
+        except RankFailure as e:
+            reports = "\n".join(e.tracebacks.values())
+            why = ("a rank was killed by SIGABRT; gloo's reason is on stderr"
+                   if "code -6" in reports else e.tracebacks[e.rank].strip().splitlines()[-1])
+            verdicts[name] = f"with its default buckets it aborted ({why})"
+        except TimeoutError:
+            verdicts[name] = "hung with its default buckets (killed after 600 s)"
+    return verdicts
+
+
+def summarise_hooks(record: dict[str, Any], hooks: tuple[str, ...]) -> list[dict[str, Any]]:
+    blocks = record["blocks"]
+    med = {c: statistics.median(t for b in blocks[c] for t in b) for c in blocks}
+    base = record["bytes"].get("tandem none")
+    rows = []
+    for hook in hooks:
+        t, d = f"torch {hook}", f"tandem {hook}"
+        rows.append({
+            "model": record["model"], "numel": record["numel"], "tensors": record["tensors"],
+            "hook": hook, "torch_ms": med.get(t), "tandem_ms": med[d],
+            "torch_bytes": record["bytes"].get(t), "tandem_bytes": record["bytes"][d],
+            "fewer": None if base is None else base / record["bytes"][d],
+            "note": record["notes"].get(t, ""), "compute_ms": med["compute"], "comm_ms": med["comm"]})
+    return rows
+
+
+def _mb(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    mb = n / 1e6
+    return f"{mb:.1f} MB" if mb >= 10 else f"{mb:.2f} MB" if mb >= 0.1 else f"{mb * 1e3:.1f} kB"
+
+
+def format_hooks_table(rows: list[dict[str, Any]], probes: dict[str, str]) -> str:
+    lines = [
+        "| model | hook | torch step ms | tandem step ms | tandem/torch | torch bytes/step "
+        "| tandem bytes/step | tandem bytes vs none | torch note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        torch_ms = "n/a" if row["torch_ms"] is None else _ms(row["torch_ms"])
+        ratio = "" if row["torch_ms"] is None else f"{row['tandem_ms'] / row['torch_ms']:.2f}"
+        fewer = "" if row["fewer"] is None else f"÷{row['fewer']:.3g}"
+        note = row["note"]
+        if row["hook"] == "powersgd" and row["model"] in probes:
+            note = f"{note}; {probes[row['model']]}" if note else probes[row["model"]]
+        lines.append(
+            f"| {row['model']} | {row['hook']} | {torch_ms} | {_ms(row['tandem_ms'])} | {ratio} "
+            f"| {_mb(row['torch_bytes'])} | **{_mb(row['tandem_bytes'])}** | {fewer} | {note} |")
+    lines.append("")
+    for row in rows:
+        if row["hook"] == rows[0]["hook"]:
+            lines.append(f"- {row['model']}: {row['numel'] / 1e6:.2f}M parameters in {row['tensors']} "
+                         f"tensors; compute alone {_ms(row['compute_ms'])} ms per step, one fp32 "
+                         f"all-reduce of all gradients {_ms(row['comm_ms'])} ms")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- report
@@ -307,6 +514,14 @@ def parse_models(text: str) -> tuple[str, ...]:
     return names
 
 
+def parse_hooks(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in HOOKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from {','.join(HOOKS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
@@ -321,15 +536,22 @@ def main(argv: list[str] | None = None) -> None:
                              "gradient_as_bucket_view=True,bucket_cap_mb=10")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after measuring, cProfile N steps of each DDP on rank 0")
+    parser.add_argument("--hooks", type=parse_hooks, default=(),
+                        help=f"comma-separated communication hooks to compare, from {','.join(HOOKS)} "
+                             "(none = no hook); prints step time and bytes per step per hook")
+    parser.add_argument("--powersgd-rank", type=int, default=1,
+                        help="matrix rank of PowerSGD with --hooks (default 1)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
 
     cfg = BenchConfig(models=args.models, steps=args.steps, warmup=args.warmup,
-                      repeats=args.repeats, ddp_kwargs=args.ddp_kwargs, profile=args.profile)
+                      repeats=args.repeats, ddp_kwargs=args.ddp_kwargs, profile=args.profile,
+                      hooks=args.hooks, powersgd_rank=args.powersgd_rank)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     records = run_distributed(bench_rank, world_size=2, args=(cfg,), timeout=3600)[0]
+    probes = probe_torch_powersgd_all(cfg) if "powersgd" in cfg.hooks else {}
     elapsed = time.perf_counter() - started
 
     print(f"torch {torch.__version__}, Python {platform.python_version()}, "
@@ -338,6 +560,14 @@ def main(argv: list[str] | None = None) -> None:
           f"{cfg.repeats} rounds x {cfg.steps} steps per contender after {cfg.warmup} warm-up; "
           f"ran {elapsed:.0f} s; 1-min load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after\n")
+    if cfg.hooks:
+        print(f"Communication hooks (PowerSGD rank {cfg.powersgd_rank}, compressing from step "
+              f"{POWERSGD_START}): wall-clock median per step and bytes each rank sends per step, "
+              "rank 0\n")
+        print(format_hooks_table([row for r in records for row in summarise_hooks(r, cfg.hooks)],
+                                 probes))
+        sys.stdout.flush()
+        return
     rows = [summarise(r) for r in records]
     print("Wall-clock time per step, rank 0 (median [quartiles of the per-block medians])\n")
     print(format_table(rows))
