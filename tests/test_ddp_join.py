@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce_hook,
+                                                                       fp16_compress_hook)
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
@@ -42,9 +44,14 @@ def _compare(rank: int, world_size: int, cases: list[dict]) -> list[float]:
     for case in cases:
         kw, divide, micro = case["ddp"], case["divide"], case.get("micro", 1)
         ref_model = TorchDDP(make_model(case["model"], seed=rank), **kw)
+        hook = case.get("hook")
+        if hook is not None:
+            ref_model.register_comm_hook(None, hook)
         ref = _train(ref_model, TorchJoin([ref_model], divide_by_initial_world_size=divide),
                      rank, micro)
         ours_model = tandem.DistributedDataParallel(make_model(case["model"], seed=rank), **kw)
+        if hook is not None:
+            ours_model.register_comm_hook(None, hook)
         ours = _train(ours_model, tandem.join([ours_model], divide_by_initial_world_size=divide),
                       rank, micro)
         diffs.append(max((ref[k].double() - ours[k].double()).abs().max().item() for k in ref))
@@ -58,6 +65,10 @@ CASES = [
     dict(model="batchnorm", ddp={}, divide=True),
     dict(model="switching", ddp=dict(find_unused_parameters=True), divide=True),
     dict(model="mlp", ddp={}, divide=True, micro=2),
+    # torch's hooks on both: a joined rank runs the hook on zero buckets, as torch does.
+    # fp16 sums of 3 ranks round differently with gloo's chunking (as without join).
+    dict(model="mlp", ddp={}, divide=False, hook=fp16_compress_hook, tol=1e-3),
+    dict(model="mlp", ddp={}, divide=True, hook=allreduce_hook),
 ]
 
 
@@ -65,7 +76,7 @@ def test_uneven_inputs_match_torch_join() -> None:
     results = run_distributed(_compare, 3, args=(CASES,), timeout=120)
     for rank, diffs in enumerate(results):
         for case, diff in zip(CASES, diffs):
-            assert diff <= 1e-6, f"rank {rank} {case}: max abs diff {diff:.3g}"
+            assert diff <= case.get("tol", 1e-6), f"rank {rank} {case}: max abs diff {diff:.3g}"
 
 
 def _throw(rank: int, world_size: int) -> str:

@@ -261,12 +261,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             # A joined rank would also have to mirror ZeroOptimizer's all-gathers.
             raise NotImplementedError(
                 f"tandem.join is not supported with zero_stage={int(self.zero_stage)} yet")
-        if self._reducer is not None and self._reducer._comm_hook is not None:
-            # A joined rank mirrors plain bucket all-reduces (Note [join mirror]); a
-            # hook's collectives differ, and gloo would abort the process.
-            raise NotImplementedError(
-                "tandem.join is not supported with a communication hook yet "
-                f"({getattr(self._reducer._comm_hook, '__qualname__', self._reducer._comm_hook)!r})")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

@@ -511,6 +511,16 @@ class GradReducer:
         works = []
         for bucket in self.buckets:
             spec = bucket.spec
+            if self._comm_hook is not None:
+                # As torch: the hook runs on a zero bucket, one bucket after another
+                # (the strictest Note [hook order]); the flag follows below.
+                bucket.grads.zero_()
+                future = self._comm_hook(self._comm_hook_state, GradBucket(
+                    bucket, bucket.index == len(self.buckets) - 1, self.comm))
+                work = HookWork(future, bucket, getattr(self._comm_hook, "__qualname__", "hook"))
+                work.settle()
+                works.append(work)
+                continue
             if self._zero:
                 zeros = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
                 works.append(self.comm.reduce_scatter(self.grad_shards[bucket.index], zeros,
@@ -521,6 +531,9 @@ class GradReducer:
         if self._tracks_used:
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
             works.append(self.comm.all_reduce(used, tag="used parameters", async_op=True))
+        if self._comm_hook is not None:
+            flag = torch.zeros(1, device=self.comm.device)
+            self.comm.all_reduce(flag, tag="missing gradients flag")
         for work in works:
             work.wait()
 
