@@ -38,8 +38,7 @@ def preserve_version_counters(tensors: Sequence[torch.Tensor]) -> Iterator[None]
     if preserve is None or not tensors:
         yield
         return
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(preserve(tuple(tensors)))
+    with preserve(tuple(tensors)):
         yield
 
 

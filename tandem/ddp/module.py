@@ -160,7 +160,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.bucket_bytes_cap = cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list)[-1]
+        caps = tuple(cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list))
+        self.bucket_bytes_cap = caps[-1]
         # Per-step toggles, as in torch (nanoGPT sets require_backward_grad_sync directly).
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -176,7 +177,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._comm.size > 1 or self.zero_stage:
             # A world of one needs no reducer, unless ZeRO's optimizer reads its shards.
             self._reducer = GradReducer(trainable, self._comm, ReducerOptions(
-                caps=tuple(cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list)),
+                caps=caps,
                 find_unused_parameters=find_unused_parameters,
                 static_graph=static_graph,
                 gradient_as_bucket_view=gradient_as_bucket_view,

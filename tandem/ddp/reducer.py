@@ -565,11 +565,6 @@ class GradReducer:
             f"{' ...' if len(waiting) > 10 else ''}. Make sure every forward's output "
             "reaches loss.backward(), or run forwards that are not trained under torch.no_grad()")
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
 
 
 
