@@ -26,7 +26,9 @@ from test_launch_support import (
     tandem,
 )
 
-# Dumps the launcher's variables, then all-reduces through tandem.init.
+# Dumps the launcher's variables, then all-reduces through tandem.init. Each
+# rank writes its own file: torchrun does not line-buffer its workers' shared
+# stdout, so two ranks' prints can interleave within one line.
 CONTRACT = """
     import json, os, sys
     import torch, torch.distributed as dist
@@ -40,27 +42,31 @@ CONTRACT = """
     world = tandem.init()
     t = torch.tensor([float(world.rank + 1)])
     dist.all_reduce(t)
-    print("RESULT " + json.dumps({"rank": world.rank, "local_rank": world.local_rank,
-                                  "world_size": world.world_size, "sum": t.item(), "env": names}))
+    with open(os.path.join(sys.argv[1], f"{world.rank}.json"), "w") as f:
+        json.dump({"rank": world.rank, "local_rank": world.local_rank,
+                   "world_size": world.world_size, "sum": t.item(), "env": names}, f)
     tandem.shutdown()
 """
 
 
-def results(stdout: str) -> dict[int, dict]:
+def results(folder) -> dict[int, dict]:
     out = {}
-    for line in lines_with(stdout, "RESULT "):
-        r = json.loads(line.split("RESULT ", 1)[1])
+    for file in folder.glob("*.json"):
+        r = json.loads(file.read_text())
         out[r["rank"]] = r
     return out
 
 
 def test_environment_and_init_as_under_torchrun(tmp_path):
     path = script(tmp_path, "contract.py", CONTRACT)
-    ours = tandem(["--nproc-per-node", "2", str(path)], cwd=tmp_path)
-    theirs = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", str(path)], cwd=tmp_path)
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    ours = tandem(["--nproc-per-node", "2", str(path), "ours"], cwd=tmp_path)
+    theirs = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", str(path), "theirs"],
+                 cwd=tmp_path)
     assert ours.returncode == 0, ours
     assert theirs.returncode == 0, theirs
-    mine, ref = results(ours.stdout), results(theirs.stdout)
+    mine, ref = results(tmp_path / "ours"), results(tmp_path / "theirs")
     assert sorted(mine) == sorted(ref) == [0, 1]
     for rank in (0, 1):
         # tandem.init all-reduced across the world of two under both launchers.
@@ -210,13 +216,16 @@ def test_signal_to_the_launcher_reaches_the_workers(tmp_path, sig):
 
 def test_two_jobs_on_one_machine_do_not_collide(tmp_path):
     path = script(tmp_path, "contract.py", CONTRACT)
-    jobs = [Job(TANDEM + flags + ["--nproc-per-node", "2", str(path)], cwd=tmp_path)
-            for flags in (["--standalone"], [])]
+    outs = [tmp_path / "standalone", tmp_path / "default"]
+    for out in outs:
+        out.mkdir()
+    jobs = [Job(TANDEM + flags + ["--nproc-per-node", "2", str(path), out.name], cwd=tmp_path)
+            for flags, out in zip((["--standalone"], []), outs)]
     runs = [job.finish(90) for job in jobs]
-    for r in runs:
+    for r, out in zip(runs, outs):
         assert r.returncode == 0, r
-        assert sorted(results(r.stdout)) == [0, 1]
-        assert {v["sum"] for v in results(r.stdout).values()} == {3.0}
+        assert sorted(results(out)) == [0, 1]
+        assert {v["sum"] for v in results(out).values()} == {3.0}
 
 
 def test_port_in_use_is_reported(tmp_path):
