@@ -11,14 +11,21 @@ import logging as _logging
 
 from tandem import comm_hooks
 from tandem.comm import WorldInfo, init, shutdown
+from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
+    weighted_mean
 from tandem.dp import DataParallel
 from tandem.ddp import DistributedDataParallel, join
 from tandem.launch import spawn
 from tandem.nn import SyncBatchNorm
+from tandem.train import Trainer, TrainerConfig, TrainingState, atomic_save, capture_rng_state, \
+    latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint, seed_everything
 from tandem.zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "DistributedDataParallel", "SyncBatchNorm", "WorldInfo", "ZeroOptimizer", "init",
-           "join", "shutdown", "spawn"]
+__all__ = ["DataParallel", "DistributedDataParallel", "DistributedSampler", "RunningMean", "SyncBatchNorm",
+           "Trainer", "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean",
+           "all_reduce_sum", "atomic_save", "capture_rng_state", "gather_samples", "init", "join",
+           "latest_checkpoint", "load_checkpoint", "restore_rng_state", "save_checkpoint",
+           "seed_everything", "shutdown", "spawn", "weighted_mean"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

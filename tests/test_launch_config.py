@@ -379,5 +379,33 @@ def test_output_does_not_hold_back_endless_lines(tmp_path):
     logs.attempts[0].ranks[0].stdout.write_bytes(b"\r" + b"=" * 100_000)
     shown.start()
     time.sleep(0.3)
-    assert out.getvalue().startswith("[rank 0] \r===")  # printed before the job ends
+    assert out.getvalue().startswith("[rank 0] ===")  # printed before the job ends
     shown.stop()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_output_shows_progress_bars_as_a_terminal_would(tmp_path, terminal):
+    out = _Terminal() if terminal else io.StringIO()
+    shown = RankOutput(out, io.StringIO())
+    logs = WorkerLogs(tmp_path / "logs", on_attempt=shown.follow)
+    logs.reify({0: {"RANK": "0", "WORLD_SIZE": "1"}})
+    shown.start()
+    with open(logs.attempts[0].ranks[0].stdout, "w") as f:
+        # What tqdm writes: redraws, a message written over the bar, the final state.
+        for text in ("\r 10%|#", "\r 50%|#####", "\r          \rnote\n", "\r 90%|#########"):
+            f.write(text)
+            f.flush()
+            time.sleep(0.15)
+        f.write("\r100%|##########\n")
+    shown.stop()
+    text = out.getvalue()
+    if terminal:  # redraws shown in place, then each line replaces the bar
+        assert "\r[rank 0]  10%|#\x1b[K" in text and "\r[rank 0] note\x1b[K\n" in text
+        assert text.endswith("\r[rank 0] 100%|##########\x1b[K\n")
+    else:  # logs and pipes get whole lines: what a terminal would finally show
+        assert text == "[rank 0] note\n[rank 0] 100%|##########\n"

@@ -183,7 +183,10 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     log_root = config.log_dir or tempfile.mkdtemp(prefix="tandem-run-")
     output = RankOutput(stdout, stderr, ranks=config.output_ranks,
                         local_ranks=config.output_local_ranks)
-    logs = WorkerLogs(log_root, worker_env=config.worker_env, on_attempt=output.follow)
+    worker_env = dict(config.worker_env)
+    if _isatty(stdout):  # Note [carriage returns] in output.py
+        worker_env["TANDEM_STDOUT_ISATTY"] = "1"
+    logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow)
     start = time.monotonic()
     output.start()
     try:
@@ -259,3 +262,10 @@ def _visible_gpus(args: argparse.Namespace) -> int:
     if str(args.nproc_per_node).strip() not in ("auto", "gpu"):
         return 0
     return visible_gpus()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -11,6 +11,15 @@ A line is printed only once its newline has arrived, so lines of different
 ranks never interleave mid-line (torch's own log tailer prints a half-written
 line with a prefix and its rest with another). Output can be limited to chosen
 ranks; the log files always hold everything.
+
+# Note [carriage returns]
+A progress bar redraws one line with ``\r``. A line is printed as a terminal
+would show it, the text after its last ``\r``, so a log or a pipe gets the
+bar's final state and the messages written over it, not kilobytes of redraws.
+When the launcher's own output is a terminal, each redraw is also shown as it
+arrives (``\r`` and the prefix, on the same line), so bars move under
+``tandem run`` as they do under ``python``; workers learn that their output
+ends on a terminal from ``TANDEM_STDOUT_ISATTY=1``.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from typing import BinaryIO, TextIO
 
 from tandem.launch.logs import Attempt
 
-__all__ = ["RankOutput", "rank_prefix", "split_lines"]
+__all__ = ["RankOutput", "rank_prefix", "split_lines", "visible_text"]
 
 _POLL_S = 0.05
 _CHUNK = 1 << 16
@@ -46,6 +55,15 @@ def split_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
     return lines, rest
 
 
+def visible_text(line: bytes) -> bytes:
+    """What a terminal shows of ``line``: its last non-empty ``\r`` segment
+    (see Note [carriage returns])."""
+    for segment in reversed(line.split(b"\r")):
+        if segment:
+            return segment
+    return b""
+
+
 @dataclass
 class _Follow:
     path: Path
@@ -53,6 +71,7 @@ class _Follow:
     prefix: str
     fp: BinaryIO | None = None
     pending: bytes = b""
+    redrawn: bytes = b""  # the redraw last shown live, for a terminal
 
 
 class RankOutput:
@@ -81,6 +100,7 @@ class RankOutput:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._broken = False
+        self._live: dict[int, _Follow] = {}  # id(dst) -> the follow whose redraw ends it
 
     def follow(self, attempt: Attempt) -> None:
         """Show ``attempt``'s workers from now on. The previous attempt's workers
@@ -133,6 +153,12 @@ class RankOutput:
                 return  # the worker has not started yet
         for chunk in _read_available(f.fp):
             lines, f.pending = split_lines(f.pending, chunk)
+            # Only the latest redraw of an unfinished line matters. (A writer like tqdm
+            # writes each redraw in one call, so it is rarely read in halves.)
+            cut = f.pending.rfind(b"\r")
+            if cut >= 0:
+                self._redraw(f, visible_text(f.pending))
+                f.pending = f.pending[cut:]
             if len(f.pending) > _MAX_PENDING:
                 lines.append(f.pending)
                 f.pending = b""
@@ -147,17 +173,46 @@ class RankOutput:
             f.fp.close()
             f.fp = None
 
-    def _emit(self, f: _Follow, lines: list[bytes]) -> None:
-        if not lines or self._broken:
+    def _redraw(self, f: _Follow, segment: bytes) -> None:
+        """Show a progress bar's latest state in place, on a terminal only."""
+        if not segment or segment == f.redrawn or not _isatty(f.dst):
             return
-        text = "".join(f"{f.prefix}{line.decode(errors='replace').rstrip(chr(13))}\n"
-                       for line in lines)
+        f.redrawn = segment
+        self._write(f, f"\r{f.prefix}{segment.decode(errors='replace')}\x1b[K", live=True)
+
+    def _emit(self, f: _Follow, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        text = "".join(f"{f.prefix}{visible_text(line).decode(errors='replace')}\n" for line in lines)
+        if f.redrawn:  # the first line replaces the bar drawn in place
+            text = "\r" + text.replace("\n", "\x1b[K\n", 1)
+            f.redrawn = b""
+        self._write(f, text, live=False)
+
+    def _write(self, f: _Follow, text: str, *, live: bool) -> None:
+        if self._broken:
+            return
+        other = self._live.get(id(f.dst))
+        if other is not None and other is not f:
+            text = "\n" + text  # leave another rank's bar on a line of its own
+            other.redrawn = b""
+        if live:
+            self._live[id(f.dst)] = f
+        else:
+            self._live.pop(id(f.dst), None)
         try:
             f.dst.write(text)
             f.dst.flush()
         except (BrokenPipeError, ValueError):
             # The console went away (a closed pipe): the log files still have everything.
             self._broken = True
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _read_available(fp: BinaryIO) -> Iterator[bytes]:

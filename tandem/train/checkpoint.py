@@ -1,0 +1,172 @@
+"""Checkpoint files: written atomically by one rank, read by every rank.
+
+# Note [atomic save]
+A checkpoint is first written in full to a temporary file in the same directory
+(``.NAME.tmp-PID``), flushed and fsync'ed, then renamed over ``NAME`` with
+``os.replace`` and the directory fsync'ed. A rename within one file system is
+atomic: a reader sees the old file or the new one, never a mix. A save killed at
+any point (SIGKILL, power loss after the fsyncs) therefore leaves the previous
+checkpoint intact, at worst next to a stray temporary file, which the next save
+of the same name removes.
+
+# Note [save on one rank]
+Under data parallelism every rank holds the same model and optimizer state, so
+rank 0 writes and the others wait. They wait in a collective that also carries
+whether the write succeeded: a full disk on rank 0 becomes an error on every
+rank, instead of rank 0 dying and the others hanging in the next collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)`` so that a killed save never destroys the file
+    that was at ``path`` (see Note [atomic save]). Creates missing directories.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        _remove_quietly(stale)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str], *,
+                    group: dist.ProcessGroup | None = None) -> Path:
+    """Write ``obj`` to ``path`` on rank 0 of ``group``, atomically, then let every
+    rank continue once the file is complete. A collective: call it on every rank
+    (only rank 0's ``obj`` is used; the others may pass None).
+
+    Raises:
+        RuntimeError: on every rank, when rank 0 failed to write (rank 0 raises
+            its own exception).
+    """
+    path = Path(path)
+    if not _distributed(group):
+        return atomic_save(obj, path)
+    rank = dist.get_rank(group)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            atomic_save(obj, path)
+            logger.info("checkpoint saved: %s", path)
+        except Exception as e:  # reported to every rank below, then re-raised here
+            error = e
+    failed = torch.tensor([0 if error is None else 1], device=_group_device(group))
+    dist.all_reduce(failed, group=group)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError(f"rank {rank}: rank 0 failed to write the checkpoint {path}; "
+                           "its own error says why (often a full disk or a missing permission)")
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None,
+                    weights_only: bool = True) -> Any:
+    """Read a checkpoint on this rank, onto ``map_location`` (by default this
+    process's device: ``cuda:LOCAL_RANK`` when CUDA is in use, else the CPU).
+
+    Args:
+        weights_only: torch.load's safe mode (tensors, containers and numbers only),
+            which every checkpoint tandem writes satisfies. Pass False only for
+            files you trust that hold other Python objects.
+
+    Raises:
+        FileNotFoundError: naming the path and what the directory does hold.
+    """
+    path = Path(path)
+    if not path.is_file():
+        present = sorted(p.name for p in path.parent.glob("*.pt")) if path.parent.is_dir() else []
+        raise FileNotFoundError(f"no checkpoint at {path} (that directory holds: "
+                                f"{', '.join(present) or 'no .pt files'})")
+    if map_location is None:
+        map_location = _local_device()
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name the Trainer uses for the checkpoint after ``step`` optimizer steps."""
+    return f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """The complete ``step-N.pt`` checkpoints in ``directory``, oldest step first
+    (temporary files of an unfinished save are not listed)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint with the highest step in ``directory``, or None."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _local_device() -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

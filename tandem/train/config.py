@@ -1,0 +1,95 @@
+"""What a :class:`tandem.Trainer` run does: a frozen, validated configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Precision", "TrainerConfig"]
+
+
+class Precision(str, Enum):
+    """The dtype forward and loss run in (parameters and optimizer stay fp32)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"    # autocast to bfloat16: CPU and CUDA, no scaler needed
+    FP16 = "fp16"    # autocast to float16 with a GradScaler against underflow
+
+    @classmethod
+    def parse(cls, value: str | Precision) -> Precision:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"precision must be one of {[p.value for p in cls]}, got {value!r}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Options of :class:`tandem.Trainer`. Batch sizes are per rank, as with DDP:
+    the global batch of one optimizer step is ``batch_size * grad_accum * world_size``."""
+
+    epochs: int = 1
+    """Passes over the training data."""
+    batch_size: int = 32
+    """Samples per rank per micro-batch."""
+    eval_batch_size: int | None = None
+    """Samples per rank per evaluation batch (default: ``batch_size``)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
+    precision: Precision | str = Precision.FP32
+    """fp32, bf16 (autocast) or fp16 (autocast and a gradient scaler)."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm to this before each step (None: no clipping)."""
+    shuffle: bool = True
+    """Shuffle the training data, with a new order each epoch."""
+    drop_last: bool = False
+    """Drop the tail of the training data that does not fill every rank equally
+    (False: pad it by repetition, as DistributedSampler does)."""
+    seed: int = 0
+    """Seed of the data order (the model's initialisation is the caller's)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    output_dir: str | Path = "tandem-run"
+    """Where checkpoints, ``metrics.jsonl`` and ``loss.png`` go."""
+    checkpoint_every: int = 0
+    """Also save a checkpoint every this many optimizer steps (0: only at the end
+    of each epoch and of the run)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in ``output_dir/checkpoints``; older ones are deleted."""
+    resume: bool = True
+    """Continue from the latest checkpoint in ``output_dir`` when there is one."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total (saving a checkpoint), even
+    mid-epoch; a later run with ``resume`` continues from there."""
+    log_every: int = 10
+    """Optimizer steps between training-loss records (and their all-reduce)."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (tqdm when installed, else a line per record)."""
+    plot: bool = True
+    """Write ``loss.png`` at the end (needs matplotlib; without it, one line says so)."""
+    ddp_options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments for tandem.DistributedDataParallel when the Trainer wraps
+    the model (bucket_cap_mb, find_unused_parameters, ...)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision.parse(self.precision))
+        object.__setattr__(self, "output_dir", Path(self.output_dir))
+        for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+            _check_positive(name, getattr(self, name))
+        for name in ("eval_batch_size", "max_steps"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        for name in ("checkpoint_every", "num_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -1,0 +1,127 @@
+"""Everything a resumed run needs to continue exactly where a saved one stopped.
+
+# Note [exact resume]
+A run interrupted after step k and resumed from its checkpoint must end with the
+parameters an uninterrupted run reaches. That takes more than the model:
+- the optimizer's state (Adam's moments), the scheduler's position and the
+  gradient scaler's scale and growth tracker;
+- the data position: the epoch, and how many samples of it the whole job has
+  already consumed, so that the sampler yields exactly the rest of the epoch
+  (DistributedSampler.set_epoch(epoch, start=consumed));
+- every rank's random number generators (dropout and augmentation draw from
+  them), gathered into the file because each rank's differ.
+Under ZeRO the optimizer state is sharded; its state_dict() consolidates it in
+torch's format, which is also what makes the file loadable at another world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.comm.group import GroupComm
+from tandem.train.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["TrainingState"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "tandem.training_state/1"
+
+
+@dataclass
+class TrainingState:
+    """The objects and counters of one training run (see Note [exact resume]).
+
+    ``state_dict()`` is a collective (it gathers every rank's RNG state, and a
+    ZeRO optimizer's shards); it returns the dict on rank 0 and None elsewhere,
+    ready for :func:`tandem.save_checkpoint`. ``load_state_dict()`` runs on every
+    rank with the whole dict (from :func:`tandem.load_checkpoint`).
+    """
+
+    model: nn.Module
+    """The model, DDP-wrapped or not: the unwrapped module's state is saved, so a
+    checkpoint loads into either."""
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    """A learning-rate scheduler (anything with state_dict/load_state_dict)."""
+    scaler: Any = None
+    """A torch.amp.GradScaler, when training in fp16."""
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """The epoch in progress (or about to start, when ``consumed`` is 0)."""
+    consumed: int = 0
+    """Samples of ``epoch`` already trained on, by all ranks together."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else to keep (tensors, numbers, strings, containers of them)."""
+
+    def state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
+        rng = _gather(capture_rng_state(), group)
+        optimizer = None
+        if self.optimizer is not None:
+            optimizer = self.optimizer.state_dict()  # a collective for ZeroOptimizer
+        if _rank(group) != 0:
+            return None
+        return {
+            "format": FORMAT,
+            "model": _unwrap(self.model).state_dict(),
+            "optimizer": optimizer,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "rng": rng,
+            "extra": self.extra,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+        if state.get("format") != FORMAT:
+            raise ValueError(f"not a tandem training state (format {state.get('format')!r}, "
+                             f"expected {FORMAT!r})")
+        _unwrap(self.model).load_state_dict(state["model"])
+        for name in ("optimizer", "scheduler", "scaler"):
+            target, saved = getattr(self, name), state[name]
+            if target is not None and saved is None:
+                raise ValueError(f"the checkpoint holds no {name} state, but a {name} was given; "
+                                 f"resume with the same set-up as the saved run")
+            if target is not None:
+                target.load_state_dict(saved)
+        self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
+        self.extra = state["extra"]
+        rank, size, saved_ranks = _rank(group), _size(group), len(state["rng"])
+        if saved_ranks != size:
+            logger.warning("the checkpoint was saved by %d rank(s) and is resumed on %d: random "
+                           "streams continue from saved rank (rank mod %d), so the run is not "
+                           "an exact continuation", saved_ranks, size, saved_ranks)
+        restore_rng_state(state["rng"][rank % saved_ranks])
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP or DataParallel wrapper."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if _distributed(group) else 0
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if _distributed(group) else 1
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    if _size(group) == 1:
+        return [obj]
+    return GroupComm(group).all_gather_object(obj, tag="rng state")

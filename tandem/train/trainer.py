@@ -1,0 +1,409 @@
+"""tandem.Trainer: the data-parallel training loop users otherwise write again and again.
+
+It puts tandem's pieces together, each of which works alone: DistributedDataParallel
+(when the world has more than one rank), DistributedSampler with set_epoch and
+mid-epoch resume, gradient accumulation under no_sync, autocast and a gradient
+scaler, clipping, evaluation with every sample counted once, atomic checkpoints
+and exact resume, a progress bar on rank 0, a JSONL record and a loss plot.
+
+The contract with the data: a dataset item is ``(inputs, target)``; the loader
+collates them into batches; ``loss_fn(model(inputs), targets)`` is the mean loss
+of the batch. Batch sizes are per rank, as with DDP.
+
+# Note [equal to one process]
+With equal per-rank batches, averaging the ranks' mean losses' gradients (what
+DDP does) is the gradient of the mean loss over the global batch. The sampler's
+order interleaves ranks (rank r takes positions r, r+R, ...), so step i of R
+ranks with batch B consumes positions [iRB, (i+1)RB) of the epoch's order: the
+same samples as step i of one process with batch RB. Micro-batches accumulated
+under no_sync divide their loss by their count, so accumulation adds nothing
+either. Hence R ranks train like one process on the global batch, which the
+tests check to 1e-6 (for models without batch statistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from tandem.data import DistributedSampler, RunningMean, gather_samples
+from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
+    load_checkpoint, save_checkpoint
+from tandem.train.config import TrainerConfig
+from tandem.train.history import History
+from tandem.train.plot import plot_losses
+from tandem.train.precision import autocast_for, scaler_for
+from tandem.train.progress import Progress
+from tandem.train.rng import rank_seed
+from tandem.train.state import TrainingState
+
+__all__ = ["FitResult", "Trainer"]
+
+logger = logging.getLogger(__name__)
+
+Metric = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What :meth:`Trainer.fit` returns (the same on every rank)."""
+
+    steps: int
+    """Optimizer steps taken in total (including those before a resume)."""
+    epochs_done: int
+    """Epochs completed."""
+    evaluation: dict[str, float] | None
+    """The last evaluation: ``loss`` and each metric, over the whole evaluation set."""
+    history: list[dict[str, Any]]
+    """Every training and evaluation record, as in ``metrics.jsonl``."""
+    checkpoint: Path | None
+    """The last checkpoint written."""
+    plot: Path | None
+    """``loss.png``, or None without matplotlib."""
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on ``train_data``, on every rank of the job.
+
+    Args:
+        model: the model, on this rank's device. Wrapped in
+            tandem.DistributedDataParallel when the world has more than one rank,
+            unless it already is a DDP model (pass your own wrapper for ZeRO).
+        optimizer: built on the model's parameters (a torch optimizer, or a
+            tandem.ZeroOptimizer over an already wrapped model).
+        train_data: a map-style dataset of ``(inputs, target)`` pairs.
+        loss_fn: ``loss_fn(outputs, targets)``, the mean loss of a batch.
+        eval_data: evaluated after each epoch when given.
+        metrics: name -> ``fn(outputs, targets)`` over the whole evaluation set
+            (each sample once), e.g. accuracy.
+        scheduler: stepped after every optimizer step.
+        config: a :class:`TrainerConfig`.
+        collate_fn: the DataLoader's collate function.
+
+    Call :meth:`fit` on every rank, after ``tandem.init()``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 train_data: Dataset, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                 eval_data: Dataset | None = None, metrics: Mapping[str, Metric] | None = None,
+                 scheduler: Any = None, config: TrainerConfig | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+        self.config = config or TrainerConfig()
+        self.rank, self.world_size = _rank_and_size()
+        self.device = _device_of(model)
+        self.model = self._wrap(model)
+        self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
+        self.metrics = dict(metrics or {})
+        self.scaler = scaler_for(self.config.precision, self.device)
+        self._autocast = autocast_for(self.config.precision, self.device)
+        self.sampler = DistributedSampler(train_data, num_replicas=self.world_size, rank=self.rank,
+                                          shuffle=self.config.shuffle, seed=self.config.seed,
+                                          drop_last=self.config.drop_last)
+        self.train_loader = self._loader(train_data, self.sampler, self.config.batch_size, collate_fn)
+        self.eval_data = eval_data
+        self.eval_loader = None
+        if eval_data is not None:
+            eval_sampler = DistributedSampler(eval_data, num_replicas=self.world_size, rank=self.rank,
+                                              shuffle=False)
+            self.eval_loader = self._loader(eval_data, eval_sampler,
+                                            self.config.eval_batch_size or self.config.batch_size,
+                                            collate_fn)
+        self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
+                                   scaler=self.scaler)
+        self.checkpoint_dir = self.config.output_dir / "checkpoints"
+
+    # ------------------------------------------------------------------ set-up
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.world_size == 1 or _is_ddp(model):
+            return model
+        from tandem.ddp import DistributedDataParallel
+        return DistributedDataParallel(model, **dict(self.config.ddp_options))
+
+    def _loader(self, data: Dataset, sampler: DistributedSampler, batch_size: int,
+                collate_fn: Callable[[list[Any]], Any] | None) -> DataLoader:
+        # A generator of its own: otherwise each iter() draws the workers' base seed from
+        # the global torch RNG, and a run resumed mid-epoch (one extra iter()) would
+        # continue with dropout masks shifted by one draw. Note [exact resume] in state.py.
+        generator = torch.Generator().manual_seed(rank_seed(self.config.seed, self.rank))
+        return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                          num_workers=self.config.num_workers, generator=generator,
+                          pin_memory=self.device.type == "cuda")
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, all ranks together (a full step)."""
+        return self.config.batch_size * self.config.grad_accum * self.world_size
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> FitResult:
+        """Train for ``config.epochs`` epochs (or up to ``config.max_steps``), resuming
+        from the latest checkpoint in ``config.output_dir`` when ``config.resume``.
+        A collective: call it on every rank."""
+        cfg = self.config
+        resumed_from = self._resume() if cfg.resume else None
+        history = History(cfg.output_dir / "metrics.jsonl" if self.rank == 0 else None,
+                          self.state.extra.get("history"))
+        total_steps = self._steps_per_epoch() * cfg.epochs
+        if cfg.max_steps is not None:
+            total_steps = min(total_steps, cfg.max_steps)
+        progress = Progress(enabled=self.rank == 0, bar=cfg.progress, total=total_steps,
+                            initial=min(self.state.step, total_steps))
+        if resumed_from is not None:
+            progress.say(f"resumed from {resumed_from} (epoch {self.state.epoch}, step {self.state.step})")
+        progress.say(f"training on {self.world_size} rank(s): {self.sampler.dataset_size} samples, "
+                     f"global batch {self.global_batch_size}, {cfg.epochs} epoch(s), "
+                     f"precision {cfg.precision.value}")
+        checkpoint = resumed_from
+        try:
+            while self.state.epoch < cfg.epochs and not self._reached_max_steps():
+                self._train_epoch(history, progress)
+                if self._epoch_done():
+                    self.state.epoch += 1
+                    self.state.consumed = 0
+                    self._evaluate_into(history, progress)
+                checkpoint = self._save(history)
+            if self.state.epoch < cfg.epochs:
+                progress.say(f"stopped at step {self.state.step} (max_steps {cfg.max_steps}); "
+                             "run again with resume to continue")
+        finally:
+            progress.close()
+        plot = None
+        if cfg.plot and self.rank == 0:
+            plot = plot_losses(history.of_kind("train"), history.of_kind("eval"),
+                               cfg.output_dir / "loss.png")
+            progress.say(f"loss plot: {plot}" if plot is not None else
+                         "no loss plot: matplotlib is not installed (pip install matplotlib)")
+        return FitResult(steps=self.state.step, epochs_done=self.state.epoch,
+                         evaluation=_last_eval(history.records), history=history.records,
+                         checkpoint=checkpoint, plot=plot)
+
+    def _samples_per_rank(self) -> int:
+        """Samples of one whole epoch on each rank (the sampler pads or drops to equal shares)."""
+        n, world = self.sampler.dataset_size, self.world_size
+        return n // world if self.config.drop_last else math.ceil(n / world)
+
+    def _steps_per_epoch(self) -> int:
+        micro_batches = math.ceil(self._samples_per_rank() / self.config.batch_size)
+        return math.ceil(micro_batches / self.config.grad_accum)
+
+    def _reached_max_steps(self) -> bool:
+        return self.config.max_steps is not None and self.state.step >= self.config.max_steps
+
+    def _train_epoch(self, history: History, progress: Progress) -> None:
+        """Train the rest of ``state.epoch``, or up to max_steps."""
+        cfg, state = self.config, self.state
+        self.sampler.set_epoch(state.epoch, start=state.consumed)
+        self.model.train()
+        window = _Window()
+        batches = iter(self.train_loader)
+        while micro_batches := list(islice(batches, cfg.grad_accum)):
+            started = time.perf_counter()
+            samples, comm_wait = self._step(micro_batches, window.loss)
+            window.add(samples * self.world_size, time.perf_counter() - started, comm_wait)
+            state.step += 1
+            state.consumed += samples * self.world_size
+            progress.advance()
+            if state.step % cfg.log_every == 0:
+                record = window.record(state, self._lr())
+                history.append(record)
+                progress.show(record)
+                window = _Window()
+            if self._reached_max_steps():
+                return
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and not self._epoch_done():
+                self._save(history)
+
+    def _epoch_done(self) -> bool:
+        return self.state.consumed >= self._samples_per_rank() * self.world_size
+
+    def _step(self, micro_batches: list[Any], loss_mean: RunningMean) -> tuple[int, float | None]:
+        """One optimizer step over ``micro_batches``. Returns this rank's sample count
+        and the seconds the synchronised backward waited on communication."""
+        samples = 0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not _is_ddp(self.model) else self.model.no_sync()
+            with sync:
+                with self._autocast():
+                    loss = self.loss_fn(self.model(inputs), targets)
+                n = _batch_len(targets)
+                loss_mean.update(loss.detach().float(), weight=n)
+                # Note [equal to one process]: micro-batches weigh by their count.
+                scaled = loss / len(micro_batches)
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            samples += n
+        stats = getattr(self.model, "comm_stats", None)
+        self._optimizer_step()
+        return samples, None if stats is None else stats.wait_s
+
+    def _optimizer_step(self) -> None:
+        cfg = self.config
+        if cfg.max_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            clip = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeroOptimizer: across shards
+            if clip is not None:
+                clip(cfg.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate_into(self, history: History, progress: Progress) -> None:
+        if self.eval_loader is None:
+            return
+        evaluation = self.evaluate()
+        history.append({"kind": "eval", "epoch": self.state.epoch, "step": self.state.step,
+                        **evaluation})
+        progress.say(f"evaluation after epoch {self.state.epoch}: "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items()))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The loss and metrics over the whole evaluation set, each sample counted
+        once (the sampler's padding is dropped), the same on every rank. A collective."""
+        if self.eval_loader is None:
+            raise RuntimeError("the Trainer was built without eval_data")
+        module = _unwrap(self.model)  # no DDP collectives: ranks only meet in the gather
+        was_training = module.training
+        module.eval()
+        outputs, targets = [], []
+        for inputs, target in self.eval_loader:
+            with self._autocast():
+                out = module(_to_device(inputs, self.device))
+            outputs.append(out.float())
+            targets.append(_to_device(target, self.device))
+        module.train(was_training)
+        n = len(self.eval_data)
+        out = gather_samples(torch.cat(outputs), n)
+        target = gather_samples(torch.cat(targets), n)
+        result = {"loss": float(self.loss_fn(out, target))}
+        for name, fn in self.metrics.items():
+            result[name] = float(fn(out, target))
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, history: History) -> Path:
+        self.state.extra = {"history": history.records}
+        path = self.checkpoint_dir / checkpoint_name(self.state.step)
+        save_checkpoint(self.state.state_dict(), path)
+        if self.rank == 0:
+            for old in list_checkpoints(self.checkpoint_dir)[:-self.config.keep_checkpoints]:
+                old.unlink(missing_ok=True)
+        return path
+
+    def _resume(self) -> Path | None:
+        latest = latest_checkpoint(self.checkpoint_dir)
+        seen = self._share_all(None if latest is None else latest.name)
+        if len(set(seen)) > 1:
+            raise RuntimeError(
+                f"rank {self.rank}: ranks see different latest checkpoints in {self.checkpoint_dir} "
+                f"({dict(enumerate(seen))}); output_dir must be one shared directory, or pass "
+                "resume=False")
+        if latest is None:
+            return None
+        self.state.load_state_dict(load_checkpoint(latest, map_location=self.device))
+        return latest
+
+    # ------------------------------------------------------------------ small collectives
+    def _share_all(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+class _Window:
+    """Training records accumulate over ``log_every`` steps: loss (reduced across
+    ranks when recorded), throughput and the share of time waiting on communication."""
+
+    def __init__(self) -> None:
+        self.loss = RunningMean()
+        self.samples = 0
+        self.seconds = 0.0
+        self.comm_wait: float | None = None
+
+    def add(self, samples: int, seconds: float, comm_wait: float | None) -> None:
+        self.samples += samples
+        self.seconds += seconds
+        if comm_wait is not None:
+            self.comm_wait = (self.comm_wait or 0.0) + comm_wait
+
+    def record(self, state: TrainingState, lr: float) -> dict[str, Any]:
+        return {"kind": "train", "epoch": state.epoch + 1, "step": state.step,
+                "loss": self.loss.compute(), "lr": lr,
+                "samples_per_s": self.samples / max(self.seconds, 1e-9),
+                "comm_wait_share": None if self.comm_wait is None else
+                self.comm_wait / max(self.seconds, 1e-9)}
+
+
+def _rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return hasattr(model, "no_sync") and isinstance(getattr(model, "module", None), nn.Module)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if _is_ddp(model) else model
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _batch_len(targets: Any) -> int:
+    if isinstance(targets, torch.Tensor):
+        return targets.shape[0]
+    if isinstance(targets, (list, tuple)) and targets:
+        return _batch_len(targets[0])
+    if isinstance(targets, Mapping) and targets:
+        return _batch_len(next(iter(targets.values())))
+    raise TypeError(f"cannot tell the batch size of targets of type {type(targets).__name__}")
+
+
+def _last_eval(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not evals:
+        return None
+    return {k: v for k, v in evals[-1].items() if k not in ("kind", "epoch", "step")}
