@@ -82,17 +82,21 @@ class TrainingState:
         }
 
     def load_state_dict(self, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"not a tandem training state but {type(state).__name__}; state_dict() "
+                             "returns it on rank 0 only: load the checkpoint file on every rank")
         if state.get("format") != FORMAT:
             raise ValueError(f"not a tandem training state (format {state.get('format')!r}, "
                              f"expected {FORMAT!r})")
-        _unwrap(self.model).load_state_dict(state["model"])
-        for name in ("optimizer", "scheduler", "scaler"):
-            target, saved = getattr(self, name), state[name]
-            if target is not None and saved is None:
+        # Checked before anything is loaded, so that a rejected state changes nothing.
+        given = [name for name in ("optimizer", "scheduler", "scaler") if getattr(self, name) is not None]
+        for name in given:
+            if state[name] is None:
                 raise ValueError(f"the checkpoint holds no {name} state, but a {name} was given; "
                                  f"resume with the same set-up as the saved run")
-            if target is not None:
-                target.load_state_dict(saved)
+        _unwrap(self.model).load_state_dict(state["model"])
+        for name in given:
+            getattr(self, name).load_state_dict(state[name])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
         self.extra = state["extra"]
         rank, size, saved_ranks = _rank(group), _size(group), len(state["rng"])
