@@ -40,9 +40,14 @@ def train(rank: int, world_size: int, output_dir: str, options: dict, init_seed:
           n_train: int = 96, n_eval: int = 37) -> dict:
     """Build everything from scratch and fit; return what the tests compare."""
     dropout = options.pop("dropout", 0.0)
+    zero_stage = options.pop("zero_stage", 0)
     model = make_model(dropout, init_seed)
     tandem.seed_everything(0, per_rank=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    if zero_stage:  # the user wraps; the Trainer takes the model as it is
+        model = tandem.DistributedDataParallel(model, zero_stage=zero_stage, bucket_cap_mb=0.0005)
+        optimizer = tandem.ZeroOptimizer(model, torch.optim.Adam, lr=0.05)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     train_set, eval_set = datasets(n_train, n_eval)
     config = tandem.TrainerConfig(output_dir=output_dir, **options)
@@ -91,6 +96,24 @@ def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, world_size, 
     for rank in range(world_size):
         for name, value in ours[rank]["direct"].items():
             assert ours[rank]["evaluation"][name] == pytest.approx(value, abs=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_wrapped_model_trains_like_plain_ddp(tmp_path, stage):
+    # Clipping goes through ZeroOptimizer.clip_grad_norm_, the checkpoint through its
+    # consolidating state_dict(), which the resume test below relies on too.
+    options = dict(epochs=2, batch_size=8, max_grad_norm=0.5, checkpoint_every=5, plot=False)
+    zero = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "zero"),
+                                                         dict(options, zero_stage=stage)))
+    plain = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "plain"), dict(options)))
+    for rank in range(2):
+        assert max_param_diff(zero[rank]["params"], plain[rank]["params"]) <= 1e-6
+    saved = torch.load(zero[0]["checkpoint"], weights_only=True)["optimizer"]
+    reference = torch.load(plain[0]["checkpoint"], weights_only=True)["optimizer"]
+    assert saved["state"].keys() == reference["state"].keys()
+    for i, state in reference["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert (saved["state"][i][key] - state[key]).abs().max().item() <= 1e-6
 
 
 def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path):

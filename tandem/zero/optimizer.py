@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from tandem._compat import foreach_copy_
 from tandem.comm.group import Work
+from tandem.train.checkpoint import atomic_save
 from tandem.zero.layout import ShardRun, plan_runs, shard_bucket
 from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, entries_of_run, run_state_from
 
@@ -348,9 +349,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Write this rank's shard to ``directory/zero-shard-{rank}-of-{world}.pt``
         (every rank its own file). Returns the path written."""
         path = Path(directory) / f"zero-shard-{self._comm.rank}-of-{self._comm.size}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.sharded_state_dict(), path)
-        return path
+        return atomic_save(self.sharded_state_dict(), path)  # a killed save keeps the old shard
 
     def load_sharded(self, directory: str | os.PathLike[str]) -> None:
         """Load the shards :meth:`save_sharded` wrote, from a run at any world size."""
