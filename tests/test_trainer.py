@@ -116,6 +116,11 @@ def test_a_zero_wrapped_model_trains_like_plain_ddp(tmp_path, stage):
             assert (saved["state"][i][key] - state[key]).abs().max().item() <= 1e-6
 
 
+def test_fp16_with_a_zero_optimizer_is_refused(tmp_path):
+    with pytest.raises(Exception, match="precision='bf16'"):
+        run_distributed(train, 2, timeout=60, args=(str(tmp_path), dict(precision="fp16", zero_stage=1)))
+
+
 def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path):
     # Dropout and a shuffled, padded sampler (95 samples on 2 ranks): the RNG
     # streams and the mid-epoch data position must both be restored.

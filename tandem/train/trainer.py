@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 from tandem.data import DistributedSampler, RunningMean, gather_samples
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, save_checkpoint
-from tandem.train.config import TrainerConfig
+from tandem.train.config import Precision, TrainerConfig
 from tandem.train.history import History
 from tandem.train.plot import plot_losses
 from tandem.train.precision import autocast_for, scaler_for
@@ -106,6 +106,11 @@ class Trainer:
         self.model = self._wrap(model)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
         self.metrics = dict(metrics or {})
+        if self.config.precision is Precision.FP16 and hasattr(optimizer, "sharded_state_dict"):
+            # GradScaler unscales param.grad, but a ZeroOptimizer steps on its own
+            # reduced gradient shards, which would stay scaled.
+            raise ValueError("precision='fp16' needs a GradScaler, which does not work with "
+                             "tandem.ZeroOptimizer yet; use precision='bf16', which needs no scaler")
         self.scaler = scaler_for(self.config.precision, self.device)
         self._autocast = autocast_for(self.config.precision, self.device)
         self.sampler = DistributedSampler(train_data, num_replicas=self.world_size, rank=self.rank,
