@@ -223,3 +223,9 @@ def test_bad_config_names_the_field_and_value(field, value):
     with pytest.raises(ValueError, match=field if field != "precision" else "precision") as info:
         tandem.TrainerConfig(**{field: value})
     assert repr(value) in str(info.value)
+
+
+def test_a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints(tmp_path):
+    train(0, 1, str(tmp_path), dict(epochs=1, batch_size=32, plot=False))
+    with pytest.raises(ValueError, match="resume=False, but .* holds checkpoints of an earlier run"):
+        train(0, 1, str(tmp_path), dict(epochs=1, batch_size=32, resume=False))

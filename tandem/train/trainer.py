@@ -157,6 +157,11 @@ class Trainer:
         from the latest checkpoint in ``config.output_dir`` when ``config.resume``.
         A collective: call it on every rank."""
         cfg = self.config
+        if not cfg.resume and (latest := latest_checkpoint(self.checkpoint_dir)) is not None:
+            # Pruning keeps the highest steps: the old run's checkpoints would outlive ours.
+            raise ValueError(f"rank {self.rank}: resume=False, but {self.checkpoint_dir} holds "
+                             f"checkpoints of an earlier run (latest {latest.name}); resume it with "
+                             "resume=True, or give this run an empty output_dir")
         resumed_from = self._resume() if cfg.resume else None
         history = History(cfg.output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"))
