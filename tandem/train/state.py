@@ -113,16 +113,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
-def _distributed(group: dist.ProcessGroup | None) -> bool:
+def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if _distributed(group) else 0
+    return dist.get_rank(group) if _initialized() else 0
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if _distributed(group) else 1
+    return dist.get_world_size(group) if _initialized() else 1
 
 
 def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
