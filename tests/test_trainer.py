@@ -220,7 +220,7 @@ def test_without_matplotlib_there_is_no_plot_and_one_line_says_so(tmp_path, monk
                                           ("precision", "fp8"), ("max_grad_norm", 0.0),
                                           ("checkpoint_every", -2), ("max_steps", 0)])
 def test_bad_config_names_the_field_and_value(field, value):
-    with pytest.raises(ValueError, match=field if field != "precision" else "precision") as info:
+    with pytest.raises(ValueError, match=field) as info:
         tandem.TrainerConfig(**{field: value})
     assert repr(value) in str(info.value)
 

@@ -1,7 +1,9 @@
 """Which parameters can the outputs of a forward reach in the autograd graph?
 
 Used by ``find_unused_parameters=True``: parameters the outputs cannot reach get
-no gradient in this backward, so their buckets must not wait for them.
+no gradient in this backward, so their buckets must not wait for them. Also the
+walks over nested inputs and outputs (tuples, lists, dicts, dataclasses) that
+DDP and the Trainer share.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from tandem._compat import is_opaque_backward_node
 
-__all__ = ["Reach", "iter_tensors", "reachable_params"]
+__all__ = ["Reach", "iter_tensors", "reachable_params", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,23 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, field.name))
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it moved to ``device`` (tuples, named tuples,
+    lists, dicts, dataclasses rebuilt; anything else as it is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def reachable_params(outputs: list[torch.Tensor], index_of: dict[int, int]) -> Reach:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ from tandem.comm.group import GroupComm
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
+from tandem.ddp.graph import to_device
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
 from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions
@@ -222,7 +222,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             self._agree_on_grad_sync(joined=False)
         if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+            inputs, kwargs = to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
         if grad_enabled and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -404,18 +404,3 @@ def _resolve_device_ids(device_ids: Any, output_device: Any, device: torch.devic
         torch.device(output_device).index if isinstance(output_device, (str, torch.device))
         else int(output_device))
     return ids, out
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj

@@ -34,7 +34,7 @@ from tandem.launch.config import (
 )
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import usable_cpus, visible_gpus
-from tandem.launch.output import RankOutput
+from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 
 __all__ = ["build_parser", "config_from_args", "main", "run_job"]
@@ -184,7 +184,7 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     output = RankOutput(stdout, stderr, ranks=config.output_ranks,
                         local_ranks=config.output_local_ranks)
     worker_env = dict(config.worker_env)
-    if _isatty(stdout):  # Note [carriage returns] in output.py
+    if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"
     logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow)
     start = time.monotonic()
@@ -262,10 +262,3 @@ def _visible_gpus(args: argparse.Namespace) -> int:
     if str(args.nproc_per_node).strip() not in ("auto", "gpu"):
         return 0
     return visible_gpus()
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

@@ -32,7 +32,7 @@ from typing import BinaryIO, TextIO
 
 from tandem.launch.logs import Attempt
 
-__all__ = ["RankOutput", "rank_prefix", "split_lines", "visible_text"]
+__all__ = ["RankOutput", "is_terminal", "rank_prefix", "split_lines", "visible_text"]
 
 _POLL_S = 0.05
 _CHUNK = 1 << 16
@@ -175,7 +175,7 @@ class RankOutput:
 
     def _redraw(self, f: _Follow, segment: bytes) -> None:
         """Show a progress bar's latest state in place, on a terminal only."""
-        if not segment or segment == f.redrawn or not _isatty(f.dst):
+        if not segment or segment == f.redrawn or not is_terminal(f.dst):
             return
         f.redrawn = segment
         self._write(f, f"\r{f.prefix}{segment.decode(errors='replace')}\x1b[K", live=True)
@@ -208,7 +208,8 @@ class RankOutput:
             self._broken = True
 
 
-def _isatty(stream: TextIO) -> bool:
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (False for closed or file-less streams)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.comm.group import GroupComm
+
 __all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
            "save_checkpoint"]
 
@@ -81,7 +83,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *,
             logger.info("checkpoint saved: %s", path)
         except Exception as e:  # reported to every rank below, then re-raised here
             error = e
-    failed = torch.tensor([0 if error is None else 1], device=_group_device(group))
+    failed = torch.tensor([0 if error is None else 1], device=GroupComm(group).device)
     dist.all_reduce(failed, group=group)
     if error is not None:
         raise error
@@ -137,12 +139,6 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 def _distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _group_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _local_device() -> torch.device:

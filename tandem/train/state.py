@@ -70,7 +70,7 @@ class TrainingState:
             return None
         return {
             "format": FORMAT,
-            "model": _unwrap(self.model).state_dict(),
+            "model": unwrap_model(self.model).state_dict(),
             "optimizer": optimizer,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -94,7 +94,7 @@ class TrainingState:
             if state[name] is None:
                 raise ValueError(f"the checkpoint holds no {name} state, but a {name} was given; "
                                  f"resume with the same set-up as the saved run")
-        _unwrap(self.model).load_state_dict(state["model"])
+        unwrap_model(self.model).load_state_dict(state["model"])
         for name in given:
             getattr(self, name).load_state_dict(state[name])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
@@ -107,7 +107,7 @@ class TrainingState:
         restore_rng_state(state["rng"][rank % saved_ranks])
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside a DDP or DataParallel wrapper."""
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, nn.Module) else model

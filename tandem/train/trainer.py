@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from tandem.data import DistributedSampler, RunningMean, gather_samples
+from tandem.ddp.graph import to_device
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, save_checkpoint
 from tandem.train.config import Precision, TrainerConfig
@@ -47,7 +48,7 @@ from tandem.train.plot import plot_losses
 from tandem.train.precision import autocast_for, scaler_for
 from tandem.train.progress import Progress
 from tandem.train.rng import rank_seed
-from tandem.train.state import TrainingState
+from tandem.train.state import TrainingState, unwrap_model
 
 __all__ = ["FitResult", "Trainer"]
 
@@ -196,7 +197,7 @@ class Trainer:
             progress.say(f"loss plot: {plot}" if plot is not None else
                          "no loss plot: matplotlib is not installed (pip install matplotlib)")
         return FitResult(steps=self.state.step, epochs_done=self.state.epoch,
-                         evaluation=_last_eval(history.records), history=history.records,
+                         evaluation=_evaluation_of(history.last("eval")), history=history.records,
                          checkpoint=checkpoint, plot=plot)
 
     def _samples_per_rank(self) -> int:
@@ -243,14 +244,14 @@ class Trainer:
         and the seconds the synchronised backward waited on communication."""
         samples = 0
         for i, (inputs, targets) in enumerate(micro_batches):
-            inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not _is_ddp(self.model) else self.model.no_sync()
             with sync:
                 with self._autocast():
                     loss = self.loss_fn(self.model(inputs), targets)
                 n = _batch_len(targets)
-                loss_mean.update(loss.detach().float(), weight=n)
+                loss_mean.update(loss, weight=n)
                 # Note [equal to one process]: micro-batches weigh by their count.
                 scaled = loss / len(micro_batches)
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -297,15 +298,15 @@ class Trainer:
         once (the sampler's padding is dropped), the same on every rank. A collective."""
         if self.eval_loader is None:
             raise RuntimeError("the Trainer was built without eval_data")
-        module = _unwrap(self.model)  # no DDP collectives: ranks only meet in the gather
+        module = unwrap_model(self.model)  # no DDP collectives: ranks only meet in the gather
         was_training = module.training
         module.eval()
         outputs, targets = [], []
         for inputs, target in self.eval_loader:
             with self._autocast():
-                out = module(_to_device(inputs, self.device))
+                out = module(to_device(inputs, self.device))
             outputs.append(out.float())
-            targets.append(_to_device(target, self.device))
+            targets.append(to_device(target, self.device))
         module.train(was_training)
         n = len(self.eval_data)
         out = gather_samples(torch.cat(outputs), n)
@@ -388,20 +389,6 @@ def _is_ddp(model: nn.Module) -> bool:
     return hasattr(model, "no_sync") and isinstance(getattr(model, "module", None), nn.Module)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if _is_ddp(model) else model
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
 def _batch_len(targets: Any) -> int:
     if isinstance(targets, torch.Tensor):
         return targets.shape[0]
@@ -412,8 +399,8 @@ def _batch_len(targets: Any) -> int:
     raise TypeError(f"cannot tell the batch size of targets of type {type(targets).__name__}")
 
 
-def _last_eval(records: list[dict[str, Any]]) -> dict[str, float] | None:
-    evals = [r for r in records if r["kind"] == "eval"]
-    if not evals:
+def _evaluation_of(record: dict[str, Any] | None) -> dict[str, float] | None:
+    """An eval record's loss and metrics, without its bookkeeping."""
+    if record is None:
         return None
-    return {k: v for k, v in evals[-1].items() if k not in ("kind", "epoch", "step")}
+    return {k: v for k, v in record.items() if k not in ("kind", "epoch", "step")}
