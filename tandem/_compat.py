@@ -104,3 +104,63 @@ def rendezvous_info(store: torch.distributed.Store, rank: int, world_size: int,
 
     return RendezvousInfo(store, rank, world_size,
                           RendezvousStoreInfo(master_addr=master_addr, master_port=master_port))
+
+
+# ---------------------------------------------------------------- fully_shard (tandem.fsdp)
+
+__all__ += ["chunk_cat", "fsdp_policies"]
+
+
+def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Write ``num_chunks`` rows into ``out`` (shape ``(num_chunks, n)``): row r is
+    the concatenation of each tensor's r-th dim-0 chunk (``ceil(rows / num_chunks)``
+    rows), zero-padded; casting to ``out``'s dtype.
+
+    Why: this is the reduce-scatter input of fully_shard in one kernel;
+    ``torch._chunk_cat`` is what torch's FSDP2 uses for it. The fallback does the
+    same with one copy per tensor.
+    """
+    fn = getattr(torch, "_chunk_cat", None)
+    if fn is not None:
+        fn(list(tensors), dim=0, num_chunks=num_chunks, out=out)
+        return
+    offset = 0
+    for t in tensors:
+        rows = -(-t.shape[0] // num_chunks)
+        width = rows * (t.numel() // max(1, t.shape[0]))
+        dst = out.narrow(1, offset, width)
+        padded = t.new_zeros((rows * num_chunks, *t.shape[1:]))
+        padded[: t.shape[0]].copy_(t)
+        dst.copy_(padded.view(num_chunks, width))
+        offset += width
+
+
+def fsdp_policies() -> tuple[type, type, type]:
+    """torch's ``(MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)``.
+
+    Why: tandem.fully_shard accepts torch's own policy objects, so that an FSDP2
+    script runs with one import changed. They are public in
+    ``torch.distributed.fsdp`` from torch 2.6; torch 2.4 and 2.5 have them in
+    ``torch.distributed._composable.fsdp``.
+    """
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+            CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy)
+    return MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+
+
+def dtensor_api() -> tuple[type, type, type]:
+    """``(DTensor, Shard, Replicate)``.
+
+    Why: fully_shard's sharded parameters are DTensors, so that torch's
+    optimizers, gradient clipping and distributed checkpoints handle them. The
+    package is public as ``torch.distributed.tensor`` from torch 2.5; torch 2.4
+    has it as ``torch.distributed._tensor``.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:
+        from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+    return DTensor, Shard, Replicate

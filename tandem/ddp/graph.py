@@ -3,13 +3,13 @@
 Used by ``find_unused_parameters=True``: parameters the outputs cannot reach get
 no gradient in this backward, so their buckets must not wait for them. Also the
 walks over nested inputs and outputs (tuples, lists, dicts, dataclasses) that
-DDP and the Trainer share.
+DDP, fully_shard and the Trainer share.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 
 from tandem._compat import is_opaque_backward_node
 
-__all__ = ["Reach", "iter_tensors", "reachable_params", "to_device"]
+__all__ = ["Reach", "iter_tensors", "map_tensors", "reachable_params", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,23 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it moved to ``device`` (tuples, named tuples,
+    """``obj`` with every tensor in it moved to ``device`` (see :func:`map_tensors`)."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (tuples, named tuples,
     lists, dicts, dataclasses rebuilt; anything else as it is)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(o, device) for o in obj))
+        return type(obj)(*(map_tensors(fn, o) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(o, device) for o in obj)
+        return type(obj)(map_tensors(fn, o) for o in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 

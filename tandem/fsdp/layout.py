@@ -1,0 +1,137 @@
+"""Pure shard arithmetic of fully_shard: where each parameter's dim-0 chunk sits
+in a unit's flat buffers.
+
+Nothing here touches a process group or a tensor's storage; the layout is a
+function of shapes and the world size, tested with grids in one process.
+
+# Note [unit buffers]
+A unit (one ``fully_shard`` call) owns three flat buffers:
+
+- the *shard* buffer, ``shard_numel`` elements on every rank: rank r's dim-0
+  chunk of each parameter (``torch.chunk`` rows: ``ceil(rows / world)`` per
+  rank, the last ranks possibly shorter or empty), each padded to the full
+  chunk size, back to back in parameter order. The sharded parameters
+  (DTensors, ``Shard(0)``) are views of it, so the optimizer steps it in place,
+  and it is the all-gather's input as it is: no copy-in.
+- the all-gather *output*, ``world * shard_numel``, rank-major: rank 0's shard
+  buffer, then rank 1's, ...
+- the *unsharded* buffer, the same size, parameter-major: parameter p's padded
+  chunks of every rank back to back, so that the full parameter is a view of
+  its first ``numel`` elements. One strided copy (``copy_out``) turns the
+  gather output into it; its storage is freed when the unit reshards and
+  reallocated (same tensor objects, so the tensors autograd saved stay valid)
+  when it gathers again.
+
+Gradients travel the other way: the unsharded gradients are copied rank-major
+into the reduce-scatter input (``world`` blocks of ``shard_numel`` plus
+``flag_numel`` control elements, Note [gradient flags] in unit.py), and rank r
+receives its block, whose layout is the shard buffer's.
+
+Why not one flat shard that cuts parameters at arbitrary offsets (FSDP1,
+Megatron-FSDP)? It would save the copy-out, but a rank's piece of a parameter
+would not be a ``Shard(0)`` DTensor, and torch's optimizers, gradient clipping
+and distributed checkpoints would need a second implementation. Measured on 2
+gloo ranks the copy-out is 10-15% of the all-gather it follows (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ParamShard", "UnitLayout", "plan_unit"]
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One parameter's place in a unit's buffers, for one rank."""
+
+    shape: tuple[int, ...]
+    rank: int                # whose chunk
+    chunk_rows: int          # rows of a full chunk: ceil(rows / world)
+    row_numel: int           # elements per dim-0 row
+    local_rows: int          # rows this rank holds (chunk_rows, fewer, or 0)
+    shard_offset: int        # where this parameter's chunk starts in the shard buffer
+    unsharded_offset: int    # where the full parameter starts in the unsharded buffer
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of one padded chunk (every rank's block holds this many)."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_rows * self.row_numel
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.local_rows, *self.shape[1:])
+
+    @property
+    def row_start(self) -> int:
+        """The first global row this rank holds."""
+        return min(self.rank * self.chunk_rows, self.shape[0])
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The buffers of one unit on one rank (Note [unit buffers])."""
+
+    params: tuple[ParamShard, ...]
+    world_size: int
+    rank: int
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of the shard buffer (and of each rank's block of the gather)."""
+        return sum(p.chunk_numel for p in self.params)
+
+    @property
+    def unsharded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameters themselves, without padding."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def chunk_numels(self) -> list[int]:
+        return [p.chunk_numel for p in self.params]
+
+
+def plan_unit(shapes: Sequence[tuple[int, ...]], world_size: int, rank: int) -> UnitLayout:
+    """Lay out the parameters of one unit for ``rank`` of ``world_size``.
+
+    Args:
+        shapes: the parameters' shapes, in the unit's order; each must have at
+            least one dimension (a 0-d tensor has no dim 0 to shard).
+
+    Raises:
+        ValueError: a 0-d shape, or a rank outside ``[0, world_size)``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    params = []
+    shard_offset = 0
+    for k, shape in enumerate(shapes):
+        shape = tuple(int(s) for s in shape)
+        if not shape:
+            raise ValueError(f"parameter {k} is 0-dimensional: fully_shard shards dim 0; "
+                             "give it a dimension (e.g. shape (1,)) or pass it in ignored_params")
+        rows = shape[0]
+        row_numel = math.prod(shape[1:])
+        chunk_rows = -(-rows // world_size)
+        local_rows = max(0, min(chunk_rows, rows - rank * chunk_rows))
+        p = ParamShard(shape=shape, rank=rank, chunk_rows=chunk_rows, row_numel=row_numel, local_rows=local_rows,
+                       shard_offset=shard_offset, unsharded_offset=shard_offset * world_size)
+        params.append(p)
+        shard_offset += p.chunk_numel
+    return UnitLayout(params=tuple(params), world_size=world_size, rank=rank)

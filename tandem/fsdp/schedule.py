@@ -1,0 +1,289 @@
+"""When each unit of one root gathers, reshards and reduces: the forward and
+backward hooks, prefetching, and one launch order for every rank.
+
+The first unit to run forward becomes the root (as in torch's FSDP2); its
+:class:`Schedule` then drives every unit under it.
+
+# Note [two groups]
+All-gathers and reduce-scatters go to two process groups over the same ranks.
+Collectives are matched by their order of issue within a group, and the two
+kinds interleave differently on different ranks as soon as one rank's
+gradients arrive at another moment (a parameter it did not use, say). Within
+each group the order is the same everywhere: gathers follow the units' forward
+and backward order, which all ranks share, and reduce-scatters follow
+:attr:`Schedule.reduce_order` (below).
+
+# Note [reduce order]
+A unit's reduce-scatter is launched as soon as its gradients are in *and*
+every unit before it in ``reduce_order`` has launched: the reverse of this
+iteration's forward order, then units that did not run. That is the order in
+which backward completes units, so launches are rarely held back; a rank on
+which some unit got no gradient (unused parameters) launches the rest of the
+queue at the end of backward, in the same order as every other rank.
+
+# Note [prefetch]
+torch's FSDP2 overlaps gathers with compute through CUDA streams, and on CPU
+nothing overlaps. Here each gather is an async collective, so overlap needs no
+streams: a unit's pre-forward launches the gather of the unit that ran after it
+in the previous iteration, and its pre-backward the gather of the unit that
+finished forward before it, unless set_modules_to_*_prefetch names others.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem._compat import queue_backward_callback
+from tandem.comm.group import GroupComm
+from tandem.ddp.graph import iter_tensors, map_tensors, to_device
+from tandem.fsdp.unit import ReduceState, ShardState, ShardedUnit, TrainingState
+
+__all__ = ["Schedule", "lazy_init", "post_forward", "pre_forward"]
+
+logger = logging.getLogger(__name__)
+
+_UNIT_ATTR = "_tandem_fsdp_unit"
+
+
+def unit_of(module: nn.Module) -> ShardedUnit | None:
+    return getattr(module, _UNIT_ATTR, None)
+
+
+class Schedule:
+    """The iteration state of one root and all units under it."""
+
+    def __init__(self, root: ShardedUnit, units: list[ShardedUnit]) -> None:
+        self.root = root
+        self.units = units                          # pre-order under the root
+        self.pre_forward_order: list[ShardedUnit] = []
+        self.post_forward_order: list[ShardedUnit] = []
+        self.last_pre_forward_order: list[ShardedUnit] = []
+        self.reduce_order: list[ShardedUnit] = []   # Note [reduce order]
+        self.next_reduce = 0
+        self.in_forward = False
+        self.in_backward = False
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if unit.training is TrainingState.PRE_BACKWARD:  # recomputation inside backward
+            unit.unshard()
+            return _cast_inputs(unit, args, kwargs)
+        if unit is self.root and not self.in_forward:
+            self._begin_forward()
+            if unit.config.device.type != "cpu":
+                args, kwargs = to_device(args, unit.config.device), to_device(kwargs, unit.config.device)
+        unit.training = TrainingState.FORWARD
+        unit.unshard()
+        if unit not in self.pre_forward_order:
+            self.pre_forward_order.append(unit)
+        targets = unit.forward_prefetch
+        if targets is None:
+            targets = _after(self.last_pre_forward_order, unit)
+        for target in targets:
+            if target.state in (ShardState.SHARDED, ShardState.GROUP_SHARDED):
+                target.launch_gather()
+        return _cast_inputs(unit, args, kwargs)
+
+    def post_forward(self, unit: ShardedUnit, output: Any) -> Any:
+        if unit.training is TrainingState.PRE_BACKWARD:
+            return _cast_output(unit, output)
+        grad = torch.is_grad_enabled()
+        keep = unit.reshard_after_forward
+        if not grad and unit.auto_reshard_after_forward:
+            keep = True  # no backward will follow to use the root's parameters
+        if keep is True:
+            unit.reshard()
+        elif keep is not False:
+            unit.reshard(keep_group_shard=True)
+        if grad:
+            hook = functools.partial(self._pre_backward, unit)
+            for t in iter_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+        unit.training = TrainingState.IDLE
+        if unit not in self.post_forward_order:
+            self.post_forward_order.append(unit)
+        if unit is self.root:
+            self._end_forward()
+        return _cast_output(unit, output)
+
+    def _begin_forward(self) -> None:
+        self.in_forward = True
+        self.pre_forward_order = []
+        self.post_forward_order = []
+
+    def _end_forward(self) -> None:
+        self.in_forward = False
+        self.last_pre_forward_order = list(self.pre_forward_order)
+        for u in self.units:  # a prefetch the forward did not use: finish it, keep nothing
+            if u.state is ShardState.GATHERING and u not in self.pre_forward_order:
+                u.reshard()
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, unit: ShardedUnit, grad: torch.Tensor) -> torch.Tensor:
+        self._enter_backward()
+        if unit.training is not TrainingState.PRE_BACKWARD:
+            unit.training = TrainingState.PRE_BACKWARD
+            unit.unshard()
+            targets = unit.backward_prefetch
+            if targets is None:
+                targets = _before(self.post_forward_order, unit)
+            for target in targets:
+                if (target.training is not TrainingState.PRE_BACKWARD
+                        and target.state in (ShardState.SHARDED, ShardState.GROUP_SHARDED)):
+                    target.launch_gather()
+        return grad
+
+    def on_grad(self, unit: ShardedUnit, param: torch.Tensor) -> None:
+        """A post-accumulate-grad hook of one of ``unit``'s unsharded parameters."""
+        self._enter_backward()
+        if unit.grad_ready():
+            unit.mark_ready()
+            if unit.reshard_after_backward:
+                unit.reshard()
+            self._launch_ready()
+
+    def _enter_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            queue_backward_callback(self._finish_backward)
+        if not self.in_backward:
+            self.in_backward = True
+            ran = [u for u in reversed(self.last_pre_forward_order)]
+            self.reduce_order = [u for u in ran + [u for u in self.units if u not in ran]
+                                 if u.num_trainable]
+            self.next_reduce = 0
+            for u in self.units:
+                u.reset_step()
+
+    def _launch_ready(self) -> None:
+        while self.next_reduce < len(self.reduce_order):
+            unit = self.reduce_order[self.next_reduce]
+            if unit.reduce_state is not ReduceState.READY:
+                return
+            if unit.requires_grad_sync:
+                unit.launch_reduce()
+            else:
+                unit.skip_reduce()
+            self.next_reduce += 1
+
+    def _finish_backward(self) -> None:
+        for unit in self.reduce_order[self.next_reduce:]:
+            unit.mark_ready()  # some gradients never came: zeros (Note [gradient flags] in unit.py)
+        self._launch_ready()
+        for unit in self.reduce_order:
+            if unit.reduce_state is ReduceState.IN_FLIGHT:
+                unit.finish_reduce(unit.divide_factor or unit.reduce_comm.size)
+        for unit in self.units:
+            if unit.reshard_after_backward:
+                unit.reshard()
+            unit.training = TrainingState.IDLE
+        self.in_backward = False
+        self._callback_queued = False
+
+
+# ---------------------------------------------------------------------- hooks
+
+def pre_forward(unit: ShardedUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The forward pre-hook of a unit's module."""
+    schedule = unit.schedule if unit.schedule is not None else lazy_init(unit, module)
+    return schedule.pre_forward(unit, args, kwargs)
+
+
+def post_forward(unit: ShardedUnit, module: nn.Module, args: tuple, output: Any) -> Any:
+    """The forward hook of a unit's module."""
+    assert unit.schedule is not None
+    return unit.schedule.post_forward(unit, output)
+
+
+def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
+    """Make ``root`` the root of every unit under ``root_module`` (its first forward)."""
+    units: list[ShardedUnit] = []
+    for path, module in root_module.named_modules():
+        unit = unit_of(module)
+        if unit is None or unit in units:
+            continue
+        if unit.schedule is not None:
+            raise RuntimeError(
+                f"fully_shard: '{path}' already ran forward as a root of its own; run forward through "
+                "the outermost fully_shard module first (it becomes the root of the units inside it)")
+        unit.name = path or "<root>"
+        units.append(unit)
+    schedule = Schedule(root, units)
+    if root.auto_reshard_after_forward:
+        root.reshard_after_forward = False
+    reduce_comms: dict[tuple[int, ...], GroupComm] = {}
+    group_comms: dict[tuple[tuple[int, ...], int], GroupComm] = {}
+    for unit in units:
+        unit.schedule = schedule
+        ranks = tuple(dist.get_process_group_ranks(unit.comm.group or dist.group.WORLD))
+        if ranks not in reduce_comms:
+            reduce_comms[ranks] = _second_group(ranks, unit.comm)
+        unit.reduce_comm = reduce_comms[ranks]
+        k = unit.reshard_after_forward
+        if not isinstance(k, bool):
+            key = (ranks, k)
+            if key not in group_comms:
+                group_comms[key] = _subgroup(ranks, k, unit.comm.rank)
+            unit.group_comm = group_comms[key]
+        for m in unit.managed:
+            if m.requires_grad:
+                m.unsharded.register_post_accumulate_grad_hook(functools.partial(schedule.on_grad, unit))
+    logger.info("fully_shard: root with %d units, %d parameters, %d elements, world %d",
+                len(units), sum(len(u.managed) for u in units), sum(u.layout.numel for u in units),
+                root.comm.size)
+    return schedule
+
+
+def _second_group(ranks: tuple[int, ...], comm: GroupComm) -> GroupComm:
+    """The reduce-scatter group (Note [two groups])."""
+    if comm.size == 1:
+        return comm
+    return GroupComm(dist.new_group(list(ranks), use_local_synchronization=True))
+
+
+def _subgroup(ranks: tuple[int, ...], k: int, rank: int) -> GroupComm:
+    """The group of ``k`` consecutive ranks holding this rank, for reshard_after_forward=k."""
+    start = rank // k * k
+    return GroupComm(dist.new_group(list(ranks[start:start + k]), use_local_synchronization=True))
+
+
+def _after(order: list[ShardedUnit], unit: ShardedUnit) -> list[ShardedUnit]:
+    if unit in order:
+        i = order.index(unit)
+        if i + 1 < len(order):
+            return [order[i + 1]]
+    return []
+
+
+def _before(order: list[ShardedUnit], unit: ShardedUnit) -> list[ShardedUnit]:
+    if unit in order:
+        i = order.index(unit)
+        if i > 0:
+            return [order[i - 1]]
+    return []
+
+
+def _cast_inputs(unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    dtype = unit.config.param_dtype
+    if dtype is None or not unit.config.cast_forward_inputs:
+        return args, kwargs
+    return map_tensors(functools.partial(_cast, dtype), args), map_tensors(functools.partial(_cast, dtype), kwargs)
+
+
+def _cast_output(unit: ShardedUnit, output: Any) -> Any:
+    dtype = unit.config.output_dtype
+    if dtype is None:
+        return output
+    return map_tensors(functools.partial(_cast, dtype), output)
+
+
+def _cast(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    return t.to(dtype) if torch.is_floating_point(t) else t

@@ -1,0 +1,75 @@
+"""State dicts of a fully-sharded model: sharded out, sharded or full in.
+
+``model.state_dict()`` holds the sharded parameters (DTensors), which is what
+``torch.distributed.checkpoint`` saves and reshards at load. Loading also takes
+a *full* state dict, as single-device training writes it with
+``torch.save(model.state_dict())``: each plain tensor is cut to this rank's
+dim-0 rows before it is copied, so with :func:`load_full_state_dict` (which
+memory-maps the file) a rank reads only its own rows and no rank ever holds
+the whole model (torch's FSDP2 loads only sharded state dicts).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem._compat import dtensor_api
+
+__all__ = ["load_full_state_dict", "register_state_dict_hooks"]
+
+
+def register_state_dict_hooks(module: nn.Module, unit: Any) -> list[Any]:
+    """Hooks on a unit's module: register the sharded parameters before
+    ``state_dict()``, and shard full tensors before ``load_state_dict()``."""
+    return [
+        module.register_state_dict_pre_hook(functools.partial(_to_sharded, unit)),
+        module._register_load_state_dict_pre_hook(functools.partial(_shard_full_tensors, unit),
+                                                  with_module=True),
+    ]
+
+
+def _to_sharded(unit: Any, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    unit.register_sharded()
+
+
+def _shard_full_tensors(unit: Any, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                        *args: Any) -> None:
+    DTensor, _, _ = dtensor_api()
+    unit.register_sharded()
+    for m in unit.managed:
+        key = prefix + m.fqn
+        value = state_dict.get(key)
+        if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) != m.spec.shape:
+            raise ValueError(f"rank {unit.comm.rank}: '{key}' in the state dict has shape {tuple(value.shape)}, "
+                             f"the model's parameter has {m.spec.shape}")
+        rows = value.narrow(0, m.spec.row_start, m.spec.local_rows)
+        local = rows.to(unit.config.shard_device, unit.orig_dtype, copy=True)
+        state_dict[key] = unit.to_dtensor(local, m.spec)
+
+
+def load_full_state_dict(model: nn.Module, source: str | os.PathLike | Mapping[str, Any], *,
+                         strict: bool = True) -> Any:
+    """Load a full (unsharded) state dict into a fully-sharded ``model``.
+
+    Args:
+        model: the model after ``fully_shard``.
+        source: a path written by ``torch.save(model.state_dict())`` (memory-mapped,
+            so each rank reads only its rows), or the state dict itself.
+        strict: as for ``nn.Module.load_state_dict``.
+
+    Returns:
+        ``load_state_dict``'s result (missing and unexpected keys).
+    """
+    if isinstance(source, Mapping):
+        state = source
+    else:
+        state = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+    return model.load_state_dict(state, strict=strict)

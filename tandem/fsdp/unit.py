@@ -1,0 +1,370 @@
+"""One fully_shard unit at run time: its buffers (Note [unit buffers] in
+layout.py), the all-gather that unshards it and the reduce-scatter that shards
+its gradients, each as a launch/wait pair with an explicit state.
+
+Life of a unit in one step (with ``reshard_after_forward=True``)::
+
+    SHARDED --launch_gather--> GATHERING --wait_gather--> UNSHARDED   (pre-forward)
+    UNSHARDED --reshard--> SHARDED                                    (post-forward)
+    SHARDED --...--> UNSHARDED                                        (pre-backward)
+    gradients arrive; reduce: IDLE -> READY --launch_reduce--> IN_FLIGHT
+    UNSHARDED --reshard--> SHARDED                                    (post-backward)
+    IN_FLIGHT --finish_reduce--> IDLE: sharded .grad set              (end of backward)
+
+# Note [gradient flags]
+Ranks may use different parameters of a unit in one step (rank-dependent
+control flow). Every rank therefore reduce-scatters every parameter of the
+unit, with zeros where it has no gradient, so that all ranks issue the same
+collectives; and each rank's block carries one extra element per parameter,
+1 if this rank produced a gradient for it. After the reduce-scatter the sums say
+how many ranks did: none leaves the sharded ``.grad`` untouched (None stays
+None, as for an unused parameter in torch), any gives the average over all
+ranks with zeros for the ranks that did not use it, which is the gradient of
+the global batch's mean loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem._compat import chunk_cat, dtensor_api, foreach_copy_, preserve_version_counters
+from tandem.comm.group import GroupComm, Work
+from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
+
+__all__ = ["ManagedParam", "ReduceState", "ShardState", "ShardedUnit", "UnitConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardState(Enum):
+    SHARDED = auto()        # only this rank's shard exists; sharded parameters registered
+    GATHERING = auto()      # all-gather launched, not yet waited on
+    UNSHARDED = auto()      # full parameters in the unsharded buffer, registered on the modules
+    GROUP_SHARDED = auto()  # reshard_after_forward=k: a 1/k slice of the full buffer kept
+
+
+class ReduceState(Enum):
+    IDLE = auto()        # no reduction pending in this backward
+    READY = auto()       # every gradient of this backward arrived (or backward ended)
+    IN_FLIGHT = auto()   # reduce-scatter launched, not yet finished
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()   # its backward has started (a forward now is a recomputation)
+
+
+@dataclass
+class ManagedParam:
+    """One parameter of a unit, in both of its forms."""
+
+    fqn: str                               # name under the module given to fully_shard
+    owners: list[tuple[nn.Module, str]]    # (module, attribute) holding it; tied: several
+    spec: ParamShard
+    sharded: nn.Parameter                  # DTensor, Shard(0): a view of the shard buffer
+    unsharded: nn.Parameter                # a view of the unsharded buffer
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How one unit gathers, reduces and keeps its parameters (fully_shard's arguments)."""
+
+    device: torch.device                # where forward and the collectives run
+    shard_device: torch.device          # where the shards live (CPU with CPUOffloadPolicy)
+    param_dtype: torch.dtype | None     # MixedPrecisionPolicy.param_dtype
+    reduce_dtype: torch.dtype | None    # MixedPrecisionPolicy.reduce_dtype
+    pin_memory: bool                    # pin the offloaded shards (CUDA only)
+    cast_forward_inputs: bool = True    # MixedPrecisionPolicy.cast_forward_inputs
+    output_dtype: torch.dtype | None = None  # MixedPrecisionPolicy.output_dtype
+
+
+@dataclass
+class _Gather:
+    work: Work
+    output: torch.Tensor
+    input: torch.Tensor     # kept alive until the collective completes
+    direct: bool            # the output is the unsharded buffer itself (no copy-out)
+
+
+@dataclass
+class _Reduce:
+    work: Work
+    output: torch.Tensor
+    input: torch.Tensor
+
+
+class ShardedUnit:
+    """The parameters of one ``fully_shard`` call, sharded on dim 0 across ``comm``."""
+
+    def __init__(self, name: str, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]],
+                 mesh: Any, comm: GroupComm, config: UnitConfig) -> None:
+        self.name = name
+        self.mesh = mesh
+        self.comm = comm                      # all-gathers
+        self.reduce_comm: GroupComm = comm    # reduce-scatters (a second group, set by the schedule)
+        self.group_comm: GroupComm | None = None  # reshard_after_forward=k
+        self.config = config
+        self.orig_dtype = _uniform_dtype(name, params)
+        self.param_dtype = config.param_dtype or self.orig_dtype
+        self.reduce_dtype = config.reduce_dtype or self.param_dtype
+        self.layout: UnitLayout = plan_unit([tuple(p.shape) for _, _, p in params], comm.size, comm.rank)
+        self.shard_flat = self._new_shard_buffer()
+        self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype,
+                                          device=config.device)
+        self.managed = [self._manage(fqn, owners, param, spec)
+                        for (fqn, owners, param), spec in zip(params, self.layout.params)]
+        self._copy_out_dst = [self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
+                                                         p.chunk_numel).view(self.layout.world_size, -1)
+                              for p in self.layout.params]
+        self._free_unsharded()  # views are made first: a view of a freed storage fails its bounds check
+        self.state = ShardState.SHARDED
+        self.reduce_state = ReduceState.IDLE
+        self.training = TrainingState.IDLE
+        self._gather: _Gather | None = None
+        self._reduce: _Reduce | None = None
+        self._group_shard: torch.Tensor | None = None
+        self.num_trainable = sum(m.requires_grad for m in self.managed)
+        self.num_ready = 0
+        # Per-step toggles, set through FSDPModule's methods; the schedule reads them.
+        self.reshard_after_forward: bool | int = True
+        self.auto_reshard_after_forward = False  # None was given: the root keeps its parameters
+        self.reshard_after_backward = True
+        self.requires_grad_sync = True
+        self.forward_prefetch: list[ShardedUnit] | None = None
+        self.backward_prefetch: list[ShardedUnit] | None = None
+        self.divide_factor: float | None = None
+        self.schedule: Any = None  # the root's Schedule, set at the root's first forward
+        self.module: nn.Module | None = None  # the module fully_shard was called on
+        self.mergeable = False                # below min_unit_bytes (Note [tiny units] in api.py)
+        self.hooks: list[Any] = []            # its module hooks, removed if it is absorbed
+        self._register(unsharded=False)
+
+    # ------------------------------------------------------------------ set-up
+    def _new_shard_buffer(self) -> torch.Tensor:
+        buf = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.config.shard_device)
+        if self.config.pin_memory and torch.cuda.is_available():
+            buf = buf.pin_memory()
+        return buf
+
+    def _manage(self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
+                spec: ParamShard) -> ManagedParam:
+        local = self.shard_flat.narrow(0, spec.shard_offset, spec.local_numel).view(spec.local_shape)
+        DTensor, _, _ = dtensor_api()
+        if isinstance(param, DTensor):
+            # A parameter of an absorbed tiny unit (Note [tiny units] in api.py): its
+            # local rows move into this buffer, and the parameter object stays.
+            with torch.no_grad():
+                old = param.to_local()
+                local.copy_(old)
+                old.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
+            sharded = param
+        else:
+            with torch.no_grad():
+                local.copy_(param.detach().narrow(0, spec.row_start, spec.local_rows))
+            sharded = nn.Parameter(self.to_dtensor(local, spec), requires_grad=param.requires_grad)
+        view = self.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
+        unsharded = nn.Parameter(view, requires_grad=param.requires_grad)
+        return ManagedParam(fqn, owners, spec, sharded, unsharded, param.requires_grad)
+
+    def to_dtensor(self, local: torch.Tensor, spec: ParamShard) -> torch.Tensor:
+        """``local`` (this rank's rows of the parameter ``spec``) as a Shard(0) DTensor."""
+        DTensor, Shard, _ = dtensor_api()
+        shape = torch.Size(spec.shape)
+        with torch.no_grad():
+            return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False, shape=shape,
+                                      stride=_contiguous_strides(shape))
+
+    # ------------------------------------------------------------------ gather / release
+    def launch_gather(self) -> None:
+        """Start the all-gather of the full parameters (async)."""
+        self._expect(ShardState.SHARDED, ShardState.GROUP_SHARDED)
+        tag = f"unit {self.name}"
+        if not self.layout.shard_numel:  # a unit without parameters (a root over sharded blocks)
+            self._gather = _Gather(Work(None), self.unsharded_flat, self.shard_flat, direct=True)
+        elif self.state is ShardState.GROUP_SHARDED:
+            assert self._group_shard is not None and self.group_comm is not None
+            self._alloc_unsharded()
+            work = self.group_comm.all_gather_into(self.unsharded_flat, self._group_shard, tag=tag,
+                                                   async_op=True)
+            self._gather = _Gather(work, self.unsharded_flat, self._group_shard, direct=True)
+        else:
+            inp = self.shard_flat.to(self.config.device, self.param_dtype, non_blocking=True)
+            out = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=self.config.device)
+            work = self.comm.all_gather_into(out, inp, tag=tag, async_op=True)
+            self._gather = _Gather(work, out, inp, direct=False)
+        self.state = ShardState.GATHERING
+
+    def wait_gather(self) -> None:
+        """Finish the all-gather and register the full parameters on the modules."""
+        self._expect(ShardState.GATHERING)
+        gather = self._gather
+        assert gather is not None
+        gather.work.wait()
+        if not gather.direct:
+            self._alloc_unsharded()
+            src = gather.output.view(self.layout.world_size, -1).split(self.layout.chunk_numels, dim=1)
+            # The tensors autograd saved in forward are views of this buffer: refilling
+            # it with the same values is not a modification it should reject.
+            with preserve_version_counters((self.unsharded_flat,)), torch.no_grad():
+                foreach_copy_(self._copy_out_dst, list(src))
+        self._gather = None
+        self._group_shard = None
+        self.state = ShardState.UNSHARDED
+        self._register(unsharded=True)
+
+    def unshard(self) -> None:
+        """Make the full parameters available and registered now (launching the
+        gather if needed)."""
+        if self.state in (ShardState.SHARDED, ShardState.GROUP_SHARDED):
+            self.launch_gather()
+        if self.state is ShardState.GATHERING:
+            self.wait_gather()
+        else:
+            self._register(unsharded=True)  # state_dict() may have registered the shards
+
+    def reshard(self, keep_group_shard: bool = False) -> None:
+        """Free the full parameters and register the sharded ones again. With
+        ``keep_group_shard``, keep this rank's 1/k slice of them for a gather over
+        the smaller group (``reshard_after_forward=k``)."""
+        if self.state is ShardState.GATHERING:
+            self.wait_gather()
+        if self.state is ShardState.UNSHARDED:
+            if keep_group_shard and self.group_comm is not None:
+                slices = self.unsharded_flat.view(self.group_comm.size, -1)
+                self._group_shard = slices[self.group_comm.rank].clone()
+            self._register(unsharded=False)
+            self._free_unsharded()
+            self.state = ShardState.GROUP_SHARDED if self._group_shard is not None else ShardState.SHARDED
+        elif self.state is ShardState.GROUP_SHARDED and not keep_group_shard:
+            self._group_shard = None
+            self.state = ShardState.SHARDED
+
+    def register_sharded(self) -> None:
+        """Register the sharded parameters (for ``state_dict``) without freeing anything."""
+        self._register(unsharded=False)
+
+    def _register(self, unsharded: bool) -> None:
+        for m in self.managed:
+            param = m.unsharded if unsharded else m.sharded
+            for module, attr in m.owners:
+                module._parameters[attr] = param
+
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def _free_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------ gradients
+    def grad_ready(self) -> bool:
+        """Count one arrived gradient; True when all trainable ones have."""
+        self.num_ready += 1
+        return self.num_ready == self.num_trainable
+
+    def launch_reduce(self) -> None:
+        """Reduce-scatter the unsharded gradients (Note [gradient flags]) and free them."""
+        self._expect_reduce(ReduceState.READY)
+        world = self.layout.world_size
+        grads, flags = [], []
+        for m in self.managed:
+            g = m.unsharded.grad
+            flags.append(0.0 if g is None else 1.0)
+            grads.append(torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
+                         if g is None else g)
+        flag_rows = torch.tensor(flags, dtype=self.reduce_dtype, device=self.config.device).expand(world, -1)
+        inp = torch.empty(world, self.layout.shard_numel + len(flags), dtype=self.reduce_dtype,
+                          device=self.config.device)
+        chunk_cat(grads + [flag_rows], world, inp)
+        for m in self.managed:
+            m.unsharded.grad = None
+        out = torch.empty(inp.shape[1], dtype=self.reduce_dtype, device=self.config.device)
+        work = self.reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {self.name}", async_op=True)
+        self._reduce = _Reduce(work, out, inp)
+        self.reduce_state = ReduceState.IN_FLIGHT
+
+    def finish_reduce(self, divide_factor: float) -> None:
+        """Wait for the reduce-scatter and set (or accumulate into) the sharded ``.grad``."""
+        self._expect_reduce(ReduceState.IN_FLIGHT)
+        reduce = self._reduce
+        assert reduce is not None
+        reduce.work.wait()
+        self._reduce = None
+        self.reduce_state = ReduceState.IDLE
+        n = self.layout.shard_numel
+        flags = reduce.output[n:].tolist()
+        grads = reduce.output[:n]
+        if divide_factor != 1:
+            grads.div_(divide_factor)
+        grads = grads.to(self.config.shard_device, self.orig_dtype)
+        for m, flag in zip(self.managed, flags):
+            if flag == 0 or not m.requires_grad:
+                continue
+            local = grads.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
+            if m.sharded.grad is None:
+                m.sharded.grad = self.to_dtensor(local, m.spec)
+            else:
+                m.sharded.grad.to_local().add_(local)
+
+    def skip_reduce(self) -> None:
+        """Gradient sync is off: keep accumulating the unsharded gradients."""
+        self._expect_reduce(ReduceState.READY)
+        self.reduce_state = ReduceState.IDLE
+
+    def mark_ready(self) -> None:
+        if self.reduce_state is ReduceState.IDLE:
+            self.reduce_state = ReduceState.READY
+
+    def reset_step(self) -> None:
+        self.num_ready = 0
+
+    # ------------------------------------------------------------------ checks
+    def _expect(self, *allowed: ShardState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(f"fully_shard unit '{self.name}' is {self.state.name}, expected "
+                               f"{'/'.join(s.name for s in allowed)}")
+
+    def _expect_reduce(self, *allowed: ReduceState) -> None:
+        if self.reduce_state not in allowed:
+            raise RuntimeError(
+                f"fully_shard unit '{self.name}': gradient reduction is {self.reduce_state.name}, expected "
+                f"{'/'.join(s.name for s in allowed)} ({self.num_ready}/{self.num_trainable} gradients ready)")
+
+    @property
+    def nbytes_sharded(self) -> int:
+        return self.shard_flat.numel() * self.shard_flat.element_size()
+
+    def __repr__(self) -> str:
+        return (f"ShardedUnit('{self.name}', {len(self.managed)} params, {self.layout.numel} elements, "
+                f"{self.state.name})")
+
+
+def _uniform_dtype(name: str, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]
+                   ) -> torch.dtype:
+    dtypes = {p.dtype for _, _, p in params}
+    if not dtypes:
+        return torch.get_default_dtype()
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{fqn}: {p.dtype}" for fqn, _, p in params)
+        raise ValueError(f"fully_shard unit '{name}' mixes parameter dtypes ({listing}); one collective "
+                         "gathers a unit, so its parameters need one dtype: call fully_shard on the "
+                         "submodules of each dtype separately, or cast the model first")
+    return dtypes.pop()
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(1, s)
+    return tuple(reversed(strides))
