@@ -164,3 +164,18 @@ def dtensor_api() -> tuple[type, type, type]:
     except ImportError:
         from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
     return DTensor, Shard, Replicate
+
+
+__all__ += ["dtensor_local"]
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The very tensor object a DTensor holds as its local shard.
+
+    Why: fully_shard moves a sharded parameter's storage into another buffer
+    with ``set_`` (Note [tiny units] in tandem/fsdp/api.py) and accumulates
+    gradients into the local shard in place; ``to_local()`` on a
+    ``Parameter(DTensor)`` returns a new alias in recent torch (gh-166156),
+    on which ``set_`` would leave the parameter where it was.
+    """
+    return t._local_tensor  # type: ignore[attr-defined]

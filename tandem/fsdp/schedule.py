@@ -21,6 +21,18 @@ which backward completes units, so launches are rarely held back; a rank on
 which some unit got no gradient (unused parameters) launches the rest of the
 queue at the end of backward, in the same order as every other rank.
 
+# Note [unit completion]
+A unit's backward is over, so it can reshard and reduce, when either every one
+of its trainable parameters has accumulated a gradient (post-accumulate-grad
+hooks), or the gradient of the inputs of each of its forward calls in this
+iteration has been computed (an autograd function on those inputs, as torch's
+FSDP2 does): the second covers units with parameters this step did not use,
+which would otherwise wait for the end of backward. The engine runs a
+parameter's AccumulateGrad before any node created earlier in forward, so by
+then every gradient the unit will get is in. A call whose inputs need no
+gradient (the root's token ids) has no such node: such a unit completes by its
+gradients, or at the end of backward.
+
 # Note [prefetch]
 torch's FSDP2 overlaps gathers with compute through CUDA streams, and on CPU
 nothing overlaps. Here each gather is an async collective, so overlap needs no
@@ -81,6 +93,8 @@ class Schedule:
                 args, kwargs = to_device(args, unit.config.device), to_device(kwargs, unit.config.device)
         unit.training = TrainingState.FORWARD
         unit.unshard()
+        if torch.is_grad_enabled():
+            args, kwargs = self._track_inputs(unit, args, kwargs)
         if unit not in self.pre_forward_order:
             self.pre_forward_order.append(unit)
         targets = unit.forward_prefetch
@@ -114,10 +128,24 @@ class Schedule:
             self._end_forward()
         return _cast_output(unit, output)
 
+    def _track_inputs(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Route the inputs through _InputsDone (Note [unit completion])."""
+        tensors = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
+        unit.forward_calls += 1
+        if not tensors:
+            unit.untracked_calls += 1
+            return args, kwargs
+        done = functools.partial(self._inputs_done, unit)
+        replaced = dict(zip(map(id, tensors), _InputsDone.apply(done, *tensors)))
+        swap = functools.partial(_swap, replaced)
+        return map_tensors(swap, args), map_tensors(swap, kwargs)
+
     def _begin_forward(self) -> None:
         self.in_forward = True
         self.pre_forward_order = []
         self.post_forward_order = []
+        for u in self.units:
+            u.forward_calls = u.untracked_calls = u.inputs_done = 0
 
     def _end_forward(self) -> None:
         self.in_forward = False
@@ -145,10 +173,21 @@ class Schedule:
         """A post-accumulate-grad hook of one of ``unit``'s unsharded parameters."""
         self._enter_backward()
         if unit.grad_ready():
-            unit.mark_ready()
-            if unit.reshard_after_backward:
-                unit.reshard()
-            self._launch_ready()
+            self._complete(unit)
+
+    def _inputs_done(self, unit: ShardedUnit) -> None:
+        unit.inputs_done += 1
+        if not unit.untracked_calls and unit.inputs_done == unit.forward_calls:
+            self._complete(unit)
+
+    def _complete(self, unit: ShardedUnit) -> None:
+        """Note [unit completion]: reshard and queue the reduction."""
+        if unit.reduce_state is not ReduceState.IDLE:
+            return
+        unit.mark_ready()
+        if unit.reshard_after_backward:
+            unit.reshard()
+        self._launch_ready()
 
     def _enter_backward(self) -> None:
         if not self._callback_queued:
@@ -187,6 +226,25 @@ class Schedule:
             unit.training = TrainingState.IDLE
         self.in_backward = False
         self._callback_queued = False
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity in forward; its backward runs once the unit's backward for this
+    call is over (Note [unit completion])."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.done = done
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.done()
+        return (None, *grads)
+
+
+def _swap(replaced: dict[int, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    return replaced.get(id(t), t)
 
 
 # ---------------------------------------------------------------------- hooks

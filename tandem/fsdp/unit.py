@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem._compat import chunk_cat, dtensor_api, foreach_copy_, preserve_version_counters
+from tandem._compat import chunk_cat, dtensor_api, dtensor_local, foreach_copy_, preserve_version_counters
 from tandem.comm.group import GroupComm, Work
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 
@@ -133,6 +133,9 @@ class ShardedUnit:
         self._group_shard: torch.Tensor | None = None
         self.num_trainable = sum(m.requires_grad for m in self.managed)
         self.num_ready = 0
+        self.forward_calls = 0      # this iteration (Note [unit completion] in schedule.py)
+        self.untracked_calls = 0    # calls whose inputs need no gradient
+        self.inputs_done = 0        # calls whose backward is over
         # Per-step toggles, set through FSDPModule's methods; the schedule reads them.
         self.reshard_after_forward: bool | int = True
         self.auto_reshard_after_forward = False  # None was given: the root keeps its parameters
@@ -162,7 +165,7 @@ class ShardedUnit:
             # A parameter of an absorbed tiny unit (Note [tiny units] in api.py): its
             # local rows move into this buffer, and the parameter object stays.
             with torch.no_grad():
-                old = param.to_local()
+                old = dtensor_local(param)
                 local.copy_(old)
                 old.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
             sharded = param
@@ -282,7 +285,7 @@ class ShardedUnit:
             flags.append(0.0 if g is None else 1.0)
             grads.append(torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
                          if g is None else g)
-        flag_rows = torch.tensor(flags, dtype=self.reduce_dtype, device=self.config.device).expand(world, -1)
+        flag_rows = torch.tensor(flags, dtype=self.param_dtype, device=self.config.device).expand(world, -1)
         inp = torch.empty(world, self.layout.shard_numel + len(flags), dtype=self.reduce_dtype,
                           device=self.config.device)
         chunk_cat(grads + [flag_rows], world, inp)
@@ -314,7 +317,7 @@ class ShardedUnit:
             if m.sharded.grad is None:
                 m.sharded.grad = self.to_dtensor(local, m.spec)
             else:
-                m.sharded.grad.to_local().add_(local)
+                dtensor_local(m.sharded.grad).add_(local)
 
     def skip_reduce(self) -> None:
         """Gradient sync is off: keep accumulating the unsharded gradients."""
