@@ -76,7 +76,8 @@ def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor, branch: int) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(tokens, branch).float().reshape(-1, V), target.reshape(-1))
+    logits = model(tokens, branch).float()
+    return nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1).to(logits.device))
 
 
 def _optimizer(model: nn.Module, case: Case) -> torch.optim.Optimizer:
@@ -89,7 +90,7 @@ def _optimizer(model: nn.Module, case: Case) -> torch.optim.Optimizer:
                              lr=0.02)
 
 
-def _local(case: Case, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def local_training(case: Case, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the global batch: the reference every case must equal."""
     torch.manual_seed(0)
     model = Net()
@@ -125,7 +126,7 @@ class Outcome:
     rs_before_last_gather: bool = False
 
 
-def _shard(model: Net, case: Case) -> None:
+def shard(model: Net, case: Case) -> None:
     if case.impl == "torch":
         from torch.distributed.fsdp import fully_shard as shard
         kwargs: dict = {}
@@ -141,40 +142,27 @@ def _shard(model: Net, case: Case) -> None:
     shard(model, **kwargs)
 
 
-def _distributed(rank: int, world_size: int, case: Case) -> Outcome:
+def distributed(rank: int, world_size: int, case: Case) -> Outcome:
     torch.manual_seed(0)
     model = Net()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    _shard(model, case)
+    shard(model, case)
     opt = _optimizer(model, case)
     out = Outcome([], {}, model_bytes=model_bytes)
-    units = _tandem_units(model) if case.impl == "tandem" else []
+    units = tandem_units(model) if case.impl == "tandem" else []
     log: list[tuple[str, str, int]] = []
     step_holder = [0]
     if case.impl == "tandem" and len(units) > 1:
         nxt = model.layers[1]._tandem_fsdp_unit
         model.layers[0].fc1.register_forward_pre_hook(
             lambda *_: out.prefetched.append(nxt.state.name) if step_holder[0] == 1 else None)
-    n = GLOBAL_BATCH // world_size
-    branch = rank % 2 if case.branchy else 0
     for step in range(case.steps):
         step_holder[0] = step
         if step == 1:  # the reduce-scatter group exists from the first forward on
-            for comm in {id(c): c for u in units for c in (u.comm, u.reduce_comm)}.values():
+            comms = [c for u in units for c in (u.comm, u.reduce_comm, u.group_comm) if c is not None]
+            for comm in {id(c): c for c in comms}.values():
                 comm.observers.append(lambda e: log.append((e.op, e.tag, e.numel)))
-        total = torch.zeros(())
-        for m in range(case.micro):
-            last = m == case.micro - 1
-            model.set_requires_gradient_sync(last)
-            tokens, target = _batch(step, m)
-            loss = _loss(model, tokens[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n], branch)
-            (loss / case.micro).backward()
-            total += loss.detach() / case.micro
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        out.losses.append(total.item() / world_size)
+        out.losses.append(train_step(model, opt, case, rank, world_size, step))
         if step == 1:
             out.events = list(log)
             log.clear()
@@ -189,7 +177,27 @@ def _distributed(rank: int, world_size: int, case: Case) -> Outcome:
     return out
 
 
-def _tandem_units(model: nn.Module) -> list:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: int, world_size: int,
+               step: int) -> float:
+    """One optimizer step of a sharded model on this rank's part of the global batch;
+    returns the global batch's mean loss."""
+    n = GLOBAL_BATCH // world_size
+    branch = rank % 2 if case.branchy else 0
+    total = 0
+    for m in range(case.micro):
+        model.set_requires_gradient_sync(m == case.micro - 1)
+        tokens, target = _batch(step, m)
+        loss = _loss(model, tokens[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n], branch)
+        (loss / case.micro).backward()
+        total += loss.detach() / case.micro
+    torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+    opt.step()
+    opt.zero_grad()
+    dist.all_reduce(total)  # a tensor on the loss's device (CUDA for nccl)
+    return total.item() / world_size
+
+
+def tandem_units(model: nn.Module) -> list:
     units: list = []
     for m in model.modules():
         u = getattr(m, "_tandem_fsdp_unit", None)
@@ -223,8 +231,8 @@ CASES = {
 def _grid(rank: int, world_size: int) -> dict[str, tuple[Outcome, tuple[list[float], dict[str, torch.Tensor]]]]:
     results = {}
     for name, case in CASES.items():
-        local = _local(case if not case.bf16 else Case(), world_size) if rank == 0 else ([], {})
-        results[name] = (_distributed(rank, world_size, case), local)
+        local = local_training(case if not case.bf16 else Case(), world_size) if rank == 0 else ([], {})
+        results[name] = (distributed(rank, world_size, case), local)
     return results if rank == 0 else {}
 
 
@@ -233,7 +241,7 @@ def _results(world_size: int) -> dict:
     return run_distributed(_grid, world_size, timeout=240)[0]
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
@@ -246,7 +254,7 @@ WORLDS = [2, 3]
 def test_equals_local_training_on_the_global_batch(world_size: int, name: str) -> None:
     got, (losses, params) = _results(world_size)[name]
     assert max(abs(a - b) for a, b in zip(got.losses, losses)) <= TOL, (got.losses, losses)
-    assert _max_diff(got.params, params) <= TOL
+    assert max_diff(got.params, params) <= TOL
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
@@ -255,15 +263,15 @@ def test_equals_torch_fully_shard(world_size: int, name: str, reference: str) ->
     got, _ = _results(world_size)[name]
     ref, _ = _results(world_size)[reference]
     assert max(abs(a - b) for a, b in zip(got.losses, ref.losses)) <= TOL
-    assert _max_diff(got.params, ref.params) <= TOL
+    assert max_diff(got.params, ref.params) <= TOL
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_bf16_policy_is_close_to_torch_and_differs_from_fp32(world_size: int) -> None:
     results = _results(world_size)
     ours, theirs, fp32 = results["bf16"][0], results["torch_bf16"][0], results["default"][0]
-    gap_to_torch = _max_diff(ours.params, theirs.params)
-    gap_to_fp32 = _max_diff(ours.params, fp32.params)
+    gap_to_torch = max_diff(ours.params, theirs.params)
+    gap_to_fp32 = max_diff(ours.params, fp32.params)
     assert gap_to_torch <= 2e-3, gap_to_torch
     assert gap_to_fp32 > 10 * gap_to_torch and gap_to_fp32 > 1e-4, (gap_to_fp32, gap_to_torch)
     assert all(p.dtype == torch.float32 for p in ours.params.values())  # shards stay fp32

@@ -184,8 +184,10 @@ class FSDPModule:
             unit.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False keeps the full parameters after backward (useful while accumulating
-        gradients: the next forward needs no gather)."""
+        """False keeps the full parameters after a backward without gradient sync
+        (while accumulating with ``set_requires_gradient_sync(False)``, the next
+        forward then needs no gather). A backward that syncs gradients always
+        reshards: the optimizer step that follows would leave kept parameters stale."""
         for unit in _units(self, recurse):
             unit.reshard_after_backward = bool(reshard_after_backward)
 

@@ -185,7 +185,7 @@ class Schedule:
         if unit.reduce_state is not ReduceState.IDLE:
             return
         unit.mark_ready()
-        if unit.reshard_after_backward:
+        if _reshards_after_backward(unit):
             unit.reshard()
         self._launch_ready()
 
@@ -221,7 +221,7 @@ class Schedule:
             if unit.reduce_state is ReduceState.IN_FLIGHT:
                 unit.finish_reduce(unit.divide_factor or unit.reduce_comm.size)
         for unit in self.units:
-            if unit.reshard_after_backward:
+            if _reshards_after_backward(unit):
                 unit.reshard()
             unit.training = TrainingState.IDLE
         self.in_backward = False
@@ -311,6 +311,14 @@ def _subgroup(ranks: tuple[int, ...], k: int, rank: int) -> GroupComm:
     """The group of ``k`` consecutive ranks holding this rank, for reshard_after_forward=k."""
     start = rank // k * k
     return GroupComm(dist.new_group(list(ranks[start:start + k]), use_local_synchronization=True))
+
+
+def _reshards_after_backward(unit: ShardedUnit) -> bool:
+    """reshard_after_backward=False keeps a unit gathered only across backwards
+    without gradient sync: after a synchronising one the optimizer steps the
+    shards, and kept full parameters would be stale in the next forward (torch's
+    FSDP2 keeps them, and trains on the stale values)."""
+    return unit.reshard_after_backward or unit.requires_grad_sync
 
 
 def _after(order: list[ShardedUnit], unit: ShardedUnit) -> list[ShardedUnit]:

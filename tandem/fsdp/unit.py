@@ -91,7 +91,7 @@ class _Gather:
     work: Work
     output: torch.Tensor
     input: torch.Tensor     # kept alive until the collective completes
-    direct: bool            # the output is the unsharded buffer itself (no copy-out)
+    direct: bool            # the output is parameter-major already (one plain copy)
 
 
 @dataclass
@@ -192,12 +192,13 @@ class ShardedUnit:
         tag = f"unit {self.name}"
         if not self.layout.shard_numel:  # a unit without parameters (a root over sharded blocks)
             self._gather = _Gather(Work(None), self.unsharded_flat, self.shard_flat, direct=True)
+            self.state = ShardState.GATHERING
+            return
         elif self.state is ShardState.GROUP_SHARDED:
             assert self._group_shard is not None and self.group_comm is not None
-            self._alloc_unsharded()
-            work = self.group_comm.all_gather_into(self.unsharded_flat, self._group_shard, tag=tag,
-                                                   async_op=True)
-            self._gather = _Gather(work, self.unsharded_flat, self._group_shard, direct=True)
+            out = torch.empty_like(self.unsharded_flat, memory_format=torch.contiguous_format)
+            work = self.group_comm.all_gather_into(out, self._group_shard, tag=tag, async_op=True)
+            self._gather = _Gather(work, out, self._group_shard, direct=True)
         else:
             inp = self.shard_flat.to(self.config.device, self.param_dtype, non_blocking=True)
             out = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=self.config.device)
@@ -211,12 +212,17 @@ class ShardedUnit:
         gather = self._gather
         assert gather is not None
         gather.work.wait()
-        if not gather.direct:
-            self._alloc_unsharded()
-            src = gather.output.view(self.layout.world_size, -1).split(self.layout.chunk_numels, dim=1)
-            # The tensors autograd saved in forward are views of this buffer: refilling
-            # it with the same values is not a modification it should reject.
-            with preserve_version_counters((self.unsharded_flat,)), torch.no_grad():
+        # Note [saved parameters]: the tensors autograd saved in forward are views of
+        # the unsharded buffer; refilling it with the same values is not a
+        # modification autograd should reject. A collective never writes into it:
+        # it bumps its output's version counter at some moment between launch and
+        # wait, in a communication thread; a copy bumps it here, where it is undone.
+        self._alloc_unsharded()
+        with preserve_version_counters((self.unsharded_flat,)), torch.no_grad():
+            if gather.direct:  # already parameter-major (a 1/k slice of this buffer per rank)
+                self.unsharded_flat.copy_(gather.output)
+            else:
+                src = gather.output.view(self.layout.world_size, -1).split(self.layout.chunk_numels, dim=1)
                 foreach_copy_(self._copy_out_dst, list(src))
         self._gather = None
         self._group_shard = None

@@ -1,0 +1,216 @@
+"""fully_shard's state in and out, and the methods that steer it by hand.
+
+- a torch.distributed.checkpoint saved on 2 ranks resumes on 3 and continues
+  exactly as one uninterrupted process would;
+- a full state dict written by single-process training loads straight into a
+  sharded model (memory-mapped: each rank reads its own rows);
+- reshard_after_forward=2 on 4 ranks (backward gathers over pairs of ranks);
+- unshard/reshard, explicit prefetch lists, set_reshard_after_backward;
+- bad arguments raise, naming the value.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_fsdp import Case, Net, distributed, local_training, max_diff, shard, tandem_units, train_step
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tandem.fsdp import fully_shard, load_full_state_dict
+from tandem.fsdp.unit import ShardState
+from tandem.testing import run_distributed
+
+TOL = 1e-5
+STEPS = 4  # two on 2 ranks, two on 3
+
+
+def _save_after_two_steps(rank: int, world_size: int, path: str) -> list[float]:
+    case = Case(steps=STEPS)
+    torch.manual_seed(0)
+    model = Net()
+    shard(model, case)
+    opt = _adamw(model)
+    losses = [train_step(model, opt, case, rank, world_size, step) for step in range(2)]
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return losses
+
+
+def _resume_and_finish(rank: int, world_size: int, path: str) -> tuple[list[float], dict]:
+    case = Case(steps=STEPS)
+    torch.manual_seed(123)  # another init: everything must come from the checkpoint
+    model = Net()
+    shard(model, case)
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    # Block.alt and Block.unused never get a gradient here, so AdamW saved no state
+    # for them, while the template made by get_state_dict has some: load partially.
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = [train_step(model, opt, case, rank, world_size, step) for step in range(2, STEPS)]
+    return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    from test_fsdp import _optimizer
+    return _optimizer(model, Case())
+
+
+def test_dcp_checkpoint_saved_on_2_ranks_resumes_on_3(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    first = run_distributed(_save_after_two_steps, 2, args=(path,), timeout=120)[0]
+    rest, params = run_distributed(_resume_and_finish, 3, args=(path,), timeout=120)[0]
+    # The uninterrupted reference: one process on the global batch. Its batch
+    # split does not matter (the mean over equal parts is the global mean).
+    losses, ref = local_training(Case(steps=STEPS), world_size=6)
+    assert max(abs(a - b) for a, b in zip(first + rest, losses)) <= TOL, (first + rest, losses)
+    assert max_diff(params, ref) <= TOL
+
+
+def _load_full(rank: int, world_size: int, path: str) -> dict:
+    torch.manual_seed(5)
+    model = Net()
+    shard(model, Case())
+    missing = load_full_state_dict(model, path)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def test_full_state_dict_from_single_process_training_loads_into_a_sharded_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    got = run_distributed(_load_full, 3, args=(str(path),), timeout=120)[0]
+    assert max_diff(got, model.state_dict()) == 0.0
+
+
+def _grouped_reshard(rank: int, world_size: int) -> tuple:
+    out = distributed(rank, world_size, Case(reshard=2, steps=3))
+    return out.losses, out.params, out.events
+
+
+def test_reshard_after_forward_to_a_group_of_two_of_four_ranks() -> None:
+    losses, params, events = run_distributed(_grouped_reshard, 4, timeout=120)[0]
+    ref_losses, ref = local_training(Case(steps=3), world_size=4)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    assert max_diff(params, ref) <= TOL
+    # Per unit (root included: reshard=2 everywhere) a gather over all 4 ranks in
+    # forward, of a 1/4 shard, and one over a pair in backward, of a 1/2 slice.
+    gathers = [numel for op, _, numel in events if op == "all_gather_into"]
+    assert len(gathers) == 8, gathers
+    assert sorted(gathers[4:]) == sorted(2 * n for n in gathers[:4]), gathers
+
+
+def _explicit_control(rank: int, world_size: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = Net()
+    shard(model, Case())
+    block = model.layers[0]
+    found: dict = {}
+    block.unshard()
+    found["unsharded_is_plain"] = not isinstance(block.fc1.weight, DTensor) and block.fc1.weight.shape == (60, 20)
+    block.reshard()
+    found["resharded_is_dtensor"] = isinstance(block.fc1.weight, DTensor)
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    found["async_unshard"] = block._tandem_fsdp_unit.state is ShardState.UNSHARDED
+    block.reshard()
+    # Explicit forward prefetch: layers.0 starts the gathers of layers.1 and layers.2.
+    block.set_modules_to_forward_prefetch([model.layers[1], model.layers[2]])
+    states: list = []
+    block.fc1.register_forward_pre_hook(
+        lambda *_: states.append([u.state.name for u in tandem_units(model)]))
+    # Keep parameters between the micro-batches of an accumulation: the second
+    # forward needs no gather; the synchronising backward reshards all the same.
+    model.set_reshard_after_backward(False)
+    opt = _adamw(model)
+    case = Case(steps=2, micro=2)
+    found["losses"] = [train_step(model, opt, case, rank, world_size, step) for step in range(2)]
+    found["after_step"] = [u.state.name for u in tandem_units(model)]
+    found["prefetched"] = states[0][2:]      # layers.1 and layers.2 when layers.0 starts
+    found["second_micro_batch"] = states[1]  # every unit, kept from the first micro-batch
+    found["state_dict_keys"] = sorted(model.state_dict())
+    found["errors"] = _errors(model, world_size)
+    return found
+
+
+def _errors(model: nn.Module, world_size: int) -> dict:
+    errors = {}
+    for name, call in {
+        "twice": lambda: fully_shard(model),
+        "bad_reshard": lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=world_size + 1),
+        "placement": lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None),
+        "mixed_dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
+        "not_a_module": lambda: fully_shard([nn.Linear(2, 2)]),  # type: ignore[arg-type]
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects the type and message
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+@functools.cache
+def _control() -> dict:
+    return run_distributed(_explicit_control, 2, timeout=120)[0]
+
+
+def test_unshard_reshard_and_explicit_prefetch() -> None:
+    found = _control()
+    assert found["unsharded_is_plain"] and found["resharded_is_dtensor"] and found["async_unshard"]
+    assert all(s in ("GATHERING", "UNSHARDED") for s in found["prefetched"]), found["prefetched"]
+
+
+def test_reshard_after_backward_false_keeps_units_gathered_while_accumulating() -> None:
+    found = _control()
+    assert set(found["second_micro_batch"]) == {"UNSHARDED"}, found["second_micro_batch"]
+    assert set(found["after_step"]) == {"SHARDED"}
+    ref, _ = local_training(Case(steps=2, micro=2), world_size=2)
+    assert max(abs(a - b) for a, b in zip(found["losses"], ref)) <= TOL
+    assert found["state_dict_keys"] == sorted(Net().state_dict())
+
+
+def test_bad_arguments_raise_with_the_value() -> None:
+    errors = _control()["errors"]
+    assert errors["twice"][0] == "ValueError" and "already applied" in errors["twice"][1]
+    assert errors["bad_reshard"][0] == "ValueError" and "reshard_after_forward=3" in errors["bad_reshard"][1]
+    assert errors["placement"][0] == "NotImplementedError"
+    assert errors["mixed_dtypes"][0] == "ValueError" and "torch.float64" in errors["mixed_dtypes"][1]
+    assert errors["not_a_module"][0] == "TypeError"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_world_of_one_matches_torch_and_records_peak_memory() -> None:
+    results = run_distributed(_cuda_peak, 1, backend="nccl", timeout=180)[0]
+    assert results["tandem"]["max_diff_to_torch"] <= TOL
+    print(results)
+
+
+def _cuda_peak(rank: int, world_size: int) -> dict:
+    torch.cuda.set_device(0)
+    out: dict = {}
+    params = {}
+    for impl in ("torch", "tandem"):
+        torch.manual_seed(0)
+        model = Net(depth=6).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        shard(model, Case(impl=impl))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+        case = Case()
+        for step in range(3):
+            train_step(model, opt, case, rank, world_size, step)
+        params[impl] = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+        out[impl] = {"max_memory_allocated": torch.cuda.max_memory_allocated()}
+    out["tandem"]["max_diff_to_torch"] = max_diff(params["tandem"], params["torch"])
+    return out
