@@ -4,16 +4,17 @@ Change one import, keep your script::
 
     import tandem
     world = tandem.init()
-    model = tandem.DistributedDataParallel(model)
+    model = tandem.DistributedDataParallel(model)   # or: tandem.fully_shard(model)
 """
 
 import logging as _logging
 
-from tandem import comm_hooks
+from tandem import comm_hooks, fsdp
 from tandem.comm import WorldInfo, init, shutdown
 from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
     weighted_mean
 from tandem.dp import DataParallel
+from tandem.fsdp import FSDPModule, fully_shard
 from tandem.ddp import DistributedDataParallel, join
 from tandem.launch import spawn
 from tandem.nn import SyncBatchNorm
@@ -21,9 +22,11 @@ from tandem.train import Trainer, TrainerConfig, TrainingState, atomic_save, cap
     latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint, seed_everything
 from tandem.zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "DistributedDataParallel", "DistributedSampler", "RunningMean", "SyncBatchNorm",
+__all__ = ["DataParallel", "DistributedDataParallel", "DistributedSampler", "FSDPModule", "RunningMean",
+           "SyncBatchNorm",
            "Trainer", "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean",
-           "all_reduce_sum", "atomic_save", "capture_rng_state", "gather_samples", "init", "join",
+           "all_reduce_sum", "atomic_save", "capture_rng_state", "fsdp", "fully_shard", "gather_samples", "init",
+           "join",
            "latest_checkpoint", "load_checkpoint", "restore_rng_state", "save_checkpoint",
            "seed_everything", "shutdown", "spawn", "weighted_mean"]
 __version__ = "0.1.0"

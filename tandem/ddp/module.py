@@ -16,7 +16,7 @@ from tandem.comm.group import GroupComm
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
-from tandem.ddp.graph import to_device
+from tandem._tree import to_device
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
 from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions

@@ -77,7 +77,8 @@ from tandem._compat import foreach_copy_, queue_backward_callback
 from tandem.comm.group import GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
-from tandem.ddp.graph import iter_tensors, reachable_params
+from tandem._tree import iter_tensors
+from tandem.ddp.graph import reachable_params
 from tandem.ddp.plan import BucketPlan, ParamInfo, plan_buckets
 
 __all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]

@@ -26,6 +26,7 @@ from torch import nn
 
 from tandem._compat import dtensor_api, fsdp_policies
 from tandem.comm.group import GroupComm
+from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import _UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import ManagedParam, ShardState, ShardedUnit, UnitConfig
@@ -33,10 +34,6 @@ from tandem.fsdp.unit import ManagedParam, ShardState, ShardedUnit, UnitConfig
 __all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MIN_UNIT_BYTES = 256 * 1024
-"""Units below this size join the unit of an enclosing ``fully_shard`` call
-(Note [tiny units]): about what one gloo collective moves in its fixed latency."""
 
 _ParamEntry = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
 

@@ -40,7 +40,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamShard", "UnitLayout", "plan_unit"]
+__all__ = ["DEFAULT_MIN_UNIT_BYTES", "ParamShard", "UnitLayout", "plan_unit"]
+
+DEFAULT_MIN_UNIT_BYTES = 256 * 1024
+"""Units below this size join the unit of an enclosing ``fully_shard`` call
+(Note [tiny units] in api.py): about what one gloo collective moves in its
+fixed latency."""
 
 
 @dataclass(frozen=True)

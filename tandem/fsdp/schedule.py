@@ -53,7 +53,7 @@ from torch import nn
 
 from tandem._compat import queue_backward_callback
 from tandem.comm.group import GroupComm
-from tandem.ddp.graph import iter_tensors, map_tensors, to_device
+from tandem._tree import iter_tensors, map_tensors, to_device
 from tandem.fsdp.unit import ReduceState, ShardState, ShardedUnit, TrainingState
 
 __all__ = ["Schedule", "lazy_init", "post_forward", "pre_forward"]

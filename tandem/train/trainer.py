@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from tandem.data import DistributedSampler, RunningMean, gather_samples
-from tandem.ddp.graph import to_device
+from tandem._tree import to_device
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, save_checkpoint
 from tandem.train.config import Precision, TrainerConfig
