@@ -74,22 +74,34 @@ def test_dcp_checkpoint_saved_on_2_ranks_resumes_on_3(tmp_path: Path) -> None:
     assert max_diff(params, ref) <= TOL
 
 
-def _load_full(rank: int, world_size: int, path: str) -> dict:
+def _load_full(rank: int, world_size: int, path: str) -> tuple[dict, list[float], dict]:
     torch.manual_seed(5)
     model = Net()
     shard(model, Case())
     missing = load_full_state_dict(model, path)
     assert not missing.missing_keys and not missing.unexpected_keys
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    loaded = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # The large-model path: built on the meta device, sharded, given memory, loaded.
+    with torch.device("meta"):
+        model = Net()
+    shard(model, Case())
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, path)
+    opt = _adamw(model)
+    losses = [train_step(model, opt, Case(), rank, world_size, step) for step in range(2)]
+    return loaded, losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
-def test_full_state_dict_from_single_process_training_loads_into_a_sharded_model(tmp_path: Path) -> None:
+def test_full_state_dict_loads_into_a_sharded_model_also_built_on_meta(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net()
     path = tmp_path / "model.pt"
-    torch.save(model.state_dict(), path)
-    got = run_distributed(_load_full, 3, args=(str(path),), timeout=120)[0]
-    assert max_diff(got, model.state_dict()) == 0.0
+    torch.save(model.state_dict(), path)  # single-process training's checkpoint
+    loaded, losses, params = run_distributed(_load_full, 3, args=(str(path),), timeout=120)[0]
+    assert max_diff(loaded, model.state_dict()) == 0.0
+    ref_losses, ref = local_training(Case(steps=2), world_size=3)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    assert max_diff(params, ref) <= TOL
 
 
 def _grouped_reshard(rank: int, world_size: int) -> tuple:

@@ -11,6 +11,16 @@ local tensor is moved into the new unit's shard buffer with ``set_``, so the
 parameter objects an optimizer may already hold stay the same. Parameters are
 sharded per parameter on dim 0 (layout.py), so a merge moves no data between
 ranks. A tiny unit that nothing encloses stays a unit of its own.
+
+# Note [meta init]
+A model too large for one device is built on the meta device, sharded, then
+given memory and values: ``model.to_empty(device=...)`` and an initialisation
+or a checkpoint (``load_full_state_dict``). ``fully_shard`` allocates each
+unit's shard buffer at once (1/N of the unit) and leaves it uninitialised for
+meta parameters. ``to_empty``, ``to`` and ``cuda`` go through
+``nn.Module._apply``, which swaps each DTensor's contents for new tensors;
+``FSDPModule._apply`` then copies them back into the shard buffer and points
+them at it again, so the buffer stays the all-gather's input.
 """
 
 from __future__ import annotations
@@ -209,6 +219,16 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch compatibility; every backward finishes its reductions."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``to_empty``/``to``/``cuda`` on a sharded model (Note [meta init])."""
+        units = _units(self, True)
+        for unit in units:
+            unit.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for unit in units:
+            unit.adopt_sharded_tensors()
+        return result
 
 
 # ---------------------------------------------------------------------- helpers

@@ -170,8 +170,9 @@ class ShardedUnit:
                 old.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
             sharded = param
         else:
-            with torch.no_grad():
-                local.copy_(param.detach().narrow(0, spec.row_start, spec.local_rows))
+            if not param.is_meta:  # meta: values come later (Note [meta init] in api.py)
+                with torch.no_grad():
+                    local.copy_(param.detach().narrow(0, spec.row_start, spec.local_rows))
             sharded = nn.Parameter(self.to_dtensor(local, spec), requires_grad=param.requires_grad)
         view = self.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
         unsharded = nn.Parameter(view, requires_grad=param.requires_grad)
@@ -255,6 +256,28 @@ class ShardedUnit:
         elif self.state is ShardState.GROUP_SHARDED and not keep_group_shard:
             self._group_shard = None
             self.state = ShardState.SHARDED
+
+    def adopt_sharded_tensors(self) -> None:
+        """Take the sharded parameters' local tensors back into the shard buffer
+        after ``nn.Module._apply`` replaced them (``to_empty``, ``to(device)``:
+        Note [meta init] in api.py)."""
+        locals_ = [dtensor_local(m.sharded) for m in self.managed]
+        if not locals_:
+            return
+        wrong = [f"{m.fqn}: {t.dtype}" for m, t in zip(self.managed, locals_) if t.dtype != self.orig_dtype]
+        if wrong:
+            raise NotImplementedError(f"fully_shard unit '{self.name}': parameters changed dtype after sharding "
+                                      f"({', '.join(wrong)}; the shards are {self.orig_dtype}); cast the model "
+                                      "before fully_shard, or use MixedPrecisionPolicy")
+        device = locals_[0].device
+        if device != self.shard_flat.device:
+            self.shard_flat = torch.zeros_like(self.shard_flat, device=device)
+        with torch.no_grad():
+            for m, t in zip(self.managed, locals_):
+                view = self.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
+                if t.data_ptr() != view.data_ptr() or t.device != view.device:
+                    view.copy_(t)
+                    t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
     def register_sharded(self) -> None:
         """Register the sharded parameters (for ``state_dict``) without freeing anything."""
