@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,20 @@ def train(rank: int, world_size: int, output_dir: str, options: dict, init_seed:
     """Build everything from scratch and fit; return what the tests compare."""
     dropout = options.pop("dropout", 0.0)
     zero_stage = options.pop("zero_stage", 0)
+    fully_sharded = options.pop("fully_sharded", False)
+    grad_sync: list[bool] = []  # a fully-sharded model's set_requires_gradient_sync calls
     model = make_model(dropout, init_seed)
     tandem.seed_everything(0, per_rank=True)
     if zero_stage:  # the user wraps; the Trainer takes the model as it is
         model = tandem.DistributedDataParallel(model, zero_stage=zero_stage, bucket_cap_mb=0.0005)
         optimizer = tandem.ZeroOptimizer(model, torch.optim.Adam, lr=0.05)
+    elif fully_sharded:  # the user shards, as above: a unit per Linear (uneven rows), then the root
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                tandem.fully_shard(layer, min_unit_bytes=0)
+        tandem.fully_shard(model)
+        model.set_requires_gradient_sync = spy(model.set_requires_gradient_sync, grad_sync)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
@@ -61,11 +71,25 @@ def train(rank: int, world_size: int, output_dir: str, options: dict, init_seed:
         module.eval()
         logits = module(x)
         direct = {"loss": nn.functional.cross_entropy(logits, y).item(), "accuracy": accuracy(logits, y)}
-    return {"params": {k: v.clone() for k, v in module.state_dict().items()},
+    return {"params": {k: full_tensor(v).clone() for k, v in module.state_dict().items()},
             "history": result.history, "evaluation": result.evaluation, "direct": direct,
             "steps": result.steps, "epochs": result.epochs_done,
+            "grad_sync": grad_sync,
             "checkpoint": None if result.checkpoint is None else str(result.checkpoint),
             "plot": None if result.plot is None else str(result.plot)}
+
+
+def spy(method, calls: list):
+    """``method``, recording its first argument in ``calls``."""
+    def record(value, *args, **kwargs):
+        calls.append(value)
+        return method(value, *args, **kwargs)
+    return record
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A fully-sharded model's state holds DTensors; gathering them is a collective."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -144,6 +168,109 @@ def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path
     # metrics.jsonl holds the whole run's records, as one run would have written them.
     lines = [json.loads(l) for l in (Path(parted) / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in lines] == [(r["kind"], r["step"]) for r in full[0]["history"]]
+
+
+# A fully-sharded model against one process on the global batch (2 ranks x 4 samples
+# x 2 micro-batches, clipped), and a run stopped mid-way and resumed against both the
+# uninterrupted run and one process resumed from the sharded run's checkpoint. All runs
+# of one world size share one spawned group, to keep the suite fast.
+SHARDED = dict(epochs=2, batch_size=4, grad_accum=2, max_grad_norm=0.5, log_every=1, plot=False)
+SHARDED_STOP = 8  # 6 steps per epoch: in the middle of the second
+
+
+def _sharded_runs(rank: int, world_size: int, base: str) -> dict:
+    options = dict(SHARDED, fully_sharded=True)
+    return {"full": train(rank, world_size, f"{base}/sharded", dict(options)),
+            "first": train(rank, world_size, f"{base}/parted", dict(options, max_steps=SHARDED_STOP)),
+            # From a different initialisation: everything must come from the checkpoint.
+            "second": train(rank, world_size, f"{base}/parted", dict(options), init_seed=1)}
+
+
+def _one_process_runs(rank: int, world_size: int, base: str, sharded_checkpoint: str) -> dict:
+    options = dict(SHARDED, batch_size=16, grad_accum=1)
+    resumed = Path(base) / "one-resumed" / "checkpoints"
+    resumed.mkdir(parents=True)
+    shutil.copy(sharded_checkpoint, resumed)
+    return {"full": train(rank, world_size, f"{base}/one", dict(options)),
+            "resumed": train(rank, world_size, str(resumed.parent), dict(options), init_seed=1)}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> tuple[list[dict], dict]:
+    base = tmp_path_factory.mktemp("sharded")
+    sharded = run_distributed(_sharded_runs, 2, timeout=120, args=(str(base),))
+    (one,) = run_distributed(_one_process_runs, 1, timeout=120,
+                             args=(str(base), sharded[0]["first"]["checkpoint"]))
+    return sharded, one
+
+
+def test_a_fully_sharded_model_trains_like_one_process_on_the_global_batch(sharded_runs):
+    sharded, one = sharded_runs
+    assert sharded[0]["full"]["steps"] == one["full"]["steps"] == 12
+    # Accumulation: the first micro-batch of each step accumulates without communication.
+    assert sharded[0]["full"]["grad_sync"] == [False, True] * 12
+    for rank in range(2):
+        assert max_param_diff(sharded[rank]["full"]["params"], one["full"]["params"]) <= 1e-6
+        for name, value in sharded[rank]["full"]["direct"].items():
+            assert sharded[rank]["full"]["evaluation"][name] == pytest.approx(value, abs=1e-6)
+    # Losses and the global gradient norm (plain floats, clipping engaged) match step by step.
+    ours, reference = train_records(sharded[0]["full"]["history"]), train_records(one["full"]["history"])
+    assert [r["step"] for r in ours] == [r["step"] for r in reference]
+    for key in ("loss", "grad_norm"):
+        assert all(type(r[key]) is float for r in ours)
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in reference], abs=1e-6)
+    assert max(r["grad_norm"] for r in ours) > SHARDED["max_grad_norm"]
+    # The checkpoint holds the full model and optimizer state in torch's own format,
+    # which one process loads with plain load_state_dict.
+    saved = torch.load(sharded[0]["full"]["checkpoint"], weights_only=True)
+    expected = torch.load(one["full"]["checkpoint"], weights_only=True)
+    assert max_param_diff(saved["model"], expected["model"]) <= 1e-6
+    assert saved["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for i, state in expected["optimizer"]["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert (saved["optimizer"]["state"][i][key] - state[key]).abs().max().item() <= 1e-6
+    model = make_model(0.0)
+    model.load_state_dict(saved["model"])
+    torch.optim.Adam(model.parameters()).load_state_dict(saved["optimizer"])
+
+
+def test_a_fully_sharded_run_resumes_exactly_at_any_world_size(sharded_runs):
+    sharded, one = sharded_runs
+    assert sharded[0]["first"]["steps"] == SHARDED_STOP and sharded[0]["first"]["epochs"] == 1
+    assert Path(sharded[0]["first"]["checkpoint"]).name == f"step-{SHARDED_STOP:08d}.pt"
+    for rank in range(2):
+        assert max_param_diff(sharded[rank]["second"]["params"], sharded[rank]["full"]["params"]) <= 1e-6
+    resumed = train_losses(sharded[0]["second"]["history"])
+    uninterrupted = train_losses(sharded[0]["full"]["history"])
+    assert [s for s, _ in resumed] == [s for s, _ in uninterrupted]
+    assert [l for _, l in resumed] == pytest.approx([l for _, l in uninterrupted], abs=1e-6)
+    # The same checkpoint resumed by one process without fully_shard.
+    assert one["resumed"]["steps"] == 12
+    assert max_param_diff(one["resumed"]["params"], one["full"]["params"]) <= 1e-6
+
+
+def _refusals(rank: int, world_size: int, output_dir: str) -> dict[str, str]:
+    """What the Trainer says about a fully-sharded model it cannot train."""
+    train_set, _ = datasets(8, 0)
+    messages = {}
+    for case in ("fp16", "optimizer built before fully_shard"):
+        model = make_model(0.0)
+        early = torch.optim.Adam(model.parameters())
+        tandem.fully_shard(model)
+        optimizer = early if case.startswith("optimizer") else torch.optim.Adam(model.parameters())
+        config = tandem.TrainerConfig(output_dir=output_dir, precision="fp16" if case == "fp16" else "fp32")
+        try:
+            tandem.Trainer(model, optimizer, train_set, nn.functional.cross_entropy, config=config)
+        except ValueError as e:
+            messages[case] = str(e)
+    return messages
+
+
+def test_a_fully_sharded_model_is_refused_with_what_to_do_instead(tmp_path):
+    (messages,) = run_distributed(_refusals, 1, timeout=60, args=(str(tmp_path),))
+    assert "with a fully-sharded model" in messages["fp16"] and "precision='bf16'" in messages["fp16"]
+    assert "parameter 0 (shape (16, 6))" in messages["optimizer built before fully_shard"]
+    assert "after fully_shard" in messages["optimizer built before fully_shard"]
 
 
 def test_checkpoints_are_kept_and_pruned(tmp_path):

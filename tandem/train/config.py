@@ -38,7 +38,8 @@ class TrainerConfig:
     eval_batch_size: int | None = None
     """Samples per rank per evaluation batch (default: ``batch_size``)."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
+    """Micro-batches per optimizer step; all but the last run without gradient sync
+    (DDP's ``no_sync()``, a fully-sharded model's ``set_requires_gradient_sync(False)``)."""
     precision: Precision | str = Precision.FP32
     """fp32, bf16 (autocast) or fp16 (autocast and a gradient scaler)."""
     max_grad_norm: float | None = None

@@ -12,6 +12,8 @@ parameters an uninterrupted run reaches. That takes more than the model:
   them), gathered into the file because each rank's differ.
 Under ZeRO the optimizer state is sharded; its state_dict() consolidates it in
 torch's format, which is also what makes the file loadable at another world size.
+A fully-sharded model's parameters and optimizer state are gathered into the
+same format (Note [full checkpoints of a sharded model] in sharded.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from tandem.comm.group import GroupComm
 from tandem.train.rng import capture_rng_state, restore_rng_state
+from tandem.train.sharded import full_state_dicts, is_fully_sharded, load_full_state_dicts
 
 __all__ = ["TrainingState"]
 
@@ -38,15 +41,16 @@ FORMAT = "tandem.training_state/1"
 class TrainingState:
     """The objects and counters of one training run (see Note [exact resume]).
 
-    ``state_dict()`` is a collective (it gathers every rank's RNG state, and a
-    ZeRO optimizer's shards); it returns the dict on rank 0 and None elsewhere,
-    ready for :func:`tandem.save_checkpoint`. ``load_state_dict()`` runs on every
-    rank with the whole dict (from :func:`tandem.load_checkpoint`).
+    ``state_dict()`` is a collective (it gathers every rank's RNG state, a ZeRO
+    optimizer's shards, and a fully-sharded model's); it returns the dict on
+    rank 0 and None elsewhere, ready for :func:`tandem.save_checkpoint`.
+    ``load_state_dict()`` runs on every rank with the whole dict (from
+    :func:`tandem.load_checkpoint`).
     """
 
     model: nn.Module
-    """The model, DDP-wrapped or not: the unwrapped module's state is saved, so a
-    checkpoint loads into either."""
+    """The model, DDP-wrapped, fully sharded or neither: the unwrapped module's
+    full state is saved, so a checkpoint loads into any of them."""
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
     """A learning-rate scheduler (anything with state_dict/load_state_dict)."""
@@ -63,14 +67,17 @@ class TrainingState:
 
     def state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
         rng = _gather(capture_rng_state(), group)
+        model: dict[str, Any] | None = None
         optimizer = None
-        if self.optimizer is not None:
+        if is_fully_sharded(self.model):
+            model, optimizer = full_state_dicts(self.model, self.optimizer)
+        elif self.optimizer is not None:
             optimizer = self.optimizer.state_dict()  # a collective for ZeroOptimizer
         if _rank(group) != 0:
             return None
         return {
             "format": FORMAT,
-            "model": unwrap_model(self.model).state_dict(),
+            "model": unwrap_model(self.model).state_dict() if model is None else model,
             "optimizer": optimizer,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -94,9 +101,15 @@ class TrainingState:
             if state[name] is None:
                 raise ValueError(f"the checkpoint holds no {name} state, but a {name} was given; "
                                  f"resume with the same set-up as the saved run")
-        unwrap_model(self.model).load_state_dict(state["model"])
-        for name in given:
-            getattr(self, name).load_state_dict(state[name])
+        if is_fully_sharded(self.model):  # a collective; each rank keeps its slice
+            load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            unwrap_model(self.model).load_state_dict(state["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+        for name in ("scheduler", "scaler"):
+            if getattr(self, name) is not None:
+                getattr(self, name).load_state_dict(state[name])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
         self.extra = state["extra"]
         rank, size, saved_ranks = _rank(group), _size(group), len(state["rng"])

@@ -1,10 +1,11 @@
 """tandem.Trainer: the data-parallel training loop users otherwise write again and again.
 
 It puts tandem's pieces together, each of which works alone: DistributedDataParallel
-(when the world has more than one rank), DistributedSampler with set_epoch and
-mid-epoch resume, gradient accumulation under no_sync, autocast and a gradient
-scaler, clipping, evaluation with every sample counted once, atomic checkpoints
-and exact resume, a progress bar on rank 0, a JSONL record and a loss plot.
+(when the world has more than one rank; a ZeRO or fully-sharded model the user
+built is taken as it is), DistributedSampler with set_epoch and mid-epoch resume,
+gradient accumulation without gradient sync, autocast and a gradient scaler,
+clipping, evaluation with every sample counted once, atomic checkpoints and exact
+resume, a progress bar on rank 0, a JSONL record and a loss plot.
 
 The contract with the data: a dataset item is ``(inputs, target)``; the loader
 collates them into batches; ``loss_fn(model(inputs), targets)`` is the mean loss
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from tandem._compat import dtensor_api
 from tandem.data import DistributedSampler, RunningMean, gather_samples
 from tandem._tree import to_device
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
@@ -48,6 +50,7 @@ from tandem.train.plot import plot_losses
 from tandem.train.precision import autocast_for, scaler_for
 from tandem.train.progress import Progress
 from tandem.train.rng import rank_seed
+from tandem.train.sharded import check_optimizer, is_fully_sharded
 from tandem.train.state import TrainingState, unwrap_model
 
 __all__ = ["FitResult", "Trainer"]
@@ -81,9 +84,12 @@ class Trainer:
     Args:
         model: the model, on this rank's device. Wrapped in
             tandem.DistributedDataParallel when the world has more than one rank,
-            unless it already is a DDP model (pass your own wrapper for ZeRO).
-        optimizer: built on the model's parameters (a torch optimizer, or a
-            tandem.ZeroOptimizer over an already wrapped model).
+            unless it already is a DDP model (pass your own wrapper for ZeRO) or
+            went through tandem.fully_shard (its checkpoints still hold the
+            full model and optimizer state).
+        optimizer: built on the model's parameters (a torch optimizer, also over
+            a fully-sharded model's, or a tandem.ZeroOptimizer over an already
+            wrapped model).
         train_data: a map-style dataset of ``(inputs, target)`` pairs.
         loss_fn: ``loss_fn(outputs, targets)``, the mean loss of a batch.
         eval_data: evaluated after each epoch when given.
@@ -107,11 +113,17 @@ class Trainer:
         self.model = self._wrap(model)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
         self.metrics = dict(metrics or {})
-        if self.config.precision is Precision.FP16 and hasattr(optimizer, "sharded_state_dict"):
+        if is_fully_sharded(model):
+            check_optimizer(model, optimizer)
+        sharded = ("a fully-sharded model" if is_fully_sharded(model) else
+                   "tandem.ZeroOptimizer" if hasattr(optimizer, "sharded_state_dict") else None)
+        if self.config.precision is Precision.FP16 and sharded is not None:
             # GradScaler unscales param.grad, but a ZeroOptimizer steps on its own
-            # reduced gradient shards, which would stay scaled.
-            raise ValueError("precision='fp16' needs a GradScaler, which does not work with "
-                             "tandem.ZeroOptimizer yet; use precision='bf16', which needs no scaler")
+            # reduced gradient shards, which would stay scaled; and it looks for
+            # infs on this rank only, so ranks holding different gradient shards
+            # would disagree on skipping a step.
+            raise ValueError(f"precision='fp16' needs a GradScaler, which does not work with {sharded} "
+                             "yet; use precision='bf16', which needs no scaler")
         self.scaler = scaler_for(self.config.precision, self.device)
         self._autocast = autocast_for(self.config.precision, self.device)
         self.sampler = DistributedSampler(train_data, num_replicas=self.world_size, rank=self.rank,
@@ -132,7 +144,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.world_size == 1 or _is_ddp(model):
+        if self.world_size == 1 or _is_ddp(model) or is_fully_sharded(model):
             return model
         from tandem.ddp import DistributedDataParallel
         return DistributedDataParallel(model, **dict(self.config.ddp_options))
@@ -221,8 +233,8 @@ class Trainer:
         batches = iter(self.train_loader)
         while micro_batches := list(islice(batches, cfg.grad_accum)):
             started = time.perf_counter()
-            samples, comm_wait = self._step(micro_batches, window.loss)
-            window.add(samples * self.world_size, time.perf_counter() - started, comm_wait)
+            samples, comm_wait, grad_norm = self._step(micro_batches, window.loss)
+            window.add(samples * self.world_size, time.perf_counter() - started, comm_wait, grad_norm)
             state.step += 1
             state.consumed += samples * self.world_size
             progress.advance()
@@ -239,15 +251,15 @@ class Trainer:
     def _epoch_done(self) -> bool:
         return self.state.consumed >= self._samples_per_rank() * self.world_size
 
-    def _step(self, micro_batches: list[Any], loss_mean: RunningMean) -> tuple[int, float | None]:
-        """One optimizer step over ``micro_batches``. Returns this rank's sample count
-        and the seconds the synchronised backward waited on communication."""
+    def _step(self, micro_batches: list[Any], loss_mean: RunningMean
+              ) -> tuple[int, float | None, torch.Tensor | None]:
+        """One optimizer step over ``micro_batches``. Returns this rank's sample count,
+        the seconds the synchronised backward waited on communication, and the
+        global gradient norm before clipping (None without clipping)."""
         samples = 0
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-            last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not _is_ddp(self.model) else self.model.no_sync()
-            with sync:
+            with self._grad_sync(enabled=i == len(micro_batches) - 1):
                 with self._autocast():
                     loss = self.loss_fn(self.model(inputs), targets)
                 n = _batch_len(targets)
@@ -257,19 +269,32 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             samples += n
         stats = getattr(self.model, "comm_stats", None)
-        self._optimizer_step()
-        return samples, None if stats is None else stats.wait_s
+        grad_norm = self._optimizer_step()
+        return samples, None if stats is None else stats.wait_s, grad_norm
 
-    def _optimizer_step(self) -> None:
+    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch: its backward reduces gradients only when
+        ``enabled`` (the last micro-batch), else accumulates them locally."""
+        if is_fully_sharded(self.model):
+            self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if enabled or not _is_ddp(self.model):
+            return contextlib.nullcontext()
+        return self.model.no_sync()  # type: ignore[operator]
+
+    def _optimizer_step(self) -> torch.Tensor | None:
+        """Clip, step and zero the gradients; returns the gradient norm before clipping."""
         cfg = self.config
+        grad_norm = None
         if cfg.max_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             clip = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeroOptimizer: across shards
             if clip is not None:
-                clip(cfg.max_grad_norm)
-            else:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                grad_norm = clip(cfg.max_grad_norm)
+            else:  # a fully-sharded model's DTensor gradients: across shards too
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            grad_norm = _plain_tensor(grad_norm).detach()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -278,6 +303,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        return grad_norm
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -351,26 +377,33 @@ class Trainer:
 
 class _Window:
     """Training records accumulate over ``log_every`` steps: loss (reduced across
-    ranks when recorded), throughput and the share of time waiting on communication."""
+    ranks when recorded), throughput, the share of time waiting on communication,
+    and the mean gradient norm before clipping (the same on every rank)."""
 
     def __init__(self) -> None:
         self.loss = RunningMean()
         self.samples = 0
         self.seconds = 0.0
         self.comm_wait: float | None = None
+        self.grad_norms: list[torch.Tensor] = []
 
-    def add(self, samples: int, seconds: float, comm_wait: float | None) -> None:
+    def add(self, samples: int, seconds: float, comm_wait: float | None,
+            grad_norm: torch.Tensor | None) -> None:
         self.samples += samples
         self.seconds += seconds
         if comm_wait is not None:
             self.comm_wait = (self.comm_wait or 0.0) + comm_wait
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
 
     def record(self, state: TrainingState, lr: float) -> dict[str, Any]:
         return {"kind": "train", "epoch": state.epoch + 1, "step": state.step,
                 "loss": self.loss.compute(), "lr": lr,
                 "samples_per_s": self.samples / max(self.seconds, 1e-9),
                 "comm_wait_share": None if self.comm_wait is None else
-                self.comm_wait / max(self.seconds, 1e-9)}
+                self.comm_wait / max(self.seconds, 1e-9),
+                # One device sync per record, not per step.
+                "grad_norm": float(torch.stack(self.grad_norms).float().mean()) if self.grad_norms else None}
 
 
 def _rank_and_size() -> tuple[int, int]:
@@ -387,6 +420,13 @@ def _device_of(model: nn.Module) -> torch.device:
 
 def _is_ddp(model: nn.Module) -> bool:
     return hasattr(model, "no_sync") and isinstance(getattr(model, "module", None), nn.Module)
+
+
+def _plain_tensor(norm: torch.Tensor) -> torch.Tensor:
+    """``norm`` as a plain tensor: clip_grad_norm_ over DTensor gradients returns a
+    replicated DTensor (so ``full_tensor()`` communicates nothing)."""
+    DTensor, _, _ = dtensor_api()
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _batch_len(targets: Any) -> int:
