@@ -60,6 +60,10 @@ def test_memory_planner_shards_what_each_stage_promises() -> None:
     assert s1.optimizer == pytest.approx(s0.optimizer / 4, rel=0.01)
     assert s2.grads < s1.grads and s2.optimizer == s1.optimizer
     assert s3.params == pytest.approx(s0.params / 4, rel=0.01)
-    assert [e.total for e in stages] == sorted((e.total for e in stages), reverse=True)
+    assert [e.total for e in stages[:3]] == sorted((e.total for e in stages[:3]), reverse=True)
+    # Stage 3 holds the least between steps; its peaks (gathered units, gradients
+    # being reduced) are tests/test_fsdp_memory.py's subject.
+    steady = [e.params + e.grads + e.optimizer for e in stages]
+    assert steady[3] == min(steady)
     one = estimate_memory(model, 1)
     assert one[0].total == one[1].total  # nothing to shard in a world of one

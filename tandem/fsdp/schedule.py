@@ -208,18 +208,26 @@ class Schedule:
             if unit.reduce_state is not ReduceState.READY:
                 return
             if unit.requires_grad_sync:
+                self._finish_reductions()  # Note [one reduction in flight]
                 unit.launch_reduce()
             else:
                 unit.skip_reduce()
             self.next_reduce += 1
 
+    def _finish_reductions(self) -> None:
+        # Note [one reduction in flight]: a reduce-scatter holds its input (the
+        # unit's gradients, full size) until it completes. Finishing the previous
+        # one before launching the next keeps one such buffer alive instead of
+        # one per unit; the previous one had a whole unit's backward to complete.
+        for unit in self.reduce_order[:self.next_reduce]:
+            if unit.reduce_state is ReduceState.IN_FLIGHT:
+                unit.finish_reduce(unit.divide_factor or unit.reduce_comm.size)
+
     def _finish_backward(self) -> None:
         for unit in self.reduce_order[self.next_reduce:]:
             unit.mark_ready()  # some gradients never came: zeros (Note [gradient flags] in unit.py)
         self._launch_ready()
-        for unit in self.reduce_order:
-            if unit.reduce_state is ReduceState.IN_FLIGHT:
-                unit.finish_reduce(unit.divide_factor or unit.reduce_comm.size)
+        self._finish_reductions()
         for unit in self.units:
             if _reshards_after_backward(unit):
                 unit.reshard()

@@ -8,8 +8,8 @@ optimizer (optimizer.py), which steps the gradient shards that
 
 from tandem.zero.config import ZeroConfig, ZeroStage
 from tandem.zero.layout import BucketShard, ShardPiece, shard_bucket
-from tandem.zero.memory import MemoryEstimate, estimate_memory, format_memory_table
+from tandem.zero.memory import FullyShardSpec, MemoryEstimate, UnitEstimate, estimate_memory, format_memory_table
 from tandem.zero.optimizer import ZeroOptimizer
 
-__all__ = ["BucketShard", "MemoryEstimate", "ShardPiece", "ZeroConfig", "ZeroOptimizer", "ZeroStage",
-           "estimate_memory", "format_memory_table", "shard_bucket"]
+__all__ = ["BucketShard", "FullyShardSpec", "MemoryEstimate", "ShardPiece", "UnitEstimate", "ZeroConfig",
+           "ZeroOptimizer", "ZeroStage", "estimate_memory", "format_memory_table", "shard_bucket"]

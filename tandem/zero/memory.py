@@ -2,55 +2,169 @@
 state under ZeRO stages 0 to 3, before running anything.
 
 Stage 0 is plain data parallelism (a full copy of everything on every rank);
-stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
-parameters (Rajbhandari et al., 2020). Sharded sizes round up to whole
-per-rank shards of each bucket, as the flat buffer does.
+stage 1 shards the optimizer state, stage 2 also the gradients (DDP's buckets:
+sharded sizes round up to whole per-rank shards of each bucket, as the flat
+buffer does), stage 3 also the parameters (Rajbhandari et al., 2020): that is
+``tandem.fully_shard``, planned from the units it would build (Note [stage 3
+memory]).
+
+# Note [stage 3 memory]
+Stage 3 is computed from the layout of each fully_shard unit
+(:func:`tandem.fsdp.plan_unit`, Note [unit buffers] in tandem/fsdp/layout.py),
+rank 0's: every rank's shard buffer has the same size, and rank 0 holds the
+most optimizer state (later ranks' last chunks can be shorter, and optimizer
+state has no padding). Per unit, with ``S`` its shard elements, ``n`` its
+parameters, ``w`` the world size:
+
+- ``params``: the shard buffer, ``S`` elements of the parameters' dtype.
+- ``grads``: the sharded gradients are views of the reduce-scatter output,
+  ``S + n`` elements (the ``n`` gradient flags, Note [gradient flags] in
+  tandem/fsdp/unit.py, share its storage) of the reduce dtype; a reduce dtype
+  other than the parameters' casts them into a new ``S``-element tensor.
+- ``optimizer``: ``optimizer_bytes_per_param`` per shard element of the
+  trainable parameters. Per-tensor scalars (Adam's step count, 4 bytes per
+  parameter) are not counted.
+- ``gathered``, the peak while a unit computes, over forward and backward:
+  the unsharded buffers (``w * S`` elements of the param dtype) of the root
+  (kept from its forward to its backward), of the unit and of the units that
+  enclose it (with ``reshard_after_forward=False``: of every unit that ran
+  before it), plus one all-gather output of the same size as an unsharded
+  buffer, the unit's own (alive with its unsharded buffer during the copy-out)
+  or the prefetched neighbour's (the next unit in module order in forward, the
+  one that finished forward before it in backward; Note [prefetch] in
+  tandem/fsdp/schedule.py), with its ``S``-element cast input under a
+  ``param_dtype``.
+- ``reducing``, gradients in flight in backward: one unit's reduce-scatter
+  input (``w * (S + n)`` elements of the reduce dtype) and output (``S + n``),
+  since the previous reduction finishes before the next is launched (Note
+  [one reduction in flight] in tandem/fsdp/schedule.py), plus the full-size
+  gradients (param dtype, zeros for frozen parameters) of that unit and of the
+  units enclosing it (the root's first gradients wait for the root's last); the
+  largest such sum over units.
+
+Activations, the autograd graph and the collectives' own scratch space are
+not included, and ``ignored_params``, CPU offloading and
+``reshard_after_forward=k`` are not modelled. ``total`` adds the peaks of
+``gathered`` and ``reducing`` to the steady state: an upper bound on what
+fully_shard holds at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tandem.ddp.plan import ParamInfo, cap_bytes_from_mb, plan_buckets
+from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES, UnitLayout, plan_unit
 
-__all__ = ["MemoryEstimate", "estimate_memory", "format_memory_table"]
+__all__ = ["FullyShardSpec", "MemoryEstimate", "UnitEstimate", "estimate_memory", "format_memory_table"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullyShardSpec:
+    """How ``tandem.fully_shard`` will be applied, for :func:`estimate_memory`'s stage 3."""
+
+    units: tuple[str, ...] = ()
+    """Submodules fully_shard is called on, by their names in ``named_modules()``
+    (``("layers.0", "layers.1")``); the root ``""`` is always a unit, and the
+    calls are taken bottom-up, as fully_shard requires."""
+    param_dtype: torch.dtype | None = None
+    """``MixedPrecisionPolicy.param_dtype``: the dtype units are gathered and
+    computed in (None: the parameters' own)."""
+    reduce_dtype: torch.dtype | None = None
+    """``MixedPrecisionPolicy.reduce_dtype`` (None: ``param_dtype``)."""
+    reshard_after_forward: bool = True
+    """fully_shard's argument for the units in ``units``; the root keeps its
+    parameters from forward to backward either way."""
+    min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES
+    """fully_shard's ``min_unit_bytes``: smaller units join the unit of an
+    enclosing call (Note [tiny units] in tandem/fsdp/api.py)."""
+
+    def __post_init__(self) -> None:
+        units = (self.units,) if isinstance(self.units, str) else self.units
+        if not all(isinstance(u, str) for u in units):
+            raise ValueError(f"FullyShardSpec.units must be module names (str), got {self.units!r}")
+        object.__setattr__(self, "units", tuple(units))
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"FullyShardSpec.{name} must be a floating torch.dtype or None, got {value!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"FullyShardSpec.reshard_after_forward must be a bool, got "
+                             f"{self.reshard_after_forward!r} (partial resharding to k ranks is not planned)")
+        if not isinstance(self.min_unit_bytes, int) or self.min_unit_bytes < 0:
+            raise ValueError(f"FullyShardSpec.min_unit_bytes must be an int >= 0, got {self.min_unit_bytes!r}")
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """One unit fully_shard would build (stage 3 of :func:`estimate_memory`)."""
+
+    name: str                     # the module fully_shard is called on ("": the root)
+    merged: tuple[str, ...]       # tiny units that joined it (Note [tiny units] in tandem/fsdp/api.py)
+    layout: UnitLayout            # rank 0's buffers
+    dtype: torch.dtype            # the parameters' dtype: shards, sharded gradients
+    trainable: tuple[bool, ...]   # requires_grad of each parameter, in layout order
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at ZeRO ``stage``."""
+    """Bytes one rank holds at ZeRO ``stage`` (Note [stage 3 memory] for stage 3)."""
 
     stage: int
     params: int
     grads: int
     optimizer: int
+    gathered: int = 0                                       # stage 3: peak of gathered units
+    reducing: int = 0                                       # stage 3: peak of gradients being reduced
+    units: tuple[UnitEstimate, ...] = field(default=(), repr=False)   # stage 3: the units planned
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        """The steady state plus the transient peaks: an upper bound."""
+        return self.params + self.grads + self.optimizer + self.gathered + self.reducing
 
 
 def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_param: int = 8,
-                    bucket_cap_mb: float | None = None) -> list[MemoryEstimate]:
-    """Per-rank memory of ``model``'s trainable parameters at stages 0, 1, 2 and 3.
+                    bucket_cap_mb: float | None = None, fsdp: FullyShardSpec | None = None
+                    ) -> list[MemoryEstimate]:
+    """Per-rank memory of ``model`` at ZeRO stages 0, 1, 2 and 3.
 
     Args:
-        model: the model (only its trainable parameters' sizes and dtypes are read).
+        model: the model; only its parameters' shapes, dtypes and
+            ``requires_grad`` are read (stages 0-2 count the trainable ones;
+            stage 3 shards every parameter, frozen ones included).
         world_size: ranks the state would be sharded over.
         optimizer_bytes_per_param: optimizer state per parameter element; 8 is
             Adam's two fp32 moments, 4 is SGD with momentum, 0 plain SGD.
-        bucket_cap_mb: DDP's bucket cap (buckets are what gets sharded).
+        bucket_cap_mb: DDP's bucket cap (buckets are what stages 1 and 2 shard).
+        fsdp: how ``tandem.fully_shard`` is applied, for stage 3 (default: to
+            the root only, one unit holding the whole model).
 
     Returns:
-        One estimate per stage. Activations and temporary buffers are not
-        included; at stage 2 one bucket is counted in full as the staging area
-        for the reduce-scatter.
+        One estimate per stage. Activations are not included; at stage 2 one
+        bucket is counted in full as the staging area for the reduce-scatter;
+        stage 3 adds the peaks of gathered units and of gradients being reduced
+        (Note [stage 3 memory]) and lists its units.
+
+    Raises:
+        ValueError: ``world_size < 1``, a negative ``optimizer_bytes_per_param``,
+            no trainable parameters, or an ``fsdp.units`` name that is not a
+            submodule of ``model``; and what ``fully_shard`` would reject: a
+            unit mixing dtypes, a parameter tied across units, a 0-d parameter.
+
+    .. warning::
+        Stage 3's ``gathered`` assumes forward runs the units in module
+        registration order; a model that calls its blocks in another order
+        prefetches other neighbours.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if optimizer_bytes_per_param < 0:
+        raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {optimizer_bytes_per_param}")
     infos = [ParamInfo(n, p.numel(), p.dtype, p.device)
              for n, p in model.named_parameters() if p.requires_grad]
     if not infos:
@@ -63,23 +177,236 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
     opt_full = per_elem * optimizer_bytes_per_param
     opt_shard = sum(b.padded_numel // world_size for b in plan.buckets) * optimizer_bytes_per_param
     staging = max(b.nbytes for b in plan.buckets)
+    spec = fsdp if fsdp is not None else FullyShardSpec()
+    units = _plan_units(model, world_size, spec)
     return [
         MemoryEstimate(0, params=full, grads=full, optimizer=opt_full),
         MemoryEstimate(1, params=full, grads=full, optimizer=opt_shard),
         MemoryEstimate(2, params=full, grads=shard + staging, optimizer=opt_shard),
-        MemoryEstimate(3, params=shard, grads=shard + staging, optimizer=opt_shard),
+        _stage3(units, spec, optimizer_bytes_per_param),
     ]
 
 
+# ---------------------------------------------------------------------- stage 3: the units
+
+@dataclass
+class _Draft:
+    """A unit while the calls are replayed (it may still be absorbed)."""
+
+    name: str
+    params: list[tuple[str, nn.Parameter]]
+    merged: list[str]
+    mergeable: bool
+
+
+def _plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec) -> tuple[UnitEstimate, ...]:
+    """The units ``fully_shard`` builds when called bottom-up on ``spec.units``
+    and the root, in module order (root first), with tiny units merged as
+    fully_shard merges them (Note [tiny units] in tandem/fsdp/api.py).
+
+    Args:
+        model: the model, not yet sharded.
+        world_size: ranks of the mesh.
+        spec: the modules and options (:class:`FullyShardSpec`).
+
+    Returns:
+        One :class:`UnitEstimate` per unit, each with rank 0's layout.
+
+    Raises:
+        ValueError: a name in ``spec.units`` that is not a submodule, a unit
+            mixing dtypes, a parameter tied across units, or a 0-d parameter.
+    """
+    modules = dict(model.named_modules())
+    missing = [name for name in spec.units if name not in modules]
+    if missing:
+        known = ", ".join(repr(n) for n in list(modules)[1:9])
+        raise ValueError(f"FullyShardSpec.units names {missing}, not submodules of {type(model).__name__} "
+                         f"(its submodules: {known}{', ...' if len(modules) > 9 else ''})")
+    wanted = set(spec.units) | {""}
+    unit_of: dict[int, _Draft] = {}    # id(module given to fully_shard) -> its unit now
+    owner: dict[int, _Draft] = {}      # id(parameter) -> the unit holding it
+    for name in _post_order(model):    # bottom-up: every call after its submodules' calls
+        if name not in wanted:
+            continue
+        draft = _replay_call(name, modules[name], unit_of, owner, spec.min_unit_bytes)
+        for p in draft.params:
+            owner[id(p[1])] = draft
+        unit_of.update({key: draft for key, old in unit_of.items() if old.name in draft.merged})
+        unit_of[id(modules[name])] = draft
+    order = {name: k for k, name in enumerate(modules)}
+    drafts = sorted({id(d): d for d in unit_of.values()}.values(), key=lambda d: order[d.name])
+    return tuple(UnitEstimate(name=d.name, merged=tuple(d.merged),
+                              layout=plan_unit([tuple(p.shape) for _, p in d.params], world_size, 0),
+                              dtype=_unit_dtype(d), trainable=tuple(p.requires_grad for _, p in d.params))
+                 for d in drafts)
+
+
+def _replay_call(name: str, module: nn.Module, unit_of: dict[int, _Draft], owner: dict[int, _Draft],
+                 min_unit_bytes: int) -> _Draft:
+    """The unit of ``fully_shard(module)``: the parameters under ``module`` that no
+    earlier unit holds, walked as fully_shard walks them (depth first, a
+    module's own parameters before its children's), through tiny units (which
+    it absorbs) and around the others."""
+    params: dict[int, tuple[str, nn.Parameter]] = {}
+    absorbed: list[_Draft] = []
+    stack = [(name, module)]
+    while stack:
+        path, m = stack.pop()
+        unit = unit_of.get(id(m))
+        if unit is not None and m is not module:
+            if not unit.mergeable:
+                continue
+            if unit not in absorbed:
+                absorbed.append(unit)
+        for attr, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            fqn = _join(path, attr)
+            holder = owner.get(id(p))
+            if holder is not None and holder not in absorbed:
+                raise ValueError(f"parameter '{fqn}' is also under unit '{holder.name}' (tied weights?); "
+                                 "fully_shard would reject it: shard a module that contains every user of it")
+            params.setdefault(id(p), (fqn, p))
+        stack.extend((_join(path, child), c) for child, c in reversed(list(m.named_children())))
+    draft = _Draft(name, list(params.values()), [n for a in absorbed for n in (a.name, *a.merged)], False)
+    numel = sum(p.numel() for _, p in draft.params)
+    draft.mergeable = numel * _unit_dtype(draft).itemsize < min_unit_bytes
+    return draft
+
+
+def _unit_dtype(draft: _Draft) -> torch.dtype:
+    dtypes = {p.dtype for _, p in draft.params}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{fqn}: {p.dtype}" for fqn, p in draft.params)
+        raise ValueError(f"unit '{draft.name}' would mix parameter dtypes ({listing}); fully_shard gathers "
+                         "a unit with one collective: shard the submodules of each dtype separately")
+    return dtypes.pop() if dtypes else torch.get_default_dtype()
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[str]:
+    for name, child in module.named_children():
+        yield from _post_order(child, _join(prefix, name))
+    yield prefix
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+# ---------------------------------------------------------------------- stage 3: the bytes
+
+@dataclass(frozen=True)
+class _UnitBytes:
+    """One unit's buffers in bytes (Note [stage 3 memory])."""
+
+    shard: int             # the shard buffer
+    full: int              # the unsharded buffer, and each all-gather output
+    cast_input: int        # the all-gather's input, cast to param_dtype (0 without a cast)
+    grads: int             # the sharded gradients
+    optimizer: int         # optimizer state of the trainable shards
+    full_grads: int        # the unsharded gradients, before the reduce-scatter input is built
+    reduce_buffers: int    # the reduce-scatter's input and output
+
+
+def _unit_bytes(u: UnitEstimate, spec: FullyShardSpec, optimizer_bytes_per_param: int) -> _UnitBytes:
+    param_dtype = spec.param_dtype or u.dtype
+    reduce_dtype = spec.reduce_dtype or param_dtype
+    layout, world = u.layout, u.layout.world_size
+    shard_numel, flagged = layout.shard_numel, layout.shard_numel + len(layout.params)
+    trains = any(u.trainable)
+    if reduce_dtype == u.dtype:
+        grads = flagged * reduce_dtype.itemsize  # views of the reduce-scatter output
+    else:
+        grads = shard_numel * u.dtype.itemsize
+    trainable_numel = sum(p.chunk_numel for p, t in zip(layout.params, u.trainable) if t)
+    return _UnitBytes(
+        shard=shard_numel * u.dtype.itemsize,
+        full=layout.unsharded_numel * param_dtype.itemsize,
+        cast_input=shard_numel * param_dtype.itemsize if param_dtype != u.dtype else 0,
+        grads=grads if trains else 0,
+        optimizer=trainable_numel * optimizer_bytes_per_param,
+        full_grads=layout.numel * param_dtype.itemsize if trains else 0,
+        reduce_buffers=(world + 1) * flagged * reduce_dtype.itemsize if trains else 0,
+    )
+
+
+def _stage3(units: tuple[UnitEstimate, ...], spec: FullyShardSpec, optimizer_bytes_per_param: int
+            ) -> MemoryEstimate:
+    sizes = {u.name: _unit_bytes(u, spec, optimizer_bytes_per_param) for u in units}
+    enclosing = {u.name: [v.name for v in units if _encloses(v.name, u.name)] for u in units}
+    return MemoryEstimate(
+        3,
+        params=sum(b.shard for b in sizes.values()),
+        grads=sum(b.grads for b in sizes.values()),
+        optimizer=sum(b.optimizer for b in sizes.values()),
+        gathered=_gathered_peak(units, sizes, enclosing, spec.reshard_after_forward),
+        reducing=max(sizes[name].reduce_buffers + sum(sizes[n].full_grads for n in [name, *outer])
+                     for name, outer in enclosing.items()),
+        units=units,
+    )
+
+
+def _gathered_peak(units: tuple[UnitEstimate, ...], sizes: dict[str, _UnitBytes], enclosing: dict[str, list[str]],
+                   reshard_after_forward: bool) -> int:
+    """The most bytes of unsharded buffers and all-gathers alive while one unit
+    computes (Note [stage 3 memory]); ``units`` are in module order, root first."""
+    forward = [u.name for u in units]
+    finished = sorted(forward, key=lambda n: _post_rank(n, forward))  # the order forwards finish
+    peak = 0
+    for k, name in enumerate(forward):
+        gathered = set(forward[:k + 1]) if not reshard_after_forward else {"", name, *enclosing[name]}
+        neighbours = [name, *_next(forward, name)]
+        if reshard_after_forward:
+            neighbours += _next(finished[::-1], name)  # backward prefetches the one finished before
+        in_flight = max(sizes[n].full + sizes[n].cast_input for n in neighbours)
+        peak = max(peak, sum(sizes[n].full for n in gathered) + in_flight)
+    return peak
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    return outer != inner and (outer == "" or inner.startswith(outer + "."))
+
+
+def _post_rank(name: str, forward: list[str]) -> tuple[int, int]:
+    """Sort key of the order in which units' forwards finish: after every unit
+    they enclose, otherwise in module order."""
+    last_inside = max(k for k, n in enumerate(forward) if n == name or _encloses(name, n))
+    return last_inside, -forward.index(name)
+
+
+def _next(order: Sequence[str], name: str) -> list[str]:
+    k = order.index(name)
+    return list(order[k + 1:k + 2])
+
+
+# ---------------------------------------------------------------------- the table
+
 def format_memory_table(estimates: list[MemoryEstimate], world_size: int) -> str:
-    """A plain-text table of :func:`estimate_memory`'s result."""
-    rows = [f"ZeRO memory per rank at world size {world_size} (parameters, gradients, optimizer state)",
-            f"{'stage':>5}  {'params':>10}  {'grads':>10}  {'optimizer':>10}  {'total':>10}"]
+    """A plain-text table of :func:`estimate_memory`'s result.
+
+    Args:
+        estimates: what :func:`estimate_memory` returned.
+        world_size: the world size it was given (for the title).
+
+    Returns:
+        One row per stage, and for stage 3 a line on its units.
+    """
+    columns = ("params", "grads", "optimizer", "gathered", "reducing", "total")
+    title = (f"ZeRO memory per rank at world size {world_size} (steady state, then the peaks of gathered "
+             "units and of gradients being reduced at stage 3; activations not included)")
+    rows = [title, f"{'stage':>5}" + "".join(f"  {c:>10}" for c in columns)]
     for e in estimates:
-        rows.append(f"{e.stage:>5}  {_mib(e.params):>10}  {_mib(e.grads):>10}  "
-                    f"{_mib(e.optimizer):>10}  {_mib(e.total):>10}")
+        values = (e.params, e.grads, e.optimizer, e.gathered, e.reducing, e.total)
+        rows.append(f"{e.stage:>5}" + "".join(f"  {_size(v):>10}" for v in values))
+    for e in estimates:
+        if e.units:
+            largest = max(e.units, key=lambda u: u.layout.unsharded_numel)
+            merged = sum(len(u.merged) for u in e.units)
+            rows.append(f"stage {e.stage}: {len(e.units)} fully_shard units ({merged} tiny units merged), "
+                        f"the largest '{largest.name or '<root>'}' with {largest.layout.numel:,} elements")
     return "\n".join(rows)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
