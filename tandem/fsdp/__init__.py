@@ -1,10 +1,10 @@
 """Fully sharded data parallelism (ZeRO-3): ``tandem.fully_shard``, a drop-in for
 torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
 
-The pure layout of each unit's buffers (layout.py), one unit's gather and
-reduction (unit.py), the order of a root's units in an iteration (schedule.py),
-state dicts in and out (state_dict.py), and the public function and module
-methods (api.py).
+The pure layout of each unit's buffers (layout.py), which parameters a call
+takes (units.py), one unit's gather and reduction (unit.py), the order of a
+root's units in an iteration (schedule.py), state dicts in and out
+(state_dict.py), and the public function and module methods (api.py).
 """
 
 from tandem._compat import fsdp_policies

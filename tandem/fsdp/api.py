@@ -40,13 +40,11 @@ from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import _UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import ManagedParam, ShardState, ShardedUnit, UnitConfig
+from tandem.fsdp.units import ParamEntry, walk_unit
 
 __all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard"]
 
 logger = logging.getLogger(__name__)
-
-_ParamEntry = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
-
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Any = None, mp_policy: Any = None, offload_policy: Any = None,
@@ -303,47 +301,28 @@ def _unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
                       cast_forward_inputs=bool(mp.cast_forward_inputs), output_dtype=mp.output_dtype)
 
 
-def _collect(module: nn.Module, ignored: set[int]) -> tuple[list[_ParamEntry], list[ShardedUnit]]:
-    """The parameters under ``module`` that no other unit holds, with every
-    (module, attribute) that refers to each; tiny units found on the way are
-    absorbed (Note [tiny units])."""
+def _collect(module: nn.Module, ignored: set[int]) -> tuple[list[ParamEntry], list[ShardedUnit]]:
+    """The parameters under ``module`` that no other unit holds (units.py's walk),
+    checked: an absorbed tiny unit must not have run, and a parameter another
+    unit already shards (a tied weight) is an error."""
     DTensor, _, _ = dtensor_api()
-    entries: dict[int, _ParamEntry] = {}
-    absorbed: list[ShardedUnit] = []
-    stack: list[tuple[str, nn.Module]] = [("", module)]
-    while stack:
-        prefix, m = stack.pop()
-        unit = unit_of(m)
-        if unit is not None and m is not module:
-            if not getattr(unit, "mergeable", False):
-                continue  # a unit of its own: skip its subtree
-            if unit.schedule is not None:
-                raise RuntimeError(f"fully_shard: '{prefix}' already ran forward; apply fully_shard to "
-                                   "every module before the first forward")
-            if unit not in absorbed:
-                absorbed.append(unit)
-        for attr, p in m._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            fqn = f"{prefix}{attr}"
-            if id(p) in entries:
-                entries[id(p)][1].append((m, attr))
-                continue
-            if isinstance(p, DTensor) and not _held_by(p, absorbed):
-                raise ValueError(f"fully_shard: parameter '{fqn}' is already sharded by another unit (tied "
-                                 "weights?); call fully_shard on a module that contains every user of it")
-            entries[id(p)] = (fqn, [(m, attr)], p)
-        children = list(m.named_children())
-        for name, child in reversed(children):
-            stack.append((f"{prefix}{name}.", child))
-    return list(entries.values()), absorbed
+    entries, absorbed = walk_unit(module, unit_of, lambda u: u.mergeable, ignored)
+    for unit in absorbed:
+        if unit.schedule is not None:
+            raise RuntimeError(f"fully_shard: '{unit.name}' already ran forward; apply fully_shard to every "
+                               "module before the first forward")
+    for fqn, _, p in entries:
+        if isinstance(p, DTensor) and not _held_by(p, absorbed):
+            raise ValueError(f"fully_shard: parameter '{fqn}' is already sharded by another unit (tied "
+                             "weights?); call fully_shard on a module that contains every user of it")
+    return entries, absorbed
 
 
 def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
     return any(param is m.sharded for u in units for m in u.managed)
 
 
-def _move(module: nn.Module, params: list[_ParamEntry], ignored: set[int], device: torch.device) -> None:
+def _move(module: nn.Module, params: list[ParamEntry], ignored: set[int], device: torch.device) -> None:
     """Move the unit's parameters and the module's buffers to ``device`` (as
     torch's FSDP2 does); sharded parameters of absorbed units are left where they are."""
     if device.type == "cpu":

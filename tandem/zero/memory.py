@@ -59,6 +59,7 @@ from torch import nn
 
 from tandem.ddp.plan import ParamInfo, cap_bytes_from_mb, plan_buckets
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES, UnitLayout, plan_unit
+from tandem.fsdp.units import walk_unit
 
 __all__ = ["FullyShardSpec", "MemoryEstimate", "UnitEstimate", "estimate_memory", "format_memory_table"]
 
@@ -247,25 +248,15 @@ def _replay_call(name: str, module: nn.Module, unit_of: dict[int, _Draft], owner
     earlier unit holds, walked as fully_shard walks them (depth first, a
     module's own parameters before its children's), through tiny units (which
     it absorbs) and around the others."""
+    entries, absorbed = walk_unit(module, lambda m: unit_of.get(id(m)), lambda u: u.mergeable,
+                                  prefix=f"{name}." if name else "")
     params: dict[int, tuple[str, nn.Parameter]] = {}
-    absorbed: list[_Draft] = []
-    stack = [(name, module)]
-    while stack:
-        path, m = stack.pop()
-        unit = unit_of.get(id(m))
-        if unit is not None and m is not module:
-            if not unit.mergeable:
-                continue
-            if unit not in absorbed:
-                absorbed.append(unit)
-        for attr, p in m.named_parameters(recurse=False, remove_duplicate=False):
-            fqn = _join(path, attr)
-            holder = owner.get(id(p))
-            if holder is not None and holder not in absorbed:
-                raise ValueError(f"parameter '{fqn}' is also under unit '{holder.name}' (tied weights?); "
-                                 "fully_shard would reject it: shard a module that contains every user of it")
-            params.setdefault(id(p), (fqn, p))
-        stack.extend((_join(path, child), c) for child, c in reversed(list(m.named_children())))
+    for fqn, _, p in entries:
+        holder = owner.get(id(p))
+        if holder is not None and holder not in absorbed:
+            raise ValueError(f"parameter '{fqn}' is also under unit '{holder.name}' (tied weights?); "
+                             "fully_shard would reject it: shard a module that contains every user of it")
+        params[id(p)] = (fqn, p)
     draft = _Draft(name, list(params.values()), [n for a in absorbed for n in (a.name, *a.merged)], False)
     numel = sum(p.numel() for _, p in draft.params)
     draft.mergeable = numel * _unit_dtype(draft).itemsize < min_unit_bytes
