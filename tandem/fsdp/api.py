@@ -37,7 +37,7 @@ from torch import nn
 from tandem._compat import dtensor_api, fsdp_policies
 from tandem.comm.group import GroupComm
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
-from tandem.fsdp.schedule import _UNIT_ATTR, post_forward, pre_forward, unit_of
+from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import ManagedParam, ShardState, ShardedUnit, UnitConfig
 from tandem.fsdp.units import ParamEntry, walk_unit
@@ -135,8 +135,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
             handle.remove()
         for m in old.module.modules():
             if unit_of(m) is old:
-                setattr(m, _UNIT_ATTR, unit)
-    setattr(module, _UNIT_ATTR, unit)
+                setattr(m, UNIT_ATTR, unit)
+    setattr(module, UNIT_ATTR, unit)
     unit.hooks = [
         module.register_forward_pre_hook(functools.partial(pre_forward, unit), prepend=True, with_kwargs=True),
         module.register_forward_hook(functools.partial(post_forward, unit)),

@@ -60,11 +60,11 @@ __all__ = ["Schedule", "lazy_init", "post_forward", "pre_forward"]
 
 logger = logging.getLogger(__name__)
 
-_UNIT_ATTR = "_tandem_fsdp_unit"
+UNIT_ATTR = "_tandem_fsdp_unit"  # the attribute a fully_shard module holds its unit in
 
 
 def unit_of(module: nn.Module) -> ShardedUnit | None:
-    return getattr(module, _UNIT_ATTR, None)
+    return getattr(module, UNIT_ATTR, None)
 
 
 class Schedule:
@@ -109,12 +109,12 @@ class Schedule:
         if unit.training is TrainingState.PRE_BACKWARD:
             return _cast_output(unit, output)
         grad = torch.is_grad_enabled()
-        keep = unit.reshard_after_forward
+        reshard = unit.reshard_after_forward
         if not grad and unit.auto_reshard_after_forward:
-            keep = True  # no backward will follow to use the root's parameters
-        if keep is True:
+            reshard = True  # no backward will follow to use the root's parameters
+        if reshard is True:
             unit.reshard()
-        elif keep is not False:
+        elif reshard is not False:  # an int: keep a slice for the smaller group
             unit.reshard(keep_group_shard=True)
         if grad:
             hook = functools.partial(self._pre_backward, unit)
