@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.fsdp import MixedPrecisionPolicy, fully_shard, plan_unit
+from tandem.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, plan_unit
 from tandem.fsdp.unit import ShardState
 from tandem.testing import run_distributed
 
@@ -62,6 +62,7 @@ class Case:
     reshard: bool | None = None         # reshard_after_forward for every unit (None: root keeps)
     micro: int = 1                      # micro-batches per step, all but the last without sync
     bf16: bool = False                  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    offload: bool = False               # CPUOffloadPolicy (on CPU: shards stay where they are)
     branchy: bool = False               # odd ranks use Block.alt, nobody uses Block.unused
     min_unit_bytes: int = 0             # tandem only: 0 keeps torch's units
     steps: int = 3
@@ -137,6 +138,8 @@ def shard(model: Net, case: Case) -> None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if case.reshard is not None:
         kwargs["reshard_after_forward"] = case.reshard
+    if case.offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for block in model.layers:
         shard(block, **kwargs)
     shard(model, **kwargs)
@@ -225,6 +228,7 @@ CASES = {
     "torch_bf16": Case(impl="torch", bf16=True),
     "branchy": Case(branchy=True),
     "merged": Case(min_unit_bytes=1 << 20),
+    "offload": Case(offload=True),
 }
 
 
@@ -250,7 +254,7 @@ WORLDS = [2, 3]
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("name", ["default", "reshard", "no_reshard", "accumulate", "branchy", "merged"])
+@pytest.mark.parametrize("name", ["default", "reshard", "no_reshard", "accumulate", "branchy", "merged", "offload"])
 def test_equals_local_training_on_the_global_batch(world_size: int, name: str) -> None:
     got, (losses, params) = _results(world_size)[name]
     assert max(abs(a - b) for a, b in zip(got.losses, losses)) <= TOL, (got.losses, losses)
