@@ -166,7 +166,26 @@ def dtensor_api() -> tuple[type, type, type]:
     return DTensor, Shard, Replicate
 
 
-__all__ += ["dtensor_local"]
+__all__ += ["dtensor_like", "dtensor_local"]
+
+
+def dtensor_like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """A DTensor over ``local`` with ``template``'s mesh, placements and global
+    shape (``template`` a DTensor of the same layout, e.g. the sharded parameter
+    whose gradient ``local`` is).
+
+    Why: fully_shard wraps every gradient shard after every backward;
+    ``DTensor.from_local`` takes ~400 us per call in its argument handling, the
+    constructor with the template's spec ~4 us (torch's FSDP2 does the same,
+    in its private ``_from_local_no_grad``).
+    """
+    spec = template._spec  # type: ignore[attr-defined]
+    try:
+        return type(template)(local, spec, requires_grad=False)
+    except TypeError:  # a torch whose constructor differs: the public, slower way
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                                  shape=template.shape, stride=template.stride())
 
 
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:

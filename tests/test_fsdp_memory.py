@@ -68,12 +68,11 @@ def test_stage3_bytes_follow_the_dim0_chunks(seed: int) -> None:
     # block in forward and the last in backward
     assert s3.gathered == max(full[0] + max(full[0], full[1], full[-1]),
                               *(full[0] + f + max(full[max(k - 1, 1):k + 2]) for k, f in enumerate(full) if k))
-    # one reduction in flight: a unit's input and output, its full gradients and
-    # the root's (which encloses it and waits for its own last gradient)
-    reduce_buffers = [(world + 1) * 4 * (sum(c) + len(c)) for c in chunks]
+    # two reductions in flight (inputs and outputs), plus a unit's full gradients
+    # and the root's (which encloses it and waits for its own last gradient)
+    reduce_buffers = sorted((world + 1) * 4 * (sum(c) + len(c)) for c in chunks)
     full_grads = [4 * sum(map(_numel, s)) for s in unit_shapes]
-    assert s3.reducing == max(reduce_buffers[0] + full_grads[0],
-                              *(b + g + full_grads[0] for b, g in zip(reduce_buffers[1:], full_grads[1:])))
+    assert s3.reducing == sum(reduce_buffers[-2:]) + full_grads[0] + max([0, *full_grads[1:]])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -47,6 +47,10 @@ class Work:
         if self._work is not None:
             self._work.wait()
 
+    def is_completed(self) -> bool:
+        """Whether the collective has completed (a synchronous one always has)."""
+        return self._work is None or self._work.is_completed()
+
     def get_future(self) -> torch.futures.Future:
         """A future completed with the collective's output tensors (a list), for
         communication hooks that chain work on the result (async collectives only)."""

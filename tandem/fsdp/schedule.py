@@ -208,19 +208,27 @@ class Schedule:
             if unit.reduce_state is not ReduceState.READY:
                 return
             if unit.requires_grad_sync:
-                self._finish_reductions()  # Note [one reduction in flight]
+                self._finish_reductions(keep=1)  # Note [two reductions in flight]
                 unit.launch_reduce()
             else:
                 unit.skip_reduce()
             self.next_reduce += 1
 
-    def _finish_reductions(self) -> None:
-        # Note [one reduction in flight]: a reduce-scatter holds its input (the
-        # unit's gradients, full size) until it completes. Finishing the previous
-        # one before launching the next keeps one such buffer alive instead of
-        # one per unit; the previous one had a whole unit's backward to complete.
-        for unit in self.reduce_order[:self.next_reduce]:
-            if unit.reduce_state is ReduceState.IN_FLIGHT:
+    def _finish_reductions(self, keep: int = 0) -> None:
+        """Finish the reductions in flight that have completed, then the oldest
+        until at most ``keep`` remain.
+
+        # Note [two reductions in flight]
+        A reduce-scatter holds its input (the unit's gradients, full size) until
+        it is finished. Finishing each one as the next is launched keeps at most
+        two such buffers alive instead of one per unit, and waits only when the
+        one launched a unit earlier has not completed yet: waiting for the
+        previous one at every launch stalled backward for a tenth of the step
+        on 2 gloo ranks (BENCHMARKS.md).
+        """
+        in_flight = [u for u in self.reduce_order[:self.next_reduce] if u.reduce_state is ReduceState.IN_FLIGHT]
+        for i, unit in enumerate(in_flight):
+            if unit.reduce_done or len(in_flight) - i > keep:
                 unit.finish_reduce(unit.divide_factor or unit.reduce_comm.size)
 
     def _finish_backward(self) -> None:

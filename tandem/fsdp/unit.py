@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem._compat import chunk_cat, dtensor_api, dtensor_local, foreach_copy_, preserve_version_counters
+from tandem._compat import chunk_cat, dtensor_api, dtensor_like, dtensor_local, foreach_copy_, \
+    preserve_version_counters
 from tandem.comm.group import GroupComm, Work
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 
@@ -325,6 +326,11 @@ class ShardedUnit:
         self._reduce = _Reduce(work, out, inp)
         self.reduce_state = ReduceState.IN_FLIGHT
 
+    @property
+    def reduce_done(self) -> bool:
+        """The reduce-scatter in flight has completed (finish_reduce will not block)."""
+        return self._reduce is not None and self._reduce.work.is_completed()
+
     def finish_reduce(self, divide_factor: float) -> None:
         """Wait for the reduce-scatter and set (or accumulate into) the sharded ``.grad``."""
         self._expect_reduce(ReduceState.IN_FLIGHT)
@@ -344,7 +350,7 @@ class ShardedUnit:
                 continue
             local = grads.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
             if m.sharded.grad is None:
-                m.sharded.grad = self.to_dtensor(local, m.spec)
+                m.sharded.grad = dtensor_like(local, m.sharded)
             else:
                 dtensor_local(m.sharded.grad).add_(local)
 

@@ -34,13 +34,13 @@ parameters, ``w`` the world size:
   one that finished forward before it in backward; Note [prefetch] in
   tandem/fsdp/schedule.py), with its ``S``-element cast input under a
   ``param_dtype``.
-- ``reducing``, gradients in flight in backward: one unit's reduce-scatter
-  input (``w * (S + n)`` elements of the reduce dtype) and output (``S + n``),
-  since the previous reduction finishes before the next is launched (Note
-  [one reduction in flight] in tandem/fsdp/schedule.py), plus the full-size
-  gradients (param dtype, zeros for frozen parameters) of that unit and of the
-  units enclosing it (the root's first gradients wait for the root's last); the
-  largest such sum over units.
+- ``reducing``, gradients in flight in backward: the reduce-scatter input
+  (``w * (S + n)`` elements of the reduce dtype) and output (``S + n``) of at
+  most two units at once (Note [two reductions in flight] in
+  tandem/fsdp/schedule.py), counted as the two largest, plus the full-size
+  gradients (param dtype, zeros for frozen parameters) of the unit being
+  reduced and of the units enclosing it (the root's first gradients wait for
+  the root's last), the largest such sum over units.
 
 Activations, the autograd graph and the collectives' own scratch space are
 not included, and ``ignored_params``, CPU offloading and
@@ -329,8 +329,8 @@ def _stage3(units: tuple[UnitEstimate, ...], spec: FullyShardSpec, optimizer_byt
         grads=sum(b.grads for b in sizes.values()),
         optimizer=sum(b.optimizer for b in sizes.values()),
         gathered=_gathered_peak(units, sizes, enclosing, spec.reshard_after_forward),
-        reducing=max(sizes[name].reduce_buffers + sum(sizes[n].full_grads for n in [name, *outer])
-                     for name, outer in enclosing.items()),
+        reducing=sum(sorted(b.reduce_buffers for b in sizes.values())[-2:])
+        + max(sum(sizes[n].full_grads for n in [name, *outer]) for name, outer in enclosing.items()),
         units=units,
     )
 
