@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ from tandem.comm.group import GroupComm
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
-from tandem.fsdp.unit import ManagedParam, ShardState, ShardedUnit, UnitConfig
+from tandem.fsdp.unit import ShardState, ShardedUnit, UnitConfig
 from tandem.fsdp.units import ParamEntry, walk_unit
 
 __all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard"]
@@ -123,9 +122,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     config = _unit_config(mesh, mp_policy, offload_policy)
     ignored = {id(p) for p in (ignored_params or ())}
     params, absorbed = _collect(module, ignored)
-    _move(module, params, ignored, config.device)
-    unit = ShardedUnit(type(module).__name__, [(fqn, owners, p) for fqn, owners, p in params], mesh, comm,
-                       config)
+    _move(module, params, config.device)
+    unit = ShardedUnit(type(module).__name__, params, mesh, comm, config)
     unit.module = module
     unit.reshard_after_forward = True if reshard is None else reshard
     unit.auto_reshard_after_forward = reshard is None
@@ -322,23 +320,18 @@ def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
     return any(param is m.sharded for u in units for m in u.managed)
 
 
-def _move(module: nn.Module, params: list[ParamEntry], ignored: set[int], device: torch.device) -> None:
+def _move(module: nn.Module, params: list[ParamEntry], device: torch.device) -> None:
     """Move the unit's parameters and the module's buffers to ``device`` (as
-    torch's FSDP2 does); sharded parameters of absorbed units are left where they are."""
+    torch's FSDP2 does); sharded parameters of absorbed units, and meta tensors
+    (Note [meta init]), are left where they are."""
     if device.type == "cpu":
         return
     DTensor, _, _ = dtensor_api()
     with torch.no_grad():
-        for _, owners, p in params:
-            if not isinstance(p, DTensor) and p.device != device:
+        for _, _, p in params:
+            if not isinstance(p, DTensor) and not p.is_meta and p.device != device:
                 p.data = p.data.to(device)
         for m in module.modules():
             for name, b in m._buffers.items():
-                if b is not None and b.device != device:
+                if b is not None and not b.is_meta and b.device != device:
                     m._buffers[name] = b.to(device)
-
-
-def managed_params(module: nn.Module) -> Iterable[ManagedParam]:
-    """Every parameter of every unit under ``module``."""
-    for unit in _units(module, True):
-        yield from unit.managed

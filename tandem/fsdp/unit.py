@@ -37,6 +37,7 @@ from tandem._compat import chunk_cat, dtensor_api, dtensor_like, dtensor_local, 
     preserve_version_counters
 from tandem.comm.group import GroupComm, Work
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
+from tandem.fsdp.units import ParamEntry
 
 __all__ = ["ManagedParam", "ReduceState", "ShardState", "ShardedUnit", "UnitConfig"]
 
@@ -105,8 +106,8 @@ class _Reduce:
 class ShardedUnit:
     """The parameters of one ``fully_shard`` call, sharded on dim 0 across ``comm``."""
 
-    def __init__(self, name: str, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]],
-                 mesh: Any, comm: GroupComm, config: UnitConfig) -> None:
+    def __init__(self, name: str, params: list[ParamEntry], mesh: Any, comm: GroupComm,
+                 config: UnitConfig) -> None:
         self.name = name
         self.mesh = mesh
         self.comm = comm                      # all-gathers
@@ -387,8 +388,7 @@ class ShardedUnit:
                 f"{self.state.name})")
 
 
-def _uniform_dtype(name: str, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]
-                   ) -> torch.dtype:
+def _uniform_dtype(name: str, params: list[ParamEntry]) -> torch.dtype:
     dtypes = {p.dtype for _, _, p in params}
     if not dtypes:
         return torch.get_default_dtype()
