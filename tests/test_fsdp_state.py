@@ -153,7 +153,39 @@ def _explicit_control(rank: int, world_size: int) -> dict:
     found["second_micro_batch"] = states[1]  # every unit, kept from the first micro-batch
     found["state_dict_keys"] = sorted(model.state_dict())
     found["errors"] = _errors(model, world_size)
+    found["all_used"] = _all_used_accumulation(rank, world_size)
     return found
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _mlp_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + micro)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _all_used_accumulation(rank: int, world_size: int) -> tuple[dict, list]:
+    """Every parameter used: a unit completes both by its gradients and by its
+    inputs' gradient in one backward (Note [unit completion]); with accumulation."""
+    model = _mlp()
+    for i in (0, 2, 4):
+        fully_shard(model[i], min_unit_bytes=0)
+    fully_shard(model, min_unit_bytes=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = 8 // world_size
+    states = []
+    for step in range(3):
+        for m in range(2):
+            model.set_requires_gradient_sync(m == 1)
+            x, y = _mlp_batch(step, m)
+            (nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]) / 2).backward()
+            states += [u.reduce_state.name for u in tandem_units(model)]
+        opt.step()
+        opt.zero_grad()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}, states
 
 
 def _errors(model: nn.Module, world_size: int) -> dict:
@@ -191,6 +223,20 @@ def test_reshard_after_backward_false_keeps_units_gathered_while_accumulating() 
     ref, _ = local_training(Case(steps=2, micro=2), world_size=2)
     assert max(abs(a - b) for a, b in zip(found["losses"], ref)) <= TOL
     assert found["state_dict_keys"] == sorted(Net().state_dict())
+
+
+def test_units_whose_parameters_are_all_used_complete_once_per_backward() -> None:
+    params, states = _control()["all_used"]
+    assert set(states) == {"IDLE"}, states  # nothing left queued after any backward
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        for m in range(2):
+            x, y = _mlp_batch(step, m)
+            (nn.functional.mse_loss(model(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max_diff(params, model.state_dict()) <= TOL
 
 
 def test_bad_arguments_raise_with_the_value() -> None:

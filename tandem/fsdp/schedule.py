@@ -181,8 +181,9 @@ class Schedule:
             self._complete(unit)
 
     def _complete(self, unit: ShardedUnit) -> None:
-        """Note [unit completion]: reshard and queue the reduction."""
-        if unit.reduce_state is not ReduceState.IDLE:
+        """Note [unit completion]: reshard and queue the reduction; both triggers
+        may fire in one backward, the second does nothing."""
+        if unit.completed:
             return
         unit.mark_ready()
         if _reshards_after_backward(unit):
@@ -195,7 +196,7 @@ class Schedule:
             queue_backward_callback(self._finish_backward)
         if not self.in_backward:
             self.in_backward = True
-            ran = [u for u in reversed(self.last_pre_forward_order)]
+            ran = list(reversed(self.last_pre_forward_order))
             self.reduce_order = [u for u in ran + [u for u in self.units if u not in ran]
                                  if u.num_trainable]
             self.next_reduce = 0
@@ -233,7 +234,7 @@ class Schedule:
 
     def _finish_backward(self) -> None:
         for unit in self.reduce_order[self.next_reduce:]:
-            unit.mark_ready()  # some gradients never came: zeros (Note [gradient flags] in unit.py)
+            unit.mark_ready()  # not complete yet: zeros (Note [gradient flags] in unit.py)
         self._launch_ready()
         self._finish_reductions()
         for unit in self.units:

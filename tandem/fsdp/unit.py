@@ -135,6 +135,7 @@ class ShardedUnit:
         self._group_shard: torch.Tensor | None = None
         self.num_trainable = sum(m.requires_grad for m in self.managed)
         self.num_ready = 0
+        self.completed = False      # this backward (Note [unit completion] in schedule.py)
         self.forward_calls = 0      # this iteration (Note [unit completion] in schedule.py)
         self.untracked_calls = 0    # calls whose inputs need no gradient
         self.inputs_done = 0        # calls whose backward is over
@@ -361,11 +362,15 @@ class ShardedUnit:
         self.reduce_state = ReduceState.IDLE
 
     def mark_ready(self) -> None:
-        if self.reduce_state is ReduceState.IDLE:
+        """This backward is over for the unit: queue its reduction (once per backward)."""
+        if not self.completed:
+            self.completed = True
+            self._expect_reduce(ReduceState.IDLE)
             self.reduce_state = ReduceState.READY
 
     def reset_step(self) -> None:
         self.num_ready = 0
+        self.completed = False
 
     # ------------------------------------------------------------------ checks
     def _expect(self, *allowed: ShardState) -> None:
