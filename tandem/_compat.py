@@ -198,3 +198,37 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     on which ``set_`` would leave the parameter where it was.
     """
     return t._local_tensor  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the monitor (tandem.comm.monitor)
+
+__all__ += ["default_store", "group_label"]
+
+
+def default_store() -> torch.distributed.Store:
+    """The store the default process group was built on.
+
+    Why: the monitor's heartbeats and debug-mode fingerprints go through the job's
+    store rather than a collective, so that a stuck collective cannot stop them
+    (Note [dead peers] in ``tandem.comm.peers``). torch exposes the store only
+    through this private accessor (torch 2.0 to 2.13 at least).
+    """
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def group_label(group: torch.distributed.ProcessGroup | None) -> str:
+    """A name for ``group`` that is the same on every member rank.
+
+    Why: debug-mode fingerprints are keyed by group. torch names groups
+    consistently across ranks (``group_name``, public on ProcessGroup in recent
+    versions); the ranks list is the fallback, which two groups over the same
+    ranks share (they then share one call counter, which is still consistent
+    across ranks because every rank issues in program order).
+    """
+    if group is None:
+        return "world"
+    name = getattr(group, "group_name", None)
+    if isinstance(name, str) and name:
+        return name
+    ranks = torch.distributed.get_process_group_ranks(group)
+    return "ranks " + ",".join(map(str, ranks))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tandem._compat import bind_group_defaults_before_init
+from tandem.comm.monitor import start_monitor, stop_monitor
 from tandem.comm.world import WorldInfo, world_from_env
 
 __all__ = ["DEFAULT_TIMEOUT", "init", "shutdown"]
@@ -132,6 +133,7 @@ def init(
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                                 world_size=world_size, timeout=timeout_td)
 
+    start_monitor(timeout_s=timeout_td.total_seconds())
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
     logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s", info.rank,
@@ -146,6 +148,7 @@ def shutdown() -> None:
     After it, :func:`init` may be called again (with a fresh ``file://`` path).
     """
     if dist.is_initialized():
+        stop_monitor()
         dist.destroy_process_group()
 
 

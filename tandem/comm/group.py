@@ -17,12 +17,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem._compat import group_label
+from tandem.comm.ledger import LedgerEntry
+from tandem.comm.monitor import current_monitor
+from tandem.comm.peers import wait_watching_peers
+
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
 # torch 2.13 renamed the tensor forms of these collectives (the old names warn);
 # torch 2.4 has only the old ones.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.uint8, torch.int8, torch.bool)}
 
 
 @dataclass(frozen=True)
@@ -36,31 +46,57 @@ class CollectiveEvent:
 
 
 class Work:
-    """An async collective's handle; ``wait()`` blocks until it completed."""
+    """An async collective's handle; ``wait()`` blocks until it completed.
 
-    __slots__ = ("_work",)
+    Waiting also marks the collective completed in the ledger; a gloo wait
+    watches the peers and raises :class:`~tandem.comm.peers.PeerLostError` when
+    one dies (Note [dead peers] in :mod:`tandem.comm.peers`).
+    """
 
-    def __init__(self, work: Any) -> None:
+    __slots__ = ("_work", "_entry", "_comm")
+
+    def __init__(self, work: Any, entry: LedgerEntry | None = None,
+                 comm: GroupComm | None = None) -> None:
         self._work = work
+        self._entry = entry
+        self._comm = comm
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
+        if self._comm is None:
+            if self._work is not None:
+                self._work.wait()
+            return
+        if self._work is not None and (self._entry is None or not self._entry.completed):
+            self._comm._wait(self._work, self._entry)
+        if self._entry is not None:
+            self._comm.ledger.complete(self._entry)
 
     def is_completed(self) -> bool:
         """Whether the collective has completed (a synchronous one always has)."""
-        return self._work is None or self._work.is_completed()
+        done = self._work is None or self._work.is_completed()
+        if done and self._entry is not None and self._comm is not None:
+            self._comm.ledger.complete(self._entry)
+        return done
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with the collective's output tensors (a list), for
         communication hooks that chain work on the result (async collectives only)."""
         if self._work is None:
             raise RuntimeError("a synchronous collective has no future: issue it with async_op=True")
-        return self._work.get_future()
+        future = self._work.get_future()
+        entry, comm = self._entry, self._comm
+        if entry is not None and comm is not None:
+            future.add_done_callback(lambda _: comm.ledger.complete(entry))
+        return future
 
 
 class GroupComm:
-    """Collectives over one process group (the default group when ``group`` is None)."""
+    """Collectives over one process group (the default group when ``group`` is None).
+
+    Each collective is written to the process's ledger (:mod:`tandem.comm.ledger`)
+    and, in debug mode, checked against the other ranks' before it is issued
+    (:mod:`tandem.comm.fingerprint`).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -71,6 +107,14 @@ class GroupComm:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.observers: list[Callable[[CollectiveEvent], None]] = []
+        self.monitor = current_monitor()
+        self.ledger = self.monitor.ledger
+        self.label = group_label(group)
+        self.members = (list(range(self.size)) if group is None
+                        else dist.get_process_group_ranks(group))
+        # gloo waits are sliced and watch the peers; NCCL has its own watchdog.
+        self._watched = self.size > 1 and self.monitor.peers is not None and \
+            dist.get_backend(group) == "gloo"
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank ``group_rank``."""
@@ -78,29 +122,51 @@ class GroupComm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def _notify(self, op: str, tensor: torch.Tensor | None, tag: str) -> None:
+    def _issue(self, op: str, tensor: torch.Tensor | None, tag: str) -> LedgerEntry:
         if self.observers:
             event = CollectiveEvent(op, 0 if tensor is None else tensor.numel(),
                                     None if tensor is None else tensor.dtype, tag)
             for observe in self.observers:
                 observe(event)
+        entry = self.ledger.issue(op, tag, 0 if tensor is None else tensor.numel(),
+                                  "" if tensor is None else _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)),
+                                  self.label)
+        if self.monitor.fingerprints is not None and self.size > 1:
+            self.monitor.fingerprints.check(self.label, self.members, entry,
+                                            () if tensor is None else tuple(tensor.shape))
+        return entry
+
+    def _issued(self, work: Any, entry: LedgerEntry, async_op: bool) -> Work:
+        handle = Work(work, entry, self)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _wait(self, work: Any, entry: LedgerEntry | None) -> None:
+        if not self._watched or self.monitor.peers is None:
+            work.wait()
+            return
+        during = (lambda: f"{entry.describe()} of step {entry.step}") if entry is not None \
+            else (lambda: "a collective")
+        wait_watching_peers(work, self.monitor.peers, self.members, during)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    tag: str = "", async_op: bool = False) -> Work:
-        self._notify("all_reduce", tensor, tag)
-        return Work(dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op))
+        entry = self._issue("all_reduce", tensor, tag)
+        return self._issued(dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+                            entry, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, tag: str = "",
                   async_op: bool = False) -> Work:
         """Broadcast from group rank ``src``."""
-        self._notify("broadcast", tensor, tag)
-        return Work(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
-                                   async_op=async_op))
+        entry = self._issue("broadcast", tensor, tag)
+        return self._issued(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
+                                           async_op=True), entry, async_op)
 
     def all_gather(self, tensor: torch.Tensor, *, tag: str = "") -> list[torch.Tensor]:
-        self._notify("all_gather", tensor, tag)
+        entry = self._issue("all_gather", tensor, tag)
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor, group=self.group)
+        self._issued(dist.all_gather(out, tensor, group=self.group, async_op=True), entry, False)
         return out
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
@@ -108,21 +174,23 @@ class GroupComm:
         """Sum ``input`` (``size`` equal chunks) across ranks; this rank's chunk of
         the sum lands in ``output``. ``output`` must not alias ``input``. A group
         of one copies."""
-        self._notify("reduce_scatter", input, tag)
+        entry = self._issue("reduce_scatter", input, tag)
         if self.size == 1:
             output.copy_(input)
-            return Work(None)
-        return Work(_reduce_scatter_tensor(output, input, group=self.group, async_op=async_op))
+            return self._issued(None, entry, False)
+        return self._issued(_reduce_scatter_tensor(output, input, group=self.group, async_op=True),
+                            entry, async_op)
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
                         async_op: bool = False) -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``size`` times its
         length), in rank order. A group of one copies."""
-        self._notify("all_gather_into", input, tag)
+        entry = self._issue("all_gather_into", input, tag)
         if self.size == 1:
             output.copy_(input)
-            return Work(None)
-        return Work(_all_gather_into_tensor(output, input, group=self.group, async_op=async_op))
+            return self._issued(None, entry, False)
+        return self._issued(_all_gather_into_tensor(output, input, group=self.group, async_op=True),
+                            entry, async_op)
 
     def all_gather_object(self, obj: Any, *, tag: str = "") -> list[Any]:
         """Gather a picklable object from every rank (slow; for set-up and error paths)."""

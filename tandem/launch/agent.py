@@ -10,7 +10,10 @@ meet. tandem builds them from a :class:`~tandem.launch.config.LaunchConfig`, as
 - the workers' output goes to :class:`~tandem.launch.logs.WorkerLogs`, which also
   carries the launcher's variables to the workers alone;
 - rendezvous failures (a timeout, a port in use) become a :class:`LaunchError`
-  whose message says what to change.
+  whose message says what to change;
+- with a hang timeout, a :class:`~tandem.launch.watchdog.Watchdog` looks at the
+  workers' progress each time the agent checks on them, and a hang counts as a
+  failure of the group (so ``max_restarts`` restarts it).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -37,8 +41,10 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from tandem.launch.config import LaunchConfig
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.rendezvous import FreshWorkerStore
+from tandem.launch.watchdog import Watchdog
 
-__all__ = ["LaunchError", "SignalException", "quiet_torch_launch_logs", "run_workers"]
+__all__ = ["HANG_EXITCODE", "LaunchError", "SignalException", "quiet_torch_launch_logs",
+           "run_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +61,45 @@ class LaunchError(RuntimeError):
     the rendezvous store could not be reached."""
 
 
+HANG_EXITCODE = -int(signal.SIGUSR1)
+"""What a hung worker's failure records: the watchdog's signal (it is then stopped)."""
+
+
+class _WatchedAgent(LocalElasticAgent):
+    """torch's local agent, whose health check also asks the watchdog.
+
+    ``_monitor_workers`` is the agent's own extension point (LocalElasticAgent
+    overrides SimpleElasticAgent's); a hang is reported as the group FAILED, and
+    the agent then restarts or stops the workers as for any failure.
+    """
+
+    def __init__(self, spec: WorkerSpec, logs: WorkerLogs, watchdog: Watchdog,
+                 on_hang: Callable[[str], None], **kwargs: Any) -> None:
+        super().__init__(spec, logs, **kwargs)
+        self._tandem_logs = logs
+        self._watchdog = watchdog
+        self._on_hang = on_hang
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        attempts = self._tandem_logs.attempts
+        if result.state != WorkerState.HEALTHY or not attempts:
+            return result
+        attempt = attempts[-1]
+        stalled = self._watchdog.stalled_for(attempt)
+        if stalled is None:
+            return result
+        pids = {w.global_rank: w.id for w in worker_group.workers if w.id is not None}
+        self._on_hang(self._watchdog.report(attempt, pids, stalled))
+        failures = {w.global_rank: ProcessFailure(
+            local_rank=w.local_rank, pid=w.id, exitcode=HANG_EXITCODE,
+            error_file=str(attempt.ranks[w.global_rank].error_file))
+            for w in worker_group.workers if w.global_rank in attempt.ranks}
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
 def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: Sequence[Any],
-                logs: WorkerLogs) -> RunResult:
+                logs: WorkerLogs, *, on_hang: Callable[[str], None] | None = None) -> RunResult:
     """Run this node's workers until they all finish, one fails for good, or a
     signal stops the launcher.
 
@@ -65,7 +108,10 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         entrypoint: a program (each worker runs ``entrypoint *args``) or a
             picklable function (each worker calls ``entrypoint(*args)``).
         args: the workers' arguments.
-        logs: where their output goes (its ``worker_env`` reaches every worker).
+        logs: where their output goes (its ``worker_env`` reaches every worker);
+            with ``config.hang_timeout_s`` it must have been built with
+            ``progress=True``.
+        on_hang: called with the hang report when the watchdog fires.
 
     Returns:
         The agent's result: ``failures`` by global rank, empty when the workers
@@ -89,8 +135,13 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         entrypoint=entrypoint, args=tuple(args), max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval_s, master_addr=None, master_port=None,
         local_addr=config.local_addr)
-    agent = LocalElasticAgent(spec, logs, start_method=config.start_method,
-                              exit_barrier_timeout=config.exit_barrier_timeout_s)
+    if config.hang_timeout_s is not None:
+        agent: LocalElasticAgent = _WatchedAgent(
+            spec, logs, Watchdog(config.hang_timeout_s), on_hang or (lambda _: None),
+            start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
+    else:
+        agent = LocalElasticAgent(spec, logs, start_method=config.start_method,
+                                  exit_barrier_timeout=config.exit_barrier_timeout_s)
     close_rendezvous = True
     try:
         with _restored_signal_handlers(), _rendezvous_errors(config):

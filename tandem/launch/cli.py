@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TextIO
 
 from tandem.launch.agent import LaunchError, SignalException, quiet_torch_launch_logs, run_workers
@@ -117,6 +118,13 @@ def build_parser() -> _Parser:
         help="restart the whole group up to K times after a worker fails (default 0)")
     opt(g, "--monitor-interval", type=float, default=0.1, metavar="SECONDS",
         help="how often the agent checks the workers (default 0.1)")
+    opt(g, "--hang-timeout", type=float, default=None, metavar="SECONDS",
+        help="when no worker completes a collective or starts a step for this long, report "
+             "where each rank is, stop the workers and count a failure (restarted with "
+             "--max-restarts); default: no watchdog")
+    opt(g, "--debug-collectives", action="store_true",
+        help="the workers compare every collective (op, shape, dtype) before issuing it, and "
+             "raise on every rank at a mismatch (TANDEM_DEBUG=collectives); slow")
     g = p.add_argument_group("output")
     opt(g, "--ranks", default=None, metavar="LIST",
         help="show only these global ranks' output, e.g. 0 or 0,2-3 (the logs keep all)")
@@ -162,7 +170,8 @@ def config_from_args(args: argparse.Namespace, *, cpus: int, gpus: int,
         node_rank=args.node_rank or 0, rdzv_backend=rdzv.backend, rdzv_endpoint=rdzv.endpoint,
         rdzv_id=rdzv.run_id, rdzv_timeout_s=args.rdzv_timeout,
         rdzv_options=parse_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
-        monitor_interval_s=args.monitor_interval,
+        monitor_interval_s=args.monitor_interval, hang_timeout_s=args.hang_timeout,
+        debug_collectives=args.debug_collectives,
         omp_num_threads=threads_per_worker(choice.nproc, cpus=cpus, environ=environ),
         output_ranks=None if args.ranks is None else parse_rank_list(args.ranks, flag="--ranks"),
         output_local_ranks=(None if args.local_ranks_filter is None else
@@ -186,11 +195,23 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     worker_env = dict(config.worker_env)
     if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"
-    logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow)
+    logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow,
+                      progress=config.hang_timeout_s is not None)
+    hangs: dict[int, str] = {}
+
+    def on_hang(report: str) -> None:
+        number = logs.attempts[-1].number
+        path = Path(log_root) / f"hang-report-attempt_{number}.txt"
+        path.write_text(report + "\n")
+        hangs[number] = f"{report}\n  (saved in {path})"
+        if number < config.max_restarts:  # else the failure summary shows it, once
+            _say(stderr, f"attempt {number} hung; stopping it and restarting the group:\n"
+                         f"{hangs[number]}")
+
     start = time.monotonic()
     output.start()
     try:
-        result = run_workers(config, command.program, command.args, logs)
+        result = run_workers(config, command.program, command.args, logs, on_hang=on_hang)
     except LaunchError as e:
         output.stop()
         _say(stderr, f"error: {e}")
@@ -210,6 +231,13 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
         output.stop()
     elapsed = time.monotonic() - start
     if result.is_failed():
+        last = logs.attempts[-1].number if logs.attempts else -1
+        if last in hangs:
+            gave_up = (f"\n  gave up after {len(logs.attempts)} attempt(s) (--max-restarts "
+                       f"{config.max_restarts})" if config.max_restarts else "")
+            _say(stderr, f"the job hung after {elapsed:.1f} s: {hangs[last]}{gave_up}\n"
+                         f"  all logs: {log_root}")
+            return EXIT_FAILED
         summary = failure_summary(result.failures, logs.attempts, host=socket.gethostname(),
                                   max_restarts=config.max_restarts, log_root=log_root)
         _say(stderr, f"the job failed after {elapsed:.1f} s: {summary}")

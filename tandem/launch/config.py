@@ -261,6 +261,13 @@ class LaunchConfig:
     """After a worker fails, the whole group is restarted up to this many times."""
     monitor_interval_s: float = 0.1
     """How often the agent checks its workers: a failure tears the job down this fast."""
+    hang_timeout_s: float | None = None
+    """When no worker completes a collective or starts a step for this long, the
+    launcher reports where each rank is, stops them and counts a failure
+    (``--hang-timeout``); None: no watchdog."""
+    debug_collectives: bool = False
+    """The workers compare every collective before issuing it (``--debug-collectives``,
+    ``TANDEM_DEBUG=collectives``): a mismatch raises on every rank at once."""
     omp_num_threads: int | None = None
     """OMP_NUM_THREADS given to each worker; None leaves the inherited value."""
     output_ranks: frozenset[int] | None = None
@@ -294,6 +301,8 @@ class LaunchConfig:
                "a positive number of seconds")
         _check(self.rdzv_timeout_s > 0, "--rdzv-timeout", self.rdzv_timeout_s,
                "a positive number of seconds")
+        _check(self.hang_timeout_s is None or self.hang_timeout_s > 0, "--hang-timeout",
+               self.hang_timeout_s, "a positive number of seconds")
         _check(self.exit_barrier_timeout_s > 0, "exit_barrier_timeout_s",
                self.exit_barrier_timeout_s, "a positive number of seconds")
         _check(self.omp_num_threads is None or self.omp_num_threads >= 1, "omp_num_threads",
@@ -325,6 +334,8 @@ class LaunchConfig:
         # torchrun (2.6 and later) leaves this in its own environment for the workers to
         # inherit: the signals the agent forwards.
         env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", _FORWARDED_SIGNALS)
+        if self.debug_collectives:
+            env["TANDEM_DEBUG"] = "collectives"
         return env
 
     def rendezvous_options(self) -> dict[str, object]:
@@ -355,8 +366,11 @@ class LaunchConfig:
             nodes = (f"{self.min_nodes} to {self.max_nodes} nodes (waiting up to "
                      f"{self.rdzv_timeout_s:g} s for {self.min_nodes}), ")
         restarts = f", up to {self.max_restarts} restart(s)" if self.max_restarts else ""
+        hang = (f", hang watchdog {self.hang_timeout_s:g} s" if self.hang_timeout_s is not None
+                else "")
+        debug = ", collectives checked (debug)" if self.debug_collectives else ""
         return (f"{self.nproc_per_node} worker(s) on this node ({self.nproc_reason}), {threads}; "
-                f"{nodes}{self.rdzv_reason or self.rdzv_backend}{restarts}")
+                f"{nodes}{self.rdzv_reason or self.rdzv_backend}{restarts}{hang}{debug}")
 
 
 def _check(ok: bool, flag: str, value: object, expected: str) -> None:

@@ -4,6 +4,8 @@ and global rank::
     <root>/attempt_0/rank_0/stdout.log
                            /stderr.log
                            /error.json    (written by workers that use elastic's @record)
+                           /progress.json (with a watchdog: the rank's ledger, see
+                           /stacks.txt     tandem.comm.monitor, and its Python stacks)
     <root>/attempt_1/...                  (after a restart)
 
 The console view (rank prefixes, rank filters) is :mod:`tandem.launch.output`,
@@ -49,6 +51,10 @@ class RankLogs:
     """Everything the worker wrote to stderr (tracebacks land here)."""
     error_file: Path
     """Where elastic's ``@record`` writes the worker's exception, if it uses it."""
+    progress: Path
+    """Where the worker's monitor writes its progress, when the launcher watches it."""
+    stacks: Path
+    """Where the worker dumps its Python stacks on SIGUSR1, when the launcher watches it."""
 
 
 @dataclass(frozen=True)
@@ -73,15 +79,19 @@ class WorkerLogs(LogsSpecs):
         worker_env: variables for every worker, on top of the agent's.
         on_attempt: called with each :class:`Attempt` as its workers are about
             to start (from the agent's thread).
+        progress: ask each worker to write its progress and, on SIGUSR1, its
+            stacks to its directory (for the hang watchdog).
     """
 
     def __init__(self, root: str | os.PathLike, *, worker_env: Mapping[str, str] | None = None,
-                 on_attempt: Callable[[Attempt], None] | None = None) -> None:
+                 on_attempt: Callable[[Attempt], None] | None = None,
+                 progress: bool = False) -> None:
         super().__init__(log_dir=str(root))
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
         self._worker_env = dict(worker_env or {})
         self._on_attempt = on_attempt
+        self._progress = progress
         self._lock = threading.Lock()
         self._attempts: list[Attempt] = []
 
@@ -108,14 +118,18 @@ class WorkerLogs(LogsSpecs):
             rank_dir = attempt_dir / f"rank_{rank}"
             rank_dir.mkdir(parents=True, exist_ok=True)
             logs = RankLogs(rank=rank, local_rank=local_rank, stdout=rank_dir / "stdout.log",
-                            stderr=rank_dir / "stderr.log", error_file=rank_dir / "error.json")
-            for stale in (logs.stdout, logs.stderr, logs.error_file):
+                            stderr=rank_dir / "stderr.log", error_file=rank_dir / "error.json",
+                            progress=rank_dir / "progress.json", stacks=rank_dir / "stacks.txt")
+            for stale in (logs.stdout, logs.stderr, logs.error_file, logs.progress, logs.stacks):
                 stale.unlink(missing_ok=True)
             ranks[rank] = logs
             # Note [worker environment]: the agent's variables win over the launcher's.
             for key, value in self._worker_env.items():
                 env.setdefault(key, value)
             env["TORCHELASTIC_ERROR_FILE"] = str(logs.error_file)
+            if self._progress:
+                env["TANDEM_PROGRESS_FILE"] = str(logs.progress)
+                env["TANDEM_STACKS_FILE"] = str(logs.stacks)
         attempt = Attempt(number=number, world_size=int(first.get("WORLD_SIZE", len(envs))),
                           ranks=ranks)
         with self._lock:

@@ -1,0 +1,158 @@
+"""The collective ledger: each process's short memory of its recent collectives.
+
+Every collective tandem issues passes through :class:`~tandem.comm.group.GroupComm`,
+which writes an entry here when it is issued and marks it when it completes.
+The entries carry what a person needs to find a hang or a mismatch: a sequence
+number that is the same on every rank for the same collective, the op, a tag
+saying who issued it and why (``bucket 3``, ``unit layers.2``, ``buffers``),
+the element count and dtype, and the training step.
+
+# Note [ledger cost]
+The ledger is on by default, so its cost is bounded by design: one small slotted
+object and two clock reads per collective, a bounded ring (old entries fall
+off), no locks (CPython's deque append and attribute writes are atomic; the
+monitor thread only copies). ``benchmarks/bench_ledger.py`` measures it against
+the DDP step (BENCHMARKS.md).
+
+# Note [sequence numbers]
+``seq`` counts this process's collectives across all its groups, from 1. Every
+rank issues tandem's collectives in the same program order (that is what makes
+collectives match at all), so the same ``seq`` names the same collective on
+every rank, and a hang report can say "rank 1 completed #5321; ranks 0, 2 wait
+in #5322". Collectives a user issues through ``torch.distributed`` directly are
+not seen, and do not disturb the numbering as long as every rank issues them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["DEFAULT_CAPACITY", "Ledger", "LedgerEntry"]
+
+DEFAULT_CAPACITY = 64
+"""Entries kept per process: enough to see a hang's context, small enough to
+write out several times a second."""
+
+_MAX_DESCRIPTIONS = 4096
+
+
+class LedgerEntry:
+    """One collective as this rank issued it."""
+
+    __slots__ = ("seq", "op", "tag", "numel", "dtype", "group", "step", "issued_at",
+                 "completed_at")
+
+    def __init__(self, seq: int, op: str, tag: str, numel: int, dtype: str, group: str,
+                 step: int) -> None:
+        self.seq = seq
+        self.op = op
+        self.tag = tag
+        self.numel = numel
+        self.dtype = dtype
+        self.group = group
+        self.step = step
+        self.issued_at = time.time()
+        self.completed_at: float | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.completed_at is not None
+
+    def describe(self) -> str:
+        """``#12 all_reduce 'bucket 3' (4096 x float32)``."""
+        tag = f" '{self.tag}'" if self.tag else ""
+        return f"#{self.seq} {self.op}{tag} ({self.numel} x {self.dtype})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Ledger:
+    """A ring of this process's last ``capacity`` collectives, plus counters.
+
+    Progress, for the launcher's watchdog, is a collective completing or a step
+    starting: :attr:`last_progress` is the wall-clock time of the latest.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"Ledger capacity must be >= 1, got {capacity}")
+        self._ring: deque[LedgerEntry] = deque(maxlen=capacity)
+        self._descriptions: dict[str, str] = {}
+        self.issued = 0
+        """Collectives issued by this process (the last ``seq``)."""
+        self.completed = 0
+        """Collectives this process has seen complete."""
+        self.step = 0
+        """The training step, as last reported by :meth:`mark_step`."""
+        self.last_progress = time.time()
+        """Wall-clock time of the last completion or step."""
+
+    @property
+    def capacity(self) -> int:
+        return self._ring.maxlen or 0
+
+    def resize(self, capacity: int) -> None:
+        """Keep the last ``capacity`` entries from now on (tests keep a whole run)."""
+        if capacity < 1:
+            raise ValueError(f"Ledger capacity must be >= 1, got {capacity}")
+        self._ring = deque(self._ring, maxlen=capacity)
+
+    def issue(self, op: str, tag: str, numel: int, dtype: str, group: str) -> LedgerEntry:
+        """Record a collective about to be issued; returns its entry."""
+        self.issued += 1
+        entry = LedgerEntry(self.issued, op, tag, numel, dtype, group, self.step)
+        self._ring.append(entry)
+        return entry
+
+    def complete(self, entry: LedgerEntry) -> None:
+        """Mark ``entry`` completed (again is a no-op)."""
+        if entry.completed_at is None:
+            entry.completed_at = time.time()
+            self.completed += 1
+            self.last_progress = entry.completed_at
+
+    def mark_step(self, step: int | None = None) -> None:
+        """A training step begins: ``step``, or the next one. Counts as progress."""
+        self.step = self.step + 1 if step is None else int(step)
+        self.last_progress = time.time()
+
+    def describe_tag(self, tag: str, text: str) -> None:
+        """Say what a tag covers (a bucket's parameter names, say), for hang reports."""
+        if len(self._descriptions) < _MAX_DESCRIPTIONS or tag in self._descriptions:
+            self._descriptions[tag] = text
+
+    def entries(self) -> list[LedgerEntry]:
+        """The kept entries, oldest first (a copy)."""
+        return list(self._ring)
+
+    def in_flight(self) -> list[LedgerEntry]:
+        """Kept entries issued but not yet completed, oldest first."""
+        return [e for e in self.entries() if e.completed_at is None]
+
+    def snapshot(self, last: int = 16) -> dict[str, Any]:
+        """A JSON-able picture: counters, the last ``last`` entries, every kept
+        entry still in flight, and the descriptions of their tags."""
+        entries = self.entries()
+        shown = entries[-last:]
+        flying = [e for e in entries[:-last] if e.completed_at is None] + shown
+        tags = {e.tag for e in flying if e.completed_at is None}
+        return {
+            "issued": self.issued, "completed": self.completed, "step": self.step,
+            "last_progress": self.last_progress,
+            "entries": [e.to_dict() for e in _unique(flying)],
+            "descriptions": {t: self._descriptions[t] for t in tags if t in self._descriptions},
+        }
+
+
+def _unique(entries: Iterable[LedgerEntry]) -> list[LedgerEntry]:
+    seen: set[int] = set()
+    out = []
+    for e in sorted(entries, key=lambda e: e.seq):
+        if e.seq not in seen:
+            seen.add(e.seq)
+            out.append(e)
+    return out

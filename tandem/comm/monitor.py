@@ -1,0 +1,204 @@
+"""This process's watch over its collectives: the ledger, the heartbeat, the
+progress file the launcher's watchdog reads, and debug mode.
+
+# Note [one monitor per process]
+The ledger answers "where is this process?", a question about the whole
+process: every group, every wrapper (DDP, ZeRO, fully_shard, metrics) and every
+layer of the library issue collectives into the same sequence. So the monitor
+is per process, not per object: :func:`start_monitor` (called by
+:func:`tandem.init`) builds it for the default process group,
+:func:`stop_monitor` (called by :func:`tandem.shutdown`) ends it, and
+:func:`current_monitor` returns it, building one on first use when the group
+was initialised by torch directly. This is the one module-level holder in
+tandem; it holds no configuration of its own, only what the process group and
+the launcher's variables decide.
+
+Variables it reads (set by ``tandem run`` for its workers, or by a user):
+
+``TANDEM_PROGRESS_FILE``  where to write this rank's progress (JSON), a few
+                          times a second while it makes progress
+``TANDEM_STACKS_FILE``    where ``faulthandler`` writes every thread's Python
+                          stack when the process gets SIGUSR1
+``TANDEM_DEBUG``          ``collectives``: compare fingerprints before each
+                          collective (:mod:`tandem.comm.fingerprint`)
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+import torch.distributed as dist
+
+from tandem._compat import default_store
+from tandem.comm.fingerprint import FingerprintCheck, debug_flags
+from tandem.comm.ledger import Ledger
+from tandem.comm.peers import EXITED, HEARTBEAT_INTERVAL_S, PeerWatch, heartbeat_key
+
+__all__ = ["Monitor", "current_monitor", "start_monitor", "stop_monitor"]
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_ENV = "TANDEM_PROGRESS_FILE"
+_STACKS_ENV = "TANDEM_STACKS_FILE"
+
+
+class Monitor:
+    """The ledger, plus a daemon thread that beats in the store and writes the
+    progress file (both only when there is somewhere to write).
+
+    Args:
+        rank: this process's global rank.
+        world_size: the number of processes.
+        store: the job's store for heartbeats and fingerprints (None: neither).
+        progress_file: where to write progress snapshots (None: nowhere).
+        stacks_file: where SIGUSR1 dumps the Python stacks (None: not installed).
+        debug: compare fingerprints before each collective.
+        timeout_s: the collective timeout, which bounds debug-mode waits.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, store: dist.Store | None,
+                 progress_file: str | None = None, stacks_file: str | None = None,
+                 debug: bool = False, timeout_s: float = 600.0) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.pid = os.getpid()
+        self.ledger = Ledger()
+        self.store = store
+        self.peers = PeerWatch(store, rank) if store is not None and world_size > 1 else None
+        self.fingerprints = (FingerprintCheck(store, rank, self.peers, timeout_s)
+                             if debug and self.peers is not None and store is not None else None)
+        self._progress_file = Path(progress_file) if progress_file else None
+        self._stacks_path = stacks_file
+        self._stacks: IO[str] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beats = 0
+        self._written: tuple[int, int, int] | None = None
+
+    @property
+    def debug(self) -> bool:
+        return self.fingerprints is not None
+
+    def start(self) -> None:
+        if self._stacks_path:
+            self._stacks = open(self._stacks_path, "w")  # noqa: SIM115 - held until stop()
+            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
+        if self.peers is None and self._progress_file is None:
+            return
+        self._beat()
+        self._write_progress()
+        self._thread = threading.Thread(target=self._run, name="tandem-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, left: bool = True) -> None:
+        """End the thread; with ``left``, tell peers this rank left on purpose."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None
+        if left and self.store is not None and self.peers is not None:
+            if self.fingerprints is not None:
+                self.fingerprints.post_shutdown()
+            try:
+                self.store.set(heartbeat_key(self.rank), EXITED)
+            except Exception:  # noqa: BLE001 - the store may already be gone
+                pass
+        if self._stacks is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._stacks.close()
+            self._stacks = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            self._beat()
+            self._write_progress()
+
+    def _beat(self) -> None:
+        if self.peers is None or self.store is None:
+            return
+        self._beats += 1
+        try:
+            self.store.set(heartbeat_key(self.rank), str(self._beats))
+        except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
+            logger.debug("rank %d: heartbeat failed: %s", self.rank, e)
+
+    def _write_progress(self) -> None:
+        if self._progress_file is None:
+            return
+        ledger = self.ledger
+        state = (ledger.issued, ledger.completed, ledger.step)
+        if state == self._written:
+            return
+        self._written = state
+        snapshot = {"rank": self.rank, "pid": self.pid, "host": socket.gethostname(),
+                    "main_thread": threading.main_thread().ident, **ledger.snapshot()}
+        tmp = self._progress_file.with_name(self._progress_file.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(snapshot))
+            os.replace(tmp, self._progress_file)
+        except OSError as e:
+            logger.debug("rank %d: cannot write %s: %s", self.rank, self._progress_file, e)
+
+
+# Note [one monitor per process]: the holder, with the pid and the default
+# group's store it was built for (a forked child must not use its parent's
+# thread; a group initialised again gets a new monitor).
+_current: tuple[tuple[int, int], Monitor] | None = None
+
+
+def _owner() -> tuple[int, int]:
+    return os.getpid(), id(default_store())
+
+
+def start_monitor(*, timeout_s: float, environ: Mapping[str, str] | None = None) -> Monitor:
+    """Build and start this process's monitor for the default process group
+    (replacing one left from an earlier group)."""
+    global _current
+    stop_monitor(left=False)
+    env = os.environ if environ is None else environ
+    world_size = dist.get_world_size()
+    monitor = Monitor(
+        rank=dist.get_rank(), world_size=world_size,
+        store=default_store() if world_size > 1 else None,
+        progress_file=env.get(_PROGRESS_ENV) or None, stacks_file=env.get(_STACKS_ENV) or None,
+        debug="collectives" in debug_flags(env), timeout_s=timeout_s)
+    monitor.start()
+    _current = (_owner(), monitor)
+    return monitor
+
+
+def stop_monitor(*, left: bool = True) -> None:
+    """Stop this process's monitor, if it has one."""
+    global _current
+    if _current is not None:
+        (pid, _), monitor = _current
+        _current = None
+        if pid == os.getpid():
+            monitor.stop(left=left)
+
+
+def current_monitor() -> Monitor:
+    """This process's monitor; started on first use if :func:`tandem.init` did not."""
+    if _current is not None and _current[0] == _owner():
+        return _current[1]
+    from tandem.comm.bootstrap import DEFAULT_TIMEOUT  # bootstrap imports this module
+
+    return start_monitor(timeout_s=DEFAULT_TIMEOUT.total_seconds())
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    # A process that ends without tandem.shutdown() (an exception, sys.exit) has
+    # still left on purpose as far as its peers' waits are concerned: its
+    # collectives will never come, and "has left" is the truthful diagnosis.
+    stop_monitor(left=True)

@@ -1,0 +1,152 @@
+"""Which peer is gone: heartbeats in the job's store, and waits that watch them.
+
+# Note [dead peers]
+When a rank dies inside a collective, gloo tells only the ranks connected to it
+on that collective's step ("Connection closed by peer [127.0.0.1]:35735", an
+address, not a rank); the others wait until their neighbours give up, or until
+the collective timeout (10 minutes). tandem makes every survivor name the dead
+rank within a few seconds:
+
+- each rank's monitor thread beats: it bumps ``tandem/alive/<rank>`` in the
+  job's c10d store every :data:`HEARTBEAT_INTERVAL_S`. The store is the
+  launcher's (``tandem run``, torchrun) or the harness's file, so it outlives any
+  worker; a rank that ends cleanly writes ``exited``;
+- tandem waits for a gloo collective in slices of :data:`WAIT_SLICE_S`
+  (``Work.wait(timeout)`` leaves the collective running when a slice ends).
+  Between slices, and at once when gloo raises, it reads the peers' beats: a
+  peer whose beat has not moved for :data:`STALE_AFTER_S` is gone, and the wait
+  raises :class:`PeerLostError` naming it.
+
+A peer that is alive but stuck (a hang, not a death) keeps beating: that is the
+launcher watchdog's case (``tandem run --hang-timeout``). NCCL has its own
+watchdog and blocking semantics, so NCCL waits are not sliced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["HEARTBEAT_INTERVAL_S", "PeerLostError", "PeerWatch", "STALE_AFTER_S", "WAIT_SLICE_S",
+           "heartbeat_key", "wait_watching_peers"]
+
+HEARTBEAT_INTERVAL_S = 0.25
+"""How often a rank's monitor thread beats."""
+STALE_AFTER_S = 2.5
+"""A beat unchanged for this long means the rank is gone (ten missed beats)."""
+WAIT_SLICE_S = 1.0
+"""How long one slice of a watched wait lasts before the peers are looked at."""
+EXITED = "exited"
+"""The beat of a rank that left the job on purpose."""
+
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"tandem/alive/{rank}"
+
+
+class PeerLostError(RuntimeError):
+    """A peer died or left while this rank waited for it in a collective.
+
+    Attributes:
+        rank: this rank.
+        lost: the peers that are gone (global rank to what was seen).
+    """
+
+    def __init__(self, rank: int, lost: dict[int, str], during: str) -> None:
+        self.rank = rank
+        self.lost = dict(lost)
+        who = ", ".join(f"rank {r} {why}" for r, why in sorted(lost.items()))
+        names = ", ".join(str(r) for r in sorted(lost))
+        super().__init__(
+            f"rank {rank}: peer lost during {during}: {who}. The collective cannot complete; "
+            f"the cause is in the log of rank {names} (killed, out of memory, or crashed). "
+            "Under `tandem run --max-restarts K` the group restarts and resumes from the "
+            "last checkpoint")
+
+
+class PeerWatch:
+    """Reads the peers' heartbeats and remembers when each last moved.
+
+    Args:
+        store: the job's c10d store.
+        rank: this process's global rank (never reported as lost).
+    """
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        self._seen: dict[int, tuple[str | None, float]] = {}
+
+    def observe(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Read the beats of ``ranks`` now; returns the ones that are gone, with why.
+
+        Raises:
+            RuntimeError: the store cannot be reached (its host is gone).
+        """
+        now = time.monotonic()
+        lost: dict[int, str] = {}
+        for r, value in zip(ranks, self._read(ranks)):
+            if r == self.rank:
+                continue
+            if value == EXITED:
+                lost[r] = "has left the job (its process finished or called tandem.shutdown)"
+                continue
+            previous = self._seen.get(r)
+            if previous is None or previous[0] != value:
+                self._seen[r] = (value, now)
+            elif now - previous[1] >= STALE_AFTER_S:
+                lost[r] = (f"stopped beating {now - previous[1]:.1f} s ago" if value is not None
+                           else f"has not beaten in {now - previous[1]:.1f} s")
+        return lost
+
+    def diagnose(self, ranks: Sequence[int], window_s: float = STALE_AFTER_S + 0.5) -> dict[int, str]:
+        """Watch ``ranks`` for up to ``window_s``; returns as soon as one is seen gone."""
+        end = time.monotonic() + window_s
+        while True:
+            lost = self.observe(ranks)
+            if lost or time.monotonic() >= end:
+                return lost
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _read(self, ranks: Sequence[int]) -> list[str | None]:
+        out: list[str | None] = []
+        try:
+            for r in ranks:
+                key = heartbeat_key(r)
+                out.append(self.store.get(key).decode() if self.store.check([key]) else None)
+        except Exception as e:  # noqa: BLE001 - any store failure means the same thing here
+            raise RuntimeError(
+                f"rank {self.rank}: the job's store cannot be reached ({type(e).__name__}: {e}); "
+                "its host (the launcher, or rank 0 without one) has probably died") from e
+        return out
+
+
+def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
+                        during: Callable[[], str]) -> None:
+    """``work.wait()`` for a gloo collective, raising :class:`PeerLostError`
+    within seconds when a peer in ``ranks`` dies (Note [dead peers]).
+
+    Other failures of the collective are re-raised unchanged.
+    """
+    while True:
+        try:
+            work.wait(_SLICE)
+            return
+        except RuntimeError as e:
+            sliced = "Operation timed out" in str(e)
+            try:
+                lost = watch.observe(ranks) if sliced else watch.diagnose(ranks)
+            except RuntimeError as store_error:
+                if sliced:
+                    raise store_error from e
+                raise e from store_error
+            if lost:
+                raise PeerLostError(watch.rank, lost, during()) from (None if sliced else e)
+            if not sliced:
+                raise

@@ -1,0 +1,128 @@
+"""``tandem run --hang-timeout``: notice that a job stopped making progress, and
+say where each rank is.
+
+# Note [progress without a collective]
+Each worker's monitor thread rewrites its progress file (``progress.json`` in
+the rank's log directory) a few times a second while the rank makes progress:
+a collective completed or a step began (:mod:`tandem.comm.monitor`). A stuck
+collective cannot stop that file from being read, and the launcher needs no
+collective or store to read it: it looks at the files' modification times.
+When the newest is older than the timeout (or, before any file, the attempt's
+start is), no rank has progressed: the watchdog sends SIGUSR1 to the workers
+that wrote a file (their ``faulthandler`` dumps every thread's stack; a worker
+that wrote none has no handler, and SIGUSR1 would kill it), reads the files
+and builds the report (:mod:`tandem.launch.hang`).
+
+The launcher on each node watches its own workers. In a job on several nodes,
+the ranks waiting on a stuck rank elsewhere stop progressing too, so every
+node's watchdog fires; each reports its own ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sysconfig
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tandem.launch.hang import format_hang_report
+from tandem.launch.logs import Attempt
+
+__all__ = ["Watchdog"]
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 0.5
+"""How often the progress files are looked at."""
+STACKS_WAIT_S = 2.0
+"""How long the workers get to dump their stacks."""
+
+
+class Watchdog:
+    """Decides when an attempt has hung, and writes its report.
+
+    Args:
+        timeout_s: how long without progress counts as a hang.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._attempt: int | None = None
+        self._started = time.time()
+        self._next_check = 0.0
+
+    def stalled_for(self, attempt: Attempt, now: float | None = None) -> float | None:
+        """Seconds without progress in ``attempt`` when that exceeds the timeout, else None."""
+        now = time.time() if now is None else now
+        if attempt.number != self._attempt:
+            self._attempt, self._started, self._next_check = attempt.number, now, 0.0
+        if now < self._next_check:
+            return None
+        self._next_check = now + CHECK_INTERVAL_S
+        latest = self._started
+        for logs in attempt.ranks.values():
+            try:
+                latest = max(latest, logs.progress.stat().st_mtime)
+            except OSError:
+                pass
+        stalled = now - latest
+        return stalled if stalled >= self.timeout_s else None
+
+    def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float) -> str:
+        """Ask the workers for their stacks, then build the report text."""
+        snapshots = {rank: _read_json(logs.progress) for rank, logs in attempt.ranks.items()}
+        asked = []
+        for rank, snap in snapshots.items():
+            pid = pids.get(rank)
+            if snap is not None and pid is not None and snap.get("pid") == pid:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                    asked.append(rank)
+                except OSError as e:
+                    logger.debug("rank %d: cannot signal pid %d: %s", rank, pid, e)
+        stacks = _await_stacks(attempt, asked)
+        return format_hang_report(snapshots, stacks, now=time.time(), stalled_s=stalled_s,
+                                  timeout_s=self.timeout_s, library_paths=_library_paths())
+
+
+def _await_stacks(attempt: Attempt, ranks: list[int]) -> dict[int, str]:
+    deadline = time.monotonic() + STACKS_WAIT_S
+    stacks: dict[int, str] = {}
+    while True:
+        for rank in ranks:
+            if rank not in stacks:
+                text = _read_text(attempt.ranks[rank].stacks)
+                if "most recent call first" in text:
+                    stacks[rank] = text
+        if len(stacks) == len(ranks) or time.monotonic() > deadline:
+            return stacks
+        time.sleep(0.05)
+
+
+def _library_paths() -> tuple[str, ...]:
+    # The standard library, installed packages (torch) and tandem itself.
+    import tandem
+
+    found = sysconfig.get_paths()
+    paths = {found["stdlib"], found["purelib"], found["platlib"], os.path.dirname(tandem.__file__)}
+    return tuple(sorted(p for p in paths if p))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
