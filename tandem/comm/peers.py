@@ -38,7 +38,7 @@ HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
 STALE_AFTER_S = 2.5
 """A beat unchanged for this long means the rank is gone (ten missed beats)."""
-WAIT_SLICE_S = 1.0
+WAIT_SLICE_S = 0.5
 """How long one slice of a watched wait lasts before the peers are looked at."""
 EXITED = "exited"
 """The beat of a rank that left the job on purpose."""

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ def run_distributed(
     backend: str = "gloo",
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return
     the list of their return values (which must be picklable by ``torch.save``).
@@ -84,6 +85,8 @@ def run_distributed(
             ``LOCAL_WORLD_SIZE`` and ``TANDEM_TEST_STORE`` (a file path) are
             set so that ``fn`` can build one itself.
         env: extra environment variables for the ranks.
+        may_die: ranks a fault-injection test kills on purpose: their death is
+            not a failure, and their result is None.
 
     Raises:
         RankFailure: a rank raised; carries its rank and traceback.
@@ -106,7 +109,7 @@ def run_distributed(
             )
             p.start()
             procs.append(p)
-        return _collect(procs, workdir, timeout)
+        return _collect(procs, workdir, timeout, frozenset(may_die))
     finally:
         for p in procs:
             if p.is_alive():
@@ -116,7 +119,7 @@ def run_distributed(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(procs: list[Any], workdir: Path, timeout: float) -> list[Any]:
+def _collect(procs: list[Any], workdir: Path, timeout: float, may_die: frozenset[int]) -> list[Any]:
     world_size = len(procs)
     deadline = time.monotonic() + timeout
     first_failure: int | None = None
@@ -130,6 +133,8 @@ def _collect(procs: list[Any], workdir: Path, timeout: float) -> list[Any]:
             failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE_S
         dead = [r for r, p in enumerate(procs)
                 if not p.is_alive() and r not in errors and r not in done]
+        done += [r for r in dead if r in may_die]
+        dead = [r for r in dead if r not in may_die]
         for r in dead:
             # Died without writing a report: killed by a signal, os._exit, segfault.
             code = procs[r].exitcode
@@ -142,7 +147,8 @@ def _collect(procs: list[Any], workdir: Path, timeout: float) -> list[Any]:
         ):
             raise RankFailure(first_failure, errors)
         if len(done) == world_size:
-            return [_load((workdir / f"{r}.ok").read_bytes()) for r in range(world_size)]
+            return [_load((workdir / f"{r}.ok").read_bytes()) if (workdir / f"{r}.ok").exists()
+                    else None for r in range(world_size)]
         if time.monotonic() > deadline:
             pending = [r for r in range(world_size) if r not in done]
             raise TimeoutError(
