@@ -1,0 +1,133 @@
+"""The pure parts of "no hang": the ledger, the hang report, the watchdog's
+decision, and the launcher flags, in one process."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.comm.fingerprint import debug_flags
+from tandem.comm.ledger import Ledger
+from tandem.launch.cli import build_parser, config_from_args
+from tandem.launch.config import LaunchConfig
+from tandem.launch.hang import format_hang_report, main_thread_stack
+from tandem.launch.logs import Attempt, RankLogs
+from tandem.launch.watchdog import Watchdog
+
+DUMP = """\
+Thread 0x00007f0000000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/lib/tandem/comm/monitor.py", line 120 in _run
+
+Current thread 0x00007f0000000001 (most recent call first):
+  File "/lib/tandem/comm/group.py", line 70 in wait
+  File "/home/me/train.py", line 88 in train_step
+  File "/home/me/train.py", line 120 in <module>
+"""
+
+
+def test_ledger_keeps_the_last_entries_numbers_every_collective_and_counts_progress():
+    ledger = Ledger(capacity=3)
+    entries = [ledger.issue("all_reduce", f"bucket {i}", 10, "float32", "world") for i in range(5)]
+    assert [e.seq for e in ledger.entries()] == [3, 4, 5]
+    before = ledger.last_progress
+    time.sleep(0.01)
+    ledger.complete(entries[3])
+    ledger.complete(entries[3])
+    assert ledger.completed == 1 and ledger.last_progress > before
+    assert [e.seq for e in ledger.in_flight()] == [3, 5]
+    ledger.mark_step()
+    ledger.mark_step(7)
+    assert ledger.step == 7
+    snap = ledger.snapshot(last=1)
+    # The last entry, and every kept entry still in flight, whatever `last` says.
+    assert [e["seq"] for e in snap["entries"]] == [3, 5]
+    ledger.describe_tag("bucket 4", "params: fc.weight")
+    ledger.describe_tag("bucket 3", "params: fc.bias")  # completed: not shown
+    assert ledger.snapshot()["descriptions"] == {"bucket 4": "params: fc.weight"}
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        Ledger(capacity=0)
+
+
+def test_main_thread_stack_is_found_by_ident_or_as_the_current_thread():
+    frames = main_thread_stack(DUMP, 0x7F0000000001)
+    assert [str(f) for f in frames] == ["/lib/tandem/comm/group.py:70 in wait",
+                                        "/home/me/train.py:88 in train_step",
+                                        "/home/me/train.py:120 in <module>"]
+    assert main_thread_stack(DUMP, None) == frames
+    assert main_thread_stack(DUMP, 0x7F0000000002)[1].func == "_run"
+    assert main_thread_stack("", 1) == []
+
+
+def _entry(seq: int, tag: str, *, done: bool, step: int = 1207, issued: float = 100.0) -> dict:
+    return {"seq": seq, "op": "all_reduce", "tag": tag, "numel": 4096, "dtype": "float32",
+            "group": "world", "step": step, "issued_at": issued,
+            "completed_at": issued + 0.01 if done else None}
+
+
+def test_the_report_names_the_rank_that_left_and_groups_the_waiting_ones():
+    behind = {"main_thread": 1, "entries": [_entry(5320, "bucket 2", done=True),
+                                            _entry(5321, "bucket 3", done=True)]}
+    waiting = {"main_thread": 1, "entries": [_entry(5321, "bucket 3", done=True),
+                                             _entry(5322, "bucket 4", done=False),
+                                             _entry(5323, "bucket 5", done=False)],
+               "descriptions": {"bucket 4": "params: blocks.3.mlp.weight, blocks.3.mlp.bias"}}
+    text = format_hang_report({0: waiting, 1: behind, 2: waiting, 3: None}, {1: DUMP},
+                              now=164.0, stalled_s=64.2, timeout_s=60,
+                              library_paths=("/lib/tandem",))
+    lines = text.splitlines()
+    assert lines[0] == ("no rank completed a collective or started a step for 64.2 s "
+                        "(--hang-timeout 60)")
+    assert lines[1] == ("  rank 1: last completed #5321 all_reduce 'bucket 3' (4096 x float32) of "
+                        "step 1207; now in Python at /lib/tandem/comm/group.py:70 in wait, called "
+                        "from /home/me/train.py:88 in train_step")
+    assert lines[2].startswith("  rank 3: wrote no progress")
+    assert lines[3] == ("  ranks 0, 2: waiting in #5322 all_reduce 'bucket 4' (4096 x float32) of "
+                        "step 1207 (params: blocks.3.mlp.weight, blocks.3.mlp.bias) for 64.0 s")
+    assert "main-thread Python stacks (innermost first):" in lines
+    assert "    /home/me/train.py:88 in train_step" in lines
+
+
+def _attempt(tmp_path: Path, number: int, ranks: int) -> Attempt:
+    logs = {}
+    for r in range(ranks):
+        d = tmp_path / f"attempt_{number}" / f"rank_{r}"
+        d.mkdir(parents=True, exist_ok=True)
+        logs[r] = RankLogs(rank=r, local_rank=r, stdout=d / "stdout.log", stderr=d / "stderr.log",
+                           error_file=d / "error.json", progress=d / "progress.json",
+                           stacks=d / "stacks.txt")
+    return Attempt(number=number, world_size=ranks, ranks=logs)
+
+
+def test_the_watchdog_fires_when_the_newest_progress_is_older_than_the_timeout(tmp_path):
+    dog = Watchdog(timeout_s=10)
+    attempt = _attempt(tmp_path, 0, 2)
+    t0 = time.time()
+    assert dog.stalled_for(attempt, now=t0) is None
+    # No progress file yet: the attempt's start counts.
+    assert dog.stalled_for(attempt, now=t0 + 9) is None
+    assert dog.stalled_for(attempt, now=t0 + 10.5) == pytest.approx(10.5)
+    # A rank that progressed recently keeps the job alive; the newest file counts.
+    attempt.ranks[0].progress.write_text("{}")
+    os.utime(attempt.ranks[0].progress, (t0 + 20, t0 + 20))
+    attempt.ranks[1].progress.write_text("{}")
+    os.utime(attempt.ranks[1].progress, (t0 + 5, t0 + 5))
+    assert dog.stalled_for(attempt, now=t0 + 29) is None
+    assert dog.stalled_for(attempt, now=t0 + 31) == pytest.approx(11)
+    # A new attempt starts its own clock.
+    assert dog.stalled_for(_attempt(tmp_path, 1, 2), now=t0 + 40) is None
+
+
+def test_hang_flags_reach_the_config_and_the_workers():
+    parser = build_parser()
+    args = parser.parse_args(["run", "--hang-timeout", "30", "--debug-collectives", "x.py"])
+    config = config_from_args(args, cpus=2, gpus=0, environ={})
+    assert config.hang_timeout_s == 30 and config.debug_collectives
+    assert config.worker_env["TANDEM_DEBUG"] == "collectives"
+    assert "hang watchdog 30 s" in config.describe()
+    assert debug_flags({"TANDEM_DEBUG": " Collectives, other"}) == {"collectives", "other"}
+    with pytest.raises(ValueError, match="--hang-timeout 0 is invalid"):
+        LaunchConfig(nproc_per_node=1, hang_timeout_s=0)
