@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = ["DEFAULT_CAPACITY", "Ledger", "LedgerEntry"]
@@ -124,6 +124,11 @@ class Ledger:
         """Say what a tag covers (a bucket's parameter names, say), for hang reports."""
         if len(self._descriptions) < _MAX_DESCRIPTIONS or tag in self._descriptions:
             self._descriptions[tag] = text
+
+    def describe_params(self, tag: str, names: Sequence[str], shown: int = 4) -> None:
+        """Say which parameters a tag's collectives carry (the first ``shown`` names)."""
+        more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+        self.describe_tag(tag, f"params: {', '.join(names[:shown])}{more}")
 
     def entries(self) -> list[LedgerEntry]:
         """The kept entries, oldest first (a copy)."""

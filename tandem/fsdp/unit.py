@@ -123,6 +123,7 @@ class ShardedUnit:
                                           device=config.device)
         self.managed = [self._manage(fqn, owners, param, spec)
                         for (fqn, owners, param), spec in zip(params, self.layout.params)]
+        comm.ledger.describe_params(f"unit {name}", [fqn for fqn, _, _ in params])
         self._copy_out_dst = [self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
                                                          p.chunk_numel).view(self.layout.world_size, -1)
                               for p in self.layout.params]
