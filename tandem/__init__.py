@@ -9,7 +9,8 @@ Change one import, keep your script::
 
 import logging as _logging
 
-from tandem import comm_hooks, fsdp
+from tandem import checkpoint, comm_hooks, fsdp
+from tandem.checkpoint import CheckpointError, load_sharded_checkpoint, save_sharded_checkpoint
 from tandem.comm import WorldInfo, init, shutdown
 from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
     weighted_mean
@@ -22,12 +23,13 @@ from tandem.train import Trainer, TrainerConfig, TrainingState, atomic_save, cap
     latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint, seed_everything
 from tandem.zero import ZeroOptimizer
 
-__all__ = ["DataParallel", "DistributedDataParallel", "DistributedSampler", "FSDPModule", "RunningMean",
-           "SyncBatchNorm",
+__all__ = ["CheckpointError", "DataParallel", "DistributedDataParallel", "DistributedSampler", "FSDPModule",
+           "RunningMean", "SyncBatchNorm",
            "Trainer", "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean",
-           "all_reduce_sum", "atomic_save", "capture_rng_state", "fsdp", "fully_shard", "gather_samples", "init",
-           "join",
-           "latest_checkpoint", "load_checkpoint", "restore_rng_state", "save_checkpoint",
+           "all_reduce_sum", "atomic_save", "capture_rng_state", "checkpoint", "comm_hooks", "fsdp", "fully_shard",
+           "gather_samples", "init", "join",
+           "latest_checkpoint", "load_checkpoint", "load_sharded_checkpoint", "restore_rng_state", "save_checkpoint",
+           "save_sharded_checkpoint",
            "seed_everything", "shutdown", "spawn", "weighted_mean"]
 __version__ = "0.1.0"
 

@@ -282,7 +282,7 @@ def _save(rank: int, world_size: int, directory: str) -> None:
     opt = ZeroOptimizer(ddp, torch.optim.Adam, _param_groups(model, case), lr=0.01)
     _train(ddp, opt, case, rank, world_size, opt.clip_grad_norm_)
     full = opt.state_dict()
-    opt.save_sharded(f"{directory}/sharded")
+    opt.save_sharded(f"{directory}/sharded", step=SAVE_AT)  # a committed step directory
     if rank == 0:
         torch.save({"model": model.state_dict(), "optim": full}, f"{directory}/full.pt")
     else:
@@ -296,7 +296,7 @@ def _resume(rank: int, world_size: int, directory: str, source: str) -> dict[str
     ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=CKPT_CASE.stage)
     opt = ZeroOptimizer(ddp, torch.optim.Adam, _param_groups(model, CKPT_CASE), lr=0.01)
     if source == "sharded":
-        opt.load_sharded(f"{directory}/sharded")
+        assert opt.load_sharded(f"{directory}/sharded") == SAVE_AT  # saved on 4 ranks, loaded on 2
     elif source == "torch":  # plain DDP's torch.optim.Adam state dict: the same format
         opt.load_state_dict(torch.load(f"{directory}/torch.pt", weights_only=False))
     else:

@@ -1,13 +1,9 @@
 """Checkpoint files: written atomically by one rank, read by every rank.
 
-# Note [atomic save]
-A checkpoint is first written in full to a temporary file in the same directory
-(``.NAME.tmp-PID``), flushed and fsync'ed, then renamed over ``NAME`` with
-``os.replace`` and the directory fsync'ed. A rename within one file system is
-atomic: a reader sees the old file or the new one, never a mix. A save killed at
-any point (SIGKILL, power loss after the fsyncs) therefore leaves the previous
-checkpoint intact, at worst next to a stray temporary file, which the next save
-of the same name removes.
+Each file is written as Note [atomic save] (tandem/checkpoint/atomic.py) says:
+a save killed at any point leaves the previous checkpoint intact. Checkpoints of
+several files, one or more per rank, go into committed step directories instead
+(tandem/checkpoint/commit.py).
 
 # Note [save on one rank]
 Under data parallelism every rank holds the same model and optimizer state, so
@@ -27,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.checkpoint.atomic import atomic_save
 from tandem.comm.group import GroupComm
 
 __all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -35,31 +32,6 @@ __all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpo
 logger = logging.getLogger(__name__)
 
 _STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
-
-
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save(obj, path)`` so that a killed save never destroys the file
-    that was at ``path`` (see Note [atomic save]). Creates missing directories.
-
-    Returns:
-        The path written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        _remove_quietly(stale)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    _fsync_directory(path.parent)
-    return path
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str], *,
@@ -145,24 +117,3 @@ def _local_device() -> torch.device:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass

@@ -34,14 +34,19 @@ import torch
 import torch.distributed as dist
 
 from tandem._compat import foreach_copy_
+from tandem.checkpoint.agree import agree
+from tandem.checkpoint.atomic import atomic_save
+from tandem.checkpoint.commit import CheckpointError, committed_steps, load_committed, save_committed
 from tandem.comm.group import Work
-from tandem.train.checkpoint import atomic_save
 from tandem.zero.layout import ShardRun, plan_runs, shard_bucket
-from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, entries_of_run, run_state_from
+from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, check_shards, entries_of_run, \
+    run_state_from
 
 __all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
+
+_SHARDS_KIND = "zero-shards"  # the kind of save_sharded's committed checkpoints
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """A distributed optimizer that shards optimizer state (ZeRO stage 1) and works
@@ -333,37 +338,97 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "param_groups": self._groups_for_save(), "shapes": self._shapes(),
                 "entries": self._local_entries()}
 
-    def load_sharded_state_dicts(self, shards: list[dict[str, Any]]) -> None:
+    def load_sharded_state_dicts(self, shards: list[dict[str, Any]], *,
+                                 sources: list[str] | None = None) -> None:
         """Load the :meth:`sharded_state_dict` of every rank of a run, at any world
-        size (the shards are reassembled per parameter, then resharded)."""
-        if not shards or any(s.get("format") != SHARD_FORMAT for s in shards):
-            raise ValueError(f"expected a non-empty list of {SHARD_FORMAT} shards")
-        world = shards[0]["world_size"]
-        if sorted(s["rank"] for s in shards) != list(range(world)):
-            raise ValueError(f"need the shards of all {world} ranks, got ranks "
-                             f"{sorted(s['rank'] for s in shards)}")
+        size (the shards are reassembled per parameter, then resharded).
+
+        Args:
+            sources: where each shard came from (file names), for the errors.
+
+        Raises:
+            ValueError: naming the shard and the parameter or state key, when the
+                shards are not one complete save that fits this optimizer.
+        """
+        sources = sources or [f"shard {i}" for i in range(len(shards))]
+        check_shards(shards, sources, self._shapes(), self._param_names(),
+                     [len(g["params"]) for g in self.param_groups])
         self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
-                                       shards[0]["shapes"]))
+                                            shards[0]["shapes"]))
 
-    def save_sharded(self, directory: str | os.PathLike[str]) -> Path:
-        """Write this rank's shard to ``directory/zero-shard-{rank}-of-{world}.pt``
-        (every rank its own file). Returns the path written."""
-        path = Path(directory) / f"zero-shard-{self._comm.rank}-of-{self._comm.size}.pt"
-        return atomic_save(self.sharded_state_dict(), path)  # a killed save keeps the old shard
+    def save_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None,
+                     keep: int | None = None) -> Path:
+        """Save every rank's shard, each rank its own file, into the committed step
+        directory ``directory/step-{step:08d}/`` (Note [committed step directories]
+        in tandem/checkpoint/commit.py): a save killed midway is never loaded. A
+        collective: call it on every rank.
 
-    def load_sharded(self, directory: str | os.PathLike[str]) -> None:
-        """Load the shards :meth:`save_sharded` wrote, from a run at any world size."""
-        files = sorted(Path(directory).glob("zero-shard-*-of-*.pt"))
-        if not files:
-            raise FileNotFoundError(f"no zero-shard-*-of-*.pt files in {directory}")
-        self.load_sharded_state_dicts([torch.load(f, map_location="cpu", weights_only=False)
-                                       for f in files])
+        Args:
+            directory: the directory of step directories.
+            step: the step saved (default: one more than the newest committed step,
+                or 0); every rank must pass the same.
+            keep: keep the newest ``keep`` committed steps (None: all).
+
+        Returns:
+            The committed step directory.
+
+        Raises:
+            tandem.checkpoint.CheckpointError: on every rank, when a rank failed to
+                write or the ranks passed different steps.
+        """
+        if step is None:
+            steps = committed_steps(directory)
+            step = steps[-1] + 1 if steps else 0
+
+        def write(step_dir: Path) -> list[str]:
+            name = f"zero-shard-{self._comm.rank}-of-{self._comm.size}.pt"
+            atomic_save(self.sharded_state_dict(), step_dir / name)
+            return [name]
+
+        return save_committed(directory, step, write, kind=_SHARDS_KIND, keep=keep, group=self._comm.group)
+
+    def load_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
+        """Load the newest committed shards :meth:`save_sharded` wrote under
+        ``directory`` (or ``step``'s), from a run at any world size. A collective.
+
+        Returns:
+            The step loaded.
+
+        Raises:
+            FileNotFoundError: on every rank, when ``directory`` holds no committed step.
+            tandem.checkpoint.CheckpointError: on every rank, naming the file: a
+                shard missing, truncated or corrupt.
+            ValueError: on every rank, naming the file and the parameter or state
+                key: shards that do not fit this optimizer.
+        """
+        ckpt = load_committed(directory, step=step, kind=_SHARDS_KIND, group=self._comm.group)
+        names = sorted(ckpt.files)
+        shards: list[dict[str, Any]] = []
+
+        def read_and_check() -> None:
+            for name in names:
+                shards.append(torch.load(ckpt.path(name), map_location="cpu", weights_only=True))
+            try:
+                check_shards(shards, [str(ckpt.path(n)) for n in names], self._shapes(), self._param_names(),
+                             [len(g["params"]) for g in self.param_groups])
+            except ValueError as e:
+                raise ValueError(f"rank {self._comm.rank}: {e}") from None
+
+        agree(read_and_check, what=f"reading the shards of {ckpt.directory}", error_type=CheckpointError,
+              group=self._comm.group)
+        self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
+                                            shards[0]["shapes"]))
+        return ckpt.step
 
     def _param_index(self) -> dict[int, int]:
         """Reducer parameter index -> the torch state-dict index (order of param_groups)."""
         position = {id(p): i for i, p in enumerate(self._reducer.params)}
         flat = [p for g in self.param_groups for p in g["params"]]
         return {position[id(p)]: k for k, p in enumerate(flat)}
+
+    def _param_names(self) -> dict[int, str]:
+        """The torch state-dict index -> the parameter's name."""
+        return {k: self._reducer.names[i] for i, k in self._param_index().items()}
 
     def _shapes(self) -> dict[int, tuple[int, ...]]:
         flat = [p for g in self.param_groups for p in g["params"]]

@@ -1,0 +1,17 @@
+"""Checkpoints that are complete or absent: single files written atomically
+(atomic.py), and checkpoints of several files, written by several ranks, in
+step directories committed by a marker written last (commit.py; agree.py makes
+a failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
+sharded state of fully_shard models into the same directories.
+
+Below zero/ and train/: it uses only comm/.
+"""
+
+from tandem.checkpoint.atomic import atomic_save, atomic_write_bytes
+from tandem.checkpoint.commit import MARKER, CheckpointError, CommittedCheckpoint, FileRecord, committed_steps, \
+    load_committed, save_committed, step_directory
+from tandem.checkpoint.dcp import load_sharded_checkpoint, save_sharded_checkpoint
+
+__all__ = ["MARKER", "CheckpointError", "CommittedCheckpoint", "FileRecord", "atomic_save", "atomic_write_bytes",
+           "committed_steps", "load_committed", "load_sharded_checkpoint", "save_committed",
+           "save_sharded_checkpoint", "step_directory"]
