@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tandem._compat import bind_group_defaults_before_init
+from tandem.comm.exit import install_clean_exit, uninstall_clean_exit
 from tandem.comm.monitor import start_monitor, stop_monitor
 from tandem.comm.world import WorldInfo, world_from_env
 
@@ -134,6 +135,7 @@ def init(
                                 world_size=world_size, timeout=timeout_td)
 
     start_monitor(timeout_s=timeout_td.total_seconds())
+    install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
     logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s", info.rank,
@@ -149,6 +151,7 @@ def shutdown() -> None:
     """
     if dist.is_initialized():
         stop_monitor()
+        uninstall_clean_exit()
         dist.destroy_process_group()
 
 
