@@ -3,7 +3,6 @@ with the parameters torch's DDP reaches under torch's Join on the same data."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join as TorchJoin
