@@ -140,9 +140,15 @@ def test_a_zero_wrapped_model_trains_like_plain_ddp(tmp_path, stage):
             assert (saved["state"][i][key] - state[key]).abs().max().item() <= 1e-6
 
 
-def test_fp16_with_a_zero_optimizer_is_refused(tmp_path):
-    with pytest.raises(Exception, match="precision='bf16'"):
-        run_distributed(train, 2, timeout=60, args=(str(tmp_path), dict(precision="fp16", zero_stage=1)))
+def test_fp16_with_a_zero_optimizer_trains_like_fp32_with_identical_replicas(tmp_path):
+    # The gradient scaler sees only this rank's gradient shards: its found-inf is
+    # agreed across ranks (tests/test_nonfinite.py injects one), so ranks step together.
+    common = dict(epochs=1, batch_size=8, plot=False, zero_stage=1)
+    half = run_distributed(train, 2, timeout=90, args=(str(tmp_path / "half"), dict(common, precision="fp16")))
+    full = run_distributed(train, 2, timeout=90, args=(str(tmp_path / "full"), dict(common)))
+    assert max_param_diff(half[0]["params"], half[1]["params"]) == 0
+    diff = max_param_diff(half[0]["params"], full[0]["params"])
+    assert 0 < diff <= 5e-3  # measured 3.4e-4
 
 
 def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path):
@@ -253,12 +259,12 @@ def _refusals(rank: int, world_size: int, output_dir: str) -> dict[str, str]:
     """What the Trainer says about a fully-sharded model it cannot train."""
     train_set, _ = datasets(8, 0)
     messages = {}
-    for case in ("fp16", "optimizer built before fully_shard"):
+    for case in ("optimizer built before fully_shard",):
         model = make_model(0.0)
         early = torch.optim.Adam(model.parameters())
         tandem.fully_shard(model)
         optimizer = early if case.startswith("optimizer") else torch.optim.Adam(model.parameters())
-        config = tandem.TrainerConfig(output_dir=output_dir, precision="fp16" if case == "fp16" else "fp32")
+        config = tandem.TrainerConfig(output_dir=output_dir)
         try:
             tandem.Trainer(model, optimizer, train_set, nn.functional.cross_entropy, config=config)
         except ValueError as e:
@@ -268,7 +274,6 @@ def _refusals(rank: int, world_size: int, output_dir: str) -> dict[str, str]:
 
 def test_a_fully_sharded_model_is_refused_with_what_to_do_instead(tmp_path):
     (messages,) = run_distributed(_refusals, 1, timeout=60, args=(str(tmp_path),))
-    assert "with a fully-sharded model" in messages["fp16"] and "precision='bf16'" in messages["fp16"]
     assert "parameter 0 (shape (16, 6))" in messages["optimizer built before fully_shard"]
     assert "after fully_shard" in messages["optimizer built before fully_shard"]
 

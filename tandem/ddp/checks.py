@@ -1,17 +1,22 @@
-"""Construction-time agreement: every rank holds the same model, and starts from
-rank 0's values."""
+"""Agreement checks: at construction, every rank holds the same model and starts
+from rank 0's values; at each synchronised step, optionally, the gradients are
+finite (the helpers of Note [check_finite] in reducer.py)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
 import torch
 
 from tandem._compat import preserve_version_counters
 from tandem.comm.group import GroupComm
 
-__all__ = ["check_same_model_on_all_ranks", "broadcast_module_state", "model_signature"]
+__all__ = ["NonFinite", "NonFiniteReport", "broadcast_module_state", "check_same_model_on_all_ranks",
+           "model_signature", "nonfinite_mark", "nonfinite_names"]
 
 Entry = tuple[str, str, tuple[int, ...], str, bool]  # kind, name, shape, dtype, requires_grad
 
@@ -21,10 +26,14 @@ _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 
 def model_signature(named_params: Sequence[tuple[str, torch.Tensor]],
-                    named_buffers: Sequence[tuple[str, torch.Tensor]]) -> list[Entry]:
+                    named_buffers: Sequence[tuple[str, torch.Tensor]],
+                    options: Mapping[str, Any] | None = None) -> list[Entry]:
+    """What must agree across ranks: parameters, buffers, and ``options`` that
+    change which collectives a step issues (compared by ``repr``)."""
     sig: list[Entry] = [("parameter", n, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
                         for n, p in named_params]
     sig += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in named_buffers]
+    sig += [("option", n, (), repr(v), False) for n, v in (options or {}).items()]
     return sig
 
 
@@ -44,22 +53,29 @@ def check_same_model_on_all_ranks(signature: list[Entry], comm: GroupComm) -> No
 
 
 def describe_first_difference(signatures: list[list[Entry]]) -> str:
-    """Name the first parameter or buffer on which the ranks disagree, and how."""
-    longest = max(len(s) for s in signatures)
-    for k in range(longest):
-        entries = [s[k] if k < len(s) else None for s in signatures]
-        if all(e == entries[0] for e in entries):
-            continue
-        by_value: dict[str, list[int]] = {}
-        for rank, e in enumerate(entries):
-            by_value.setdefault(_describe_entry(e), []).append(rank)
-        variants = "; ".join(f"{desc} on ranks {ranks}" for desc, ranks in by_value.items())
-        counts = sorted({len(s) for s in signatures})
-        count_note = (f" (ranks hold different numbers of parameters and buffers: {counts})"
-                      if len(counts) > 1 else "")
-        return ("DistributedDataParallel needs the same model on every rank, but entry "
-                f"{k} differs: {variants}{count_note}. Build the model identically on "
-                "every rank (same code, same constructor arguments) before wrapping it.")
+    """Name the first parameter or buffer on which the ranks disagree, and how;
+    options (``model_signature``'s) only when the models agree."""
+    model = [[e for e in s if e[0] != "option"] for s in signatures]
+    options = [[e for e in s if e[0] == "option"] for s in signatures]
+    for part in (model, options):
+        longest = max(len(s) for s in part)
+        for k in range(longest):
+            entries = [s[k] if k < len(s) else None for s in part]
+            if all(e == entries[0] for e in entries):
+                continue
+            by_value: dict[str, list[int]] = {}
+            for rank, e in enumerate(entries):
+                by_value.setdefault(_describe_entry(e), []).append(rank)
+            variants = "; ".join(f"{desc} on ranks {ranks}" for desc, ranks in by_value.items())
+            if part is options:
+                return (f"DistributedDataParallel needs the same options on every rank, but "
+                        f"{variants}. Pass the same arguments on every rank.")
+            counts = sorted({len(s) for s in part})
+            count_note = (f" (ranks hold different numbers of parameters and buffers: {counts})"
+                          if len(counts) > 1 else "")
+            return ("DistributedDataParallel needs the same model on every rank, but entry "
+                    f"{k} differs: {variants}{count_note}. Build the model identically on "
+                    "every rank (same code, same constructor arguments) before wrapping it.")
     raise AssertionError("signatures differ but no entry does")
 
 
@@ -67,6 +83,8 @@ def _describe_entry(e: Entry | None) -> str:
     if e is None:
         return "nothing"
     kind, name, shape, dtype, requires_grad = e
+    if kind == "option":
+        return f"option {name}={dtype}"
     rg = "" if kind == "buffer" else f", requires_grad={requires_grad}"
     return f"{kind} '{name}' of shape {tuple(shape)} and {dtype.replace('torch.', '')}{rg}"
 
@@ -84,3 +102,81 @@ def broadcast_module_state(tensors: Sequence[torch.Tensor], comm: GroupComm, *, 
                 chunk, size = [], 0
         if chunk:
             comm.broadcast_coalesced(chunk, src, tag="module state")
+
+
+# ---------------------------------------------------------------- finite gradients
+
+class NonFinite(str, Enum):
+    """What ``DistributedDataParallel(check_finite=...)`` does when the gradients of
+    a synchronised step hold NaN or Inf (Note [check_finite] in reducer.py)."""
+
+    RAISE = "raise"  # raise on every rank, naming the ranks and parameters
+    SKIP = "skip"    # drop the step's gradients on every rank; ddp.found_nonfinite says so
+
+    @classmethod
+    def parse(cls, value: bool | str | NonFinite | None, name: str = "check_finite") -> NonFinite | None:
+        """``False``/``None``: no check; ``True``: raise; ``"raise"``, ``"skip"``."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls.RAISE
+        if isinstance(value, str):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{name} must be False, True, 'raise' or 'skip', got {value!r}")
+
+
+def nonfinite_mark(t: torch.Tensor) -> torch.Tensor:
+    """A float32 scalar on ``t``'s device: 0 if every element of ``t`` is finite,
+    NaN otherwise. One pass over ``t`` and no device sync; min and max of finite
+    values are finite, so unlike a sum it cannot overflow into a false alarm."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return (lo * 0 + hi * 0).to(torch.float32)  # inf * 0 and nan * 0 are nan
+
+
+def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names whose tensors hold NaN or Inf (one device sync; for error paths)."""
+    if not named:
+        return []
+    bad = torch.stack([nonfinite_mark(t) for _, t in named]).isnan().tolist()
+    return [name for (name, _), b in zip(named, bad) if b]
+
+
+@dataclass(frozen=True)
+class NonFiniteReport:
+    """Where a synchronised step's non-finite gradients were: the same on every rank."""
+
+    step: int
+    """The synchronised backward it happened in, counted from 0."""
+    before: tuple[tuple[str, ...], ...] | None
+    """Per rank, the parameters whose local gradient was non-finite before
+    reduction (None: not gathered, inside ``tandem.join``)."""
+    after: tuple[str, ...]
+    """The parameters whose reduced gradient is non-finite (under ZeRO, of any
+    rank's shard)."""
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose own gradients were non-finite."""
+        return [r for r, names in enumerate(self.before or ()) if names]
+
+    def describe(self) -> str:
+        if self.before is None:
+            return (f"non-finite gradient in parameters {_quoted(self.after)} after reduction "
+                    f"(step {self.step}; inside tandem.join the ranks are not asked which one)")
+        lines = [f"rank {r}: non-finite gradient in parameters {_quoted(self.before[r])} before "
+                 f"reduction (step {self.step})" for r in self.ranks]
+        if not lines:
+            lines = [f"no rank's gradient was non-finite before reduction, but the reduction "
+                     f"overflowed in parameters {_quoted(self.after)} (step {self.step}): a "
+                     "compressing comm hook's cast, or the sum of very large gradients"]
+        return "; ".join(lines)
+
+
+def _quoted(names: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

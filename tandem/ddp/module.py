@@ -15,7 +15,8 @@ from tandem._compat import preserve_version_counters
 from tandem.comm.group import GroupComm
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
+from tandem.ddp.checks import NonFinite, NonFiniteReport, broadcast_module_state, \
+    check_same_model_on_all_ranks, model_signature
 from tandem._tree import to_device
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
@@ -80,6 +81,21 @@ class DistributedDataParallel(nn.Module, Joinable):
             released after each synchronised backward. See Note [zero reduction].
         zero_config: tandem only. Overlap options for stages 1 and 2
             (:class:`tandem.zero.ZeroConfig`).
+        check_finite: tandem only. ``False`` (default): no check, no cost.
+            ``True`` or ``"raise"``: when a synchronised backward's gradients
+            hold NaN or Inf on any rank, raise on every rank, naming the ranks
+            and parameters. ``"skip"``: drop that step's gradients on every rank
+            (``param.grad`` becomes None, so torch's optimizers step nothing)
+            and set :attr:`found_nonfinite`, so that the caller skips
+            ``optimizer.step()``; replicas stay identical. The ranks agree
+            without an extra collective on the success path (Note
+            [check_finite]). Under ``no_sync()`` the check happens at the
+            synchronised backward, on the accumulated gradients.
+
+    .. warning:: with ``check_finite="skip"`` and a stateful communication hook
+        (PowerSGD's error feedback), the hook has already folded the step's
+        NaN/Inf into its state on the offending rank; dropping the step does not
+        undo that.
 
     .. warning:: at ``zero_stage`` 1 and 2, ``param.grad`` does not hold averaged
         gradients (stage 1: this rank's local ones; stage 2: None): clip with
@@ -88,7 +104,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         over micro-batches, run all but the last under ``no_sync()``.
 
     Raises:
-        ValueError: bad arguments, or a model that differs across ranks.
+        ValueError: bad arguments (``check_finite`` other than False, True,
+            "raise" or "skip"), or a model (or ``check_finite``) that differs across ranks.
         NotImplementedError: an argument of torch's that tandem does not support
             yet (``mixed_precision``, ``delay_all_reduce_named_params``,
             ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params``).
@@ -119,6 +136,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         *,
         zero_stage: int | ZeroStage = 0,
         zero_config: ZeroConfig | None = None,
+        check_finite: bool | str | NonFinite = False,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -130,6 +148,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.zero_stage = ZeroStage.parse(zero_stage)
         self.zero_config = _check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view,
                                               find_unused_parameters)
+        self.check_finite = NonFinite.parse(check_finite)
         self.process_group = _resolve_group(process_group, device_mesh)
         self._comm = GroupComm(self.process_group)
 
@@ -169,13 +188,16 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         if init_sync and self._comm.size > 1:
             sync_buffers = self._named_buffers if init_sync_buffers else []
-            check_same_model_on_all_ranks(model_signature(named_params, sync_buffers), self._comm)
+            # check_finite changes a step's collectives (Note [check_finite]): it must agree too.
+            options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
+            check_same_model_on_all_ranks(model_signature(named_params, sync_buffers, options), self._comm)
             broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
                                    self._comm, src=0)
 
         self._reducer: GradReducer | None = None
-        if self._comm.size > 1 or self.zero_stage:
-            # A world of one needs no reducer, unless ZeRO's optimizer reads its shards.
+        if self._comm.size > 1 or self.zero_stage or self.check_finite is not None:
+            # A world of one needs no reducer, unless ZeRO's optimizer reads its
+            # shards or the gradients are checked.
             self._reducer = GradReducer(trainable, self._comm, ReducerOptions(
                 caps=caps,
                 find_unused_parameters=find_unused_parameters,
@@ -183,7 +205,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 gradient_as_bucket_view=gradient_as_bucket_view,
                 rebuild_buckets=not self.zero_stage,
                 zero_stage=int(self.zero_stage),
-                overlap=self.zero_config.overlap_grad_reduce))
+                overlap=self.zero_config.overlap_grad_reduce,
+                check_finite=self.check_finite))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -209,6 +232,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         synchronised backward, and in a world of one."""
         return None if self._reducer is None else self._reducer.last_stats
 
+    @property
+    def found_nonfinite(self) -> bool:
+        """Whether the last synchronised backward found NaN or Inf in the gradients
+        (with ``check_finite="skip"``: its gradients were dropped, skip
+        ``optimizer.step()``). The same on every rank; False without the check."""
+        return self._reducer is not None and self._reducer.nonfinite is not None
+
+    @property
+    def nonfinite_report(self) -> NonFiniteReport | None:
+        """Where the last synchronised backward's non-finite gradients were (the
+        ranks and parameters), or None when they were finite or not checked."""
+        return None if self._reducer is None else self._reducer.nonfinite
+
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Note [join mirror] in join.py: the order of the collectives below is
@@ -227,7 +263,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if grad_enabled and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             if self._reducer is not None:
-                self._reducer.arm(output, divisor=self._grad_divisor(join_work))
+                self._reducer.arm(output, divisor=self._grad_divisor(join_work),
+                                  name_ranks=not self._join_config.enable)
         else:
             self.require_forward_param_sync = False
         return output

@@ -54,6 +54,36 @@ memory of the bucket buffer is released until the next synchronised forward, so
 that between steps a stage-2 rank holds only its gradient shards. Buckets are never re-planned (the optimizer's shards
 are laid out over the construction-time plan).
 
+# Note [check_finite]
+With ``check_finite`` (ReducerOptions.check_finite), every rank decides on the
+same data whether this step's gradients hold a NaN or an Inf, so that every rank
+raises, or every rank drops the step, together. On the plain path this needs no
+collective: a sum all-reduce leaves every rank with the same reduced bucket, and
+a NaN/Inf in any rank's bucket (or an overflow of the sum) makes it non-finite,
+so the reduced buckets are checked (one pass each, after the wait). Under a
+communication hook the reduced values are the hook's output, which a compressing
+or non-communicating hook (noop_hook) need not make identical across ranks, and
+under ZeRO each rank holds only its shard of the sum: there the decision rides on
+the missing-gradient flag's all-reduce, which exists anyway (Note [zero
+reduction]) and grows to three elements: missing, any bucket non-finite on this
+rank before launch, any reduced bucket (or shard) non-finite here. It is then
+issued after the buckets are waited on, in the same place in the issue order.
+Where the local gradients will be gone or needed for the flags (hooks, ZeRO,
+gradient_as_bucket_view), every rank records before each launch one scalar per
+bucket (NaN if its local bucket is non-finite; no device sync); on the plain
+path param.grad still holds them. Only on the failure path, which every rank
+takes together, are names looked up and exchanged in one all_gather_object:
+per rank, the parameters whose local gradient was non-finite (from param.grad,
+or from the bucket where param.grad is a view of it, or under ZeRO, where the
+bucket keeps the local gradients it scattered), and those non-finite after
+reduction. Inside tandem.join the joined ranks do not take part in that
+exchange, so the report then names parameters only. "skip" leaves the step as
+if its backward had never run after ``zero_grad(set_to_none=True)``: every
+param.grad is None (torch's optimizers step no parameter), ZeRO's gradient
+shards are zeros and ``steps`` is not advanced (so ZeroOptimizer binds no new
+gradients). With check_finite off, none of this runs: one attribute test per
+bucket launch.
+
 # Note [end of backward]
 The finishing callback is queued on the autograd graph task that runs the
 outputs' gradients (a hook on each output tensor), not on whichever task fires a
@@ -67,7 +97,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -76,6 +106,7 @@ import torch
 from tandem._compat import foreach_copy_, queue_backward_callback
 from tandem.comm.group import GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
+from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_mark, nonfinite_names
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
 from tandem._tree import iter_tensors
 from tandem.ddp.graph import reachable_params
@@ -86,6 +117,8 @@ __all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]
 logger = logging.getLogger(__name__)
 
 _FLAG_SLOTS = 1  # Note [missing-gradient flag]
+_FLAGS_TAG = "missing gradients flag"
+_FLAGS_CHECKED_TAG = "missing gradients and non-finite flags"  # Note [check_finite]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +138,9 @@ class ReducerOptions:
     overlap: bool = True
     """Launch each bucket's reduction during backward once it is complete (False:
     launch them all at the end of backward)."""
+    check_finite: NonFinite | None = None
+    """Agree across ranks whether a step's gradients are finite, and raise or drop
+    the step when they are not (Note [check_finite]); None: no check, no cost."""
 
 
 class StepState(Enum):
@@ -143,7 +179,13 @@ class GradReducer:
             raise ValueError("ZeRO needs a fixed bucket plan: pass rebuild_buckets=False")
         self.grad_shards: list[torch.Tensor] = []  # Note [zero reduction]
         self.state = StepState.IDLE
-        self.steps = 0                      # synchronised backwards completed
+        self.steps = 0                      # synchronised backwards whose gradients were delivered
+        # Note [check_finite]
+        self._check = options.check_finite
+        self.nonfinite: NonFiniteReport | None = None  # of the last synchronised backward
+        self.nonfinite_steps = 0            # synchronised backwards that found non-finite gradients
+        self._local_marks: list[torch.Tensor] | None = None  # per bucket, when recorded
+        self._name_ranks = True
 
         self.plan: BucketPlan
         self.buckets: list[Bucket] = []
@@ -183,6 +225,8 @@ class GradReducer:
         self.buckets = [Bucket(spec, [self.params[i] for i in spec.params],
                                [self.names[i] for i in spec.params], buffer.slice(spec))
                         for spec in plan.buckets]
+        for b in self.buckets:  # for hang reports (tandem.comm.ledger)
+            self.comm.ledger.describe_params(f"bucket {b.index}", b.names)
         self.plan, self.buffer = plan, buffer
         if self._zero:
             size = self.comm.size
@@ -206,6 +250,7 @@ class GradReducer:
 
     def before_forward(self) -> None:
         """Called before a forward with grad enabled, on every rank in step."""
+        self.comm.ledger.mark_step(self.steps)
         if self.state is StepState.ARMED and any(b.num_ready for b in self.buckets):
             self._raise_unfinished()
         self.state = StepState.IDLE
@@ -227,11 +272,13 @@ class GradReducer:
         logger.info("DDP: buckets rebuilt in gradient arrival order: %s", self.plan.describe())
 
     # ------------------------------------------------------------------ arming
-    def arm(self, output: object, divisor: int | None = None) -> None:
+    def arm(self, output: object, divisor: int | None = None, name_ranks: bool = True) -> None:
         """Prepare for the synchronised backward of the forward that produced ``output``.
 
         ``divisor``: how many ranks the gradients are averaged over (default: the
-        group size; fewer under join with divide_by_initial_world_size=False)."""
+        group size; fewer under join with divide_by_initial_world_size=False).
+        ``name_ranks``: every rank takes part in this step's error paths (False
+        under join, Note [check_finite])."""
         # With a comm hook, buckets hold plain sums: the hook divides (as torch).
         self._div = 1.0 if self._comm_hook else 1.0 / (divisor or self.comm.size)
         self._bytes = 0
@@ -246,6 +293,11 @@ class GradReducer:
         self._missing_flag = 0.0
         self._locally_used = [False] * len(self.params)
         self._hook_count = [0] * len(self.params)
+        self.nonfinite = None
+        if self._check is not None:
+            marked = self._zero or self._as_view or self._comm_hook is not None
+            self._local_marks = [torch.zeros(())] * len(self.buckets) if marked else None
+            self._name_ranks = name_ranks
         self.state = StepState.ARMED
         outputs = [t for t in iter_tensors(output) if t.requires_grad]
         for t in outputs:
@@ -361,6 +413,8 @@ class GradReducer:
         spec = bucket.spec
         if not bucket.copies_per_param:
             bucket.copy_all(self._div, self.options.gradient_as_bucket_view)
+        if self._local_marks is not None:  # Note [check_finite]
+            self._local_marks[bucket.index] = nonfinite_mark(bucket.grads)
         if self._comm_hook is not None:
             if self._serialize_hooks and bucket.index > 0:
                 previous = self.buckets[bucket.index - 1].work
@@ -425,17 +479,21 @@ class GradReducer:
             used = torch.tensor(self._locally_used, dtype=torch.int32, device=self.comm.device)
             used_work = self.comm.all_reduce(used, tag="used parameters", async_op=True)
         flag = None
-        if self._comm_hook is not None or self._zero:
-            # A hook reduces only the parameters' region, a reduce-scatter leaves the
-            # flag on one rank (Note [zero reduction]): the flag travels alone.
+        # A hook reduces only the parameters' region, a reduce-scatter leaves the
+        # flag on one rank (Note [zero reduction]): the flag travels alone.
+        flag_alone = self._comm_hook is not None or self._zero
+        if flag_alone and self._check is None:
             flag = torch.tensor([self._missing_flag], device=self.comm.device)
-            self.comm.all_reduce(flag, tag="missing gradients flag")
+            self.comm.all_reduce(flag, tag=_FLAGS_TAG)
         started = time.perf_counter()
         for bucket in self.buckets:
             bucket.wait()
         if used_work is not None:
             used_work.wait()
         self.last_stats = CommStats(self._bytes, time.perf_counter() - started)
+        nonfinite = False
+        if self._check is not None:
+            flag, nonfinite = self._agree_finite(flag_alone)
         if flag is None:
             last = self.buckets[-1]
             flag = last.data[last.spec.numel]
@@ -447,10 +505,13 @@ class GradReducer:
             self._static_used = globally_used
         elif self.options.static_graph:
             globally_used = self._static_used
-        self._write_back(globally_used)
         if self.steps == 0 and self.options.rebuild_buckets and not (
                 self.options.find_unused_parameters and not self.options.static_graph):
             self._rebuild_pending = True
+        if nonfinite:
+            self._handle_nonfinite()
+            return
+        self._write_back(globally_used)
         self.steps += 1
 
     def _write_back(self, globally_used: list[int] | None) -> None:
@@ -482,6 +543,91 @@ class GradReducer:
                     copy_src.append(view)
             if copy_dst:
                 foreach_copy_(copy_dst, copy_src)
+
+    # ------------------------------------------------------------------ check_finite
+    def _agree_finite(self, flag_alone: bool) -> tuple[torch.Tensor | None, bool]:
+        """Whether this step's gradients are non-finite on any rank: the same answer
+        on every rank (Note [check_finite]). When the missing-gradient flag travels
+        alone, it travels with the answer, and is returned reduced; else None."""
+        reduced = self.grad_shards if self._zero else [b.grads for b in self.buckets]
+        reduced_bad = torch.stack([nonfinite_mark(t) for t in reduced]).isnan().any()
+        if not flag_alone:
+            return None, bool(reduced_bad)  # identical reduced buckets: no collective
+        assert self._local_marks is not None, "recorded for hooks and ZeRO"
+        flags = torch.zeros(3, device=self.comm.device)
+        flags[0] = self._missing_flag
+        flags[1] = torch.stack(self._local_marks).isnan().any()
+        flags[2] = reduced_bad
+        self.comm.all_reduce(flags, tag=_FLAGS_CHECKED_TAG)
+        _, local_bad, after_bad = flags.tolist()
+        return flags[:1], local_bad + after_bad > 0
+
+    def _handle_nonfinite(self) -> None:
+        """Raise on every rank, or drop this step's gradients on every rank."""
+        report = self._nonfinite_report()
+        self.nonfinite = report
+        self.nonfinite_steps += 1
+        if self._check is NonFinite.RAISE:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: DistributedDataParallel(check_finite='raise') found NaN/Inf "
+                f"gradients: {report.describe()}. Every rank raises this error and no averaged gradient "
+                "was written to param.grad. Find where the NaN/Inf comes from on the named rank "
+                "(torch.autograd.set_detect_anomaly(True), a lower learning rate, a clipped "
+                "loss), or pass check_finite='skip' to drop such steps on every rank")
+        if self.comm.rank == 0:
+            logger.warning("DDP: check_finite='skip' dropped the gradients of this step: %s",
+                           report.describe())
+        for p in self.params:
+            p.grad = None
+        if self._zero:  # Note [zero reduction]
+            for shard in self.grad_shards:
+                shard.zero_()
+            self.buffer.release()
+
+    def _nonfinite_report(self) -> NonFiniteReport:
+        """Which ranks and parameters; a collective unless inside join (Note [check_finite])."""
+        step = self.steps + self.nonfinite_steps
+        local_bad = ([True] * len(self.buckets) if self._local_marks is None
+                     else torch.stack(self._local_marks).isnan().tolist())
+        mine = [n for b, bad in zip(self.buckets, local_bad) if bad for n in self._local_nonfinite(b)]
+        after = self._reduced_nonfinite()
+        position = {n: i for i, n in enumerate(self.names)}
+
+        def in_model_order(names: Iterable[str]) -> tuple[str, ...]:
+            return tuple(sorted(set(names), key=position.__getitem__))
+
+        if not self._name_ranks:
+            return NonFiniteReport(step=step, before=None, after=in_model_order(after))
+        everyone = self.comm.all_gather_object((mine, after), tag="non-finite gradients")
+        return NonFiniteReport(step=step, before=tuple(in_model_order(m) for m, _ in everyone),
+                               after=in_model_order(n for _, a in everyone for n in a))
+
+    def _local_nonfinite(self, bucket: Bucket) -> list[str]:
+        """This rank's parameters in ``bucket`` whose own gradient is non-finite."""
+        named = []
+        for pos, (name, p) in enumerate(zip(bucket.names, bucket.params)):
+            if self._zero or bucket.grad_is_view(pos):
+                # ZeRO: the bucket still holds the local gradients it scattered.
+                # gradient_as_bucket_view: the local ones are gone, the reduced
+                # ones stand in for them.
+                named.append((name, bucket.views[pos]))
+            elif p.grad is not None:
+                named.append((name, p.grad))
+        return nonfinite_names(named)
+
+    def _reduced_nonfinite(self) -> list[str]:
+        """The parameters whose reduced gradient on this rank is non-finite."""
+        if not self._zero:
+            return nonfinite_names([(n, v) for b in self.buckets for n, v in zip(b.names, b.views)])
+        named = []
+        for bucket, shard in zip(self.buckets, self.grad_shards):
+            lo = self.comm.rank * shard.numel()
+            hi = lo + shard.numel()
+            for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
+                start, end = max(offset, lo), min(offset + p.numel(), hi)
+                if start < end:
+                    named.append((name, shard.narrow(0, start - lo, end - start)))
+        return nonfinite_names(named)
 
     # ------------------------------------------------------------------ hooks
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
@@ -532,9 +678,9 @@ class GradReducer:
         if self._tracks_used:
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
             works.append(self.comm.all_reduce(used, tag="used parameters", async_op=True))
-        if self._comm_hook is not None:
-            flag = torch.zeros(1, device=self.comm.device)
-            self.comm.all_reduce(flag, tag="missing gradients flag")
+        if self._comm_hook is not None:  # Note [check_finite]: the flags grow to three
+            flag = torch.zeros(1 if self._check is None else 3, device=self.comm.device)
+            self.comm.all_reduce(flag, tag=_FLAGS_TAG if self._check is None else _FLAGS_CHECKED_TAG)
         for work in works:
             work.wait()
 

@@ -8,6 +8,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from tandem.ddp.checks import NonFinite
+
 __all__ = ["Precision", "TrainerConfig"]
 
 
@@ -74,9 +76,27 @@ class TrainerConfig:
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments for tandem.DistributedDataParallel when the Trainer wraps
     the model (bucket_cap_mb, find_unused_parameters, ...)."""
+    nonfinite: NonFinite | str | None = None
+    """NaN/Inf in a step's gradients: "raise" on every rank, naming the ranks and
+    parameters, or "skip" the optimizer step on every rank (DDP's ``check_finite``,
+    agreed across ranks; records count skipped steps). None: no check. With fp16
+    the GradScaler already skips such steps: only "skip" applies, and counts them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision.parse(self.precision))
+        object.__setattr__(self, "nonfinite", NonFinite.parse(self.nonfinite, "nonfinite"))
+        if self.nonfinite is NonFinite.RAISE and self.precision is Precision.FP16:
+            raise ValueError("nonfinite='raise' does not go with precision='fp16', whose GradScaler "
+                             "expects occasional overflow and skips those steps itself; use "
+                             "nonfinite='skip' (which counts them), or precision='bf16'")
+        ddp_check = NonFinite.parse(self.ddp_options.get("check_finite", False))
+        if ddp_check is not None and self.precision is Precision.FP16:
+            raise ValueError("ddp_options check_finite does not go with precision='fp16': the "
+                             "GradScaler must see the overflows it backs off from; use "
+                             "nonfinite='skip' instead")
+        if self.nonfinite is not None and ddp_check not in (None, self.nonfinite):
+            raise ValueError(f"nonfinite={self.nonfinite.value!r} but ddp_options has "
+                             f"check_finite={self.ddp_options['check_finite']!r}; set one of them")
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             _check_positive(name, getattr(self, name))

@@ -4,8 +4,9 @@ It puts tandem's pieces together, each of which works alone: DistributedDataPara
 (when the world has more than one rank; a ZeRO or fully-sharded model the user
 built is taken as it is), DistributedSampler with set_epoch and mid-epoch resume,
 gradient accumulation without gradient sync, autocast and a gradient scaler,
-clipping, evaluation with every sample counted once, atomic checkpoints and exact
-resume, a progress bar on rank 0, a JSONL record and a loss plot.
+clipping, a guard against NaN/Inf gradients, evaluation with every sample counted
+once, atomic checkpoints and exact resume, a progress bar on rank 0, a JSONL
+record and a loss plot.
 
 The contract with the data: a dataset item is ``(inputs, target)``; the loader
 collates them into batches; ``loss_fn(model(inputs), targets)`` is the mean loss
@@ -42,12 +43,13 @@ from torch.utils.data import DataLoader, Dataset
 from tandem._compat import dtensor_api
 from tandem.data import DistributedSampler, RunningMean, gather_samples
 from tandem._tree import to_device
+from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, save_checkpoint
 from tandem.train.config import Precision, TrainerConfig
 from tandem.train.history import History
 from tandem.train.plot import plot_losses
-from tandem.train.precision import autocast_for, scaler_for
+from tandem.train.precision import ShardedGradients, autocast_for, scaler_for
 from tandem.train.progress import Progress
 from tandem.train.rng import rank_seed
 from tandem.train.sharded import check_optimizer, is_fully_sharded
@@ -115,16 +117,15 @@ class Trainer:
         self.metrics = dict(metrics or {})
         if is_fully_sharded(model):
             check_optimizer(model, optimizer)
-        sharded = ("a fully-sharded model" if is_fully_sharded(model) else
-                   "tandem.ZeroOptimizer" if hasattr(optimizer, "sharded_state_dict") else None)
-        if self.config.precision is Precision.FP16 and sharded is not None:
-            # GradScaler unscales param.grad, but a ZeroOptimizer steps on its own
-            # reduced gradient shards, which would stay scaled; and it looks for
-            # infs on this rank only, so ranks holding different gradient shards
-            # would disagree on skipping a step.
-            raise ValueError(f"precision='fp16' needs a GradScaler, which does not work with {sharded} "
-                             "yet; use precision='bf16', which needs no scaler")
-        self.scaler = scaler_for(self.config.precision, self.device)
+        zero = hasattr(optimizer, "sharded_state_dict")  # a tandem.ZeroOptimizer
+        # Sharded gradients: the ranks agree on found-inf (Note [agreed found-inf] in
+        # precision.py), and a ZeroOptimizer's shards are what gets unscaled.
+        self.scaler = scaler_for(self.config.precision, self.device,
+                                 sharded=zero or is_fully_sharded(model),
+                                 process_group=getattr(self.model, "process_group", None))
+        self._scaled: Any = (ShardedGradients(optimizer, self.model.reducer.grad_shards)  # type: ignore[union-attr]
+                             if zero and self.scaler is not None else optimizer)
+        self._guard = self._nonfinite_guard()
         self._autocast = autocast_for(self.config.precision, self.device)
         self.sampler = DistributedSampler(train_data, num_replicas=self.world_size, rank=self.rank,
                                           shuffle=self.config.shuffle, seed=self.config.seed,
@@ -147,7 +148,32 @@ class Trainer:
         if self.world_size == 1 or _is_ddp(model) or is_fully_sharded(model):
             return model
         from tandem.ddp import DistributedDataParallel
-        return DistributedDataParallel(model, **dict(self.config.ddp_options))
+        options = dict(self.config.ddp_options)
+        if self.config.nonfinite is not None and self.config.precision is not Precision.FP16:
+            options["check_finite"] = self.config.nonfinite
+        return DistributedDataParallel(model, **options)
+
+    def _nonfinite_guard(self) -> NonFinite | None:
+        """What a step with NaN/Inf gradients does, when the Trainer must look
+        (the GradScaler looks itself under fp16). A DDP model checks, and agrees
+        across ranks, by itself; a single process checks its own gradients."""
+        wanted = self.config.nonfinite
+        if self.config.precision is Precision.FP16:
+            return None
+        if _is_ddp(self.model):
+            has = getattr(self.model, "check_finite", None)
+            if wanted is not None and has is not wanted:
+                raise ValueError(
+                    f"rank {self.rank}: nonfinite={wanted.value!r}, but the model is a "
+                    f"DistributedDataParallel built with check_finite="
+                    f"{None if has is None else has.value!r}; pass check_finite={wanted.value!r} "
+                    "when wrapping it, or leave nonfinite unset")
+            return has
+        if wanted is not None and self.world_size > 1:
+            raise ValueError(f"nonfinite={wanted.value!r} is not supported with a fully-sharded model "
+                             "yet; with precision='fp16' its GradScaler skips non-finite steps on "
+                             "every rank together")
+        return wanted
 
     def _loader(self, data: Dataset, sampler: DistributedSampler, batch_size: int,
                 collate_fn: Callable[[list[Any]], Any] | None) -> DataLoader:
@@ -233,8 +259,9 @@ class Trainer:
         batches = iter(self.train_loader)
         while micro_batches := list(islice(batches, cfg.grad_accum)):
             started = time.perf_counter()
-            samples, comm_wait, grad_norm = self._step(micro_batches, window.loss)
-            window.add(samples * self.world_size, time.perf_counter() - started, comm_wait, grad_norm)
+            samples, comm_wait, grad_norm, skipped = self._step(micro_batches, window.loss)
+            window.add(samples * self.world_size, time.perf_counter() - started, comm_wait, grad_norm,
+                       skipped if self._counts_skips else None)
             state.step += 1
             state.consumed += samples * self.world_size
             progress.advance()
@@ -251,11 +278,17 @@ class Trainer:
     def _epoch_done(self) -> bool:
         return self.state.consumed >= self._samples_per_rank() * self.world_size
 
+    @property
+    def _counts_skips(self) -> bool:
+        """Whether records count the steps skipped for NaN/Inf gradients."""
+        return self._guard is not None or self.config.nonfinite is not None
+
     def _step(self, micro_batches: list[Any], loss_mean: RunningMean
-              ) -> tuple[int, float | None, torch.Tensor | None]:
+              ) -> tuple[int, float | None, torch.Tensor | None, bool]:
         """One optimizer step over ``micro_batches``. Returns this rank's sample count,
-        the seconds the synchronised backward waited on communication, and the
-        global gradient norm before clipping (None without clipping)."""
+        the seconds the synchronised backward waited on communication, the
+        global gradient norm before clipping (None without clipping), and whether
+        the step was skipped for non-finite gradients (the same on every rank)."""
         samples = 0
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
@@ -269,8 +302,30 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             samples += n
         stats = getattr(self.model, "comm_stats", None)
-        grad_norm = self._optimizer_step()
-        return samples, None if stats is None else stats.wait_s, grad_norm
+        comm_wait = None if stats is None else stats.wait_s
+        if self._guard is not None and self._found_nonfinite():
+            # The gradients are dropped already: no optimizer or scheduler step.
+            self.optimizer.zero_grad(set_to_none=True)
+            return samples, comm_wait, None, True
+        grad_norm, skipped = self._optimizer_step()
+        return samples, comm_wait, grad_norm, skipped
+
+    def _found_nonfinite(self) -> bool:
+        """Whether this step's gradients hold NaN/Inf, the same on every rank; in
+        "raise" mode that raises instead (DDP raised already, during backward)."""
+        if _is_ddp(self.model):
+            return bool(getattr(self.model, "found_nonfinite", False))
+        # One process (Note [check_finite] in ddp/reducer.py needs no agreement here).
+        names = nonfinite_names([(n, p.grad) for n, p in self.model.named_parameters()
+                                 if p.grad is not None])
+        if not names:
+            return False
+        report = NonFiniteReport(step=self.state.step, before=(tuple(names),), after=tuple(names))
+        if self._guard is NonFinite.RAISE:
+            raise RuntimeError(f"rank {self.rank}: Trainer(nonfinite='raise'): {report.describe()}. "
+                               "Find where the NaN/Inf comes from, or pass nonfinite='skip'")
+        logger.warning("Trainer: nonfinite='skip' skipped this step: %s", report.describe())
+        return True
 
     def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         """The context of one micro-batch: its backward reduces gradients only when
@@ -282,13 +337,16 @@ class Trainer:
             return contextlib.nullcontext()
         return self.model.no_sync()  # type: ignore[operator]
 
-    def _optimizer_step(self) -> torch.Tensor | None:
-        """Clip, step and zero the gradients; returns the gradient norm before clipping."""
+    def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:
+        """Clip, step and zero the gradients; returns the gradient norm before
+        clipping, and whether the GradScaler skipped the step (counted only when
+        ``nonfinite`` asks: finding out waits for the device)."""
         cfg = self.config
         grad_norm = None
+        skipped = False
         if cfg.max_grad_norm is not None:
             if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
+                self.scaler.unscale_(self._scaled)
             clip = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeroOptimizer: across shards
             if clip is not None:
                 grad_norm = clip(cfg.max_grad_norm)
@@ -296,14 +354,16 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             grad_norm = _plain_tensor(grad_norm).detach()
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            scale = self.scaler.get_scale() if self._counts_skips else None
+            self.scaler.step(self._scaled)  # skipped on every rank together (Note [agreed found-inf])
             self.scaler.update()
+            skipped = scale is not None and self.scaler.get_scale() < scale
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        return grad_norm
+        return grad_norm, skipped
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -378,7 +438,8 @@ class Trainer:
 class _Window:
     """Training records accumulate over ``log_every`` steps: loss (reduced across
     ranks when recorded), throughput, the share of time waiting on communication,
-    and the mean gradient norm before clipping (the same on every rank)."""
+    the mean gradient norm before clipping (the same on every rank), and the steps
+    skipped for NaN/Inf gradients (None when they are not counted)."""
 
     def __init__(self) -> None:
         self.loss = RunningMean()
@@ -386,9 +447,12 @@ class _Window:
         self.seconds = 0.0
         self.comm_wait: float | None = None
         self.grad_norms: list[torch.Tensor] = []
+        self.skipped: int | None = None
 
     def add(self, samples: int, seconds: float, comm_wait: float | None,
-            grad_norm: torch.Tensor | None) -> None:
+            grad_norm: torch.Tensor | None, skipped: bool | None) -> None:
+        if skipped is not None:
+            self.skipped = (self.skipped or 0) + int(skipped)
         self.samples += samples
         self.seconds += seconds
         if comm_wait is not None:
@@ -403,7 +467,8 @@ class _Window:
                 "comm_wait_share": None if self.comm_wait is None else
                 self.comm_wait / max(self.seconds, 1e-9),
                 # One device sync per record, not per step.
-                "grad_norm": float(torch.stack(self.grad_norms).float().mean()) if self.grad_norms else None}
+                "grad_norm": float(torch.stack(self.grad_norms).float().mean()) if self.grad_norms else None,
+                "skipped_steps": self.skipped}
 
 
 def _rank_and_size() -> tuple[int, int]:
