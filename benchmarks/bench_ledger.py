@@ -12,8 +12,9 @@ collective issued and waited for directly). The blocks alternate in rotating
 order, as in ``bench_ddp.py``, whose models, steps and timing this reuses; the
 table gives median step times, the ratio ledger/bare with the quartiles of the
 per-round ratios, the collectives per step, and two microbenchmarks on rank 0:
-one ledger entry issued and completed, and one wake of the monitor thread
-(heartbeat into the job's store and progress check), which runs 4 times a second.
+one ledger entry issued and completed; one wake of the monitor thread
+(heartbeat into the job's store and progress check), which runs 4 times a second;
+and a small all-reduce's latency with and without the watched wait, alternating.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ def micro_monitor(n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def micro_wait(rounds: int = 300) -> tuple[float, float]:
+    """Median latency of a 1000-element all-reduce waited for directly, and
+    through the watched wait (sliced, peers checked between slices), alternating."""
+    watched, bare = GroupComm(), GroupComm()
+    bare._watched = False
+    t = torch.ones(1000)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(rounds):
+        for comm, key in ((watched, True), (bare, False)) if i % 2 else ((bare, False), (watched, True)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce(t, tag="micro")
+            times[key].append(time.perf_counter() - t0)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -77,14 +94,15 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> list[dict[str, A
         assert strip_ledger(bare) >= 1
         ledger = current_monitor().ledger
         steps = {"ledger": make_train_step(with_ledger, work), "bare": make_train_step(bare, work)}
+        blocks, _ = run_rounds(steps, cfg)
         before = ledger.issued
         steps["ledger"]()
         per_step = ledger.issued - before
-        blocks, _ = run_rounds(steps, cfg)
         out.append({"model": name, "blocks": blocks, "collectives": per_step})
+    waits = micro_wait()
     dist.barrier()
     if rank == 0:
-        out.append({"micro_ledger": micro_ledger(), "micro_monitor": micro_monitor()})
+        out.append({"micro_ledger": micro_ledger(), "micro_monitor": micro_monitor(), "waits": waits})
     return out
 
 
@@ -111,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\none ledger entry issued and completed: {micro['micro_ledger'] * 1e6:.2f} µs; "
           f"one monitor wake (heartbeat + progress check): {micro['micro_monitor'] * 1e6:.0f} µs, "
           f"4 wakes/s = {micro['micro_monitor'] * 4 * 100:.3f}% of a core")
+    watched, bare = micro["waits"]
+    print(f"1000-element all-reduce, median of 300: {watched * 1e6:.0f} µs with the watched wait, "
+          f"{bare * 1e6:.0f} µs waited directly ({(watched - bare) * 1e6:+.0f} µs)")
 
 
 if __name__ == "__main__":
