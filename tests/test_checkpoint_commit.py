@@ -35,7 +35,7 @@ from torch import nn
 import tandem
 from tandem.checkpoint import MARKER, commit, committed_steps, load_committed, load_sharded_checkpoint, \
     save_committed, save_sharded_checkpoint, step_directory
-from tandem.testing import run_distributed
+from tandem.testing import run_distributed, still_running
 from tandem.testing.models import IN, MLP, OUT
 from tandem.zero import ZeroOptimizer
 
@@ -77,14 +77,9 @@ def _record_pid(directory: Path, rank: int) -> None:
     (directory / f"{rank}.pid").write_text(str(os.getpid()))
 
 
-def _assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+def _assert_gone(pids: list[int]) -> None:
     """No rank process outlives its group: each pid has left /proc."""
-    deadline = time.monotonic() + timeout
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if Path(f"/proc/{p}").exists()]
-        time.sleep(0.05)
-    assert not alive, {p: Path(f"/proc/{p}/status").read_text().splitlines()[:3] for p in alive}
+    assert still_running(pids, wait=10.0) == []
 
 
 def _die() -> None:

@@ -30,20 +30,7 @@ from tandem.comm.fingerprint import CollectiveMismatchError
 from tandem.comm.group import GroupComm
 from tandem.comm.monitor import current_monitor
 from tandem.comm.peers import PeerLostError
-from tandem.testing import run_distributed
-
-
-def _gone(pids: list[int]) -> list[int]:
-    """The pids still alive (zombies count as gone: they hold no resources but a slot)."""
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
+from tandem.testing import run_distributed, still_running
 
 
 # ---------------------------------------------------------------- debug mode
@@ -85,7 +72,7 @@ def test_debug_mode_names_both_sides_of_a_skipped_or_reshaped_collective_on_ever
         assert "ranks 0, 1 issued" in message and "of shape [8] float32" in message
         assert "rank 2 issued" in message and "of shape [6] float32" in message
         assert out["after"] == [3.0] * 4
-    assert _gone([out["pid"] for out in results]) == []
+    assert still_running([out["pid"] for out in results]) == []
 
 
 # ---------------------------------------------------------------- dead peers
@@ -122,7 +109,7 @@ def test_survivors_of_a_rank_killed_inside_an_all_reduce_raise_within_5s_naming_
         assert "all_reduce 'grads' (4000000 x float32)" in out["message"]
         assert "rank 2 stopped beating" in out["message"] or "rank 2 has not beaten" in out["message"]
     pids = [int(Path(tmp_path, f"pid-{r}").read_text()) for r in range(4)]
-    assert _gone(pids) == []
+    assert still_running(pids) == []
 
 
 # ---------------------------------------------------------------- jitter
@@ -187,7 +174,7 @@ def test_random_delays_in_backward_hooks_keep_replicas_identical_and_the_order_f
             assert torch.equal(value, first["params"][name]), name
     for name, value in local.state_dict().items():
         torch.testing.assert_close(first["params"][name], value, rtol=1e-5, atol=1e-5)
-    assert _gone([out["pid"] for out in results]) == []
+    assert still_running([out["pid"] for out in results]) == []
 
 
 # ---------------------------------------------------------------- hang watchdog

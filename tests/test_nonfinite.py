@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ from torch import nn
 
 import tandem
 from tandem import comm_hooks
-from tandem.testing import RankFailure, run_distributed
+from tandem.testing import RankFailure, run_distributed, still_running
 from tandem.train.config import Precision
 from tandem.train.precision import ShardedGradients, scaler_for
 
@@ -230,7 +231,8 @@ def _grid(rank: int, world_size: int, base: str) -> dict[str, Any]:
     one = {1: ("2.weight", math.nan)}
     every_other = {r: (NAMES[r % len(NAMES)], math.inf if r % 2 else -math.nan) for r in range(1, world_size)}
     normal = [s for s in range(STEPS) if s != BAD_STEP]
-    out: dict[str, Any] = {"raise": {}, "skip": {}, "reference": {}, "checked, finite": {}}
+    out: dict[str, Any] = {"raise": {}, "skip": {}, "reference": {}, "checked, finite": {},
+                           "pid": os.getpid()}
     for name, config in CONFIGS.items():
         out["raise"][name] = _raise_case(rank, config, one)
         out["skip"][name] = _train(rank, config, "skip", list(range(STEPS)), one,
@@ -257,6 +259,10 @@ def grid(request, tmp_path_factory) -> list[dict[str, Any]]:
     except RankFailure as e:
         details = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(e.tracebacks.items()))
         pytest.fail(f"ranks {sorted(e.tracebacks)} failed:\n{details}", pytrace=False)
+
+
+def test_no_rank_process_outlives_the_group(grid):
+    assert still_running([out["pid"] for out in grid]) == []
 
 
 def _identical(results: list[torch.Tensor]) -> bool:

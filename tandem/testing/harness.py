@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankFailure", "run_distributed"]
+__all__ = ["RankFailure", "run_distributed", "still_running"]
 
 # How long surviving ranks get to report their own error after the first failure.
 # Peers of a dead rank usually fail fast in gloo ("connection closed"), and their
@@ -200,3 +200,23 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def still_running(pids: Sequence[int], *, wait: float = 5.0) -> list[int]:
+    """The processes among ``pids`` that are still alive after up to ``wait``
+    seconds, read from /proc (zombies count as gone: they hold nothing but a
+    process-table slot). A fault-injection test asserts this is empty: no rank
+    outlives its group."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
