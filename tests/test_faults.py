@@ -242,7 +242,8 @@ def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_an
     # Detected within the timeout + 5 s of rank 1 falling asleep.
     slept_at = float(next(l for l in r.stdout.splitlines() if "sleeping at" in l).split()[-1])
     detected = (logs / "hang-report-attempt_0.txt").stat().st_mtime
-    assert 10.0 <= detected - slept_at <= 15.0, detected - slept_at
+    # (Not early either: the newest progress may precede the sleep by a monitor tick.)
+    assert 9.5 <= detected - slept_at <= 15.0, detected - slept_at
     done = _done_lines(r.stdout)
     assert sorted(done) == [0, 1] and {d["attempt"] for d in done.values()} == {"1"}
     assert "resumed from" in r.stdout
