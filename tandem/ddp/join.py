@@ -19,14 +19,37 @@ the model of the last rank to join (the highest such rank) is broadcast to all.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 if TYPE_CHECKING:
-    from tandem.ddp.module import DistributedDataParallel
+    from tandem.ddp.reducer import GradReducer
 
-__all__ = ["DDPJoinHook", "join"]
+__all__ = ["DDPJoinHook", "MirroredDDP", "join"]
+
+
+class MirroredDDP(Protocol):
+    """What the join hook needs from a DDP model: the steps of one iteration that
+    a joined rank mirrors (Note [join mirror]). ``tandem.ddp.module``'s wrapper
+    provides them; this module depends on the protocol, not on the wrapper,
+    which imports this module."""
+
+    require_forward_param_sync: bool
+    _divide_by_initial_world_size: bool
+
+    @property
+    def reducer(self) -> GradReducer | None: ...
+
+    def _will_sync_buffers(self) -> bool: ...
+
+    def _sync_buffers(self, src: int) -> None: ...
+
+    def _common_rank(self, *, candidate: bool) -> int: ...
+
+    def _agree_on_grad_sync(self, *, joined: bool) -> bool: ...
+
+    def _sync_final_model(self, src: int) -> None: ...
 
 
 def join(joinables: list[Joinable], *, enable: bool = True, throw_on_early_termination: bool = False,
@@ -64,7 +87,7 @@ def join(joinables: list[Joinable], *, enable: bool = True, throw_on_early_termi
 class DDPJoinHook(JoinHook):
     """Mirror one DDP iteration's collectives on a rank that has joined."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: MirroredDDP, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
 
