@@ -44,8 +44,18 @@ def test_sigkill_mid_training_three_times_in_a_row_then_completes(tmp_path):
 
 
 ALWAYS_FAILS = """
-    import os
-    print(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} of rank {os.environ['RANK']}")
+    import os, pathlib, time
+    attempt, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']
+    print(f"attempt {attempt} of rank {rank}", flush=True)
+    # Both ranks print before either fails: the first failure makes the agent stop
+    # the other, which must not happen before its line is out.
+    here = pathlib.Path(__file__).parent
+    (here / f"printed-{attempt}-{rank}").touch()
+    deadline = time.monotonic() + 20
+    while not all((here / f"printed-{attempt}-{r}").exists() for r in range(2)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     raise SystemExit(3)
 """
 
