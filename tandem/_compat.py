@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the public names of newer torch, for annotations only
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["bind_group_defaults_before_init", "foreach_copy_", "is_opaque_backward_node", "preserve_version_counters",
            "queue_backward_callback"]
@@ -135,7 +140,7 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
         offset += width
 
 
-def fsdp_policies() -> tuple[type, type, type]:
+def fsdp_policies() -> tuple[type[MixedPrecisionPolicy], type[OffloadPolicy], type[CPUOffloadPolicy]]:
     """torch's ``(MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy)``.
 
     Why: tandem.fully_shard accepts torch's own policy objects, so that an FSDP2
@@ -151,7 +156,7 @@ def fsdp_policies() -> tuple[type, type, type]:
     return MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
 
 
-def dtensor_api() -> tuple[type, type, type]:
+def dtensor_api() -> tuple[type[DTensor], type[Shard], type[Replicate]]:
     """``(DTensor, Shard, Replicate)``.
 
     Why: fully_shard's sharded parameters are DTensors, so that torch's
@@ -181,7 +186,8 @@ def dtensor_like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     """
     spec = template._spec  # type: ignore[attr-defined]
     try:
-        return type(template)(local, spec, requires_grad=False)
+        # DTensor's private constructor (template is typed as the plain Tensor it subclasses).
+        return type(template)(local, spec, requires_grad=False)  # type: ignore[call-overload]
     except TypeError:  # a torch whose constructor differs: the public, slower way
         from torch.distributed.tensor import DTensor
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,

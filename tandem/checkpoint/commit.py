@@ -402,7 +402,7 @@ def _describe_root(root: Path) -> str:
     if not root.is_dir():
         return "the directory does not exist"
     entries = []
-    for step, directory in _step_directories(root):
+    for _step, directory in _step_directories(root):
         entries.append(directory.name + ("" if (directory / MARKER).exists()
                                          else f" (no {MARKER}: an unfinished save)"))
     return f"it holds: {', '.join(entries)}" if entries else "it holds no step-N directories"

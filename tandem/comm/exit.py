@@ -49,7 +49,8 @@ interpreter is on its way out: not in an interactive session (``python -i``,
 the REPL), not when a running program reports an error through
 ``sys.excepthook`` (``code.interact``), not inside an outer hook that collects
 the output to rewrite it (torch's, when a later ``init_process_group`` wraps
-this hook; the one the later :func:`tandem.init` installs outside acts). Everything else is left to Python: a normal exit
+this hook; the one the later :func:`tandem.init` installs outside acts). Everything else
+is left to Python: a normal exit
 and ``sys.exit(n)`` (which never reaches ``sys.excepthook``) still tear the
 group down, which is why a script should call :func:`tandem.shutdown` when it is
 done. What the hook skips is the finalisation of modules: ``__del__`` of objects

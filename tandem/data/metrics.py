@@ -227,6 +227,7 @@ class RunningMean:
         weight = self._scalar(weight, "weight")
         # An empty batch has a NaN mean and weight 0: it must add nothing. A tensor
         # weight is tested on its device, so that update never syncs.
+        contribution: torch.Tensor | float
         if isinstance(weight, torch.Tensor):
             contribution = torch.where(weight == 0, 0.0, value * weight)
         elif weight == 0:
@@ -294,6 +295,7 @@ def _flatten(values: Samples) -> tuple[list[torch.Tensor], Callable[[list[torch.
 
 def _share_of(values: Samples, tensors: list[torch.Tensor], num_samples: int) -> dict[str, Any]:
     """What every rank must agree on before anything is gathered."""
+    structure: tuple[str, Any]
     if isinstance(values, Mapping):
         structure = ("dict", tuple(repr(k) for k in values))
     else:

@@ -4,12 +4,16 @@ state of its reduction in the current backward."""
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from tandem._compat import foreach_copy_
 from tandem.comm.group import Work
 from tandem.ddp.plan import BucketSpec
+
+if TYPE_CHECKING:  # grad_bucket imports this module
+    from tandem.ddp.grad_bucket import HookWork
 
 __all__ = ["Bucket", "BucketState", "GradBuffer"]
 
@@ -82,7 +86,7 @@ class Bucket:
         self.state = BucketState.REDUCED
         self.ready = [False] * len(params)
         self.num_ready = 0
-        self.work: Work | None = None
+        self.work: Work | HookWork | None = None
 
     @property
     def complete(self) -> bool:
@@ -103,7 +107,7 @@ class Bucket:
             self.ready[pos] = True
             self.num_ready += 1
 
-    def launched(self, work: Work) -> None:
+    def launched(self, work: Work | HookWork) -> None:
         self._expect(BucketState.FILLING)
         self.state = BucketState.IN_FLIGHT
         self.work = work
@@ -135,7 +139,7 @@ class Bucket:
         if not rebind and all(g is not None for g in grads):
             # The common case: separate gradient tensors (only rebinding makes a
             # gradient alias its view), all defined.
-            foreach_copy_(self.views, grads)
+            foreach_copy_(self.views, cast("list[torch.Tensor]", grads))
             self.grads.mul_(scale)
             return
         dst, src = [], []

@@ -328,7 +328,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return bool(t.item() != 0)
 
     def _sync_final_model(self, src: int) -> None:
-        tensors = [p for n, p in self.module.named_parameters() if n not in self._ignored]
+        tensors: list[torch.Tensor] = [p for n, p in self.module.named_parameters() if n not in self._ignored]
         if self.forward_sync_buffers:
             tensors += [b for n, b in self.module.named_buffers() if n not in self._ignored]
         broadcast_module_state(tensors, self._comm, src=src)

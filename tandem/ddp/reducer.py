@@ -100,11 +100,12 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import cast
 
 import torch
 
 from tandem._compat import foreach_copy_, queue_backward_callback
-from tandem.comm.group import GroupComm, Work
+from tandem.comm.group import CollectiveEvent, GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_mark, nonfinite_names
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
@@ -526,7 +527,7 @@ class GradReducer:
             if not as_view and globally_used is None:
                 grads = [p.grad for p in bucket.params]
                 if all(g is not None for g in grads):  # the common case, in one call
-                    foreach_copy_(grads, bucket.views)
+                    foreach_copy_(cast("list[torch.Tensor]", grads), bucket.views)
                     continue
             copy_dst, copy_src = [], []
             for pos, i in enumerate(bucket.spec.params):
@@ -646,7 +647,7 @@ class GradReducer:
         self._comm_hook, self._comm_hook_state = hook, state
         self._serialize_hooks = not _issues_one_collective(hook)
 
-    def _count_bytes(self, event: object) -> None:
+    def _count_bytes(self, event: CollectiveEvent) -> None:
         tag = getattr(event, "tag", "")
         if tag.startswith("bucket") or tag.startswith("hook"):
             self._bytes += event.numel * (event.dtype.itemsize if event.dtype is not None else 0)
@@ -655,7 +656,7 @@ class GradReducer:
     def shadow_backward(self) -> None:
         """On a rank that has joined: issue the collectives of one synchronised
         backward with zero gradients (Note [join mirror] in join.py)."""
-        works = []
+        works: list[Work | HookWork] = []
         for bucket in self.buckets:
             spec = bucket.spec
             if self._comm_hook is not None:
@@ -681,8 +682,8 @@ class GradReducer:
         if self._comm_hook is not None:  # Note [check_finite]: the flags grow to three
             flag = torch.zeros(1 if self._check is None else 3, device=self.comm.device)
             self.comm.all_reduce(flag, tag=_FLAGS_TAG if self._check is None else _FLAGS_CHECKED_TAG)
-        for work in works:
-            work.wait()
+        for pending in works:
+            pending.wait()
 
     @property
     def _tracks_used(self) -> bool:

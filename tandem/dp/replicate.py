@@ -82,7 +82,9 @@ def _copy_tree(module: nn.Module, tensors: dict[int, torch.Tensor],
     replica = type(module).__new__(type(module))
     replica.__dict__ = module.__dict__.copy()
     memo[id(module)] = replica
-    replica._parameters = {k: None if p is None else tensors[id(p)]  # type: ignore[assignment]
+    # A replica's parameters are plain tensors (copies autograd connects to the
+    # originals), as in torch's replicate, not the Parameters _parameters is typed for.
+    replica._parameters = {k: None if p is None else tensors[id(p)]  # type: ignore[misc]
                            for k, p in module._parameters.items()}
     replica._buffers = {k: None if b is None else tensors[id(b)]
                         for k, b in module._buffers.items()}

@@ -118,7 +118,7 @@ def main() -> None:
     # The same seed on every rank; DDP would broadcast rank 0's weights anyway, and
     # checks first that every rank built the same model.
     torch.manual_seed(args.seed)
-    model = nn.Sequential(
+    model: nn.Module = nn.Sequential(
         nn.Linear(NUM_FEATURES, 128), nn.GELU(),
         nn.Linear(128, 128), nn.GELU(),
         nn.Linear(128, 1),

@@ -131,6 +131,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     for old in absorbed:
         for handle in old.hooks:
             handle.remove()
+        assert old.module is not None  # set when its own fully_shard built it
         for m in old.module.modules():
             if unit_of(m) is old:
                 setattr(m, UNIT_ATTR, unit)
@@ -140,7 +141,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         module.register_forward_hook(functools.partial(post_forward, unit)),
         *register_state_dict_hooks(module, unit),
     ]
-    module.__class__ = _fsdp_class(type(module))
+    cls: type = type(module)  # as a plain type: mypy sees type[Module] as unhashable
+    module.__class__ = _fsdp_class(cls)
     logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
                  type(module).__name__, len(unit.managed), unit.layout.numel, len(absorbed))
     return module

@@ -172,7 +172,7 @@ class ShardedUnit:
                 old = dtensor_local(param)
                 local.copy_(old)
                 old.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
-            sharded = param
+            sharded: nn.Parameter = param
         else:
             if not param.is_meta:  # meta: values come later (Note [meta init] in api.py)
                 with torch.no_grad():

@@ -4,7 +4,7 @@ so that the planner predicts the units fully_shard builds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any, TypeVar
 
 from torch import nn
@@ -19,7 +19,7 @@ holds it (several for tied weights), and the parameter."""
 
 
 def walk_unit(module: nn.Module, unit_of: Callable[[nn.Module], U | None], mergeable: Callable[[U], bool],
-              ignored: set[int] = frozenset(), prefix: str = "") -> tuple[list[ParamEntry], list[U]]:
+              ignored: Set[int] = frozenset(), prefix: str = "") -> tuple[list[ParamEntry], list[U]]:
     """The parameters under ``module`` that ``fully_shard(module)`` takes.
 
     Depth first, a module's own parameters before its children's. A submodule

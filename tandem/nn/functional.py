@@ -103,7 +103,8 @@ class _SyncBatchNorm(torch.autograd.Function):
             y = y * _per_channel(weight.to(xc.dtype), x)
         if bias is not None:
             y = y + _per_channel(bias.to(xc.dtype), x)
-        ctx.save_for_backward(x, weight, mean, invstd)
+        # save_for_backward takes None (documented); torch's stub says Tensor only.
+        ctx.save_for_backward(x, weight, mean, invstd)  # type: ignore[arg-type]
         ctx.count = n  # type: ignore[attr-defined]
         ctx.comm = comm  # type: ignore[attr-defined]
         ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]

@@ -60,8 +60,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         # torch < 2.5 has no ``bias`` argument: drop the parameter ourselves.
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          process_group, device, dtype)
-        if not bias:
-            self.bias = None
+        if not bias:  # nn.Module takes None for a registered parameter; torch's stub does not
+            self.bias = None  # type: ignore[assignment]
         self._comm: GroupComm | None = None
 
     @property

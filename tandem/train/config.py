@@ -83,19 +83,21 @@ class TrainerConfig:
     the GradScaler already skips such steps: only "skip" applies, and counts them."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "precision", Precision.parse(self.precision))
-        object.__setattr__(self, "nonfinite", NonFinite.parse(self.nonfinite, "nonfinite"))
-        if self.nonfinite is NonFinite.RAISE and self.precision is Precision.FP16:
+        precision = Precision.parse(self.precision)
+        nonfinite = NonFinite.parse(self.nonfinite, "nonfinite")
+        object.__setattr__(self, "precision", precision)
+        object.__setattr__(self, "nonfinite", nonfinite)
+        if nonfinite is NonFinite.RAISE and precision is Precision.FP16:
             raise ValueError("nonfinite='raise' does not go with precision='fp16', whose GradScaler "
                              "expects occasional overflow and skips those steps itself; use "
                              "nonfinite='skip' (which counts them), or precision='bf16'")
         ddp_check = NonFinite.parse(self.ddp_options.get("check_finite", False))
-        if ddp_check is not None and self.precision is Precision.FP16:
+        if ddp_check is not None and precision is Precision.FP16:
             raise ValueError("ddp_options check_finite does not go with precision='fp16': the "
                              "GradScaler must see the overflows it backs off from; use "
                              "nonfinite='skip' instead")
-        if self.nonfinite is not None and ddp_check not in (None, self.nonfinite):
-            raise ValueError(f"nonfinite={self.nonfinite.value!r} but ddp_options has "
+        if nonfinite is not None and ddp_check not in (None, nonfinite):
+            raise ValueError(f"nonfinite={nonfinite.value!r} but ddp_options has "
                              f"check_finite={self.ddp_options['check_finite']!r}; set one of them")
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ import torch.distributed as dist
 try:
     import numpy as _np
 except ImportError:  # numpy is optional for this module
-    _np = None
+    _np = None  # type: ignore[assignment]  # the optional-import idiom
 
 __all__ = ["capture_rng_state", "rank_seed", "restore_rng_state", "seed_everything"]
 
@@ -92,7 +92,9 @@ def capture_rng_state() -> dict[str, Any]:
     """
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if _np is not None:
-        kind, keys, pos, has_gauss, cached = _np.random.get_state()
+        # The legacy (default) form: a tuple, as the global RandomState is an MT19937.
+        kind, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]",
+                                                  _np.random.get_state())
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
                           float(cached))
     if torch.cuda.is_available() and torch.cuda.is_initialized():

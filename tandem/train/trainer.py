@@ -29,11 +29,11 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -120,28 +120,28 @@ class Trainer:
         zero = hasattr(optimizer, "sharded_state_dict")  # a tandem.ZeroOptimizer
         # Sharded gradients: the ranks agree on found-inf (Note [agreed found-inf] in
         # precision.py), and a ZeroOptimizer's shards are what gets unscaled.
-        self.scaler = scaler_for(self.config.precision, self.device,
+        self.scaler = scaler_for(self._precision, self.device,
                                  sharded=zero or is_fully_sharded(model),
                                  process_group=getattr(self.model, "process_group", None))
-        self._scaled: Any = (ShardedGradients(optimizer, self.model.reducer.grad_shards)  # type: ignore[union-attr]
+        self._scaled: Any = (ShardedGradients(optimizer, cast(Any, self.model).reducer.grad_shards)
                              if zero and self.scaler is not None else optimizer)
         self._guard = self._nonfinite_guard()
-        self._autocast = autocast_for(self.config.precision, self.device)
-        self.sampler = DistributedSampler(train_data, num_replicas=self.world_size, rank=self.rank,
+        self._autocast = autocast_for(self._precision, self.device)
+        self.sampler = DistributedSampler(cast(Sized, train_data), num_replicas=self.world_size, rank=self.rank,
                                           shuffle=self.config.shuffle, seed=self.config.seed,
                                           drop_last=self.config.drop_last)
         self.train_loader = self._loader(train_data, self.sampler, self.config.batch_size, collate_fn)
         self.eval_data = eval_data
         self.eval_loader = None
         if eval_data is not None:
-            eval_sampler = DistributedSampler(eval_data, num_replicas=self.world_size, rank=self.rank,
+            eval_sampler = DistributedSampler(cast(Sized, eval_data), num_replicas=self.world_size, rank=self.rank,
                                               shuffle=False)
             self.eval_loader = self._loader(eval_data, eval_sampler,
                                             self.config.eval_batch_size or self.config.batch_size,
                                             collate_fn)
         self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
                                    scaler=self.scaler)
-        self.checkpoint_dir = self.config.output_dir / "checkpoints"
+        self.checkpoint_dir = self._output_dir / "checkpoints"
 
     # ------------------------------------------------------------------ set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -149,7 +149,7 @@ class Trainer:
             return model
         from tandem.ddp import DistributedDataParallel
         options = dict(self.config.ddp_options)
-        if self.config.nonfinite is not None and self.config.precision is not Precision.FP16:
+        if self.config.nonfinite is not None and self._precision is not Precision.FP16:
             options["check_finite"] = self.config.nonfinite
         return DistributedDataParallel(model, **options)
 
@@ -157,8 +157,8 @@ class Trainer:
         """What a step with NaN/Inf gradients does, when the Trainer must look
         (the GradScaler looks itself under fp16). A DDP model checks, and agrees
         across ranks, by itself; a single process checks its own gradients."""
-        wanted = self.config.nonfinite
-        if self.config.precision is Precision.FP16:
+        wanted = self._nonfinite
+        if self._precision is Precision.FP16:
             return None
         if _is_ddp(self.model):
             has = getattr(self.model, "check_finite", None)
@@ -190,6 +190,19 @@ class Trainer:
         """Samples per optimizer step, all ranks together (a full step)."""
         return self.config.batch_size * self.config.grad_accum * self.world_size
 
+    # TrainerConfig.__post_init__ normalises these fields; they are typed for what a caller passes.
+    @property
+    def _precision(self) -> Precision:
+        return cast(Precision, self.config.precision)
+
+    @property
+    def _nonfinite(self) -> NonFinite | None:
+        return cast("NonFinite | None", self.config.nonfinite)
+
+    @property
+    def _output_dir(self) -> Path:
+        return cast(Path, self.config.output_dir)
+
     # ------------------------------------------------------------------ the run
     def fit(self) -> FitResult:
         """Train for ``config.epochs`` epochs (or up to ``config.max_steps``), resuming
@@ -202,7 +215,7 @@ class Trainer:
                              f"checkpoints of an earlier run (latest {latest.name}); resume it with "
                              "resume=True, or give this run an empty output_dir")
         resumed_from = self._resume() if cfg.resume else None
-        history = History(cfg.output_dir / "metrics.jsonl" if self.rank == 0 else None,
+        history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"))
         total_steps = self._steps_per_epoch() * cfg.epochs
         if cfg.max_steps is not None:
@@ -213,7 +226,7 @@ class Trainer:
             progress.say(f"resumed from {resumed_from} (epoch {self.state.epoch}, step {self.state.step})")
         progress.say(f"training on {self.world_size} rank(s): {self.sampler.dataset_size} samples, "
                      f"global batch {self.global_batch_size}, {cfg.epochs} epoch(s), "
-                     f"precision {cfg.precision.value}")
+                     f"precision {self._precision.value}")
         checkpoint = resumed_from
         try:
             while self.state.epoch < cfg.epochs and not self._reached_max_steps():
@@ -231,7 +244,7 @@ class Trainer:
         plot = None
         if cfg.plot and self.rank == 0:
             plot = plot_losses(history.of_kind("train"), history.of_kind("eval"),
-                               cfg.output_dir / "loss.png")
+                               self._output_dir / "loss.png")
             progress.say(f"loss plot: {plot}" if plot is not None else
                          "no loss plot: matplotlib is not installed (pip install matplotlib)")
         return FitResult(steps=self.state.step, epochs_done=self.state.epoch,
@@ -394,9 +407,9 @@ class Trainer:
             outputs.append(out.float())
             targets.append(to_device(target, self.device))
         module.train(was_training)
-        n = len(self.eval_data)
-        out = gather_samples(torch.cat(outputs), n)
-        target = gather_samples(torch.cat(targets), n)
+        n = len(cast(Sized, self.eval_data))  # set whenever eval_loader is
+        out = cast(torch.Tensor, gather_samples(torch.cat(outputs), n))  # a tensor in, a tensor out
+        target = cast(torch.Tensor, gather_samples(torch.cat(targets), n))
         result = {"loss": float(self.loss_fn(out, target))}
         for name, fn in self.metrics.items():
             result[name] = float(fn(out, target))

@@ -102,8 +102,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sync_hyperparams()
         self._seen_steps = reducer.steps
         self._pending: dict[int, tuple[Work, torch.Tensor]] = {}  # bucket -> gather in flight
-        self._overlap_gather = bool(getattr(ddp_model, "zero_config").overlap_param_gather)
-        self._gather_hooks = (_register_gather_hooks(ddp_model.module, reducer, self._finish_gather)
+        ddp: Any = ddp_model  # a tandem DDP (checked above), whose attributes nn.Module's typing hides
+        self._overlap_gather = bool(ddp.zero_config.overlap_param_gather)
+        self._gather_hooks = (_register_gather_hooks(ddp.module, reducer, self._finish_gather)
                               if self._overlap_gather else [])
         owned = self.owned_numel
         total = sum(b.numel for b in reducer.plan.buckets)

@@ -16,7 +16,7 @@ otherwise be cut into the wrong elements without an error.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -152,12 +152,14 @@ def run_state_from(run: ShardRun, state: dict[int, dict[str, Any]], index: dict[
     entries = [state.get(index[piece.param]) for piece in run.pieces]
     if not entries or entries[0] is None:
         return None
+    # A run's parameters are stepped together: all have state once the first has.
+    states = cast("list[dict[str, Any]]", entries)
     first = run.pieces[0].param
     run_state = {}
-    for key, value in entries[0].items():
+    for key, value in states[0].items():
         if _is_elementwise(value, param_numels[first]):
             parts = [s[key].reshape(-1).narrow(0, piece.param_start, piece.length)
-                     for s, piece in zip(entries, run.pieces)]
+                     for s, piece in zip(states, run.pieces)]
             run_state[key] = torch.cat(parts).to(device)
         else:
             run_state[key] = value.clone() if torch.is_tensor(value) else value
