@@ -8,15 +8,15 @@ behaviour."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-from test_launch_support import clean_env, script, tandem
+from test_launch_support import clean_env, kill_leftovers, script, tandem
 
 # The issue's case: DDP over models whose shapes depend on the rank. Every rank
 # raises in the constructor's check.
@@ -63,23 +63,6 @@ MID_BACKWARD = """
 """
 
 
-def _alive_running(path: Path) -> list[int]:
-    """Live processes (not zombies) whose command line names ``path``."""
-    needle = str(path).encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and needle in cmdline:
-            pids.append(int(entry))
-    return pids
-
-
 def _check_clean_failure(r, path: Path, *, error: str) -> tuple[int, list[str]]:
     """The launcher's status and summary for a job whose script raised ``error``;
     returns the rank that failed first and the summary's lines."""
@@ -94,7 +77,7 @@ def _check_clean_failure(r, path: Path, *, error: str) -> tuple[int, list[str]]:
     assert any(error in line for line in lines), summary
     # Printed once, although the process left with work in flight.
     assert out.count(f"[rank {first}] [rank{first}]: Traceback") == 1, out
-    assert r.orphans == [] and _alive_running(path) == [], r
+    assert r.orphans == [], r  # every process the job started, found by its marker in /proc
     return first, lines
 
 
@@ -180,13 +163,14 @@ _ONE_PROCESS_CASES = {
 
 def test_one_process_keeps_pythons_exits(tmp_path):
     path = script(tmp_path, "one.py", ONE_PROCESS)
+    marker = uuid.uuid4().hex
     try:
         r = subprocess.run([sys.executable, str(path), *_ONE_PROCESS_CASES], check=False, cwd=tmp_path,
-                           env=clean_env(), text=True, input='1/0\nprint("alive")\n',
-                           capture_output=True, timeout=90, start_new_session=True)
+                           env=clean_env(TANDEM_TEST_MARKER=marker), text=True,
+                           input='1/0\nprint("alive")\n', capture_output=True, timeout=90,
+                           start_new_session=True)
     finally:
-        for pid in _alive_running(path):
-            os.kill(pid, signal.SIGKILL)
+        kill_leftovers(marker)
     assert r.returncode == 0, r
     statuses = json.loads(r.stdout)
     for mode, (status, stdout, tracebacks) in _ONE_PROCESS_CASES.items():
