@@ -348,6 +348,7 @@ def _dcp_resume(rank: int, world_size: int, root: str) -> tuple[int, dict]:
     dist.barrier()
     if rank == 0:
         distcp.write_bytes(backup)
+    dist.barrier()  # restored before any rank reads it again
     out["truncated file"] = str(distcp)
     out["shape"] = _error(lambda: load_sharded_checkpoint(root, *_sharded(seed=1, hidden=17)))
     model_only = f"{root}-model-only"
