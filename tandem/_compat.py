@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # the public names of newer torch, for annotations only
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["bind_group_defaults_before_init", "foreach_copy_", "is_opaque_backward_node", "preserve_version_counters",
-           "queue_backward_callback"]
+__all__ = ["accumulate_grad_node", "bind_group_defaults_before_init", "foreach_copy_", "is_opaque_backward_node",
+           "preserve_version_counters", "queue_backward_callback", "will_execute_in_this_backward"]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -29,6 +29,26 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     backward (a tensor or gradient hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def accumulate_grad_node(param: torch.Tensor) -> Any:
+    """The autograd node that accumulates ``param``'s gradient (hold it to keep it alive).
+
+    Why: DDP asks whether a backward pass will reach the parameters (below);
+    the node is only reachable through a view's graph (torch's DDP does the same).
+    """
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
+def will_execute_in_this_backward(node: Any) -> bool:
+    """Whether the backward pass running now will execute ``node``.
+
+    Why: ``torch.autograd.grad(out, inputs)`` runs a pass through the model's
+    outputs that computes no parameter gradient (gradient penalties); DDP must
+    not take that pass for the synchronised one. Call from inside backward.
+    """
+    return bool(torch._C._will_engine_execute_node(node))  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

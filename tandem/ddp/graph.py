@@ -13,7 +13,7 @@ import torch
 
 from tandem._compat import is_opaque_backward_node
 
-__all__ = ["Reach", "reachable_params"]
+__all__ = ["Reach", "opaque_nodes", "reachable_params"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,18 @@ def reachable_params(outputs: list[torch.Tensor], index_of: dict[int, int]) -> R
             if nxt is not None:
                 stack.append(nxt)
     return Reach(frozenset(reached), opaque)
+
+
+def opaque_nodes(roots: list[Any]) -> list[Any]:
+    """The opaque nodes (Note [end of backward] in reducer.py) in the graph behind
+    the nodes ``roots``."""
+    found, stack, seen = [], list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if is_opaque_backward_node(node):
+            found.append(node)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return found

@@ -194,19 +194,27 @@ class DistributedDataParallel(nn.Module, Joinable):
             broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
                                    self._comm, src=0)
 
+        self._trainable = trainable
+        self._reducer_options = ReducerOptions(
+            caps=caps,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            rebuild_buckets=not self.zero_stage,
+            zero_stage=int(self.zero_stage),
+            overlap=self.zero_config.overlap_grad_reduce,
+            check_finite=self.check_finite)
         self._reducer: GradReducer | None = None
+        self._fused: torch.optim.Optimizer | None = None
         if self._comm.size > 1 or self.zero_stage or self.check_finite is not None:
             # A world of one needs no reducer, unless ZeRO's optimizer reads its
-            # shards or the gradients are checked.
-            self._reducer = GradReducer(trainable, self._comm, ReducerOptions(
-                caps=caps,
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                rebuild_buckets=not self.zero_stage,
-                zero_stage=int(self.zero_stage),
-                overlap=self.zero_config.overlap_grad_reduce,
-                check_finite=self.check_finite))
+            # shards, the gradients are checked, or an optimizer is fused.
+            self._make_reducer()
+
+    def _make_reducer(self) -> GradReducer:
+        if self._reducer is None:
+            self._reducer = GradReducer(self._trainable, self._comm, self._reducer_options)
+        return self._reducer
 
     # ------------------------------------------------------------------ properties
     @property
@@ -349,7 +357,71 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
-    # ------------------------------------------------------------------ not yet
+    # ------------------------------------------------------------------ fused step
+    def fuse_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` inside backward, bucket by bucket, as soon as each
+        bucket's averaged gradients have landed (Note [fused step] in fused.py).
+
+        The training loop stays as it is: ``optimizer.step()`` becomes a no-op
+        (the step already ran in the synchronised ``loss.backward()``), and
+        ``zero_grad()``, ``state_dict()``, param groups and LR schedulers work on
+        ``optimizer`` as before. After a fused step ``param.grad`` is None: the
+        averaged gradients are not kept. Backwards under ``no_sync()`` accumulate
+        as usual; the synchronised one that follows steps. Results equal the
+        unfused ``optimizer.step()`` after backward.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` over this model's trainable
+                parameters (any param groups), or, with ``zero_stage`` 1 or 2,
+                the :class:`tandem.ZeroOptimizer` built on this model, whose
+                shards then step as their reduce-scatters land.
+
+        Raises:
+            ValueError: the optimizer holds a tensor that is not a trainable
+                parameter of this model, is LBFGS (it needs a closure), or, under
+                ZeRO, is not the ZeroOptimizer of this model.
+            TypeError: not a torch optimizer.
+
+        .. warning:: what needs every gradient before the first update cannot
+            run in a fused step: clipping by global norm, and fp16 loss scaling
+            (``GradScaler`` unscales and checks all gradients before it steps).
+            Use the unfused optimizer for those; with ``check_finite`` the fused
+            step waits for every bucket and is dropped on every rank together.
+        """
+        from tandem.ddp.fused import FusedOptimizer, check_fusable, patch_step
+
+        optimizer = check_fusable(optimizer)
+        if self._fused is not None:
+            raise RuntimeError(f"an optimizer ({type(self._fused).__name__}) is already fused into this "
+                               "DistributedDataParallel; call unfuse_optimizer() first")
+        reducer = self._make_reducer()
+        stepper: Any
+        if self.zero_stage:
+            from tandem.zero.fused import zero_stepper
+            stepper = zero_stepper(optimizer, reducer)
+        else:
+            stepper = FusedOptimizer(optimizer, reducer.params)
+        reducer.set_stepper(stepper)
+        patch_step(optimizer, "DistributedDataParallel.fuse_optimizer")
+        self._fused = optimizer
+
+    def unfuse_optimizer(self) -> None:
+        """Undo :meth:`fuse_optimizer`: ``optimizer.step()`` steps again, after backward."""
+        from tandem.ddp.fused import unpatch_step
+
+        if self._fused is None:
+            return
+        assert self._reducer is not None
+        self._reducer.set_stepper(None)
+        unpatch_step(self._fused)
+        self._fused = None
+
+    @property
+    def fused_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that steps inside backward, or None."""
+        return self._fused
+
+    # ------------------------------------------------------------------ hooks
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """Reduce gradient buckets with ``hook(state, bucket) -> Future[Tensor]``.
 

@@ -89,7 +89,16 @@ The finishing callback is queued on the autograd graph task that runs the
 outputs' gradients (a hook on each output tensor), not on whichever task fires a
 parameter hook first: with reentrant activation checkpointing, parameter hooks
 fire inside nested backward passes, and a callback queued there would run before
-the outer backward is done.
+the outer backward is done. A pass through the outputs that computes no
+parameter gradient (``torch.autograd.grad(out, x, create_graph=True)`` for a
+gradient penalty) is not the synchronised backward: the output hook queues the
+callback only if the pass will execute a parameter's AccumulateGrad node, or
+an opaque node (a reentrant checkpoint, whose nested passes compute the
+gradients of the parameters it hides; torch cannot take ``autograd.grad``
+through those, so such a pass is always a full backward).
+Under ``backward(create_graph=True)`` hooks run with grad mode on; the reducer's
+copies and reductions run under no_grad, so reduced gradients carry no graph
+(as with torch's DDP, whose reducer works outside autograd).
 """
 
 from __future__ import annotations
@@ -104,13 +113,15 @@ from typing import cast
 
 import torch
 
-from tandem._compat import foreach_copy_, queue_backward_callback
+from tandem._compat import accumulate_grad_node, foreach_copy_, queue_backward_callback, \
+    will_execute_in_this_backward
 from tandem.comm.group import CollectiveEvent, GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
+from tandem.ddp.fused import BucketStepper
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_mark, nonfinite_names
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
 from tandem._tree import iter_tensors
-from tandem.ddp.graph import reachable_params
+from tandem.ddp.graph import opaque_nodes, reachable_params
 from tandem.ddp.plan import BucketPlan, ParamInfo, plan_buckets
 
 __all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]
@@ -196,6 +207,7 @@ class GradReducer:
         # per-step bookkeeping
         self._next_launch = 0
         self._callback_queued = False
+        self._output_nodes: list[object] = []  # Note [end of backward]
         self._locally_used = [False] * len(self.params)
         self._arrival: list[int] = []       # param indices in order of first readiness
         self._pending_unused: list[int] = []  # marked ready when backward starts
@@ -211,9 +223,12 @@ class GradReducer:
         self._comm_hook_state: object = None
         self._serialize_hooks = False
         self.last_stats: CommStats | None = None
+        self._stepper: BucketStepper | None = None  # Note [fused step] in fused.py
         self._bytes = 0
         comm.observers.append(self._count_bytes)
 
+        # Note [end of backward]: which passes compute parameter gradients.
+        self._acc_nodes = [accumulate_grad_node(p) for p in self.params]
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
         logger.info("DDP: %s, world %d", self.plan.describe(), comm.size)
@@ -252,6 +267,7 @@ class GradReducer:
     def before_forward(self) -> None:
         """Called before a forward with grad enabled, on every rank in step."""
         self.comm.ledger.mark_step(self.steps)
+        self._output_nodes = []  # the previous forward's graph: Note [end of backward]
         if self.state is StepState.ARMED and any(b.num_ready for b in self.buckets):
             self._raise_unfinished()
         self.state = StepState.IDLE
@@ -304,6 +320,9 @@ class GradReducer:
         for t in outputs:
             if t.grad_fn is not None:
                 t.register_hook(self._on_output_grad)
+        # Note [end of backward]: held until the synchronised pass starts (or the
+        # next forward), released before the next forward builds its graph.
+        self._output_nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
         if self.steps == 0:
             self._arrival = []  # an earlier first step may have failed half-way
         self._pending_unused = self._find_unused(outputs)
@@ -332,13 +351,23 @@ class GradReducer:
 
     # ------------------------------------------------------------------ hooks
     def _on_output_grad(self, grad: torch.Tensor) -> None:
-        self._queue_finish()  # Note [end of backward]
+        # Note [end of backward]
+        if not self._callback_queued and self._pass_computes_param_grads():
+            self._queue_finish()
+
+    def _pass_computes_param_grads(self) -> bool:
+        if any(map(will_execute_in_this_backward, self._acc_nodes)):
+            return True
+        # Rare: an input-only pass (gradient penalty), or every parameter hidden
+        # behind reentrant checkpoints, whose nested passes compute them.
+        return any(map(will_execute_in_this_backward, opaque_nodes(self._output_nodes)))
 
     def _queue_finish(self) -> None:
         """First thing in a synchronised backward: queue the end-of-backward
         callback and mark the parameters known to be unused."""
         if not self._callback_queued:
             self._callback_queued = True
+            self._output_nodes = []
             queue_backward_callback(self._finish)
             for i in self._pending_unused:
                 self._mark_unused(i)
@@ -348,6 +377,10 @@ class GradReducer:
         # Hot path: runs once per parameter per backward (the post-accumulate-grad hook).
         if self.state is not StepState.ARMED:
             return  # no_sync, or a backward that no synchronised forward armed
+        if torch.is_grad_enabled():  # backward(create_graph=True): Note [end of backward]
+            with torch.no_grad():
+                self._on_grad(i, param)
+            return
         if not self._callback_queued:
             self._queue_finish()
         self._locally_used[i] = True
@@ -440,10 +473,21 @@ class GradReducer:
         payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
         work = self.comm.all_reduce(payload, tag=f"bucket {bucket.index}", async_op=True)
         bucket.launched(work)
+        stepper = self._stepper
+        if stepper is not None and self._check is None:
+            # Note [fused step]: the local gradients are in the bucket; the averaged
+            # ones will be bound at the end. Free these during backward.
+            for i, p in zip(spec.params, bucket.params):
+                if stepper.owns(i):
+                    p.grad = None
 
     # ------------------------------------------------------------------ finishing
     def _finish(self) -> None:
         if self.state is not StepState.ARMED:
+            return
+        if torch.is_grad_enabled():  # backward(create_graph=True): Note [end of backward]
+            with torch.no_grad():
+                self._finish()
             return
         self.state = StepState.FINISHING
         try:
@@ -486,12 +530,24 @@ class GradReducer:
         if flag_alone and self._check is None:
             flag = torch.tensor([self._missing_flag], device=self.comm.device)
             self.comm.all_reduce(flag, tag=_FLAGS_TAG)
-        started = time.perf_counter()
+        # Note [fused step] in fused.py: step each bucket as soon as it lands, unless
+        # a decision needs every bucket first (dropping the step, the used map).
+        stepper = self._stepper
+        pipelined = stepper is not None and self._check is None and used_work is None
+        if pipelined and stepper is not None:
+            stepper.begin_step()
+        waited = 0.0
         for bucket in self.buckets:
+            started = time.perf_counter()
             bucket.wait()
+            waited += time.perf_counter() - started
+            if pipelined:
+                self._deliver(bucket, None)
         if used_work is not None:
+            started = time.perf_counter()
             used_work.wait()
-        self.last_stats = CommStats(self._bytes, time.perf_counter() - started)
+            waited += time.perf_counter() - started
+        self.last_stats = CommStats(self._bytes, waited)
         nonfinite = False
         if self._check is not None:
             flag, nonfinite = self._agree_finite(flag_alone)
@@ -512,38 +568,50 @@ class GradReducer:
         if nonfinite:
             self._handle_nonfinite()
             return
-        self._write_back(globally_used)
-        self.steps += 1
-
-    def _write_back(self, globally_used: list[int] | None) -> None:
+        if not pipelined:
+            if stepper is not None:
+                stepper.begin_step()
+            for bucket in self.buckets:
+                self._deliver(bucket, globally_used)
+        if stepper is not None:
+            stepper.end_step()
         if self._zero:  # Note [zero reduction]
             if self.options.zero_stage >= 2:
                 for p in self.params:
                     p.grad = None
             self.buffer.release()
-            return
-        as_view = self.options.gradient_as_bucket_view
-        for bucket in self.buckets:
-            if not as_view and globally_used is None:
-                grads = [p.grad for p in bucket.params]
-                if all(g is not None for g in grads):  # the common case, in one call
-                    foreach_copy_(cast("list[torch.Tensor]", grads), bucket.views)
-                    continue
-            copy_dst, copy_src = [], []
-            for pos, i in enumerate(bucket.spec.params):
-                if globally_used is not None and not globally_used[i]:
-                    continue  # unused on every rank: .grad stays as it was, like torch
-                p, view = self.params[i], bucket.views[pos]
-                if as_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    copy_dst.append(p.grad)
-                    copy_src.append(view)
-            if copy_dst:
-                foreach_copy_(copy_dst, copy_src)
+        self.steps += 1
+
+    def _deliver(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        """Hand a reduced bucket over: its averaged gradients to param.grad (not
+        under ZeRO, Note [zero reduction]), and to the fused optimizer's step."""
+        if not self._zero:
+            self._write_back(bucket, globally_used)
+        if self._stepper is not None:
+            self._stepper.step_bucket(bucket)
+
+    def _write_back(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        as_view, stepper = self._as_view, self._stepper
+        if not as_view and stepper is None and globally_used is None:
+            grads = [p.grad for p in bucket.params]
+            if all(g is not None for g in grads):  # the common case, in one call
+                foreach_copy_(cast("list[torch.Tensor]", grads), bucket.views)
+                return
+        copy_dst, copy_src = [], []
+        for pos, i in enumerate(bucket.spec.params):
+            if globally_used is not None and not globally_used[i]:
+                continue  # unused on every rank: .grad stays as it was, like torch
+            p, view = self.params[i], bucket.views[pos]
+            if as_view or (stepper is not None and stepper.owns(i)):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                copy_dst.append(p.grad)
+                copy_src.append(view)
+        if copy_dst:
+            foreach_copy_(copy_dst, copy_src)
 
     # ------------------------------------------------------------------ check_finite
     def _agree_finite(self, flag_alone: bool) -> tuple[torch.Tensor | None, bool]:
@@ -629,6 +697,14 @@ class GradReducer:
                 if start < end:
                     named.append((name, shard.narrow(0, start - lo, end - start)))
         return nonfinite_names(named)
+
+    # ------------------------------------------------------------------ fused step
+    def set_stepper(self, stepper: BucketStepper | None) -> None:
+        """Step the optimizer bucket by bucket at the end of each synchronised
+        backward (Note [fused step] in fused.py); None: stop."""
+        if self.state is not StepState.IDLE:
+            raise RuntimeError("fuse_optimizer must be called between steps, not during a backward")
+        self._stepper = stepper
 
     # ------------------------------------------------------------------ hooks
     def register_comm_hook(self, state: object, hook: CommHook) -> None:

@@ -90,6 +90,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group_of = _group_of(groups, reducer)
         self._runs = plan_runs(reducer.plan.buckets, self._comm.size, self._comm.rank, group_of)
         self._masters = [self._new_master(run) for run in self._runs]
+        self._by_bucket: list[list[tuple[ShardRun, torch.Tensor]]] = [[] for _ in reducer.plan.buckets]
+        for run, master in zip(self._runs, self._masters):
+            self._by_bucket[run.bucket].append((run, master))
         # Per bucket, the pieces of this rank's shard that no run steps: they are
         # sent in the all-gather as they are.
         covered = {(r.bucket, p.shard_offset) for r in self._runs for p in r.pieces}
@@ -178,47 +181,60 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.finish_param_gather()
-        self._bind_grads()
-        for run, master in zip(self._runs, self._masters):
-            if master.dtype == self._reducer.plan.buckets[run.bucket].dtype:
-                # Lossless, and parameters may have been loaded since the last step.
-                self._copy_params_into(run, master)
+        pairs = list(zip(self._runs, self._masters))
+        if self._reducer.steps != self._seen_steps:
+            # A synchronised backward ran since the last step (otherwise .grad
+            # stays as zero_grad left it).
+            self._seen_steps = self._reducer.steps
+            self.bind_grads(pairs)
+        self.refresh_masters(pairs)
         self._sync_hyperparams()
         self._optim.step()
-        self._launch_gather()
+        for spec in self._reducer.plan.buckets:
+            self.launch_gather(spec.index)
         if not self._overlap_gather:
             self.finish_param_gather()
         return loss
 
-    def _bind_grads(self) -> None:
-        """Point each run's .grad at its reduced gradients, if a synchronised
-        backward ran since the last step (otherwise .grad stays as zero_grad left it)."""
-        if self._reducer.steps == self._seen_steps:
-            return
-        self._seen_steps = self._reducer.steps
+    # The parts of a step, for the fused step too (tandem/zero/fused.py).
+    def runs_of(self, bucket: int) -> list[tuple[ShardRun, torch.Tensor]]:
+        """This rank's runs in ``bucket`` and their master tensors."""
+        return self._by_bucket[bucket]
+
+    def bind_grads(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None:
+        """Point each run's .grad at its reduced gradients."""
         shards = self._reducer.grad_shards
-        for run, master in zip(self._runs, self._masters):
+        for run, master in pairs:
             grad = shards[run.bucket].narrow(0, run.start, run.length)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
 
-    def _launch_gather(self) -> None:
-        """Start one all-gather per bucket, in bucket order, of this rank's updated shard."""
+    def refresh_masters(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None:
+        for run, master in pairs:
+            if master.dtype == self._reducer.plan.buckets[run.bucket].dtype:
+                # Lossless, and parameters may have been loaded since the last step.
+                self._copy_params_into(run, master)
+
+    @torch.no_grad()
+    def launch_gather(self, bucket: int) -> None:
+        """Start the all-gather of this rank's updated shard of ``bucket`` (every
+        rank launches them in bucket order)."""
         reducer, comm = self._reducer, self._comm
-        by_bucket: dict[int, list[tuple[ShardRun, torch.Tensor]]] = {}
-        for run, master in zip(self._runs, self._masters):
-            by_bucket.setdefault(run.bucket, []).append((run, master))
-        for spec in reducer.plan.buckets:
-            size = spec.padded_numel // comm.size
-            shard = torch.zeros(size, dtype=spec.dtype, device=spec.device)
-            for piece in self._unstepped[spec.index]:
-                src = reducer.params[piece.param].detach().reshape(-1)
-                shard.narrow(0, piece.shard_offset, piece.length).copy_(
-                    src.narrow(0, piece.param_start, piece.length))
-            for run, master in by_bucket.get(spec.index, []):
-                shard.narrow(0, run.start, run.length).copy_(master)
-            full = torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device)
-            work = comm.all_gather_into(full, shard, tag=f"params {spec.index}", async_op=True)
-            self._pending[spec.index] = (work, full)
+        spec = reducer.plan.buckets[bucket]
+        size = spec.padded_numel // comm.size
+        shard = torch.zeros(size, dtype=spec.dtype, device=spec.device)
+        for piece in self._unstepped[spec.index]:
+            src = reducer.params[piece.param].detach().reshape(-1)
+            shard.narrow(0, piece.shard_offset, piece.length).copy_(
+                src.narrow(0, piece.param_start, piece.length))
+        for run, master in self._by_bucket[bucket]:
+            shard.narrow(0, run.start, run.length).copy_(master)
+        full = torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+        work = comm.all_gather_into(full, shard, tag=f"params {spec.index}", async_op=True)
+        self._pending[spec.index] = (work, full)
+
+    @property
+    def overlap_gather(self) -> bool:
+        return self._overlap_gather
 
     def _finish_gather(self, bucket: int) -> None:
         pending = self._pending.pop(bucket, None)
