@@ -33,11 +33,12 @@ class Case:
     sync_via: str = "no_sync"            # or "attr": set require_backward_grad_sync like nanoGPT
     steps: int = 3
     global_ref: bool = True              # also compare with one process on the global batch
+    solo_bytes: int | None = None        # tandem's solo-bucket threshold (Note [solo buckets])
 
     @property
     def name(self) -> str:
         kw = ",".join(f"{k}={v}" for k, v in sorted(self.ddp.items()))
-        return f"{self.model}/{self.opt}/micro{self.micro}/{self.sync_via}/{kw}"
+        return f"{self.model}/{self.opt}/micro{self.micro}/{self.sync_via}/{kw}/solo{self.solo_bytes}"
 
 
 # The arguments torch's DDP is given for the reference run: the same arithmetic,
@@ -96,8 +97,9 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict[str, float]:
     torch_kwargs = {k: v for k, v in case.ddp.items() if k in _TORCH_KWARGS}
     ref = _train(TorchDDP(make_model(_torch_model_name(case.model), seed=rank), **torch_kwargs),
                  case, lambda s, m: _batch(s, m, rank))
-    ours = _train(tandem.DistributedDataParallel(make_model(case.model, seed=rank), **case.ddp),
-                  case, lambda s, m: _batch(s, m, rank))
+    with _solo_bytes(case.solo_bytes):  # also for the plan rebuilt after step one
+        ddp = tandem.DistributedDataParallel(make_model(case.model, seed=rank), **case.ddp)
+        ours = _train(ddp, case, lambda s, m: _batch(s, m, rank))
     out = {"torch": max_abs_diff(ref, ours)}
     if case.global_ref:
         # Rank 0's initial values, since DDP starts every rank from them.
@@ -105,6 +107,20 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict[str, float]:
                        lambda s, m: _global_batch(s, m, world_size))
         out["global"] = max_abs_diff(local, ours)
     return out
+
+
+@contextlib.contextmanager
+def _solo_bytes(value: int | None):
+    """The small test models have no 4 MiB parameter: lower the threshold so that
+    solo buckets, reduced in place, are planned (Note [solo buckets])."""
+    from tandem.ddp import reducer
+    saved = reducer._SOLO_BYTES
+    if value is not None:
+        reducer._SOLO_BYTES = value
+    try:
+        yield
+    finally:
+        reducer._SOLO_BYTES = saved
 
 
 def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, float]]:
@@ -123,6 +139,19 @@ def _check(cases: list[Case], world_size: int) -> None:
 
 
 NAMED_CASES = [
+    # Note [in-place reduction]: weights in solo buckets reduced on param.grad, with
+    # accumulation, unused parameters (a None grad falls back to the bucket),
+    # static graphs, tied weights and reentrant checkpointing.
+    Case(model="mlp", solo_bytes=256),
+    Case(model="mlp", opt="adam", solo_bytes=256, micro=3),
+    Case(model="mlp", solo_bytes=256, micro=3, sync_via="attr"),
+    Case(model="wide", opt="adam", solo_bytes=4096, ddp=dict(bucket_cap_mb=0.001), micro=2),
+    Case(model="never_used", solo_bytes=256, ddp=dict(find_unused_parameters=True)),
+    Case(model="switching", solo_bytes=256, ddp=dict(find_unused_parameters=True), micro=2, steps=4),
+    Case(model="tied", opt="adam", solo_bytes=256),
+    Case(model="wide_reentrant", solo_bytes=4096, ddp=dict(static_graph=True), micro=2),
+    Case(model="wide_nonreentrant", solo_bytes=4096, ddp=dict(find_unused_parameters=True)),
+    Case(model="encoder", solo_bytes=4096, opt="adam", global_ref=False),
     Case(model="mlp", opt="sgd"),
     Case(model="mlp", opt="adam"),
     Case(model="mlp", ddp=dict(bucket_cap_mb=0.0001)),          # one bucket per parameter
@@ -187,4 +216,22 @@ def test_odd_and_larger_worlds(world_size: int) -> None:
         # (mathematically zero) gradient.
         Case(model="encoder", ddp=dict(bucket_cap_mb=0.001)),
         Case(model="batchnorm", global_ref=False),
+        Case(model="wide", solo_bytes=4096, micro=2),
     ], world_size)
+
+
+def _in_place(rank: int, world_size: int) -> list[tuple[int, bool, bool]]:
+    with _solo_bytes(256):
+        ddp = tandem.DistributedDataParallel(make_model("mlp", seed=rank))
+        x, y = _batch(0, 0, rank)
+        for _ in range(2):  # the second step runs on the rebuilt plan
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+    return [(len(b.params), b.in_place, b.spec.extra > 0) for b in ddp.reducer.buckets]
+
+
+def test_large_parameters_are_reduced_in_place_and_the_flag_bucket_goes_last() -> None:
+    for buckets in run_distributed(_in_place, 2):
+        solo = [b for b in buckets if b[0] == 1]
+        assert len(solo) == 3 and all(in_place for _, in_place, _ in solo), buckets  # the 3 weights
+        assert buckets[-1][0] > 1 and buckets[-1][2], buckets  # the shared bucket, with the flag, is last

@@ -57,6 +57,10 @@ def _ranks(rank: int, world_size: int, seed: int) -> dict[str, tuple]:
     out["same"] = _seeded(seed)
     out["per_rank"] = _seeded(seed, per_rank=True)
     out["per_rank_again"] = _seeded(seed, per_rank=True)
+    # Neither rank may exit before the other has finished connecting: gloo's
+    # full-mesh connect fails with "Connection closed by peer" otherwise.
+    dist.barrier()
+    dist.destroy_process_group()
     return out
 
 

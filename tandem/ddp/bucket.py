@@ -83,6 +83,9 @@ class Bucket:
         self.grads = data.narrow(0, 0, spec.numel)        # the parameters' region
         self.views = [data.narrow(0, off, p.numel()).view_as(p)
                       for off, p in zip(spec.offsets, params)]
+        # Note [in-place reduction] in reducer.py: one parameter, no flag slot.
+        self.solo = len(params) == 1 and spec.extra == 0
+        self.in_place = False  # this step's reduction runs on param.grad itself
         self.state = BucketState.REDUCED
         self.ready = [False] * len(params)
         self.num_ready = 0
@@ -99,6 +102,7 @@ class Bucket:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.work = None
+        self.in_place = False
 
     def mark_ready(self, pos: int) -> None:
         if self.state is not BucketState.FILLING:  # hot path: check before calling
@@ -155,6 +159,16 @@ class Bucket:
         if dst:
             foreach_copy_(dst, src)
         self.grads.mul_(scale)
+
+    def reducible_in_place(self) -> torch.Tensor | None:
+        """The solo parameter's gradient, if the collective can run on it directly:
+        dense, contiguous, of the bucket's dtype and device (else None: copy it in)."""
+        grad = self.params[0].grad
+        spec = self.spec
+        if (grad is None or grad.layout is not torch.strided or not grad.is_contiguous()
+                or grad.dtype != spec.dtype or grad.device != spec.device):
+            return None
+        return grad
 
     def grad_is_view(self, pos: int) -> bool:
         grad = self.params[pos].grad

@@ -1,6 +1,6 @@
 """Agreement checks: at construction, every rank holds the same model and starts
 from rank 0's values; at each synchronised step, optionally, the gradients are
-finite (the helpers of Note [check_finite] in reducer.py)."""
+finite (the helpers of Note [check_finite] in finite.py)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def broadcast_module_state(tensors: Sequence[torch.Tensor], comm: GroupComm, *, 
 
 class NonFinite(str, Enum):
     """What ``DistributedDataParallel(check_finite=...)`` does when the gradients of
-    a synchronised step hold NaN or Inf (Note [check_finite] in reducer.py)."""
+    a synchronised step hold NaN or Inf (Note [check_finite] in finite.py)."""
 
     RAISE = "raise"  # raise on every rank, naming the ranks and parameters
     SKIP = "skip"    # drop the step's gradients on every rank; ddp.found_nonfinite says so

@@ -2,6 +2,17 @@
 
 A hook written for torch's DDP that only uses this interface and
 ``torch.distributed`` calls works unchanged with tandem's.
+
+# Note [hook order]
+A communication hook may issue more than one collective per bucket, the later
+ones from future callbacks (torch's PowerSGD does). Those callbacks run when the
+earlier collective completes, on the backend's thread, so with several buckets
+in flight their collectives interleave differently on different ranks, and gloo
+aborts ("Received data size doesn't match expected size"). Unless a hook is
+known to issue exactly one collective from the caller's thread (torch's
+allreduce/fp16/bf16 hooks and tandem's hooks marked ``tandem_single_collective``),
+bucket k's hook is called only after bucket k-1's future has completed: the
+order is then the same on every rank, whatever the timing.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import torch
 from tandem.comm.group import GroupComm
 from tandem.ddp.bucket import Bucket
 
-__all__ = ["CommHook", "GradBucket", "HookWork"]
+__all__ = ["CommHook", "GradBucket", "HookWork", "issues_one_collective"]
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -91,3 +102,13 @@ class HookWork:
                 f" for bucket {self._bucket.index}; it must be a tensor of {grads.numel()} elements")
         if value.data_ptr() != grads.data_ptr():
             grads.copy_(value.reshape(-1))
+
+
+def issues_one_collective(hook: object) -> bool:
+    """Whether ``hook`` issues exactly one collective per bucket, from the caller's
+    thread, so that buckets may be in flight together (Note [hook order])."""
+    if getattr(hook, "tandem_single_collective", False):
+        return True
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook,
+                    default_hooks.bf16_compress_hook)

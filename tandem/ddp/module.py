@@ -188,7 +188,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         if init_sync and self._comm.size > 1:
             sync_buffers = self._named_buffers if init_sync_buffers else []
-            # check_finite changes a step's collectives (Note [check_finite]): it must agree too.
+            # check_finite changes a step's collectives (Note [check_finite] in finite.py): it must agree too.
             options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
             check_same_model_on_all_ranks(model_signature(named_params, sync_buffers, options), self._comm)
             broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],

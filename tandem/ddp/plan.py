@@ -20,6 +20,19 @@ fill order. Each bucket's slice is padded to a multiple of ``pad_to`` elements
 shards of the same buffer (as Megatron-LM's param-and-grad buffer does). A bucket
 may reserve ``extra`` trailing elements before the padding for control values
 that travel with its reduction (see Note [missing-gradient flag] in reducer.py).
+
+# Note [solo buckets]
+Torch's assignment packs parameters into buckets up to the cap, so a large
+parameter shares its bucket with its neighbours and its gradient is copied into
+the bucket and back. With ``solo_bytes`` (DDP's plain path, Note [in-place
+reduction] in reducer.py), a parameter of at least that size gets a bucket of
+its own whatever the cap, which the reducer all-reduces on ``param.grad`` itself:
+two passes over its memory saved, for one more collective whose latency (tens
+to hundreds of microseconds on gloo) is small against reducing 4 MiB or more.
+The other parameters are bucketed as torch would among themselves. The bucket
+holding the control elements must be launched last (its flag is only known at
+the end of backward); when the bucket that fills last is a solo one, the last
+shared bucket is moved after it instead, so that the solo can stay in place.
 """
 
 from __future__ import annotations
@@ -106,7 +119,7 @@ def cap_bytes_from_mb(bucket_cap_mb: float | None,
 
 
 def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int], *,
-                 pad_to: int = 1, last_bucket_extra: int = 0) -> BucketPlan:
+                 pad_to: int = 1, last_bucket_extra: int = 0, solo_bytes: int | None = None) -> BucketPlan:
     """Assign parameters to buckets.
 
     Args:
@@ -118,6 +131,9 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
             the cap gets a bucket of its own.
         pad_to: each bucket's size is rounded up to a multiple of this.
         last_bucket_extra: control elements reserved in the bucket launched last.
+        solo_bytes: a parameter of at least this many bytes gets a bucket of its
+            own, without closing or counting toward the others (Note [solo
+            buckets]); None: torch's assignment.
 
     Returns:
         A plan whose buckets are numbered in launch order: by the position in
@@ -134,8 +150,13 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
     open_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
     closed_count: dict[tuple[torch.device, torch.dtype], int] = {}
     groups: list[list[int]] = []  # closed and open buckets, in creation order
+    solos: set[int] = set()
     for idx in order:
         p = params[idx]
+        if solo_bytes is not None and p.nbytes >= solo_bytes:
+            groups.append([idx])
+            solos.add(idx)
+            continue
         key = (p.device, p.dtype)
         if key not in open_buckets:
             open_buckets[key] = []
@@ -154,6 +175,12 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
     # held back behind one of another dtype that opened earlier but fills later.)
     position = {idx: pos for pos, idx in enumerate(order)}
     groups.sort(key=lambda g: position[g[-1]])
+    if last_bucket_extra and groups and groups[-1][0] in solos:
+        # Note [solo buckets]: the control elements go to the last shared bucket,
+        # launched last, so that every solo bucket can be reduced in place.
+        shared = [k for k, g in enumerate(groups) if g[0] not in solos]
+        if shared:
+            groups.append(groups.pop(shared[-1]))
 
     buckets = []
     fill: dict[tuple[torch.device, torch.dtype], int] = {}

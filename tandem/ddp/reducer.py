@@ -9,6 +9,16 @@ Life of one synchronised step::
     backward ends  -> _finish()              launch the rest, wait all, write
                                              averaged grads to param.grad
 
+A gradient's path, file by file (all in tandem/ddp/)::
+
+    plan.py         which bucket and offset a parameter gets (pure)
+    reducer.py      hook -> _ready -> _launch -> _finish_step -> _write_back
+    bucket.py       the bucket's views, its state, the copy in (scaled)
+    grad_bucket.py  what a communication hook sees, and its pending result
+    fused.py        the optimizer step per bucket, when one is fused
+    finite.py       check_finite: one NaN/Inf decision on every rank
+    errors.py       what the reducer says when the model or the loop is wrong
+
 # Note [launch order]
 Bucket k is launched only after buckets 0..k-1 (see Note [bucket order] in
 plan.py). Gradients may become ready in a different order on different ranks
@@ -28,16 +38,19 @@ flag after waiting for the last bucket; if any rank raised it, all ranks gather
 the missing names (a collective only on this error path) and raise the same
 error, naming the parameters and the ranks. The check costs no extra collective.
 
-# Note [hook order]
-A communication hook may issue more than one collective per bucket, the later
-ones from future callbacks (torch's PowerSGD does). Those callbacks run when the
-earlier collective completes, on the backend's thread, so with several buckets
-in flight their collectives interleave differently on different ranks, and gloo
-aborts ("Received data size doesn't match expected size"). Unless a hook is
-known to issue exactly one collective from the caller's thread (torch's
-allreduce/fp16/bf16 hooks and tandem's hooks marked ``tandem_single_collective``),
-bucket k's hook is called only after bucket k-1's future has completed: the
-order is then the same on every rank, whatever the timing.
+# Note [in-place reduction]
+A bucket that holds one large parameter and no flag slot (Note [solo buckets]
+in plan.py) needs no staging: its
+gradient is scaled in place and all-reduced as it is, so param.grad holds the
+average when the wait returns. That saves the copy into the bucket and the copy
+back, two passes over the parameter's memory (41 MB on the 10M benchmark MLP).
+param.grad stays a tensor of its own, as in torch. Only on the plain path: not
+under ZeRO (the bucket is the reduce-scatter's input), a communication hook
+(it gets the bucket's buffer), gradient_as_bucket_view (param.grad must be the
+view) or check_finite (it reads the reduced buckets). A gradient that is None,
+non-contiguous or of another dtype, or the .grad of a parameter that got no
+gradient in this backward (it must stay as it was), is copied into the bucket
+as before.
 
 # Note [zero reduction]
 Under ZeRO stages 1 and 2 (Note [flat buffer layout] in plan.py) the same buckets
@@ -53,36 +66,6 @@ launched, so that backward does not hold two full copies. At both stages the
 memory of the bucket buffer is released until the next synchronised forward, so
 that between steps a stage-2 rank holds only its gradient shards. Buckets are never re-planned (the optimizer's shards
 are laid out over the construction-time plan).
-
-# Note [check_finite]
-With ``check_finite`` (ReducerOptions.check_finite), every rank decides on the
-same data whether this step's gradients hold a NaN or an Inf, so that every rank
-raises, or every rank drops the step, together. On the plain path this needs no
-collective: a sum all-reduce leaves every rank with the same reduced bucket, and
-a NaN/Inf in any rank's bucket (or an overflow of the sum) makes it non-finite,
-so the reduced buckets are checked (one pass each, after the wait). Under a
-communication hook the reduced values are the hook's output, which a compressing
-or non-communicating hook (noop_hook) need not make identical across ranks, and
-under ZeRO each rank holds only its shard of the sum: there the decision rides on
-the missing-gradient flag's all-reduce, which exists anyway (Note [zero
-reduction]) and grows to three elements: missing, any bucket non-finite on this
-rank before launch, any reduced bucket (or shard) non-finite here. It is then
-issued after the buckets are waited on, in the same place in the issue order.
-Where the local gradients will be gone or needed for the flags (hooks, ZeRO,
-gradient_as_bucket_view), every rank records before each launch one scalar per
-bucket (NaN if its local bucket is non-finite; no device sync); on the plain
-path param.grad still holds them. Only on the failure path, which every rank
-takes together, are names looked up and exchanged in one all_gather_object:
-per rank, the parameters whose local gradient was non-finite (from param.grad,
-or from the bucket where param.grad is a view of it, or under ZeRO, where the
-bucket keeps the local gradients it scattered), and those non-finite after
-reduction. Inside tandem.join the joined ranks do not take part in that
-exchange, so the report then names parameters only. "skip" leaves the step as
-if its backward had never run after ``zero_grad(set_to_none=True)``: every
-param.grad is None (torch's optimizers step no parameter), ZeRO's gradient
-shards are zeros and ``steps`` is not advanced (so ZeroOptimizer binds no new
-gradients). With check_finite off, none of this runs: one attribute test per
-bucket launch.
 
 # Note [end of backward]
 The finishing callback is queued on the autograd graph task that runs the
@@ -106,7 +89,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import cast
@@ -118,8 +101,10 @@ from tandem._compat import accumulate_grad_node, foreach_copy_, queue_backward_c
 from tandem.comm.group import CollectiveEvent, GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
 from tandem.ddp.fused import BucketStepper
-from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_mark, nonfinite_names
-from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
+from tandem.ddp.checks import NonFinite, NonFiniteReport
+from tandem.ddp.finite import FLAGS_CHECKED_TAG, FiniteCheck
+from tandem.ddp.errors import gradient_twice, missing_gradients, unfinished_backward
+from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork, issues_one_collective
 from tandem._tree import iter_tensors
 from tandem.ddp.graph import opaque_nodes, reachable_params
 from tandem.ddp.plan import BucketPlan, ParamInfo, plan_buckets
@@ -129,8 +114,8 @@ __all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]
 logger = logging.getLogger(__name__)
 
 _FLAG_SLOTS = 1  # Note [missing-gradient flag]
+_SOLO_BYTES = 4 * 1024 * 1024  # Note [solo buckets] in plan.py
 _FLAGS_TAG = "missing gradients flag"
-_FLAGS_CHECKED_TAG = "missing gradients and non-finite flags"  # Note [check_finite]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +137,7 @@ class ReducerOptions:
     launch them all at the end of backward)."""
     check_finite: NonFinite | None = None
     """Agree across ranks whether a step's gradients are finite, and raise or drop
-    the step when they are not (Note [check_finite]); None: no check, no cost."""
+    the step when they are not (Note [check_finite] in finite.py); None: no check, no cost."""
 
 
 class StepState(Enum):
@@ -192,12 +177,8 @@ class GradReducer:
         self.grad_shards: list[torch.Tensor] = []  # Note [zero reduction]
         self.state = StepState.IDLE
         self.steps = 0                      # synchronised backwards whose gradients were delivered
-        # Note [check_finite]
-        self._check = options.check_finite
-        self.nonfinite: NonFiniteReport | None = None  # of the last synchronised backward
-        self.nonfinite_steps = 0            # synchronised backwards that found non-finite gradients
-        self._local_marks: list[torch.Tensor] | None = None  # per bucket, when recorded
-        self._name_ranks = True
+        # Note [check_finite] in finite.py
+        self._check = None if options.check_finite is None else FiniteCheck(options.check_finite, self)
 
         self.plan: BucketPlan
         self.buckets: list[Bucket] = []
@@ -212,13 +193,14 @@ class GradReducer:
         self._arrival: list[int] = []       # param indices in order of first readiness
         self._pending_unused: list[int] = []  # marked ready when backward starts
         self._missing_flag = 0.0            # Note [missing-gradient flag]
+        self._in_place = False              # Note [in-place reduction], decided in arm
         self._rebuild_pending = False
         # static graph: learned in the first synchronised step
         self._hook_count = [0] * len(self.params)
         self._expected_count: list[int] | None = None
         self._static_used: list[int] | None = None  # per param: used on some rank in step one
 
-        # communication hook (Note [hook order])
+        # communication hook (Note [hook order] in grad_bucket.py)
         self._comm_hook: CommHook | None = None
         self._comm_hook_state: object = None
         self._serialize_hooks = False
@@ -235,8 +217,10 @@ class GradReducer:
 
     # ------------------------------------------------------------------ planning
     def _build(self, order: list[int]) -> None:
+        # Note [solo buckets] in plan.py: only where in-place reduction can apply.
+        solo = None if (self._zero or self._as_view or self._check is not None) else _SOLO_BYTES
         plan = plan_buckets(self._infos, order, self.options.caps, pad_to=self.comm.size,
-                            last_bucket_extra=_FLAG_SLOTS)
+                            last_bucket_extra=_FLAG_SLOTS, solo_bytes=solo)
         buffer = GradBuffer(plan.buffer_numel)
         self.buckets = [Bucket(spec, [self.params[i] for i in spec.params],
                                [self.names[i] for i in spec.params], buffer.slice(spec))
@@ -295,9 +279,12 @@ class GradReducer:
         ``divisor``: how many ranks the gradients are averaged over (default: the
         group size; fewer under join with divide_by_initial_world_size=False).
         ``name_ranks``: every rank takes part in this step's error paths (False
-        under join, Note [check_finite])."""
+        under join, Note [check_finite] in finite.py)."""
         # With a comm hook, buckets hold plain sums: the hook divides (as torch).
         self._div = 1.0 if self._comm_hook else 1.0 / (divisor or self.comm.size)
+        # Note [in-place reduction]: only where param.grad is what the plain path writes.
+        self._in_place = not (self._zero or self._as_view or self._comm_hook is not None
+                              or self._check is not None)
         self._bytes = 0
         if self.buffer.released:  # Note [zero reduction]
             self.buffer.restore()
@@ -310,11 +297,9 @@ class GradReducer:
         self._missing_flag = 0.0
         self._locally_used = [False] * len(self.params)
         self._hook_count = [0] * len(self.params)
-        self.nonfinite = None
         if self._check is not None:
-            marked = self._zero or self._as_view or self._comm_hook is not None
-            self._local_marks = [torch.zeros(())] * len(self.buckets) if marked else None
-            self._name_ranks = name_ranks
+            self._check.arm(marked=self._zero or self._as_view or self._comm_hook is not None,
+                            name_ranks=name_ranks)
         self.state = StepState.ARMED
         outputs = [t for t in iter_tensors(output) if t.requires_grad]
         for t in outputs:
@@ -404,8 +389,8 @@ class GradReducer:
         if bucket.ready[pos] or bucket.state is not BucketState.FILLING:
             self._ready_again(i, bucket, pos)
             return False
-        if bucket.copies_per_param:
-            bucket.copy_in(pos, self._div, self._as_view)
+        if bucket.copies_per_param and not (bucket.solo and self._in_place):
+            bucket.copy_in(pos, self._div, self._as_view)  # (in place: at launch)
         bucket.mark_ready(pos)
         if bucket.complete:
             self._launch_complete()
@@ -417,15 +402,10 @@ class GradReducer:
         again); otherwise the first one was already taken."""
         if (bucket.state is BucketState.FILLING and bucket.ready[pos]
                 and not (bucket.copies_per_param and bucket.grad_is_view(pos))):
-            if bucket.copies_per_param:
+            if bucket.copies_per_param and not (bucket.solo and self._in_place):
                 bucket.copy_in(pos, self._div, self._as_view)
             return
-        raise RuntimeError(
-            f"rank {self.comm.rank}: parameter '{self.names[i]}' received its gradient "
-            f"twice in one backward, after bucket {bucket.index} had taken it (it was used "
-            "again, e.g. by a module called twice under reentrant activation checkpointing); "
-            "pass static_graph=True if the graph is the same every step, or use "
-            "torch.utils.checkpoint(..., use_reentrant=False)")
+        raise RuntimeError(gradient_twice(self.comm.rank, self.names[i], bucket.index))
 
     def _mark_unused(self, i: int) -> None:
         """Parameter i gets no gradient in this backward: it contributes its current
@@ -445,15 +425,24 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         spec = bucket.spec
-        if not bucket.copies_per_param:
+        if bucket.solo and self._in_place:  # Note [in-place reduction]
+            # A parameter without a gradient this step keeps its .grad as it was.
+            grad = bucket.reducible_in_place() if self._locally_used[spec.params[0]] else None
+            if grad is not None:
+                grad.mul_(self._div)
+                bucket.in_place = True
+                bucket.launched(self.comm.all_reduce(grad, tag=f"bucket {bucket.index}", async_op=True))
+                return
+            bucket.copy_in(0, self._div, rebind=False)
+        elif not bucket.copies_per_param:
             bucket.copy_all(self._div, self.options.gradient_as_bucket_view)
-        if self._local_marks is not None:  # Note [check_finite]
-            self._local_marks[bucket.index] = nonfinite_mark(bucket.grads)
+        if self._check is not None:  # Note [check_finite] in finite.py
+            self._check.mark(bucket)
         if self._comm_hook is not None:
             if self._serialize_hooks and bucket.index > 0:
                 previous = self.buckets[bucket.index - 1].work
                 assert isinstance(previous, HookWork)
-                previous.settle()  # Note [hook order]
+                previous.settle()  # Note [hook order] in grad_bucket.py
             hook_name = getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
             future = self._comm_hook(self._comm_hook_state,
                                      GradBucket(bucket, bucket.index == len(self.buckets) - 1,
@@ -514,7 +503,8 @@ class GradReducer:
 
         if self._serialize_hooks:
             # The last hook may still issue collectives from its callbacks: let it
-            # finish before anything else goes on the wire (Note [hook order]).
+            # finish before anything else goes on the wire (Note [hook order] in
+            # grad_bucket.py).
             last_work = self.buckets[-1].work
             assert isinstance(last_work, HookWork)
             last_work.settle()
@@ -550,7 +540,7 @@ class GradReducer:
         self.last_stats = CommStats(self._bytes, waited)
         nonfinite = False
         if self._check is not None:
-            flag, nonfinite = self._agree_finite(flag_alone)
+            flag, nonfinite = self._check.agree(flag_alone, self._missing_flag)
         if flag is None:
             last = self.buckets[-1]
             flag = last.data[last.spec.numel]
@@ -566,7 +556,8 @@ class GradReducer:
                 self.options.find_unused_parameters and not self.options.static_graph):
             self._rebuild_pending = True
         if nonfinite:
-            self._handle_nonfinite()
+            assert self._check is not None
+            self._check.handle()  # raises, or drops this step's gradients on every rank
             return
         if not pipelined:
             if stepper is not None:
@@ -591,6 +582,8 @@ class GradReducer:
             self._stepper.step_bucket(bucket)
 
     def _write_back(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        if bucket.in_place:
+            return  # param.grad holds the average already (Note [in-place reduction])
         as_view, stepper = self._as_view, self._stepper
         if not as_view and stepper is None and globally_used is None:
             grads = [p.grad for p in bucket.params]
@@ -613,90 +606,16 @@ class GradReducer:
         if copy_dst:
             foreach_copy_(copy_dst, copy_src)
 
-    # ------------------------------------------------------------------ check_finite
-    def _agree_finite(self, flag_alone: bool) -> tuple[torch.Tensor | None, bool]:
-        """Whether this step's gradients are non-finite on any rank: the same answer
-        on every rank (Note [check_finite]). When the missing-gradient flag travels
-        alone, it travels with the answer, and is returned reduced; else None."""
-        reduced = self.grad_shards if self._zero else [b.grads for b in self.buckets]
-        reduced_bad = torch.stack([nonfinite_mark(t) for t in reduced]).isnan().any()
-        if not flag_alone:
-            return None, bool(reduced_bad)  # identical reduced buckets: no collective
-        assert self._local_marks is not None, "recorded for hooks and ZeRO"
-        flags = torch.zeros(3, device=self.comm.device)
-        flags[0] = self._missing_flag
-        flags[1] = torch.stack(self._local_marks).isnan().any()
-        flags[2] = reduced_bad
-        self.comm.all_reduce(flags, tag=_FLAGS_CHECKED_TAG)
-        _, local_bad, after_bad = flags.tolist()
-        return flags[:1], local_bad + after_bad > 0
+    @property
+    def nonfinite(self) -> NonFiniteReport | None:
+        """Where the last synchronised backward's NaN/Inf gradients were (Note
+        [check_finite] in finite.py); None when finite or not checked."""
+        return None if self._check is None else self._check.report
 
-    def _handle_nonfinite(self) -> None:
-        """Raise on every rank, or drop this step's gradients on every rank."""
-        report = self._nonfinite_report()
-        self.nonfinite = report
-        self.nonfinite_steps += 1
-        if self._check is NonFinite.RAISE:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: DistributedDataParallel(check_finite='raise') found NaN/Inf "
-                f"gradients: {report.describe()}. Every rank raises this error and no averaged gradient "
-                "was written to param.grad. Find where the NaN/Inf comes from on the named rank "
-                "(torch.autograd.set_detect_anomaly(True), a lower learning rate, a clipped "
-                "loss), or pass check_finite='skip' to drop such steps on every rank")
-        if self.comm.rank == 0:
-            logger.warning("DDP: check_finite='skip' dropped the gradients of this step: %s",
-                           report.describe())
-        for p in self.params:
-            p.grad = None
-        if self._zero:  # Note [zero reduction]
-            for shard in self.grad_shards:
-                shard.zero_()
-            self.buffer.release()
-
-    def _nonfinite_report(self) -> NonFiniteReport:
-        """Which ranks and parameters; a collective unless inside join (Note [check_finite])."""
-        step = self.steps + self.nonfinite_steps
-        local_bad = ([True] * len(self.buckets) if self._local_marks is None
-                     else torch.stack(self._local_marks).isnan().tolist())
-        mine = [n for b, bad in zip(self.buckets, local_bad) if bad for n in self._local_nonfinite(b)]
-        after = self._reduced_nonfinite()
-        position = {n: i for i, n in enumerate(self.names)}
-
-        def in_model_order(names: Iterable[str]) -> tuple[str, ...]:
-            return tuple(sorted(set(names), key=position.__getitem__))
-
-        if not self._name_ranks:
-            return NonFiniteReport(step=step, before=None, after=in_model_order(after))
-        everyone = self.comm.all_gather_object((mine, after), tag="non-finite gradients")
-        return NonFiniteReport(step=step, before=tuple(in_model_order(m) for m, _ in everyone),
-                               after=in_model_order(n for _, a in everyone for n in a))
-
-    def _local_nonfinite(self, bucket: Bucket) -> list[str]:
-        """This rank's parameters in ``bucket`` whose own gradient is non-finite."""
-        named = []
-        for pos, (name, p) in enumerate(zip(bucket.names, bucket.params)):
-            if self._zero or bucket.grad_is_view(pos):
-                # ZeRO: the bucket still holds the local gradients it scattered.
-                # gradient_as_bucket_view: the local ones are gone, the reduced
-                # ones stand in for them.
-                named.append((name, bucket.views[pos]))
-            elif p.grad is not None:
-                named.append((name, p.grad))
-        return nonfinite_names(named)
-
-    def _reduced_nonfinite(self) -> list[str]:
-        """The parameters whose reduced gradient on this rank is non-finite."""
-        if not self._zero:
-            return nonfinite_names([(n, v) for b in self.buckets for n, v in zip(b.names, b.views)])
-        named = []
-        for bucket, shard in zip(self.buckets, self.grad_shards):
-            lo = self.comm.rank * shard.numel()
-            hi = lo + shard.numel()
-            for name, offset, p in zip(bucket.names, bucket.spec.offsets, bucket.params):
-                start, end = max(offset, lo), min(offset + p.numel(), hi)
-                if start < end:
-                    named.append((name, shard.narrow(0, start - lo, end - start)))
-        return nonfinite_names(named)
+    @property
+    def nonfinite_steps(self) -> int:
+        """Synchronised backwards that found non-finite gradients."""
+        return 0 if self._check is None else self._check.steps_found
 
     # ------------------------------------------------------------------ fused step
     def set_stepper(self, stepper: BucketStepper | None) -> None:
@@ -721,7 +640,7 @@ class GradReducer:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook, self._comm_hook_state = hook, state
-        self._serialize_hooks = not _issues_one_collective(hook)
+        self._serialize_hooks = not issues_one_collective(hook)
 
     def _count_bytes(self, event: CollectiveEvent) -> None:
         tag = getattr(event, "tag", "")
@@ -737,7 +656,7 @@ class GradReducer:
             spec = bucket.spec
             if self._comm_hook is not None:
                 # As torch: the hook runs on a zero bucket, one bucket after another
-                # (the strictest Note [hook order]); the flag follows below.
+                # (the strictest Note [hook order] in grad_bucket.py); the flag follows below.
                 bucket.grads.zero_()
                 future = self._comm_hook(self._comm_hook_state, GradBucket(
                     bucket, bucket.index == len(self.buckets) - 1, self.comm))
@@ -755,9 +674,9 @@ class GradReducer:
         if self._tracks_used:
             used = torch.zeros(len(self.params), dtype=torch.int32, device=self.comm.device)
             works.append(self.comm.all_reduce(used, tag="used parameters", async_op=True))
-        if self._comm_hook is not None:  # Note [check_finite]: the flags grow to three
+        if self._comm_hook is not None:  # Note [check_finite] in finite.py: the flags grow to three
             flag = torch.zeros(1 if self._check is None else 3, device=self.comm.device)
-            self.comm.all_reduce(flag, tag=_FLAGS_TAG if self._check is None else _FLAGS_CHECKED_TAG)
+            self.comm.all_reduce(flag, tag=_FLAGS_TAG if self._check is None else FLAGS_CHECKED_TAG)
         for pending in works:
             pending.wait()
 
@@ -770,33 +689,8 @@ class GradReducer:
     # ------------------------------------------------------------------ errors
     def _raise_missing(self, mine: list[str]) -> None:
         per_rank = self.comm.all_gather_object(mine, tag="missing gradients")
-        lines = [f"  rank {r}: {', '.join(repr(n) for n in names)}"
-                 for r, names in enumerate(per_rank) if names]
-        raise RuntimeError(
-            f"rank {self.comm.rank}: DistributedDataParallel: these parameters received no "
-            "gradient in this backward:\n" + "\n".join(lines) + "\n"
-            "Either they were not used in forward, or the outputs that use them did not reach "
-            "the loss. If some parameters are legitimately unused, pass "
-            "find_unused_parameters=True (or set requires_grad=False on parameters that never "
-            "train). With static_graph=True, the used parameters must be the same every step.")
+        raise RuntimeError(missing_gradients(self.comm.rank, per_rank))
 
     def _raise_unfinished(self) -> None:
         waiting = [n for b in self.buckets if b.state is BucketState.FILLING for n in b.missing()]
-        raise RuntimeError(
-            f"rank {self.comm.rank}: DistributedDataParallel: a new forward started before the "
-            "previous backward finished reducing gradients; still waiting for "
-            f"{', '.join(repr(n) for n in waiting[:10])}"
-            f"{' ...' if len(waiting) > 10 else ''}. Make sure every forward's output "
-            "reaches loss.backward(), or run forwards that are not trained under torch.no_grad()")
-
-
-
-
-def _issues_one_collective(hook: object) -> bool:
-    """Whether ``hook`` issues exactly one collective per bucket, from the caller's
-    thread, so that buckets may be in flight together (Note [hook order])."""
-    if getattr(hook, "tandem_single_collective", False):
-        return True
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    return hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook,
-                    default_hooks.bf16_compress_hook)
+        raise RuntimeError(unfinished_backward(self.comm.rank, waiting))

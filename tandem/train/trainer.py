@@ -328,7 +328,7 @@ class Trainer:
         "raise" mode that raises instead (DDP raised already, during backward)."""
         if _is_ddp(self.model):
             return bool(getattr(self.model, "found_nonfinite", False))
-        # One process (Note [check_finite] in ddp/reducer.py needs no agreement here).
+        # One process (Note [check_finite] in ddp/finite.py needs no agreement here).
         names = nonfinite_names([(n, p.grad) for n, p in self.model.named_parameters()
                                  if p.grad is not None])
         if not names:
