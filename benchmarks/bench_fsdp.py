@@ -140,7 +140,7 @@ def contender(name: str, args: argparse.Namespace, rank: int, mesh: Any
         params = list(model.parameters()) + _unsharded_buffers(model)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if isinstance(wrapped, tandem.DistributedDataParallel):
-            grads += list(wrapped.reducer.buffer.flat.values())
+            grads += [*wrapped.reducer.buffer.flat.values(), *wrapped.reducer.buffer.solo.values()]
         state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
         return {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
                 "optimizer": _storage_bytes(state)}

@@ -27,9 +27,9 @@ Memory, rank 0, per contender:
 * held between steps: the distinct storages of ``param.grad`` plus tandem's
   reducer buffers (flat bucket buffer unless released, gradient shards);
   torch's DDP keeps its bucket buffers in C++, not counted.
-* peak in a step: one step under ``torch.profiler`` with ``profile_memory``;
-  the highest running total of the main thread's CPU allocations minus frees
-  during the step, above what was allocated when it began.
+* peak in a step: the same count, taken at every gradient hook of one more
+  step (after the DDP's own hook on that parameter) and after the step: the
+  most gradient memory the step holds at once.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.profiler import ProfilerActivity, profile
 
 import tandem
 from tandem.testing import run_distributed
@@ -66,7 +65,8 @@ def build(args: argparse.Namespace, rank: int) -> tuple[nn.Module, torch.Tensor,
             torch.randn(args.batch, args.width, generator=gen))
 
 
-def contender(name: str, args: argparse.Namespace, rank: int) -> tuple[Callable[[], None], Callable[[], int]]:
+def contender(name: str, args: argparse.Namespace, rank: int
+              ) -> tuple[Callable[[], None], Callable[[], int], list[nn.Parameter]]:
     model, x, y = build(args, rank)
     cls, kwargs = OPTIMIZERS[args.optimizer]
     ddp: nn.Module
@@ -92,32 +92,36 @@ def contender(name: str, args: argparse.Namespace, rank: int) -> tuple[Callable[
         storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
                     for p in model.parameters() if p.grad is not None}
         total = sum(storages.values())
-        reducer = getattr(ddp, "reducer", None)
+        reducer = ddp.reducer if isinstance(ddp, tandem.DistributedDataParallel) else None
         if reducer is not None:
-            total += sum(t.untyped_storage().nbytes() for t in reducer.buffer.flat.values()
-                         if t.untyped_storage().data_ptr() not in storages)
+            total += reducer.buffer.held_bytes  # (no param.grad is a view here: no overlap)
             total += sum(g.nbytes for g in reducer.grad_shards)
         return total
 
-    return step, held
+    return step, held, list(model.parameters())
 
 
-def peak_in_step(step: Callable[[], None]) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
-    running = peak = 0
-    for e in events:
-        running += e.cpu_memory_usage
-        peak = max(peak, running)
-    return peak
+def peak_in_step(step: Callable[[], None], held: Callable[[], int], params: list[nn.Parameter]) -> int:
+    """The most gradient bytes held at any gradient hook of one step, or after it
+    (hooks registered after the DDP's run after its own, on each parameter)."""
+    peak = [held()]
+
+    def hook(_: torch.Tensor) -> None:
+        peak[0] = max(peak[0], held())
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    step()
+    peak[0] = max(peak[0], held())
+    for h in handles:
+        h.remove()
+    return peak[0]
 
 
 def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.distributed.barrier()
     runs = {name: contender(name, args, rank) for name in CONTENDERS}
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for step, _ in runs.values():
+    for step, _, _ in runs.values():
         for _ in range(args.warmup):
             step()
     names = list(CONTENDERS)
@@ -130,10 +134,10 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str
                 step()
             times[name].append((time.perf_counter() - start) / args.steps)
     peaks = {}
-    for name, (step, _) in runs.items():
+    for name, (step, held, params) in runs.items():
         torch.distributed.barrier()
-        peaks[name] = peak_in_step(step)
-    return {"times": times, "held": {name: h() for name, (_, h) in runs.items()}, "peak": peaks}
+        peaks[name] = peak_in_step(step, held, params)
+    return {"times": times, "held": {name: h() for name, (_, h, _) in runs.items()}, "peak": peaks}
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -145,7 +149,7 @@ def format_table(result: dict[str, Any]) -> str:
     times = result["times"]
     base = times["unfused"]
     rows = ["| contender | step ms [quartiles] | vs unfused [quartiles of per-round ratios] "
-            "| gradients held between steps | peak allocated in a step |",
+            "| gradients held between steps | gradients held at the peak of a step |",
             "|---|---|---|---:|---:|"]
     for name in CONTENDERS:
         t = times[name]

@@ -82,7 +82,7 @@ def contender(name: str, args: argparse.Namespace, rank: int) -> tuple[Callable[
         grad_bytes = sum(storages.values())
         reducer = ddp.reducer if isinstance(ddp, tandem.DistributedDataParallel) else None
         if reducer is not None:
-            grad_bytes += sum(t.untyped_storage().nbytes() for t in reducer.buffer.flat.values())
+            grad_bytes += reducer.buffer.held_bytes
             grad_bytes += sum(g.nbytes for g in reducer.grad_shards)
         params = sum(p.nbytes for p in model.parameters())
         return {"params": params, "grads": grad_bytes, "optimizer": opt_bytes}

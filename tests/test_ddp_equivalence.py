@@ -235,3 +235,24 @@ def test_large_parameters_are_reduced_in_place_and_the_flag_bucket_goes_last() -
         solo = [b for b in buckets if b[0] == 1]
         assert len(solo) == 3 and all(in_place for _, in_place, _ in solo), buckets  # the 3 weights
         assert buckets[-1][0] > 1 and buckets[-1][2], buckets  # the shared bucket, with the flag, is last
+
+
+def _solo_with_hook(rank: int, world_size: int) -> float:
+    """A hook registered after construction takes the solo buckets through their
+    staging tensors (allocated on first use), and matches torch's DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    case = Case(model="mlp", opt="adam")
+    ref_ddp = TorchDDP(make_model("mlp", seed=rank))
+    ref_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ref = _train(ref_ddp, case, lambda s, m: _batch(s, m, rank))
+    with _solo_bytes(256):
+        ddp = tandem.DistributedDataParallel(make_model("mlp", seed=rank))
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ours = _train(ddp, case, lambda s, m: _batch(s, m, rank))
+        assert any(b.spec.solo for b in ddp.reducer.buckets)
+    return max_abs_diff(ref, ours)
+
+
+def test_solo_buckets_under_a_communication_hook() -> None:
+    assert all(d <= TOL for d in run_distributed(_solo_with_hook, 2))

@@ -84,3 +84,20 @@ def test_describe_names_sizes() -> None:
     params = [ParamInfo(f"p{i}", 1 << 18, torch.float32, CPU) for i in range(8)]  # 1 MiB each
     plan = plan_buckets(params, list(reversed(range(8))), cap_bytes_from_mb(None))
     assert plan.describe() == "8 params in 2 buckets, first 1.0 MiB, largest 7.0 MiB"
+
+
+def test_solo_buckets_stand_alone_and_the_flag_bucket_goes_last() -> None:
+    """Note [solo buckets]: parameters of at least solo_bytes get a bucket of their own,
+    outside the flat buffer; the others are bucketed as without them; the control
+    elements go to the last shared bucket, launched last."""
+    sizes = [100, 5000, 100, 6000, 100, 7000]  # fill order: registration reversed
+    params = [ParamInfo(f"p{i}", n, torch.float32, CPU) for i, n in enumerate(sizes)]
+    order = list(reversed(range(len(params))))
+    plan = plan_buckets(params, order, [1 << 20], pad_to=2, last_bucket_extra=1, solo_bytes=4 * 4000)
+    assert [b.params for b in plan.buckets] == [(5,), (3,), (1,), (4, 2, 0)]
+    assert [b.solo for b in plan.buckets] == [True, True, True, False]
+    assert plan.buckets[-1].extra == 1 and all(b.extra == 0 for b in plan.buckets[:-1])
+    assert plan.buffer_numel == {(CPU, torch.float32): 302}  # 300 + 1 extra, padded to 2
+    assert plan.buckets[-1].buffer_offset == 0
+    without = plan_buckets(params, order, [1 << 20], pad_to=2, last_bucket_extra=1)
+    assert [b.params for b in without.buckets] == [(5, 4, 3, 2, 1, 0)]

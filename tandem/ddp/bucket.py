@@ -35,12 +35,28 @@ class GradBuffer:
     shard for rank r is ``bucket.data.view(world, -1)[r]``.
     """
 
-    def __init__(self, numel_by_key: dict[tuple[torch.device, torch.dtype], int]) -> None:
+    def __init__(self, numel_by_key: dict[tuple[torch.device, torch.dtype], int],
+                 solo: tuple[BucketSpec, ...] = ()) -> None:
         self.flat: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {
             key: torch.zeros(n, dtype=key[1], device=key[0]) for key, n in numel_by_key.items()}
+        # Note [solo buckets] in plan.py: staging tensors, without memory once the
+        # buckets' views exist (release_solo) until a step needs them.
+        self.solo: dict[int, torch.Tensor] = {
+            spec.index: torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device) for spec in solo}
 
     def slice(self, spec: BucketSpec) -> torch.Tensor:
+        if spec.solo:
+            return self.solo[spec.index]
         return self.flat[(spec.device, spec.dtype)].narrow(0, spec.buffer_offset, spec.padded_numel)
+
+    def release_solo(self) -> None:
+        for t in self.solo.values():
+            t.untyped_storage().resize_(0)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of memory the buffer holds now (solo staging only once used)."""
+        return sum(t.untyped_storage().nbytes() for t in (*self.flat.values(), *self.solo.values()))
 
     @property
     def released(self) -> bool:
@@ -159,6 +175,14 @@ class Bucket:
         if dst:
             foreach_copy_(dst, src)
         self.grads.mul_(scale)
+
+    def ensure_data(self) -> None:
+        """Give a solo bucket's staging tensor its memory (zeros) the first time a
+        gradient must be copied in (Note [solo buckets] in plan.py)."""
+        storage = self.data.untyped_storage()
+        if storage.size() == 0 and self.data.numel():
+            storage.resize_(self.data.numel() * self.data.element_size())
+            self.data.zero_()
 
     def reducible_in_place(self) -> torch.Tensor | None:
         """The solo parameter's gradient, if the collective can run on it directly:

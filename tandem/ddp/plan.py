@@ -33,6 +33,9 @@ The other parameters are bucketed as torch would among themselves. The bucket
 holding the control elements must be launched last (its flag is only known at
 the end of backward); when the bucket that fills last is a solo one, the last
 shared bucket is moved after it instead, so that the solo can stay in place.
+A solo bucket is not part of the flat buffer: its own staging tensor is
+allocated only if a step ever needs it (a gradient that cannot be reduced in
+place), so that a large parameter's gradient is held once, as in torch.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class BucketSpec:
     dtype: torch.dtype
     device: torch.device
     buffer_offset: int               # where the bucket starts in its flat buffer
+    solo: bool = False               # a solo bucket: in no flat buffer (Note [solo buckets])
 
     @property
     def nbytes(self) -> int:
@@ -193,11 +197,13 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
             numel += params[idx].numel
         extra = last_bucket_extra if b == len(groups) - 1 else 0
         padded = -(-(numel + extra) // pad_to) * pad_to
-        start = fill.get(key, 0)
+        solo = members[0] in solos and not extra
+        start = 0 if solo else fill.get(key, 0)
         buckets.append(BucketSpec(index=b, params=tuple(members), offsets=tuple(offsets),
                                   numel=numel, extra=extra, padded_numel=padded,
-                                  dtype=first.dtype, device=first.device, buffer_offset=start))
-        fill[key] = start + padded
+                                  dtype=first.dtype, device=first.device, buffer_offset=start, solo=solo))
+        if not solo:
+            fill[key] = start + padded
     return BucketPlan(buckets=tuple(buckets), buffer_numel=fill)
 
 

@@ -221,10 +221,11 @@ class GradReducer:
         solo = None if (self._zero or self._as_view or self._check is not None) else _SOLO_BYTES
         plan = plan_buckets(self._infos, order, self.options.caps, pad_to=self.comm.size,
                             last_bucket_extra=_FLAG_SLOTS, solo_bytes=solo)
-        buffer = GradBuffer(plan.buffer_numel)
+        buffer = GradBuffer(plan.buffer_numel, solo=tuple(s for s in plan.buckets if s.solo))
         self.buckets = [Bucket(spec, [self.params[i] for i in spec.params],
                                [self.names[i] for i in spec.params], buffer.slice(spec))
                         for spec in plan.buckets]
+        buffer.release_solo()  # the views exist: Note [solo buckets] in plan.py
         for b in self.buckets:  # for hang reports (tandem.comm.ledger)
             self.comm.ledger.describe_params(f"bucket {b.index}", b.names)
         self.plan, self.buffer = plan, buffer
@@ -292,6 +293,8 @@ class GradReducer:
                 b.data.narrow(0, b.spec.numel, b.spec.padded_numel - b.spec.numel).zero_()
         for b in self.buckets:
             b.reset()
+            if b.spec.solo and not self._in_place:  # a hook was registered: it needs the bucket
+                b.ensure_data()
         self._next_launch = 0
         self._callback_queued = False
         self._missing_flag = 0.0
@@ -433,6 +436,7 @@ class GradReducer:
                 bucket.in_place = True
                 bucket.launched(self.comm.all_reduce(grad, tag=f"bucket {bucket.index}", async_op=True))
                 return
+            bucket.ensure_data()
             bucket.copy_in(0, self._div, rebind=False)
         elif not bucket.copies_per_param:
             bucket.copy_all(self._div, self.options.gradient_as_bucket_view)
@@ -657,6 +661,7 @@ class GradReducer:
             if self._comm_hook is not None:
                 # As torch: the hook runs on a zero bucket, one bucket after another
                 # (the strictest Note [hook order] in grad_bucket.py); the flag follows below.
+                bucket.ensure_data()
                 bucket.grads.zero_()
                 future = self._comm_hook(self._comm_hook_state, GradBucket(
                     bucket, bucket.index == len(self.buckets) - 1, self.comm))
