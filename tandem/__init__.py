@@ -19,16 +19,18 @@ from tandem.fsdp import FSDPModule, fully_shard
 from tandem.ddp import DistributedDataParallel, join
 from tandem.launch import spawn
 from tandem.nn import SyncBatchNorm
+from tandem.tools.plan import PlanReport, plan
 from tandem.train import Trainer, TrainerConfig, TrainingState, atomic_save, capture_rng_state, \
     latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint, seed_everything
 from tandem.zero import ZeroOptimizer
 
 __all__ = ["CheckpointError", "DataParallel", "DistributedDataParallel", "DistributedSampler", "FSDPModule",
-           "RunningMean", "SyncBatchNorm",
+           "PlanReport", "RunningMean", "SyncBatchNorm",
            "Trainer", "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean",
            "all_reduce_sum", "atomic_save", "capture_rng_state", "checkpoint", "comm_hooks", "fsdp", "fully_shard",
            "gather_samples", "init", "join",
-           "latest_checkpoint", "load_checkpoint", "load_sharded_checkpoint", "restore_rng_state", "save_checkpoint",
+           "latest_checkpoint", "load_checkpoint", "load_sharded_checkpoint", "plan", "restore_rng_state",
+           "save_checkpoint",
            "save_sharded_checkpoint",
            "seed_everything", "shutdown", "spawn", "weighted_mean"]
 __version__ = "0.1.0"

@@ -113,14 +113,14 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict[str, float]:
 def _solo_bytes(value: int | None):
     """The small test models have no 4 MiB parameter: lower the threshold so that
     solo buckets, reduced in place, are planned (Note [solo buckets])."""
-    from tandem.ddp import reducer
-    saved = reducer._SOLO_BYTES
+    from tandem.ddp import plan
+    saved = plan.SOLO_BYTES
     if value is not None:
-        reducer._SOLO_BYTES = value
+        plan.SOLO_BYTES = value
     try:
         yield
     finally:
-        reducer._SOLO_BYTES = saved
+        plan.SOLO_BYTES = saved
 
 
 def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, float]]:

@@ -45,11 +45,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ParamInfo", "BucketSpec", "BucketPlan", "plan_buckets", "DEFAULT_FIRST_BUCKET_BYTES",
-           "DEFAULT_BUCKET_CAP_MB"]
+__all__ = ["ParamInfo", "BucketSpec", "BucketPlan", "plan_buckets", "plan_ddp_buckets", "DEFAULT_FIRST_BUCKET_BYTES",
+           "DEFAULT_BUCKET_CAP_MB", "FLAG_SLOTS", "SOLO_BYTES"]
 
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+FLAG_SLOTS = 1  # control elements in the last bucket: Note [missing-gradient flag] in reducer.py
+SOLO_BYTES = 4 * 1024 * 1024  # Note [solo buckets]
 _MB = 1024 * 1024
 
 
@@ -205,6 +207,15 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
         if not solo:
             fill[key] = start + padded
     return BucketPlan(buckets=tuple(buckets), buffer_numel=fill)
+
+
+def plan_ddp_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int], world_size: int,
+                     *, zero: bool, gradient_as_bucket_view: bool, check_finite: bool) -> BucketPlan:
+    """The plan tandem's DDP makes (GradReducer): buckets padded to the world size,
+    the flag in the last, and solo buckets only where in-place reduction can apply
+    (Note [solo buckets]; not under ZeRO, gradient_as_bucket_view or check_finite)."""
+    solo = None if (zero or gradient_as_bucket_view or check_finite) else SOLO_BYTES
+    return plan_buckets(params, order, caps, pad_to=world_size, last_bucket_extra=FLAG_SLOTS, solo_bytes=solo)
 
 
 def _element_size(dtype: torch.dtype) -> int:

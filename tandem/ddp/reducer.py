@@ -107,14 +107,12 @@ from tandem.ddp.errors import gradient_twice, missing_gradients, unfinished_back
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork, issues_one_collective
 from tandem._tree import iter_tensors
 from tandem.ddp.graph import opaque_nodes, reachable_params
-from tandem.ddp.plan import BucketPlan, ParamInfo, plan_buckets
+from tandem.ddp.plan import BucketPlan, ParamInfo, plan_ddp_buckets
 
 __all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]
 
 logger = logging.getLogger(__name__)
 
-_FLAG_SLOTS = 1  # Note [missing-gradient flag]
-_SOLO_BYTES = 4 * 1024 * 1024  # Note [solo buckets] in plan.py
 _FLAGS_TAG = "missing gradients flag"
 
 
@@ -217,10 +215,8 @@ class GradReducer:
 
     # ------------------------------------------------------------------ planning
     def _build(self, order: list[int]) -> None:
-        # Note [solo buckets] in plan.py: only where in-place reduction can apply.
-        solo = None if (self._zero or self._as_view or self._check is not None) else _SOLO_BYTES
-        plan = plan_buckets(self._infos, order, self.options.caps, pad_to=self.comm.size,
-                            last_bucket_extra=_FLAG_SLOTS, solo_bytes=solo)
+        plan = plan_ddp_buckets(self._infos, order, self.options.caps, self.comm.size, zero=self._zero,
+                                gradient_as_bucket_view=self._as_view, check_finite=self._check is not None)
         buffer = GradBuffer(plan.buffer_numel, solo=tuple(s for s in plan.buckets if s.solo))
         self.buckets = [Bucket(spec, [self.params[i] for i in spec.params],
                                [self.names[i] for i in spec.params], buffer.slice(spec))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import shutil
 import socket
@@ -77,6 +78,10 @@ def build_parser() -> _Parser:
         description="Start the workers of a distributed job on this node, on torch's elastic "
                     "agent. Takes torchrun's options; each worker's output lines carry its rank.")
     top.run = p
+    sub.add_parser("plan", help="before launching: buckets, memory per rank for DDP, ZeRO-1/2 and "
+                                "fully_shard, what fits (tandem plan --help)", add_help=False)
+    sub.add_parser("check", help="does N ranks train the same model as one process? "
+                                 "(tandem check --help)", add_help=False)
 
     def opt(group: argparse._ArgumentGroup, *names: str, **kw) -> None:
         # torchrun accepts --foo-bar and --foo_bar; so does tandem run.
@@ -250,8 +255,16 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     return 0
 
 
+# The other sub-commands live with their tools; each module has main(argv) -> int.
+TOOLS = {"plan": "tandem.tools.plan", "check": "tandem.tools.check"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tandem`` console script and of ``python -m tandem``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        tool = importlib.import_module(TOOLS[argv[0]])
+        return int(tool.main(argv[1:]))
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command != "run":

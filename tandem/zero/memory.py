@@ -1,12 +1,47 @@
 """The memory planner: per-rank bytes of parameters, gradients and optimizer
 state under ZeRO stages 0 to 3, before running anything.
 
-Stage 0 is plain data parallelism (a full copy of everything on every rank);
-stage 1 shards the optimizer state, stage 2 also the gradients (DDP's buckets:
-sharded sizes round up to whole per-rank shards of each bucket, as the flat
-buffer does), stage 3 also the parameters (Rajbhandari et al., 2020): that is
+Stage 0 is tandem's DistributedDataParallel (a full copy of everything on every
+rank), stage 1 shards the optimizer state (:class:`tandem.ZeroOptimizer`),
+stage 2 also the gradients (both over DDP's buckets, Note [stages 0 to 2
+memory]), stage 3 also the parameters (Rajbhandari et al., 2020): that is
 ``tandem.fully_shard``, planned from the units it would build (Note [stage 3
-memory]).
+memory]). ``tandem plan`` (tandem/tools/plan.py) adds the activations, measured.
+
+# Note [stages 0 to 2 memory]
+The buckets are the ones DDP plans at construction (:func:`ddp_bucket_plan`);
+every bucket is padded to a multiple of the world size ``w`` and the last one
+carries one flag element (Note [flat buffer layout] in tandem/ddp/plan.py).
+``params`` is every parameter of the model, frozen ones included, at every
+stage. With ``F`` the flat bucket buffer (the non-solo buckets), ``G`` the
+trainable parameters' bytes and ``M`` rank 0's owned elements (its shard of
+each bucket without the padding; rank 0 owns the most):
+
+- stage 0 ``grads``: ``param.grad`` of every trainable parameter (``G``) plus
+  ``F``, which DDP holds for the whole run; a solo bucket (Note [solo buckets])
+  is reduced on ``param.grad`` in place and holds nothing. With
+  ``gradient_as_bucket_view`` ``param.grad`` is a view of ``F`` (and nothing is
+  solo): ``F`` only. A world of one builds no reducer: ``G`` only.
+- stage 1 ``grads``: ``param.grad`` (this rank's local gradients, kept) plus the
+  gradient shards ``F / w``; stage 2: ``F / w`` only (``param.grad`` is freed as
+  its bucket is launched, and after backward).
+- stages 1 and 2 ``optimizer``: the master copies of the owned elements (fp32,
+  or the parameters' dtype when wider: :class:`tandem.ZeroOptimizer` steps
+  those) plus ``optimizer_bytes_per_param`` per owned element; stage 0 has no
+  master copy, ``optimizer_bytes_per_param`` per trainable element.
+- ``reducing``, during backward: ``F`` is released between ZeRO steps and
+  allocated again from forward to the end of backward; at stage 2 the
+  ``param.grad`` of a bucket not yet launched add up to about one bucket (the
+  largest is counted).
+- ``gathered``, during the ZeRO step: the all-gather of the updated
+  parameters, one output of each bucket's padded size and one input of its
+  shard size, all alive until the last is written back (``F + F / w``).
+
+Per-tensor scalars (Adam's step count, 4 bytes per tensor), the optimizer's
+temporaries and the collectives' own scratch space are not counted. The
+backward buffers and the step's gathers are never alive together: ``total``
+adds the larger (and :meth:`MemoryEstimate.peak` adds activations to the
+backward's).
 
 # Note [stage 3 memory]
 Stage 3 is computed from the layout of each fully_shard unit
@@ -57,11 +92,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tandem.ddp.plan import ParamInfo, cap_bytes_from_mb, plan_buckets
+from tandem.ddp.plan import BucketPlan, ParamInfo, cap_bytes_from_mb, plan_ddp_buckets
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES, UnitLayout, plan_unit
 from tandem.fsdp.units import walk_unit
 
-__all__ = ["FullyShardSpec", "MemoryEstimate", "UnitEstimate", "estimate_memory", "format_memory_table"]
+__all__ = ["FullyShardSpec", "MemoryEstimate", "UnitEstimate", "ddp_bucket_plan", "estimate_memory",
+           "format_memory_table"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,43 +149,79 @@ class UnitEstimate:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at ZeRO ``stage`` (Note [stage 3 memory] for stage 3)."""
+    """Bytes one rank holds at ZeRO ``stage`` (Notes [stages 0 to 2 memory] and
+    [stage 3 memory]); activations are not included."""
 
     stage: int
     params: int
     grads: int
     optimizer: int
-    gathered: int = 0                                       # stage 3: peak of gathered units
-    reducing: int = 0                                       # stage 3: peak of gradients being reduced
+    gathered: int = 0                                       # parameters gathered (stages 1-3)
+    reducing: int = 0                                       # gradients being reduced in backward
     units: tuple[UnitEstimate, ...] = field(default=(), repr=False)   # stage 3: the units planned
+    buckets: BucketPlan | None = field(default=None, repr=False)      # stages 0-2: DDP's buckets
+
+    @property
+    def steady(self) -> int:
+        """What is held between steps: parameters, gradients, optimizer state."""
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> int:
-        """The steady state plus the transient peaks: an upper bound."""
-        return self.params + self.grads + self.optimizer + self.gathered + self.reducing
+        """The steady state plus the transient peaks: at stage 3 both (an upper
+        bound), at stages 0-2 the larger (they are never alive together)."""
+        if self.stage == 3:
+            return self.steady + self.gathered + self.reducing
+        return self.steady + max(self.gathered, self.reducing)
+
+    def peak(self, activations: int) -> int:
+        """:attr:`total` with ``activations`` bytes alive from forward through
+        backward (with backward's transients; at stage 3 with everything)."""
+        if self.stage == 3:
+            return self.total + activations
+        return self.steady + max(self.gathered, self.reducing + activations)
+
+
+def ddp_bucket_plan(params: Sequence[ParamInfo], world_size: int, *, zero_stage: int = 0,
+                    bucket_cap_mb: float | None = None, bucket_cap_mb_list: Sequence[float] | None = None,
+                    gradient_as_bucket_view: bool = False, check_finite: bool = False) -> BucketPlan:
+    """The buckets ``tandem.DistributedDataParallel`` plans at construction for
+    the trainable ``params`` (in registration order), with the arguments its
+    reducer passes (GradReducer._build in tandem/ddp/reducer.py).
+
+    DDP re-plans once after its first step (not at ZeRO stages, nor with
+    ``find_unused_parameters`` without ``static_graph``), in the order the
+    gradients arrived: the same parameters, grouped by the same caps.
+    """
+    return plan_ddp_buckets(params, list(reversed(range(len(params)))),
+                            cap_bytes_from_mb(bucket_cap_mb, bucket_cap_mb_list), world_size,
+                            zero=bool(zero_stage), gradient_as_bucket_view=gradient_as_bucket_view,
+                            check_finite=check_finite)
 
 
 def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_param: int = 8,
-                    bucket_cap_mb: float | None = None, fsdp: FullyShardSpec | None = None
-                    ) -> list[MemoryEstimate]:
+                    bucket_cap_mb: float | None = None, fsdp: FullyShardSpec | None = None,
+                    gradient_as_bucket_view: bool = False) -> list[MemoryEstimate]:
     """Per-rank memory of ``model`` at ZeRO stages 0, 1, 2 and 3.
 
     Args:
         model: the model; only its parameters' shapes, dtypes and
-            ``requires_grad`` are read (stages 0-2 count the trainable ones;
-            stage 3 shards every parameter, frozen ones included).
+            ``requires_grad`` are read (stages 0-2 reduce the trainable ones, as
+            DDP does, skipping ``_ddp_params_and_buffers_to_ignore``; stage 3
+            shards every parameter, frozen ones included).
         world_size: ranks the state would be sharded over.
         optimizer_bytes_per_param: optimizer state per parameter element; 8 is
             Adam's two fp32 moments, 4 is SGD with momentum, 0 plain SGD.
-        bucket_cap_mb: DDP's bucket cap (buckets are what stages 1 and 2 shard).
+        bucket_cap_mb: DDP's bucket cap (None: DDP's default, a 1 MiB first
+            bucket then 25 MiB).
         fsdp: how ``tandem.fully_shard`` is applied, for stage 3 (default: to
             the root only, one unit holding the whole model).
+        gradient_as_bucket_view: DDP's argument, for stage 0.
 
     Returns:
-        One estimate per stage. Activations are not included; at stage 2 one
-        bucket is counted in full as the staging area for the reduce-scatter;
-        stage 3 adds the peaks of gathered units and of gradients being reduced
-        (Note [stage 3 memory]) and lists its units.
+        One estimate per stage (Notes [stages 0 to 2 memory] and [stage 3
+        memory]); stages 0-2 carry DDP's bucket plan, stage 3 its units.
+        Activations are not included (:meth:`MemoryEstimate.peak` adds them).
 
     Raises:
         ValueError: ``world_size < 1``, a negative ``optimizer_bytes_per_param``,
@@ -166,26 +238,59 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer_bytes_per_param < 0:
         raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {optimizer_bytes_per_param}")
+    ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     infos = [ParamInfo(n, p.numel(), p.dtype, p.device)
-             for n, p in model.named_parameters() if p.requires_grad]
+             for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
     if not infos:
         raise ValueError("the model has no trainable parameters")
-    plan = plan_buckets(infos, list(reversed(range(len(infos)))), cap_bytes_from_mb(bucket_cap_mb),
-                        pad_to=world_size)
-    full = sum(b.nbytes for b in plan.buckets)
-    shard = sum(b.nbytes // world_size for b in plan.buckets)
-    per_elem = sum(b.padded_numel for b in plan.buckets)
-    opt_full = per_elem * optimizer_bytes_per_param
-    opt_shard = sum(b.padded_numel // world_size for b in plan.buckets) * optimizer_bytes_per_param
-    staging = max(b.nbytes for b in plan.buckets)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    ddp = ddp_bucket_plan(infos, world_size, bucket_cap_mb=bucket_cap_mb,
+                          gradient_as_bucket_view=gradient_as_bucket_view)
+    zero = ddp_bucket_plan(infos, world_size, zero_stage=1, bucket_cap_mb=bucket_cap_mb)
     spec = fsdp if fsdp is not None else FullyShardSpec()
     units = _plan_units(model, world_size, spec)
     return [
-        MemoryEstimate(0, params=full, grads=full, optimizer=opt_full),
-        MemoryEstimate(1, params=full, grads=full, optimizer=opt_shard),
-        MemoryEstimate(2, params=full, grads=shard + staging, optimizer=opt_shard),
+        _stage0(ddp, infos, params, world_size, optimizer_bytes_per_param, gradient_as_bucket_view),
+        *(_zero_stage(stage, zero, infos, params, world_size, optimizer_bytes_per_param) for stage in (1, 2)),
         _stage3(units, spec, optimizer_bytes_per_param),
     ]
+
+
+def _stage0(plan: BucketPlan, infos: list[ParamInfo], params: int, world_size: int,
+            optimizer_bytes_per_param: int, as_view: bool) -> MemoryEstimate:
+    trainable = sum(p.nbytes for p in infos)
+    flat = _flat_bytes(plan)
+    if world_size == 1:
+        grads = trainable   # a world of one builds no reducer (tandem/ddp/module.py)
+    else:
+        grads = flat if as_view else trainable + flat
+    return MemoryEstimate(0, params=params, grads=grads,
+                          optimizer=sum(p.numel for p in infos) * optimizer_bytes_per_param, buckets=plan)
+
+
+def _zero_stage(stage: int, plan: BucketPlan, infos: list[ParamInfo], params: int, world_size: int,
+                optimizer_bytes_per_param: int) -> MemoryEstimate:
+    flat = _flat_bytes(plan)
+    shards = sum(n // world_size * _itemsize(dtype) for (_, dtype), n in plan.buffer_numel.items())
+    owned = [(min(b.padded_numel // world_size, b.numel), b.dtype) for b in plan.buckets]  # rank 0's
+    masters = sum(n * torch.promote_types(dtype, torch.float32).itemsize for n, dtype in owned)
+    optimizer = masters + sum(n for n, _ in owned) * optimizer_bytes_per_param
+    trainable = sum(p.nbytes for p in infos)
+    if stage == 1:
+        grads, reducing = trainable + shards, flat
+    else:
+        grads, reducing = shards, flat + max(b.numel * _itemsize(b.dtype) for b in plan.buckets)
+    return MemoryEstimate(stage, params=params, grads=grads, optimizer=optimizer,
+                          gathered=flat + shards, reducing=reducing, buckets=plan)
+
+
+def _flat_bytes(plan: BucketPlan) -> int:
+    """Bytes of the flat bucket buffers (solo buckets are in none)."""
+    return sum(n * _itemsize(dtype) for (_, dtype), n in plan.buffer_numel.items())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ---------------------------------------------------------------------- stage 3: the units
@@ -381,8 +486,8 @@ def format_memory_table(estimates: list[MemoryEstimate], world_size: int) -> str
         One row per stage, and for stage 3 a line on its units.
     """
     columns = ("params", "grads", "optimizer", "gathered", "reducing", "total")
-    title = (f"ZeRO memory per rank at world size {world_size} (steady state, then the peaks of gathered "
-             "units and of gradients being reduced at stage 3; activations not included)")
+    title = (f"ZeRO memory per rank at world size {world_size} (steady state, then the transient peaks: "
+             "the larger of the two at stages 0-2, both at stage 3; activations not included)")
     rows = [title, f"{'stage':>5}" + "".join(f"  {c:>10}" for c in columns)]
     for e in estimates:
         values = (e.params, e.grads, e.optimizer, e.gathered, e.reducing, e.total)

@@ -1,0 +1,530 @@
+"""``tandem plan``: will it fit, and how should I shard it? Answered before
+anything is launched, from the model's shapes and one small forward on CPU.
+
+Two parts, as everywhere in tandem: :func:`plan_report` is pure (a
+:class:`PlanReport` from the model's parameters and buffers, what was
+measured, and the options: DDP's buckets, the memory per rank under DDP,
+ZeRO-1, ZeRO-2 and fully_shard from :func:`tandem.zero.estimate_memory`, which
+strategy fits, the batch arithmetic, the warnings); :func:`measure` runs the
+forward and backward that measure the activations and find the parameters the
+forward does not reach; :func:`plan` and :func:`main` (the command line) tie
+them together.
+
+# Note [measured activations]
+Activations are what autograd saves for backward: every tensor passed to a
+saved-tensors pack hook during one forward with the sample batch, counted by
+distinct storage (a view and its base are one allocation; an op that saves its
+output shares the storage of the next op's saved input), leaving out the
+parameters' and buffers' storages, which are counted as parameters. The
+input batch is counted when an op saves it. The gradients are then taken with
+``torch.autograd.grad``, so the model's ``.grad`` stays as it was; buffers
+changed by the forward (BatchNorm's running statistics) are restored.
+Measured on the device the model is on, in its dtype, without autocast: a
+model trained under autocast saves some half-precision tensors instead.
+Activations grow with the batch: measure with the per-rank batch you will train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem._tree import iter_tensors
+from tandem.ddp.graph import reachable_params
+from tandem.ddp.plan import BucketPlan
+from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
+from tandem.tools.entry import load_entry
+from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
+
+__all__ = ["OPTIMIZER_STATE_BYTES", "Measurement", "PlanReport", "StrategyMemory", "default_fsdp_units",
+           "main", "measure", "parse_bytes", "plan", "plan_report"]
+
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8, "adam": 8,          # exp_avg, exp_avg_sq
+    "sgd": 0,                       # torch's default: momentum=0, no state
+    "sgd-momentum": 4, "momentum": 4, "adagrad": 4, "rmsprop": 4, "lion": 4,
+}
+"""Optimizer state bytes per fp32 parameter element, by ``--optimizer`` name."""
+
+STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "fully_shard")
+"""In order of communication and complexity: the first that fits is chosen."""
+
+
+# ---------------------------------------------------------------------- the report
+
+@dataclass(frozen=True)
+class StrategyMemory:
+    """One strategy's bytes per rank (:class:`tandem.zero.MemoryEstimate`) with
+    the measured activations."""
+
+    name: str
+    estimate: MemoryEstimate
+    activations: int
+
+    @property
+    def peak(self) -> int:
+        """The most this rank holds at once (:meth:`MemoryEstimate.peak`)."""
+        return self.estimate.peak(self.activations)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """What one forward and backward with the sample batch found (:func:`measure`)."""
+
+    activation_bytes: int
+    """Bytes of the distinct storages saved for backward (Note [measured activations])."""
+    batch_size: int | None
+    """Dim 0 of the first input tensor: the per-rank batch."""
+    unused: tuple[str, ...] = ()
+    """Trainable parameters the outputs do not reach in the autograd graph."""
+    opaque: bool = False
+    """The graph hides what it reaches (reentrant checkpointing): ``unused`` is unknown."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """Everything ``tandem plan`` prints (:meth:`describe`)."""
+
+    model: str
+    """The model's class name."""
+    world_size: int
+    """Ranks planned for."""
+    optimizer: str
+    """The optimizer's name."""
+    optimizer_bytes_per_param: int
+    """Its state per parameter element."""
+    num_params: int
+    """Parameter elements, frozen ones included."""
+    num_trainable: int
+    """Elements DDP reduces."""
+    param_bytes: int
+    """Bytes of the parameters."""
+    buffers: tuple[tuple[str, int], ...]
+    """Buffers DDP broadcasts before every forward (name, bytes); empty with ``broadcast_buffers=False``."""
+    buckets: BucketPlan
+    """The buckets DDP plans at construction."""
+    param_names: tuple[str, ...]
+    """The trainable parameters, by the indices the buckets use."""
+    strategies: tuple[StrategyMemory, ...]
+    """DDP, ZeRO-1, ZeRO-2 and fully_shard, in that order."""
+    measurement: Measurement | None
+    """What the sample forward measured (None: no sample given)."""
+    grad_accum: int
+    """Micro-batches per optimizer step."""
+    device_memory: int | None
+    """Bytes of one device, to choose a strategy (None: no choice)."""
+    fsdp_units: tuple[str, ...]
+    """The modules fully_shard is planned on (besides the root)."""
+    warnings: tuple[str, ...]
+    """What to change before launching."""
+
+    @property
+    def global_batch(self) -> int | None:
+        """Per-rank batch x gradient accumulation x world size (None: no sample)."""
+        if self.measurement is None or self.measurement.batch_size is None:
+            return None
+        return self.measurement.batch_size * self.grad_accum * self.world_size
+
+    @property
+    def choice(self) -> StrategyMemory | None:
+        """The first strategy (in :data:`STRATEGIES` order) whose peak fits
+        ``device_memory``; None when none does or no device memory was given."""
+        if self.device_memory is None:
+            return None
+        return next((s for s in self.strategies if s.peak <= self.device_memory), None)
+
+    def describe(self) -> str:
+        """The report as text (what ``tandem plan`` prints)."""
+        return "\n".join(_describe(self))
+
+
+def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement | None = None,
+                optimizer: str | int = "adamw", device_memory: int | str | None = None, grad_accum: int = 1,
+                bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
+                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True) -> PlanReport:
+    """The plan, from the model's parameters and buffers (shapes, dtypes,
+    ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
+
+    Args:
+        model: the model, as it will be wrapped.
+        world_size: ranks.
+        measurement: what :func:`measure` found (None: activations unknown).
+        optimizer: a name in :data:`OPTIMIZER_STATE_BYTES`, or bytes of state
+            per parameter element.
+        device_memory: bytes of one device (an int or ``"16GiB"``), to choose
+            the first strategy that fits.
+        grad_accum: micro-batches per optimizer step (for the global batch).
+        bucket_cap_mb: DDP's ``bucket_cap_mb`` (None: its default).
+        fsdp_units: modules fully_shard is called on (None:
+            :func:`default_fsdp_units`).
+        min_unit_bytes: fully_shard's ``min_unit_bytes``.
+        broadcast_buffers: DDP's ``broadcast_buffers``.
+
+    Raises:
+        ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer`` or
+            ``device_memory``, and what :func:`tandem.zero.estimate_memory` rejects.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+    opt_name, opt_bytes = _optimizer_bytes(optimizer)
+    device = parse_bytes(device_memory) if isinstance(device_memory, str) else device_memory
+    if device is not None and device <= 0:
+        raise ValueError(f"device_memory must be positive, got {device_memory!r}")
+    units = tuple(default_fsdp_units(model) if fsdp_units is None else fsdp_units)
+    spec = FullyShardSpec(units=units, min_unit_bytes=min_unit_bytes)
+    estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
+                                bucket_cap_mb=bucket_cap_mb, fsdp=spec)
+    activations = 0 if measurement is None else measurement.activation_bytes
+    ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    params = dict(model.named_parameters())
+    buffers = tuple((n, b.numel() * b.element_size()) for n, b in model.named_buffers()
+                    if n not in ignored) if broadcast_buffers else ()
+    trainable = tuple(n for n, p in params.items() if p.requires_grad and n not in ignored)
+    report = PlanReport(
+        model=type(model).__name__, world_size=world_size, optimizer=opt_name, optimizer_bytes_per_param=opt_bytes,
+        num_params=sum(p.numel() for p in params.values()),
+        num_trainable=sum(params[n].numel() for n in trainable),
+        param_bytes=estimates[0].params, buffers=buffers,
+        buckets=_buckets_of(estimates[0]), param_names=trainable,
+        strategies=tuple(StrategyMemory(name, e, activations) for name, e in zip(STRATEGIES, estimates)),
+        measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=())
+    warnings = _warnings(report, model, spec, estimates[3])
+    return PlanReport(**{**report.__dict__, "warnings": tuple(warnings)})
+
+
+def default_fsdp_units(model: nn.Module) -> list[str]:
+    """The modules to call fully_shard on by default: the items of every
+    ``nn.ModuleList`` (the repeated blocks of a transformer or an MLP), as
+    torchtitan shards ``model.layers``; the root is always a unit."""
+    units = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            units += [f"{name}.{k}" if name else k for k, _ in module.named_children()]
+    return units
+
+
+def _buckets_of(estimate: MemoryEstimate) -> BucketPlan:
+    assert estimate.buckets is not None  # stages 0-2 carry their plan
+    return estimate.buckets
+
+
+def _optimizer_bytes(optimizer: str | int) -> tuple[str, int]:
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return f"{optimizer} bytes/element", optimizer
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATE_BYTES:
+        return optimizer.lower(), OPTIMIZER_STATE_BYTES[optimizer.lower()]
+    if isinstance(optimizer, str) and optimizer.isdigit():
+        return f"{optimizer} bytes/element", int(optimizer)
+    raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}: "
+                     "name one, or give its state in bytes per parameter element (e.g. 12)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"16GiB"``, ``"80GB"``, ``"512M"`` (binary), ``"1e9"`` -> bytes.
+
+    Raises:
+        ValueError: naming the text and the units understood.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise ValueError(f"device memory {text!r} is not a size: write e.g. 16GiB, 80GB or 512MiB "
+                         "(KiB/MiB/GiB/TiB or K/M/G/T are powers of 1024, KB/MB/GB/TB of 1000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+# ---------------------------------------------------------------------- warnings
+
+def _warnings(report: PlanReport, model: nn.Module, spec: FullyShardSpec, stage3: MemoryEstimate) -> list[str]:
+    out = []
+    m = report.measurement
+    if m is not None and m.opaque:
+        out.append("the forward's graph holds a reentrant checkpoint, which hides the parameters it "
+                   "reaches: unused parameters could not be checked")
+    elif m is not None and m.unused:
+        out.append(f"{len(m.unused)} trainable parameter(s) get no gradient from this forward "
+                   f"({_names(m.unused)}): DDP needs find_unused_parameters=True (or freeze them with "
+                   "requires_grad_(False), or remove them)")
+    if report.buffers:
+        total = sum(b for _, b in report.buffers)
+        out.append(f"DDP broadcasts {len(report.buffers)} buffer(s) ({_size(total)}: "
+                   f"{_names([n for n, _ in report.buffers])}) from rank 0 before every forward "
+                   "(broadcast_buffers=True, the default): pass broadcast_buffers=False if each rank may "
+                   "keep its own (BatchNorm statistics: or tandem.SyncBatchNorm.convert_sync_batchnorm)")
+    merged = [n for u in stage3.units for n in u.merged]
+    if merged:
+        out.append(f"fully_shard: {len(merged)} of the {len(report.fsdp_units)} unit(s) asked for are under "
+                   f"min_unit_bytes ({_size(spec.min_unit_bytes)}) and join an enclosing unit "
+                   f"({_names(merged)}): each unit costs two or three collectives a step")
+    if report.param_bytes < spec.min_unit_bytes and report.world_size > 1:
+        out.append(f"the whole model ({_size(report.param_bytes)}) is under fully_shard's min_unit_bytes "
+                   f"({_size(spec.min_unit_bytes)}): sharding it saves little and adds collectives; "
+                   "DDP is the better choice")
+    few_rows = [n for n, p in model.named_parameters() if p.dim() and p.shape[0] < report.world_size]
+    if few_rows:
+        out.append(f"fully_shard: {len(few_rows)} parameter(s) have fewer rows than the {report.world_size} "
+                   f"ranks ({_names(few_rows)}): some ranks hold none of them, the others padding")
+    return out
+
+
+def _names(names: Sequence[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------- the text
+
+def _describe(r: PlanReport) -> list[str]:
+    lines = [f"tandem plan: {r.model} on {r.world_size} rank(s), optimizer {r.optimizer} "
+             f"({r.optimizer_bytes_per_param} bytes of state per parameter element)", ""]
+    frozen = r.num_params - r.num_trainable
+    lines.append(f"model        {r.num_params:,} parameter elements ({_size(r.param_bytes)})"
+                 + (f", {frozen:,} of them frozen" if frozen else "")
+                 + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
+    m = r.measurement
+    if m is None:
+        lines.append("batch        no sample given (--sample): activations not measured, not included below")
+    else:
+        if r.global_batch is not None:
+            lines.append(f"batch        {m.batch_size} per rank x {r.grad_accum} accumulation step(s) x "
+                         f"{r.world_size} rank(s) = global batch {r.global_batch}")
+        lines.append(f"activations  {_size(m.activation_bytes)} per rank per micro-batch "
+                     "(measured: tensors saved for backward in one forward)")
+    lines += ["", *_bucket_lines(r), "", *_memory_lines(r)]
+    if r.device_memory is not None:
+        lines.append("")
+        choice = r.choice
+        if choice is None:
+            best = min(r.strategies, key=lambda s: s.peak)
+            lines.append(f"fits in {_size(r.device_memory)}: nothing; the smallest is {best.name} at "
+                         f"{_size(best.peak)} ({_size(best.peak - r.device_memory)} over): use more ranks, "
+                         "a smaller per-rank batch with more accumulation steps, or activation checkpointing")
+        else:
+            margin = r.device_memory - choice.peak
+            lines.append(f"fits in {_size(r.device_memory)}: {choice.name}, peak {_size(choice.peak)}, "
+                         f"margin {_size(margin)} ({margin / r.device_memory:.0%})")
+    if r.warnings:
+        lines += ["", "warnings:", *(f"  - {w}" for w in r.warnings)]
+    return lines
+
+
+def _bucket_lines(r: PlanReport, limit: int = 8) -> list[str]:
+    plan = r.buckets
+    solo = sum(b.solo for b in plan.buckets)
+    lines = [f"DDP buckets  {plan.describe()}" + (f", {solo} solo (reduced in place)" if solo else "")
+             + "; re-planned after step 1 in gradient arrival order"]
+    for b in plan.buckets[:limit]:
+        names = [r.param_names[i] for i in b.params]
+        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        lines.append(f"  {b.index:>4}  {len(names):>4} param(s)  {_size(b.nbytes):>10}"
+                     f"{'  solo' if b.solo else ''}  {span}")
+    if len(plan.buckets) > limit:
+        lines.append(f"  ... and {len(plan.buckets) - limit} more")
+    return lines
+
+
+def _memory_lines(r: PlanReport) -> list[str]:
+    columns = ("params", "grads", "optimizer", "between", "activations", "peak")
+    lines = ["memory per rank (between: held between steps; peak: adds activations and the "
+             "transient buffers)",
+             f"  {'':<12}" + "".join(f"{c:>12}" for c in columns)]
+    for s in r.strategies:
+        e = s.estimate
+        values = (e.params, e.grads, e.optimizer, e.steady, s.activations, s.peak)
+        lines.append(f"  {s.name:<12}" + "".join(f"{_size(v):>12}" for v in values))
+    units = r.strategies[3].estimate.units
+    lines.append(f"  fully_shard: {len(units)} unit(s) ("
+                 + (", ".join(u.name or "<root>" for u in units[:4]) + (", ..." if len(units) > 4 else ""))
+                 + "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer")
+    return lines
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------- measuring
+
+def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+            ) -> Measurement:
+    """One forward with ``sample`` and the gradients of its loss, measuring the
+    activations (Note [measured activations]) and the parameters the outputs
+    do not reach. The model's ``.grad`` and buffers are left as they were.
+
+    Args:
+        model: the model, measured in the mode it is in (a new module trains:
+            dropout saves its masks; ``eval()`` would not).
+        sample: one rank's batch, as a Trainer sees it: ``(inputs, targets)``,
+            or the inputs alone; the model is called as ``model(inputs)``.
+        loss_fn: ``loss_fn(outputs, targets)``; None (or no targets): the sum
+            of the outputs' floating tensors stands in for the loss.
+
+    Raises:
+        ValueError: the forward produces no tensor that requires grad.
+    """
+    inputs, targets = _split(sample)
+    ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
+    params = [p for _, p in named]
+    names = {id(p): n for n, p in named}
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # no plain storage (sparse, nested)
+            saved.setdefault(id(t), t.numel() * t.element_size())
+            return t
+        if storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outputs = model(inputs)
+            loss = _loss(outputs, targets, loss_fn)
+        reach = reachable_params([t for t in iter_tensors(outputs) if t.requires_grad],
+                                 {id(p): i for i, p in enumerate(params)})
+        wanted = [p for i, p in enumerate(params) if i in reach.params]
+        if wanted:
+            torch.autograd.grad(loss, wanted, allow_unused=True)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+    unused = () if reach.opaque else tuple(names[id(p)] for i, p in enumerate(params) if i not in reach.params)
+    first = next(iter_tensors(inputs), None)
+    return Measurement(activation_bytes=sum(saved.values()),
+                       batch_size=int(first.shape[0]) if first is not None and first.dim() else None,
+                       unused=unused, opaque=reach.opaque)
+
+
+def _split(sample: Any) -> tuple[Any, Any]:
+    if isinstance(sample, (tuple, list)) and len(sample) == 2:
+        return sample[0], sample[1]
+    return sample, None
+
+
+def _loss(outputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
+    if loss_fn is not None and targets is not None:
+        return loss_fn(outputs, targets)
+    parts = [t.float().sum() for t in iter_tensors(outputs) if t.requires_grad and t.is_floating_point()]
+    if not parts:
+        raise ValueError(f"the model's output ({type(outputs).__name__}) holds no floating tensor that "
+                         "requires grad: nothing to take gradients of; does the model have trainable "
+                         "parameters, and does the sample reach them?")
+    return torch.stack(parts).sum()
+
+
+# ---------------------------------------------------------------------- the runner
+
+def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimizer: str | int = "adamw",
+         device_memory: int | str | None = None, grad_accum: int = 1,
+         loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None, bucket_cap_mb: float | None = None,
+         fsdp_units: Sequence[str] | None = None, min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
+         broadcast_buffers: bool = True) -> PlanReport:
+    """Will ``model`` fit on ``world_size`` ranks, and how should it be sharded?
+
+    Args:
+        model: an ``nn.Module``, or an entry point ``"package.module:build"``
+            called with no arguments to build it.
+        world_size: ranks.
+        sample: one rank's batch, ``(inputs, targets)`` or the inputs (or an
+            entry point returning it); None: activations are not measured.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``, ...
+            (:data:`OPTIMIZER_STATE_BYTES`) or bytes of state per element.
+        device_memory: bytes (or ``"16GiB"``) of one device: the report names
+            the first of DDP, ZeRO-1, ZeRO-2, fully_shard that fits, with the margin.
+        grad_accum: micro-batches per optimizer step.
+        loss_fn: ``loss_fn(outputs, targets)`` (or an entry point), for the
+            measured backward.
+        bucket_cap_mb, broadcast_buffers: DDP's arguments.
+        fsdp_units, min_unit_bytes: how fully_shard is applied
+            (:func:`default_fsdp_units`).
+
+    Returns:
+        The :class:`PlanReport`; ``print(report.describe())`` shows it.
+
+    Raises:
+        ValueError: an entry point that cannot be loaded, or a bad option
+            (naming it and the value).
+
+    .. warning:: the sample's forward runs for real, on the device the model is
+        on: build the model on CPU (and measure with the per-rank batch) when it
+        is large.
+    """
+    if isinstance(model, str):
+        model = _call(model, "--model")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"the model must be an nn.Module or an entry point 'module:function' returning "
+                         f"one, got {type(model).__name__}")
+    if isinstance(sample, str):
+        sample = _call(sample, "--sample")
+    if isinstance(loss_fn, str):
+        loss_fn = load_entry(loss_fn, what="--loss")
+    measurement = None if sample is None else measure(model, sample, loss_fn=loss_fn)
+    return plan_report(model, world_size=world_size, measurement=measurement, optimizer=optimizer,
+                       device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
+                       fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers)
+
+
+def _call(spec: str, what: str) -> Any:
+    return load_entry(spec, what=what)()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem plan",
+        description="Before launching: DDP's buckets, memory per rank under DDP, ZeRO-1, ZeRO-2 and "
+                    "fully_shard (activations measured with one forward on a sample batch), which fits "
+                    "a device, and what to fix.")
+    p.add_argument("--model", required=True, metavar="MOD:FN", help="a function building the model")
+    p.add_argument("--sample", metavar="MOD:FN",
+                   help="a function returning one rank's batch, (inputs, targets) or inputs")
+    p.add_argument("--loss", metavar="MOD:FN", help="loss_fn(outputs, targets) (default: sum of the outputs)")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    p.add_argument("--optimizer", default="adamw",
+                   help=f"{', '.join(OPTIMIZER_STATE_BYTES)}, or state bytes per element (default adamw)")
+    p.add_argument("--device-memory", metavar="SIZE", help="memory of one device, e.g. 16GiB or 80GB")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb")
+    p.add_argument("--fsdp-units", metavar="NAMES",
+                   help="comma-separated modules to fully_shard (default: the items of every ModuleList)")
+    p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP's broadcast_buffers=False")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tandem plan``. Returns 0, 1 when ``--device-memory`` is given and no
+    strategy fits, 2 on bad arguments."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    units = None if args.fsdp_units is None else [u for u in args.fsdp_units.split(",") if u]
+    try:
+        report = plan(args.model, world_size=args.world_size, sample=args.sample, optimizer=args.optimizer,
+                      device_memory=args.device_memory, grad_accum=args.grad_accum, loss_fn=args.loss,
+                      bucket_cap_mb=args.bucket_cap_mb, fsdp_units=units,
+                      broadcast_buffers=not args.no_broadcast_buffers)
+    except ValueError as e:
+        print(f"tandem plan: error: {e}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 1 if report.device_memory is not None and report.choice is None else 0
