@@ -3,6 +3,10 @@
 world_from_env is pure and tested on a grid of mappings in this process. The
 rendezvous methods run on two real ranks through the harness; the world of one
 runs as a plain script in a subprocess with the launcher variables scrubbed.
+Adoption (a process group created before tandem.init(), as Ray Train, Lightning
+or the script itself do) runs in this process on a world of one and on two ranks
+that train one DDP step in the adopted group. Slurm's variables are in
+test_slurm_env.py.
 """
 
 from __future__ import annotations
@@ -17,17 +21,27 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tandem.comm import WorldInfo, init, shutdown, world_from_env
 from tandem.comm import bootstrap
+from tandem.comm.exit import _CleanExitHook
 from tandem.comm.world import LaunchVars
-from tandem.testing import run_distributed
+from tandem.ddp import DistributedDataParallel
+from tandem.testing import max_abs_diff, run_distributed
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT")
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 TIMEOUT_S = 60.0
+CPU = torch.device("cpu")
+
+
+def scrubbed(environ) -> dict[str, str]:
+    """``environ`` without any launcher's variables (torchrun's or Slurm's), as for a
+    plain ``python train.py`` even when the tests themselves run under srun."""
+    return {k: v for k, v in environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
 
 
 def free_port() -> int:
@@ -127,19 +141,31 @@ def test_world_info_validates(fields):
 @pytest.fixture
 def clean_env(monkeypatch):
     """No launcher variables, and no process group left behind whatever happens."""
-    for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
+    for name in set(os.environ) - set(scrubbed(os.environ)):
+        monkeypatch.delenv(name)
     assert not dist.is_initialized()
     yield monkeypatch
     shutdown()
+    if dist.is_initialized():  # a test's own group, if it failed before destroying it
+        dist.destroy_process_group()
 
 
-def test_init_twice_raises_and_shutdown_allows_again(clean_env):
+def test_init_twice_returns_the_same_world_and_shutdown_allows_again(clean_env):
     info = init()
     assert info == WorldInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
-                             device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(RuntimeError, match=r"already initialised.*shutdown\(\)"):
-        init()
+                             device=CPU, backend="gloo")
+    # Again, with nothing that contradicts the group init() created: the same answer.
+    assert init() == info
+    assert init("gloo", timeout=bootstrap.DEFAULT_TIMEOUT) == info
+    with pytest.raises(ValueError, match=r"rank 0: .*timeout=0:00:30, but the group was created "
+                                         r"with 0:10:00.*tandem.shutdown\(\) first"):
+        init(timeout=30.0)
+    with pytest.raises(ValueError, match=r"backend='nccl', but the group's backend is 'gloo'"):
+        init(backend="nccl")
+    with pytest.raises(ValueError, match=r"init_method='tcp://127.0.0.1:1', but the group was "
+                                         r"created with an in-memory store"):
+        init(init_method="tcp://127.0.0.1:1", rank=0, world_size=1)
+    assert init() == info
     shutdown()
     assert not dist.is_initialized()
     shutdown()  # a no-op now
@@ -147,6 +173,35 @@ def test_init_twice_raises_and_shutdown_allows_again(clean_env):
     t = torch.tensor([3.0])
     dist.all_reduce(t)
     assert t.item() == 3.0
+
+
+def test_adopts_a_group_the_script_created(clean_env):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    info = init(timeout=30.0)  # the timeout cannot apply to a group that exists: a warning
+    assert info == WorldInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                             device=CPU, backend="gloo")
+    assert isinstance(sys.excepthook, _CleanExitHook)
+    assert init() == info and init(backend="gloo") == info
+    with pytest.raises(ValueError, match=r"rank=0, world_size=2, but the group has rank 0 of 1.*"
+                                         r"destroy_process_group\(\)"):
+        init(init_method="tcp://127.0.0.1:1", rank=0, world_size=2)
+    shutdown()
+    assert dist.is_initialized(), "tandem.shutdown() destroyed a group it did not create"
+    assert not isinstance(sys.excepthook, _CleanExitHook)
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    assert t.item() == 1.0
+    dist.destroy_process_group()
+
+
+def test_a_group_replaced_behind_tandems_back_is_adopted(clean_env):
+    init()
+    dist.destroy_process_group()  # tandem's group, destroyed by the user ...
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # ... and a new one
+    assert init().world_size == 1
+    shutdown()
+    assert dist.is_initialized(), "tandem.shutdown() destroyed the user's group"
+    dist.destroy_process_group()
 
 
 def test_inconsistent_env_raises_before_any_group(clean_env):
@@ -219,12 +274,7 @@ def _join_and_reduce(rank: int, world_size: int, how: str, port: int) -> WorldIn
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     assert t.item() == world_size * (world_size + 1) / 2, t
-    try:
-        init()
-    except RuntimeError as e:
-        assert "already initialised" in str(e)
-    else:
-        raise AssertionError("a second init() did not raise")
+    assert init() == info  # a second init(): the same world, no second group
     shutdown()
     assert not dist.is_initialized()
     # Join again through a fresh file store: shutdown leaves nothing behind.
@@ -246,6 +296,92 @@ def test_two_ranks(how):
                                device=torch.device("cpu"), backend="gloo") for r in range(2)]
 
 
+# ------------------------------------------------- two ranks adopt the group a script made
+
+def _problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A tiny model and a global batch of 8, the same in every process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.randn(8, 4), torch.randn(8, 2)
+
+
+def _contradictions(store: str, rank: int) -> dict[str, dict]:
+    return {
+        "backend": dict(backend="nccl"),
+        "rank": dict(init_method=f"file://{store}", rank=1 - rank, world_size=2),
+        "world_size": dict(init_method=f"file://{store}", rank=rank, world_size=3),
+        "tcp": dict(init_method="tcp://127.0.0.1:1", rank=rank, world_size=2),
+        "other_file": dict(init_method=f"file://{store}.other", rank=rank, world_size=2),
+        "env": dict(init_method="env://"),
+    }
+
+
+def _adopt_train_and_leave(rank: int, world_size: int) -> dict:
+    store = os.environ["TANDEM_TEST_STORE"]
+    # The script (or Ray Train, or Lightning) creates the group; tandem adopts it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    info = init()
+    again = [init(), init(backend="gloo"),
+             init(init_method=f"file://{store}", rank=rank, world_size=world_size)]
+    errors = {}
+    for name, kwargs in _contradictions(store, rank).items():
+        try:
+            init(**kwargs)
+        except ValueError as e:
+            errors[name] = str(e)
+        else:
+            errors[name] = None
+    again.append(init())
+
+    model, x, y = _problem()
+    ddp = DistributedDataParallel(model)
+    half = x.shape[0] // world_size
+    rows = slice(rank * half, (rank + 1) * half)
+    nn.functional.mse_loss(ddp(x[rows]), y[rows]).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    shutdown()
+    left_alone = dist.is_initialized()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the user's group still works after tandem.shutdown()
+    hook_removed = not isinstance(sys.excepthook, _CleanExitHook)
+    dist.destroy_process_group()  # the user's to destroy
+    return dict(info=info, again=again, errors=errors, grads=grads, left_alone=left_alone,
+                total=t.item(), hook_removed=hook_removed, store=store)
+
+
+def test_two_ranks_adopt_an_existing_group():
+    results = run_distributed(_adopt_train_and_leave, 2, timeout=TIMEOUT_S, init_process_group=False)
+
+    model, x, y = _problem()  # one process, the global batch
+    nn.functional.mse_loss(model(x), y).backward()
+    reference = {name: p.grad for name, p in model.named_parameters()}
+
+    for rank, r in enumerate(results):
+        # The harness sets LOCAL_RANK/LOCAL_WORLD_SIZE as torchrun would: read for the local place.
+        assert r["info"] == WorldInfo(rank=rank, local_rank=rank, world_size=2, local_world_size=2,
+                                      device=CPU, backend="gloo")
+        assert r["again"] == [r["info"]] * 4
+        store = r["store"]
+        needles = {
+            "backend": ["backend='nccl'", "'gloo'"],
+            "rank": [f"rank={1 - rank}, world_size=2", f"rank {rank} of 2"],
+            "world_size": [f"rank={rank}, world_size=3", f"rank {rank} of 2"],
+            "tcp": ["init_method='tcp://127.0.0.1:1'", f"file store 'file://{store}'"],
+            "other_file": [f"init_method='file://{store}.other'", f"file store 'file://{store}'"],
+            "env": ["init_method='env://'", f"file store 'file://{store}'"],
+        }
+        for name, texts in needles.items():
+            error = r["errors"][name]
+            assert error is not None, f"rank {rank}: init() with a contradicting {name} did not raise"
+            for text in texts + [f"rank {rank}:", "Leave these arguments out",
+                                 "torch.distributed.destroy_process_group()"]:
+                assert text in error, (name, text, error)
+        assert max_abs_diff(r["grads"], reference) <= 1e-6
+        assert r["left_alone"] and r["hook_removed"] and r["total"] == 2.0
+
+
 # ----------------------------------------------------------- a plain script, world of one
 
 _SCRIPT = textwrap.dedent("""
@@ -263,7 +399,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_world_of_one_in_a_clean_script():
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = scrubbed(os.environ)
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr

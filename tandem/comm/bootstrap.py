@@ -1,12 +1,15 @@
 """Start and stop this process's membership of the job: :func:`init` and :func:`shutdown`.
 
-The only state is torch's own: ``torch.distributed.is_initialized()`` says whether
-:func:`init` has run, and the default process group is the group every collective
-uses unless told otherwise. Nothing is cached here.
-
 A script calls :func:`init` once at the top and works unchanged as one process
-(``python train.py``) or many (``torchrun --nproc-per-node 4 train.py``): with no
-launcher it gets a real process group of size one, so collectives still run.
+(``python train.py``) or many (``torchrun --nproc-per-node 4 train.py``,
+``srun --ntasks-per-node 4 python train.py``): with no launcher it gets a real
+process group of size one, so collectives still run. Where a process group
+already exists (Ray Train, Lightning and user code create one), :func:`init`
+adopts it instead of creating one.
+
+The default process group is torch's, and ``torch.distributed.is_initialized()``
+says whether there is one. What torch does not record is who created it: that is
+this module's one piece of state (Note [who owns the default group]).
 """
 
 from __future__ import annotations
@@ -14,15 +17,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import weakref
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-from tandem._compat import bind_group_defaults_before_init
+from tandem._compat import bind_group_defaults_before_init, default_store
 from tandem.comm.exit import install_clean_exit, uninstall_clean_exit
 from tandem.comm.monitor import start_monitor, stop_monitor
-from tandem.comm.world import WorldInfo, world_from_env
+from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
 
 __all__ = ["DEFAULT_TIMEOUT", "init", "shutdown"]
 
@@ -36,6 +41,42 @@ for a slow rank to load data or a checkpoint, short enough that a hung job fails
 while someone is still watching."""
 
 
+# Note [who owns the default group]
+# tandem.init() either creates the default process group or adopts one that
+# exists already; tandem.shutdown() destroys only a group tandem created, and
+# leaves an adopted one as it found it (initialised, for its creator to destroy),
+# taking away only what init() added: the monitor and the exit hook. torch
+# records neither who created the group nor with which timeout, so init()
+# records it in _membership, this module's one module-level holder: which group
+# (a weak reference, so that a group destroyed behind tandem's back is not
+# mistaken for a later one), in which process (a forked child inherits the
+# parent's memory, not its group), whether tandem created it, and the WorldInfo
+# that init() returned, which a second init() returns again.
+
+@dataclass(frozen=True)
+class _Membership:
+    """What :func:`init` did about this process's default group."""
+
+    pid: int
+    """The process that called :func:`init`."""
+    group: weakref.ref[dist.ProcessGroup]
+    """The default group it created or adopted."""
+    owned: bool
+    """Whether :func:`init` created the group (and :func:`shutdown` destroys it)."""
+    info: WorldInfo
+    """What :func:`init` returned."""
+    timeout: datetime.timedelta | None
+    """The timeout the group was created with; None for an adopted group (unknown)."""
+
+    def is_current(self) -> bool:
+        """Whether this is still this process's default group."""
+        return (self.pid == os.getpid() and dist.is_initialized()
+                and self.group() is dist.group.WORLD)
+
+
+_membership: _Membership | None = None
+
+
 def init(
     backend: str | None = None,
     init_method: str | None = None,
@@ -44,42 +85,62 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> WorldInfo:
-    """Join the job: create the default process group and bind this process's device.
+    """Join the job: create (or adopt) the default process group and bind this
+    process's device.
 
     Where the ranks come from depends on ``init_method``:
 
     - None: from the launcher's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
       ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as torchrun sets them),
-      joined through ``env://``. With none of them set, a world of one: rank 0 of 1
-      in a real process group backed by an in-memory store.
+      joined through ``env://``. Without them, from Slurm's, as ``srun`` sets them
+      for each task (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``,
+      ...; see :func:`tandem.comm.world_from_env`), joined through
+      ``tcp://`` at the first host of the step's node list (or ``MASTER_ADDR``) and
+      a port derived from ``SLURM_JOB_ID`` (or ``MASTER_PORT``). With none of them
+      set, a world of one: rank 0 of 1 in a real process group backed by an
+      in-memory store.
     - ``"env://"``: the same variables, which must be set.
     - ``"tcp://host:port"`` or ``"file:///path"``: ``rank`` and ``world_size``
-      from the keyword arguments, or else from ``RANK`` and ``WORLD_SIZE``. Local
-      rank and size come from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` when set, and
-      otherwise equal the global ones (a job on one node).
+      from the keyword arguments, or else from ``RANK`` and ``WORLD_SIZE`` (or
+      Slurm's). Local rank and size come from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+      (or Slurm's) when set, and otherwise equal the global ones (a job on one node).
+
+    When torch.distributed is initialised already (Ray Train, Lightning, or the
+    script called ``torch.distributed.init_process_group`` itself), :func:`init`
+    adopts that group: rank and world size are the group's, the backend is
+    ``dist.get_backend()``, local rank and size come from the variables above where
+    they describe this group and otherwise assume one node, and the device is bound
+    as below. :func:`shutdown` then leaves the group to its creator. Arguments
+    passed while a group exists must agree with it; calling :func:`init` again with
+    nothing contradicting returns the same :class:`WorldInfo`.
 
     Args:
         backend: process-group backend. None picks ``"nccl"`` when CUDA has a
-            device, else ``"gloo"``.
+            device, else ``"gloo"`` (or, for an existing group, takes its backend).
         init_method: rendezvous URL, see above.
         timeout: how long the rendezvous and each collective may wait, as a
             ``timedelta`` or seconds; None means :data:`DEFAULT_TIMEOUT` (10 min).
+            An existing group keeps the timeout it was created with.
         rank: this process's rank, only with ``tcp://`` or ``file://``.
         world_size: number of processes, only with ``tcp://`` or ``file://``.
 
     Returns:
         This process's :class:`WorldInfo`. The device is ``cuda:<local_rank>``
         (made current with ``torch.cuda.set_device``) when the backend includes
-        NCCL, otherwise the CPU.
+        NCCL, otherwise the CPU. An ``srun`` task that sees fewer GPUs than its
+        node has tasks (``--gpus-per-task``) gets ``cuda:0``, its own GPU.
 
     Raises:
-        RuntimeError: torch.distributed is already initialised; call
-            :func:`shutdown` first.
-        ValueError: the launcher's variables are inconsistent, ``init_method`` is
-            not one of the forms above, ``rank``/``world_size`` are missing,
-            out of range or contradict the environment, the timeout is not
-            positive, NCCL was asked for without CUDA, or ``LOCAL_RANK`` has no
-            GPU to bind.
+        ValueError: the launcher's variables are inconsistent (or Slurm's say
+            several tasks in a process that ``srun`` did not start),
+            ``init_method`` is not one of the forms above, ``rank``/``world_size``
+            are missing, out of range or contradict the environment, the timeout
+            is not positive, NCCL was asked for without CUDA, or ``LOCAL_RANK``
+            has no GPU to bind. With a group initialised already: ``backend``,
+            ``rank``/``world_size``, ``init_method`` or (for a group :func:`init`
+            created) ``timeout`` differ from the group's; the message names both
+            values. Leave the argument out, or end the group first
+            (:func:`shutdown` for one :func:`init` created).
         TypeError: ``timeout``, ``rank`` or ``world_size`` has the wrong type.
 
     .. warning::
@@ -87,26 +148,25 @@ def init(
         from an earlier run (or a crashed one) makes the rendezvous fail or hang
         until the timeout. ``env://`` and ``tcp://`` need a free port on rank 0.
     """
-    if dist.is_initialized():
-        raise RuntimeError(
-            f"torch.distributed is already initialised (rank {dist.get_rank()} of "
-            f"{dist.get_world_size()}, backend {dist.get_backend()}); call "
-            "tandem.shutdown() before calling tandem.init() again")
     scheme = _scheme(init_method)
     timeout_td = _as_timedelta(timeout)
     _check_rank_args(rank, world_size, scheme, init_method)
+    if dist.is_initialized():
+        return _join_existing(backend, init_method, scheme, timeout, timeout_td, rank, world_size)
 
     launch = world_from_env(os.environ, require_master=scheme in (None, "env"))
     if scheme == "env" and launch is None:
         raise ValueError(
-            "init_method='env://' but none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is "
-            "set; launch with torchrun, or pass init_method=None for a single process")
+            "init_method='env://' but none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (nor "
+            "srun's SLURM_PROCID) is set; launch with torchrun or srun, or pass init_method=None "
+            "for a single process")
 
     if rank is not None and world_size is not None:
         if launch is not None and (launch.rank, launch.world_size) != (rank, world_size):
+            rank_var, size_var = launch.rank_vars
             raise ValueError(
                 f"rank={rank}, world_size={world_size} contradict the environment's "
-                f"RANK={launch.rank}, WORLD_SIZE={launch.world_size}; pass the same values "
+                f"{rank_var}={launch.rank}, {size_var}={launch.world_size}; pass the same values "
                 "or leave the keyword arguments out")
         if launch is not None:
             local_rank, local_world_size = launch.local_rank, launch.local_world_size
@@ -123,7 +183,8 @@ def init(
             "pass rank= and world_size=, or set RANK and WORLD_SIZE")
 
     backend = backend if backend is not None else _default_backend()
-    device = _bind_device(backend, local_rank, rank)
+    device = _bind_device(backend, local_rank, rank, local_world_size=local_world_size,
+                          slurm_task=launch is not None and launch.launcher is Launcher.SLURM)
     bind_group_defaults_before_init()
 
     if scheme is None and launch is None:
@@ -131,13 +192,19 @@ def init(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout_td)
     else:
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, timeout=timeout_td)
+        url = init_method or "env://"
+        if launch is not None and launch.launcher is Launcher.SLURM and scheme in (None, "env"):
+            # Slurm's address and port may be derived, not in the environment that
+            # env:// reads; tandem never writes os.environ, so the URL carries them.
+            assert launch.master_addr is not None and launch.master_port is not None
+            url = _tcp_url(launch.master_addr, launch.master_port)
+            logger.debug("tandem: srun task %d of %d meets at %s", rank, world_size, url)
+        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,
+                                timeout=timeout_td)
 
-    start_monitor(timeout_s=timeout_td.total_seconds())
-    install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
+    _start_watch(info, timeout_td, owned=True, timeout=timeout_td)
     logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s", info.rank,
                 info.world_size, info.local_rank, info.local_world_size, info.backend,
                 info.device)
@@ -145,14 +212,122 @@ def init(
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the default process group. A no-op when there is none.
+    """Leave the job: destroy the default process group if :func:`init` created it.
 
-    After it, :func:`init` may be called again (with a fresh ``file://`` path).
+    A group that :func:`init` adopted (or one it never saw) is left initialised for
+    its creator to destroy; only the monitor and the exit hook that :func:`init`
+    added are removed. A no-op when there is no group. After it, :func:`init` may
+    be called again (with a fresh ``file://`` path).
     """
-    if dist.is_initialized():
-        stop_monitor()
-        uninstall_clean_exit()
+    global _membership
+    member, _membership = _membership, None
+    stop_monitor()
+    uninstall_clean_exit()
+    if not dist.is_initialized():
+        return
+    if member is not None and member.owned and member.is_current():
         dist.destroy_process_group()
+    else:
+        logger.debug("tandem: rank %d leaves the process group to its creator", dist.get_rank())
+
+
+def _start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
+                 timeout: datetime.timedelta | None) -> None:
+    """What :func:`init` adds to a group it created or adopted, and the record of it."""
+    global _membership
+    start_monitor(timeout_s=timeout_td.total_seconds())
+    install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
+    group = dist.group.WORLD
+    assert group is not None, "the default group is initialised"
+    _membership = _Membership(pid=os.getpid(), group=weakref.ref(group), owned=owned,
+                              info=info, timeout=timeout)
+
+
+def _join_existing(backend: str | None, init_method: str | None, scheme: str | None,
+                   timeout: datetime.timedelta | float | None, timeout_td: datetime.timedelta,
+                   rank: int | None, world_size: int | None) -> WorldInfo:
+    """:func:`init` with a default group in place: check the arguments against it,
+    then return what an earlier :func:`init` returned, or adopt the group."""
+    member = _membership if _membership is not None and _membership.is_current() else None
+    group_rank, group_size, group_backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    conflicts = []
+    if backend is not None and backend.replace(" ", "").lower() != str(group_backend).lower():
+        conflicts.append(f"backend={backend!r}, but the group's backend is {str(group_backend)!r}")
+    if rank is not None and (rank, world_size) != (group_rank, group_size):
+        conflicts.append(f"rank={rank}, world_size={world_size}, but the group has rank "
+                         f"{group_rank} of {group_size}")
+    store_conflict = _store_conflict(scheme, init_method)
+    if store_conflict is not None:
+        conflicts.append(store_conflict)
+    if (timeout is not None and member is not None and member.timeout is not None
+            and timeout_td != member.timeout):
+        conflicts.append(f"timeout={timeout_td}, but the group was created with {member.timeout}")
+    if conflicts:
+        end = ("call tandem.shutdown() first to create another" if member is not None and member.owned
+               else "destroy it first with torch.distributed.destroy_process_group() (its creator's "
+                    "to destroy)")
+        raise ValueError(
+            f"rank {group_rank}: tandem.init() was asked for a different process group than the "
+            f"one that is initialised: {'; '.join(conflicts)}. Leave these arguments out to use "
+            f"the existing group, or {end}")
+    if member is not None:
+        return member.info
+    return _adopt(timeout_td, timeout_given=timeout is not None)
+
+
+def _adopt(timeout_td: datetime.timedelta, *, timeout_given: bool) -> WorldInfo:
+    """Take the default group someone else created as this job's (Note [who owns the
+    default group]); the environment gives only the local placement (Note [local
+    rank of an adopted group] in tandem.comm.world)."""
+    rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    local_rank, local_world_size = local_from_env(os.environ, rank=rank, world_size=world_size)
+    device = _bind_device(backend, local_rank, rank)
+    if timeout_given:
+        logger.warning("tandem: rank %d: timeout=%s is not applied to the existing process group, "
+                       "which keeps the timeout it was created with", rank, timeout_td)
+    info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
+                     local_world_size=local_world_size, device=device, backend=backend)
+    _start_watch(info, timeout_td, owned=False, timeout=None)
+    logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s; adopted the existing "
+                "process group (tandem.shutdown() leaves it to its creator)", info.rank,
+                info.world_size, info.local_rank, info.local_world_size, info.backend, info.device)
+    return info
+
+
+def _store_conflict(scheme: str | None, init_method: str | None) -> str | None:
+    """How the existing group's store contradicts ``init_method``, or None.
+
+    torch keeps no rendezvous URL, but the store the group met through has the
+    same address: a file's path, or a TCP port (hosts are not compared: one
+    machine has many names)."""
+    if scheme is None or init_method is None:
+        return None
+    store: object = default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    asked = f"init_method={init_method!r}"
+    if isinstance(store, dist.HashStore):
+        return f"{asked}, but the group was created with an in-memory store (a world of one)"
+    if isinstance(store, dist.FileStore):
+        path: str = getattr(store, "path", "")  # FileStore.path: torch >= 2.1, not in its stubs
+        if scheme != "file" or (path and os.path.abspath(urlsplit(init_method).path)
+                                != os.path.abspath(path)):
+            return f"{asked}, but the group met through the file store 'file://{path}'"
+        return None
+    if isinstance(store, dist.TCPStore):
+        if scheme == "file":
+            return f"{asked}, but the group met through a TCP store on port {store.port}"
+        port: int | None = urlsplit(init_method).port if scheme == "tcp" else None
+        if scheme == "env":
+            raw = os.environ.get("MASTER_PORT", "").strip()
+            port = int(raw) if raw.isdigit() else None
+        if port is not None and port != store.port:
+            return f"{asked} means port {port}, but the group met through a TCP store on port {store.port}"
+    return None
+
+
+def _tcp_url(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
 def _scheme(init_method: str | None) -> str | None:
@@ -225,7 +400,8 @@ def _default_backend() -> str:
     return "gloo"
 
 
-def _bind_device(backend: str, local_rank: int, rank: int) -> torch.device:
+def _bind_device(backend: str, local_rank: int, rank: int, *, local_world_size: int | None = None,
+                 slurm_task: bool = False) -> torch.device:
     # "nccl" or a per-device spec such as "cpu:gloo,cuda:nccl": the job computes on GPUs.
     if "nccl" not in backend:
         return torch.device("cpu")
@@ -233,10 +409,18 @@ def _bind_device(backend: str, local_rank: int, rank: int) -> torch.device:
     if count == 0:
         raise ValueError(f"rank {rank}: backend {backend!r} needs CUDA, but "
                          "torch.cuda.is_available() is False; pass backend='gloo' or None")
-    if local_rank >= count:
+    index = local_rank
+    if slurm_task and local_world_size is not None and count < local_world_size:
+        # Note [a Slurm task's own GPUs]
+        # srun --gpus-per-task (or --gpu-bind) gives each task its own GPUs and
+        # hides the node's others: the task sees fewer GPUs than the node has
+        # tasks, and its GPU is cuda:0 whatever its SLURM_LOCALID. torchrun never
+        # hides GPUs, so elsewhere a LOCAL_RANK beyond the GPUs is an error.
+        index = 0
+    elif local_rank >= count:
         raise ValueError(
             f"rank {rank}: LOCAL_RANK={local_rank} but this node has {count} CUDA device(s); "
             f"start at most {count} processes per node (torchrun --nproc-per-node {count}), "
             "or set LOCAL_RANK and LOCAL_WORLD_SIZE if the launcher did not")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
