@@ -19,22 +19,20 @@ from tandem.fsdp import FSDPModule, fully_shard
 from tandem.ddp import DistributedDataParallel, join
 from tandem.launch import spawn
 from tandem.nn import SyncBatchNorm
+from tandem.tools.check import CheckReport, check
 from tandem.tools.plan import PlanReport, plan
 from tandem.train import DistributedLoader, Trainer, TrainerConfig, TrainingState, atomic_save, \
     capture_rng_state, gather_for_metrics, latest_checkpoint, load_checkpoint, no_sync, prepare, \
     restore_rng_state, save_checkpoint, seed_everything, unwrap
 from tandem.zero import ZeroOptimizer
 
-__all__ = ["CheckpointError", "DataParallel", "DistributedDataParallel", "DistributedLoader", "DistributedSampler",
-           "FSDPModule",
-           "PlanReport", "RunningMean", "SyncBatchNorm",
-           "Trainer", "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean",
-           "all_reduce_sum", "atomic_save", "capture_rng_state", "checkpoint", "comm_hooks", "fsdp", "fully_shard",
-           "gather_for_metrics", "gather_samples", "init", "join", "no_sync", "prepare", "unwrap",
-           "latest_checkpoint", "load_checkpoint", "load_sharded_checkpoint", "plan", "restore_rng_state",
-           "save_checkpoint",
-           "save_sharded_checkpoint",
-           "seed_everything", "shutdown", "spawn", "weighted_mean"]
+__all__ = ["CheckReport", "CheckpointError", "DataParallel", "DistributedDataParallel", "DistributedLoader",
+           "DistributedSampler", "FSDPModule", "PlanReport", "RunningMean", "SyncBatchNorm", "Trainer",
+           "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean", "all_reduce_sum",
+           "atomic_save", "capture_rng_state", "check", "checkpoint", "comm_hooks", "fsdp", "fully_shard",
+           "gather_for_metrics", "gather_samples", "init", "join", "latest_checkpoint", "load_checkpoint",
+           "load_sharded_checkpoint", "no_sync", "plan", "prepare", "restore_rng_state", "save_checkpoint",
+           "save_sharded_checkpoint", "seed_everything", "shutdown", "spawn", "unwrap", "weighted_mean"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
