@@ -11,7 +11,7 @@ import logging as _logging
 
 from tandem import checkpoint, comm_hooks, fsdp
 from tandem.checkpoint import CheckpointError, load_sharded_checkpoint, save_sharded_checkpoint
-from tandem.comm import WorldInfo, init, shutdown
+from tandem.comm import WorldInfo, init, irecv, isend, recv, send, shutdown
 from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
     weighted_mean
 from tandem.dp import DataParallel
@@ -30,9 +30,10 @@ __all__ = ["CheckReport", "CheckpointError", "DataParallel", "DistributedDataPar
            "DistributedSampler", "FSDPModule", "PlanReport", "RunningMean", "SyncBatchNorm", "Trainer",
            "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean", "all_reduce_sum",
            "atomic_save", "capture_rng_state", "check", "checkpoint", "comm_hooks", "fsdp", "fully_shard",
-           "gather_for_metrics", "gather_samples", "init", "join", "latest_checkpoint", "load_checkpoint",
-           "load_sharded_checkpoint", "no_sync", "plan", "prepare", "restore_rng_state", "save_checkpoint",
-           "save_sharded_checkpoint", "seed_everything", "shutdown", "spawn", "unwrap", "weighted_mean"]
+           "gather_for_metrics", "gather_samples", "init", "irecv", "isend", "join", "latest_checkpoint",
+           "load_checkpoint", "load_sharded_checkpoint", "no_sync", "plan", "prepare", "recv",
+           "restore_rng_state", "save_checkpoint", "save_sharded_checkpoint", "seed_everything", "send",
+           "shutdown", "spawn", "unwrap", "weighted_mean"]
 __version__ = "0.1.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -1,0 +1,261 @@
+"""Point-to-point messages whose receiver need not know what comes:
+:func:`send` / :func:`recv` and their async forms :func:`isend` / :func:`irecv`.
+
+``torch.distributed.send``/``recv`` move one tensor into a buffer the receiver
+allocated in advance, so the receiver must know its shape and dtype. Pipeline
+stages do not always (the sequence length changes from batch to batch), and an
+activation is often several tensors. Here a message carries its own description.
+
+# Note [shape handshake]
+A message is three parts, each a torch.distributed p2p op between the same two
+ranks, with a tag of its own (gloo matches by source and tag):
+
+1. the header: two int64, a magic number and the byte length of the spec;
+2. the spec: the pickled structure (a tensor, or tuples, lists and dicts of
+   tensors and plain values), with every tensor replaced by a slot that holds
+   its dtype, shape and requires_grad, and the sender's rank;
+3. the data: every tensor, contiguous, in slot order.
+
+The receiver reads the header, then the spec, allocates every tensor, and
+receives the data into them. A peer that sent something else (a raw
+``dist.send``, or a message cut short) fails the magic or the spec check, with
+an error naming both ranks. Received tensors are leaves; a slot's
+``requires_grad`` is set on them (a pipeline stage then backpropagates into
+them). Messages between two ranks arrive in the order they were sent; receives
+from one peer must be completed (``wait``) in the order they were posted.
+
+These are not collectives: they are not written to the ledger, whose sequence
+numbers are equal across all ranks (Note [sequence numbers] in ledger.py). A
+gloo receive still watches its peer: if the sender dies, it raises
+PeerLostError within seconds instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.comm.monitor import current_monitor
+from tandem.comm.peers import wait_watching_peers
+
+__all__ = ["PendingRecv", "PendingSend", "irecv", "isend", "recv", "send"]
+
+_MAGIC = 0x7A4D5032  # "tandem p2p", version 2 of the header
+# The header goes with torch's default tag, so that a raw dist.send meets the magic check.
+_TAG_HEADER, _TAG_SPEC, _TAG_DATA = 0, 7302, 7303
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class _Spec:
+    sender: int
+    structure: Any
+
+
+class PendingSend:
+    """An :func:`isend` in flight; :meth:`wait` returns once every part has gone."""
+
+    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
+        self._works = works
+        self._keep = keep  # the buffers must live until the sends complete
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._keep = []
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+class PendingRecv:
+    """An :func:`irecv` posted; :meth:`wait` returns the received object."""
+
+    def __init__(self, src: int, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
+        self._src, self._group, self._device = src, group, device
+        self._header = torch.zeros(2, dtype=torch.int64)
+        self._work = dist.irecv(self._header, src=src, group=group, tag=_TAG_HEADER)
+        self._result: Any = None
+        self._done = False
+
+    def wait(self) -> Any:
+        if not self._done:
+            try:
+                _wait(self._work, self._src, "the header of a message")
+            except RuntimeError as e:
+                if "size" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: tandem.recv from rank {self._src} got something that is not a "
+                    f"tandem message ({e}): rank {self._src} sent with torch.distributed.send; send with "
+                    "tandem.send on one side and receive with tandem.recv on the other") from e
+            self._result = _finish_recv(self._header, self._src, self._group, self._device)
+            self._done = True
+        return self._result
+
+
+def send(obj: Any, dst: int, *, group: dist.ProcessGroup | None = None) -> None:
+    """Send ``obj`` (a tensor, or tuples, lists and dicts of tensors and plain
+    values) to global rank ``dst``, shapes and dtypes included (Note [shape
+    handshake]); returns when it has gone."""
+    isend(obj, dst, group=group).wait()
+
+
+def isend(obj: Any, dst: int, *, group: dist.ProcessGroup | None = None) -> PendingSend:
+    """:func:`send`, returning at once; ``wait()`` on the result before changing
+    the tensors."""
+    me = _check_peer(dst, "send to", group)
+    tensors: list[torch.Tensor] = []
+    structure = _replace_tensors(obj, tensors)
+    spec = _encode(_Spec(sender=me, structure=structure))
+    header = torch.tensor([_MAGIC, spec.numel()], dtype=torch.int64)
+    data = [t.detach().contiguous() for t in tensors]
+    works = [dist.isend(header, dst=dst, group=group, tag=_TAG_HEADER),
+             dist.isend(spec, dst=dst, group=group, tag=_TAG_SPEC)]
+    works += [dist.isend(t, dst=dst, group=group, tag=_TAG_DATA) for t in data if t.numel()]
+    return PendingSend(works, [header, spec, *data])
+
+
+def recv(src: int, *, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> Any:
+    """Receive what global rank ``src`` sent with :func:`send` or :func:`isend`,
+    allocating every tensor from the message's own description.
+
+    Args:
+        src: the sender's global rank.
+        group: the process group both sides use (default: the world).
+        device: where the tensors are allocated (default: the CPU for gloo, the
+            current CUDA device for nccl).
+
+    Raises:
+        RuntimeError: the peer sent something that is not a tandem message, or
+            sent it from another rank than ``src``; the message names both ranks.
+        PeerLostError: the sender died (gloo).
+    """
+    return irecv(src, group=group, device=device).wait()
+
+
+def irecv(src: int, *, group: dist.ProcessGroup | None = None,
+          device: torch.device | str | None = None) -> PendingRecv:
+    """:func:`recv`, posted now and completed by ``wait()`` (which returns the object)."""
+    _check_peer(src, "receive from", group)
+    return PendingRecv(src, group, None if device is None else torch.device(device))
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_peer(peer: int, what: str, group: dist.ProcessGroup | None) -> int:
+    if not dist.is_initialized():
+        raise RuntimeError(f"tandem.{what.split()[0]}: torch.distributed is not initialised; call tandem.init()")
+    me = dist.get_rank()
+    world = dist.get_world_size()
+    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < world:
+        raise ValueError(f"rank {me}: cannot {what} rank {peer!r}: ranks are 0..{world - 1}")
+    if peer == me:
+        raise ValueError(f"rank {me}: cannot {what} itself (rank {peer}); pass another rank")
+    if group is not None and peer not in dist.get_process_group_ranks(group):
+        raise ValueError(f"rank {me}: cannot {what} rank {peer}: it is not in the group "
+                         f"{dist.get_process_group_ranks(group)}")
+    return me
+
+
+def _replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided:
+            raise TypeError(f"rank {dist.get_rank()}: tandem.send sends dense tensors, got a {obj.layout} one")
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, obj.dtype, tuple(obj.shape), obj.requires_grad)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_replace_tensors(v, tensors) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_replace_tensors(v, tensors) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _replace_tensors(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _fill(structure: Any, make: Callable[[_Slot], torch.Tensor]) -> Any:
+    if isinstance(structure, _Slot):
+        return make(structure)
+    if isinstance(structure, tuple) and hasattr(structure, "_fields"):
+        return type(structure)(*(_fill(v, make) for v in structure))
+    if isinstance(structure, (tuple, list)):
+        return type(structure)(_fill(v, make) for v in structure)
+    if isinstance(structure, dict):
+        return {k: _fill(v, make) for k, v in structure.items()}
+    return structure
+
+
+def _encode(spec: _Spec) -> torch.Tensor:
+    buf = io.BytesIO()
+    pickle.dump(spec, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None,
+                 device: torch.device | None) -> Any:
+    me = dist.get_rank()
+    magic, length = (int(v) for v in header.tolist())
+    if magic != _MAGIC or not 0 < length < 1 << 31:
+        raise RuntimeError(
+            f"rank {me}: tandem.recv from rank {src} got a header {header.tolist()} that is not a tandem "
+            f"message: rank {src} sent with torch.distributed.send (or a message was cut short); "
+            "send with tandem.send on one side and receive with tandem.recv on the other")
+    payload = torch.empty(length, dtype=torch.uint8)
+    _wait(dist.irecv(payload, src=src, group=group, tag=_TAG_SPEC), src, "the spec of a message")
+    spec = pickle.loads(payload.numpy().tobytes())
+    if not isinstance(spec, _Spec) or spec.sender != src:
+        sender = spec.sender if isinstance(spec, _Spec) else "?"
+        raise RuntimeError(f"rank {me}: tandem.recv expected a message from rank {src} but this one says it "
+                           f"comes from rank {sender}; check that both sides name each other")
+    target = device if device is not None else _default_device(group)
+    works: list[Any] = []
+
+    def make(slot: _Slot) -> torch.Tensor:
+        t = torch.empty(slot.shape, dtype=slot.dtype, device=target)
+        if t.numel():
+            works.append(dist.irecv(t, src=src, group=group, tag=_TAG_DATA))
+        return t
+
+    obj = _fill(spec.structure, make)
+    for work in works:
+        _wait(work, src, "the data of a message")
+    return _fill_requires_grad(obj, spec.structure)
+
+
+def _fill_requires_grad(obj: Any, structure: Any) -> Any:
+    if isinstance(structure, _Slot):
+        return obj.requires_grad_(structure.requires_grad) if structure.dtype.is_floating_point \
+            or structure.dtype.is_complex else obj
+    if isinstance(structure, (tuple, list)):
+        for o, s in zip(obj, structure):
+            _fill_requires_grad(o, s)
+    elif isinstance(structure, dict):
+        for k, s in structure.items():
+            _fill_requires_grad(obj[k], s)
+    return obj
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wait(work: Any, src: int, what: str) -> None:
+    monitor = current_monitor()
+    if monitor.peers is None or dist.get_backend() != "gloo":
+        work.wait()
+        return
+    wait_watching_peers(work, monitor.peers, [src], lambda: f"tandem.recv of {what} from rank {src}")
