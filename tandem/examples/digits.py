@@ -93,14 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    world = tandem.init()
-    if args.fresh and world.rank == 0:
-        shutil.rmtree(args.output_dir, ignore_errors=True)
-    if args.fresh and world.world_size > 1:
-        dist.barrier()
-
+def build_trainer(args: argparse.Namespace, world: tandem.WorldInfo, *, progress: bool,
+                  plot: bool = True) -> tuple[tandem.Trainer, TensorDataset]:
+    """The job's Trainer for this rank (and the test set), from the flags; what
+    every launcher runs (tandem run, torchrun, one process, Ray's workers)."""
     train_set, test_set = load_digits(args.seed)
     tandem.seed_everything(args.seed)                 # the same initial model on every rank
     model = DigitNet().to(world.device)
@@ -114,10 +110,22 @@ def main(argv: list[str] | None = None) -> None:
     config = tandem.TrainerConfig(
         epochs=args.epochs, batch_size=args.batch_size, precision=args.precision,
         output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed, log_every=5,
-        progress=not args.no_progress)
+        progress=progress, plot=plot)
     trainer = tandem.Trainer(model, optimizer, train_set, nn.functional.cross_entropy,
                              eval_data=test_set, metrics={"accuracy": accuracy},
                              scheduler=scheduler, config=config)
+    return trainer, test_set
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    world = tandem.init()
+    if args.fresh and world.rank == 0:
+        shutil.rmtree(args.output_dir, ignore_errors=True)
+    if args.fresh and world.world_size > 1:
+        dist.barrier()
+
+    trainer, test_set = build_trainer(args, world, progress=not args.no_progress)
     result = trainer.fit()
 
     if world.rank == 0:

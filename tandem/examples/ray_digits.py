@@ -51,17 +51,15 @@ the final weights as a Ray checkpoint (``model.pt``, the model's
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 import tandem
-from tandem.examples.digits import DigitNet, accuracy, load_digits
+from tandem.examples.digits import build_trainer
 from tandem.examples.digits import parse_args as digits_args
 from tandem.train.state import unwrap_model
 from tandem.train.trainer import FitResult
@@ -80,23 +78,7 @@ def fit_digits(world: tandem.WorldInfo, config: dict[str, Any]) -> tuple[tandem.
     Returns the Trainer (its ``model`` is the DDP-wrapped model) and the FitResult.
     """
     args = argparse.Namespace(**config)
-    train_set, test_set = load_digits(args.seed)
-    tandem.seed_everything(args.seed)                 # the same initial model on every rank
-    model = DigitNet().to(world.device)
-    tandem.seed_everything(args.seed, per_rank=True)  # dropout differs between ranks
-
-    global_batch = args.batch_size * world.world_size
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr * global_batch / 64, weight_decay=1e-4)
-    steps = args.epochs * math.ceil(math.ceil(len(train_set) / world.world_size) / args.batch_size)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-
-    trainer_config = tandem.TrainerConfig(
-        epochs=args.epochs, batch_size=args.batch_size, precision=args.precision,
-        output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed, log_every=5,
-        progress=False, plot=args.plot)
-    trainer = tandem.Trainer(model, optimizer, train_set, nn.functional.cross_entropy,
-                             eval_data=test_set, metrics={"accuracy": accuracy},
-                             scheduler=scheduler, config=trainer_config)
+    trainer, _ = build_trainer(args, world, progress=False, plot=args.plot)
     return trainer, trainer.fit()
 
 
