@@ -192,6 +192,8 @@ def _misuse(rank: int, world_size: int) -> dict[str, object]:
     out["twice"] = _error(lambda: ddp.fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
     out["refuse again"] = _error(lambda: tandem.DistributedDataParallel(
         make_model("mlp", seed=0), bucket_cap_mb=CAP_MB).fuse_optimizer(opt))
+    post_hook_calls: list[int] = []
+    opt.register_step_post_hook(lambda *_: post_hook_calls.append(1))
     x, y = _batch(0, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -204,6 +206,7 @@ def _misuse(rank: int, world_size: int) -> dict[str, object]:
     out["step is a no-op"] = _diff(after_backward, _params(model)) == 0
     out["warnings"] = [str(w.message) for w in caught]
     out["lr"] = opt.param_groups[0]["lr"]
+    out["post hook calls"] = len(post_hook_calls)  # once per step, not once per bucket
     out["closure"] = _error(lambda: opt.step(lambda: 0.0))
     ddp.unfuse_optimizer()
     nn.functional.mse_loss(ddp(_shard(x, rank, world_size)), _shard(y, rank, world_size)).backward()
@@ -239,6 +242,7 @@ def test_fused_step_misuse_fails_clearly_and_schedulers_stay_quiet() -> None:
         assert out["refuse again"].startswith("RuntimeError: this SGD is already fused"), out["refuse again"]
         assert out["stepped in backward"] and out["step is a no-op"], out
         assert out["warnings"] == [] and out["lr"] == 0.05, out
+        assert out["post hook calls"] == 1, out
         assert "takes no closure" in out["closure"], out["closure"]
         assert out["unfused steps after backward"]
         assert out["foreign"].startswith("ValueError: fuse_optimizer: param group 0 of the SGD holds at position 6 "

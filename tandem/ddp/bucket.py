@@ -99,8 +99,9 @@ class Bucket:
         self.grads = data.narrow(0, 0, spec.numel)        # the parameters' region
         self.views = [data.narrow(0, off, p.numel()).view_as(p)
                       for off, p in zip(spec.offsets, params)]
-        # Note [in-place reduction] in reducer.py: one parameter, no flag slot.
-        self.solo = len(params) == 1 and spec.extra == 0
+        # Note [in-place reduction] in reducer.py: one parameter and no flag slot (a
+        # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
+        self.single = len(params) == 1 and spec.extra == 0
         self.in_place = False  # this step's reduction runs on param.grad itself
         self.state = BucketState.REDUCED
         self.ready = [False] * len(params)

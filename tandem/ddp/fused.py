@@ -41,7 +41,7 @@ import torch
 
 from tandem.ddp.bucket import Bucket
 
-__all__ = ["BucketStepper", "FusedOptimizer", "bucket_optimizer", "check_fusable"]
+__all__ = ["BucketStepper", "FusedOptimizer", "bucket_optimizer", "check_fusable", "run_step_hooks"]
 
 
 class BucketStepper(Protocol):
@@ -88,6 +88,14 @@ def bucket_optimizer(optimizer: torch.optim.Optimizer,
     return sub
 
 
+def run_step_hooks(optimizer: torch.optim.Optimizer, *, pre: bool) -> None:
+    """The optimizer's own step hooks, once per fused step (the bucket optimizers
+    have none, so that they do not run once per bucket)."""
+    hooks = optimizer._optimizer_step_pre_hooks if pre else optimizer._optimizer_step_post_hooks
+    for hook in list(hooks.values()):
+        hook(optimizer, (), {})
+
+
 def step_bucket_optimizer(sub: torch.optim.Optimizer, parent: torch.optim.Optimizer) -> None:
     """Copy the parent's hyper-parameters (a scheduler may have changed them), then step."""
     for group, g in zip(sub.param_groups, sub._tandem_parents):  # type: ignore[attr-defined]
@@ -115,7 +123,6 @@ class FusedOptimizer:
         self._n_groups = len(optimizer.param_groups)
         # per bucket of the current plan (a re-planned reducer makes new buckets)
         self._subs: weakref.WeakKeyDictionary[Bucket, torch.optim.Optimizer | None] = weakref.WeakKeyDictionary()
-        self.steps = 0
 
     def owns(self, param_index: int) -> bool:
         return param_index in self._group_of
@@ -125,8 +132,7 @@ class FusedOptimizer:
             raise RuntimeError(
                 "fuse_optimizer: a param group was added to the optimizer after it was fused; "
                 "add every group before calling ddp.fuse_optimizer(optimizer)")
-        for hook in list(self.optimizer._optimizer_step_pre_hooks.values()):
-            hook(self.optimizer, (), {})
+        run_step_hooks(self.optimizer, pre=True)
 
     def step_bucket(self, bucket: Bucket) -> None:
         if bucket not in self._subs:
@@ -144,9 +150,7 @@ class FusedOptimizer:
                 p.grad = None  # stepped: the averaged gradient is not kept (Note [fused step])
 
     def end_step(self) -> None:
-        for hook in list(self.optimizer._optimizer_step_post_hooks.values()):
-            hook(self.optimizer, (), {})
-        self.steps += 1
+        run_step_hooks(self.optimizer, pre=False)
 
 
 def patch_step(optimizer: torch.optim.Optimizer, what: str) -> None:
@@ -165,8 +169,7 @@ def patch_step(optimizer: torch.optim.Optimizer, what: str) -> None:
     if previous is not None and hasattr(previous, "_wrapped_by_lr_sched"):
         def wrapped(*args: Any, **kwargs: Any) -> None:
             return bound(*args, **kwargs)
-        wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        wrapped.__func__ = step  # type: ignore[attr-defined]  # a later scheduler re-wraps through it
+        wrapped._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a later scheduler leaves it
         optimizer.step = wrapped  # type: ignore[method-assign, assignment]
     else:
         optimizer.step = bound  # type: ignore[method-assign]

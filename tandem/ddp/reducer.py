@@ -388,7 +388,7 @@ class GradReducer:
         if bucket.ready[pos] or bucket.state is not BucketState.FILLING:
             self._ready_again(i, bucket, pos)
             return False
-        if bucket.copies_per_param and not (bucket.solo and self._in_place):
+        if bucket.copies_per_param and not (bucket.single and self._in_place):
             bucket.copy_in(pos, self._div, self._as_view)  # (in place: at launch)
         bucket.mark_ready(pos)
         if bucket.complete:
@@ -401,7 +401,7 @@ class GradReducer:
         again); otherwise the first one was already taken."""
         if (bucket.state is BucketState.FILLING and bucket.ready[pos]
                 and not (bucket.copies_per_param and bucket.grad_is_view(pos))):
-            if bucket.copies_per_param and not (bucket.solo and self._in_place):
+            if bucket.copies_per_param and not (bucket.single and self._in_place):
                 bucket.copy_in(pos, self._div, self._as_view)
             return
         raise RuntimeError(gradient_twice(self.comm.rank, self.names[i], bucket.index))
@@ -424,7 +424,7 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         spec = bucket.spec
-        if bucket.solo and self._in_place:  # Note [in-place reduction]
+        if bucket.single and self._in_place:  # Note [in-place reduction]
             # A parameter without a gradient this step keeps its .grad as it was.
             grad = bucket.reducible_in_place() if self._locally_used[spec.params[0]] else None
             if grad is not None:
@@ -524,7 +524,7 @@ class GradReducer:
         # a decision needs every bucket first (dropping the step, the used map).
         stepper = self._stepper
         pipelined = stepper is not None and self._check is None and used_work is None
-        if pipelined and stepper is not None:
+        if stepper is not None and pipelined:
             stepper.begin_step()
         waited = 0.0
         for bucket in self.buckets:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tandem.ddp.bucket import Bucket
-from tandem.ddp.fused import bucket_optimizer, step_bucket_optimizer
+from tandem.ddp.fused import bucket_optimizer, run_step_hooks, step_bucket_optimizer
 from tandem.zero.optimizer import ZeroOptimizer
 
 __all__ = ["ZeroFusedStep", "zero_stepper"]
@@ -44,8 +44,7 @@ class ZeroFusedStep:
 
     def begin_step(self) -> None:
         zero = self.zero
-        for hook in list(zero._optimizer_step_pre_hooks.values()):
-            hook(zero, (), {})
+        run_step_hooks(zero, pre=True)
         zero.finish_param_gather()
         zero._sync_hyperparams()
 
@@ -66,5 +65,4 @@ class ZeroFusedStep:
         zero._seen_steps = self._reducer.steps + 1  # these gradients are stepped
         if not zero.overlap_gather:
             zero.finish_param_gather()
-        for hook in list(zero._optimizer_step_post_hooks.values()):
-            hook(zero, (), {})
+        run_step_hooks(zero, pre=False)
