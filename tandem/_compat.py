@@ -191,7 +191,7 @@ def dtensor_api() -> tuple[type[DTensor], type[Shard], type[Replicate]]:
     return DTensor, Shard, Replicate
 
 
-__all__ += ["dtensor_like", "dtensor_local"]
+__all__ += ["dtensor_like", "dtensor_local", "dtensor_with_spec", "root_device_mesh", "strided_shard"]
 
 
 def dtensor_like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
@@ -204,14 +204,19 @@ def dtensor_like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     constructor with the template's spec ~4 us (torch's FSDP2 does the same,
     in its private ``_from_local_no_grad``).
     """
-    spec = template._spec  # type: ignore[attr-defined]
+    return dtensor_with_spec(local, template._spec)  # type: ignore[attr-defined]
+
+
+def dtensor_with_spec(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """A DTensor over ``local`` with the layout ``spec`` (a ``DTensorSpec``:
+    mesh, placements, global shape and stride); see :func:`dtensor_like`."""
+    DTensor = dtensor_api()[0]
     try:
-        # DTensor's private constructor (template is typed as the plain Tensor it subclasses).
-        return type(template)(local, spec, requires_grad=False)  # type: ignore[call-overload]
+        # DTensor's private constructor.
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
     except TypeError:  # a torch whose constructor differs: the public, slower way
-        from torch.distributed.tensor import DTensor
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
-                                  shape=template.shape, stride=template.stride())
+                                  shape=spec.shape, stride=spec.stride)
 
 
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
@@ -224,6 +229,37 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     on which ``set_`` would leave the parameter where it was.
     """
     return t._local_tensor  # type: ignore[attr-defined]
+
+
+def root_device_mesh(mesh: Any) -> Any:
+    """The DeviceMesh that ``mesh`` was sliced from (``mesh`` itself for a root).
+
+    Why: fully_shard over ``mesh["dp"]`` of a model parallelised over
+    ``mesh["tp"]`` describes its shards on the 2-D mesh of both (Note [2-D
+    parameters] in tandem/fsdp/tensor_parallel.py). torch keeps the root in a
+    private registry up to 2.8 (``_mesh_resources.get_root_mesh``) and on the
+    mesh from 2.9 (``_get_root_mesh``).
+    """
+    if hasattr(mesh, "_get_root_mesh"):
+        return mesh._get_root_mesh()
+    from torch.distributed.device_mesh import _mesh_resources  # type: ignore[attr-defined]
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """DTensor's placement for rows sharded over one mesh dimension after another
+    dimension sharded them first (``_StridedShard``, private, torch >= 2.5).
+
+    Why: Note [2-D parameters] in tandem/fsdp/tensor_parallel.py.
+    """
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError as e:
+        raise NotImplementedError(
+            f"fully_shard over a ColwiseParallel (dim-0) tensor-parallel parameter needs DTensor's "
+            f"_StridedShard placement, which torch {torch.__version__} lacks; use torch >= 2.5, or "
+            "tandem.DistributedDataParallel over mesh['dp']") from e
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 # ---------------------------------------------------------------- the monitor (tandem.comm.monitor)

@@ -11,6 +11,7 @@ import torch
 from tandem._compat import foreach_copy_
 from tandem.comm.group import Work
 from tandem.ddp.plan import BucketSpec
+from tandem.dtensor import local_grad, local_tensor, set_local_grad
 
 if TYPE_CHECKING:  # grad_bucket imports this module
     from tandem.ddp.grad_bucket import HookWork
@@ -97,8 +98,9 @@ class Bucket:
         self.names = names
         self.data = data                                  # the whole padded slice
         self.grads = data.narrow(0, 0, spec.numel)        # the parameters' region
-        self.views = [data.narrow(0, off, p.numel()).view_as(p)
-                      for off, p in zip(spec.offsets, params)]
+        # Shaped like each parameter's local tensor: Note [tensor-parallel parameters] in tandem/dtensor.py.
+        self.views = [data.narrow(0, off, local.numel()).view_as(local)
+                      for off, local in zip(spec.offsets, map(local_tensor, params))]
         # Note [in-place reduction] in reducer.py: one parameter and no flag slot (a
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0
@@ -144,7 +146,7 @@ class Bucket:
         """Put ``param.grad * scale`` into the view of parameter ``pos`` (zeros when
         the gradient is None). With ``rebind``, param.grad becomes the view."""
         p, view = self.params[pos], self.views[pos]
-        grad = p.grad
+        grad = local_grad(p)
         if grad is None:
             view.zero_()
         elif _aliases(grad, view):
@@ -152,11 +154,11 @@ class Bucket:
         else:
             torch.mul(grad, scale, out=view)
             if rebind:
-                p.grad = view
+                set_local_grad(p, view)
 
     def copy_all(self, scale: float, rebind: bool) -> None:
         """:meth:`copy_in` for every parameter, batched: one copy, one scaling."""
-        grads = [p.grad for p in self.params]
+        grads = [local_grad(p) for p in self.params]
         if not rebind and all(g is not None for g in grads):
             # The common case: separate gradient tensors (only rebinding makes a
             # gradient alias its view), all defined.
@@ -164,15 +166,14 @@ class Bucket:
             self.grads.mul_(scale)
             return
         dst, src = [], []
-        for p, view in zip(self.params, self.views):
-            grad = p.grad
+        for p, view, grad in zip(self.params, self.views, grads):
             if grad is None:
                 view.zero_()
             elif not _aliases(grad, view):
                 dst.append(view)
                 src.append(grad)
                 if rebind:
-                    p.grad = view
+                    set_local_grad(p, view)
         if dst:
             foreach_copy_(dst, src)
         self.grads.mul_(scale)
@@ -188,7 +189,7 @@ class Bucket:
     def reducible_in_place(self) -> torch.Tensor | None:
         """The solo parameter's gradient, if the collective can run on it directly:
         dense, contiguous, of the bucket's dtype and device (else None: copy it in)."""
-        grad = self.params[0].grad
+        grad = local_grad(self.params[0])
         spec = self.spec
         if (grad is None or grad.layout is not torch.strided or not grad.is_contiguous()
                 or grad.dtype != spec.dtype or grad.device != spec.device):
@@ -196,7 +197,7 @@ class Bucket:
         return grad
 
     def grad_is_view(self, pos: int) -> bool:
-        grad = self.params[pos].grad
+        grad = local_grad(self.params[pos])
         return grad is not None and _aliases(grad, self.views[pos])
 
     def missing(self) -> list[str]:

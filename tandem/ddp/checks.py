@@ -14,9 +14,10 @@ import torch
 
 from tandem._compat import preserve_version_counters
 from tandem.comm.group import GroupComm
+from tandem.dtensor import is_distributed, local_tensor
 
 __all__ = ["NonFinite", "NonFiniteReport", "broadcast_module_state", "check_same_model_on_all_ranks",
-           "model_signature", "nonfinite_mark", "nonfinite_names"]
+           "check_tensor_parallel", "model_signature", "nonfinite_mark", "nonfinite_names"]
 
 Entry = tuple[str, str, tuple[int, ...], str, bool]  # kind, name, shape, dtype, requires_grad
 
@@ -89,10 +90,39 @@ def _describe_entry(e: Entry | None) -> str:
     return f"{kind} '{name}' of shape {tuple(shape)} and {dtype.replace('torch.', '')}{rg}"
 
 
+def check_tensor_parallel(named_params: Sequence[tuple[str, torch.Tensor]], group_ranks: Sequence[int],
+                          rank: int, zero_stage: int) -> None:
+    """Raise if DDP over ``group_ranks`` would average different shards of a
+    tensor-parallel parameter (Note [tensor-parallel parameters] in
+    tandem/dtensor.py): the data-parallel group must hold one rank of each
+    tensor-parallel group. ZeRO's flat shards of DTensors are not supported."""
+    for name, p in named_params:
+        if not is_distributed(p):
+            continue
+        if zero_stage:
+            raise ValueError(
+                f"rank {rank}: parameter '{name}' is a tensor-parallel DTensor, which "
+                f"DistributedDataParallel(zero_stage={zero_stage}) cannot shard; use zero_stage=0, or "
+                "tandem.fully_shard(model, mesh=mesh['dp']) to shard a tensor-parallel model")
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        tp_ranks = [int(r) for r in mesh.mesh.flatten().tolist()] if mesh.ndim == 1 else []
+        shared = sorted(set(tp_ranks) & set(group_ranks) - {rank})
+        if shared:
+            raise ValueError(
+                f"rank {rank}: parameter '{name}' is sharded by tensor parallelism over ranks {tp_ranks}, "
+                f"and DistributedDataParallel's group {list(group_ranks)} also holds ranks {shared}, "
+                "which keep other shards of it: averaging them would mix different tensors. Pass "
+                "device_mesh=mesh['dp'], the data-parallel dimension of the mesh you parallelised over")
+        return  # one parameter's mesh tells: tensor parallelism uses one mesh
+
+
 def broadcast_module_state(tensors: Sequence[torch.Tensor], comm: GroupComm, *, src: int) -> None:
-    """Overwrite ``tensors`` with group rank ``src``'s values, coalesced into few collectives."""
+    """Overwrite ``tensors`` with group rank ``src``'s values, coalesced into few
+    collectives. A DTensor's local shard is what is broadcast (Note
+    [tensor-parallel parameters] in tandem/dtensor.py)."""
     chunk: list[torch.Tensor] = []
     size = 0
+    tensors = [local_tensor(t) for t in tensors]
     with torch.no_grad(), preserve_version_counters(tensors):
         for t in tensors:
             chunk.append(t)

@@ -42,6 +42,7 @@ import torch
 
 from tandem.ddp.bucket import Bucket
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_mark, nonfinite_names
+from tandem.dtensor import local_grad
 
 if TYPE_CHECKING:  # the reducer owns this check
     from tandem.ddp.reducer import GradReducer
@@ -147,8 +148,10 @@ class FiniteCheck:
                 # gradient_as_bucket_view: the local ones are gone, the reduced
                 # ones stand in for them.
                 named.append((name, bucket.views[pos]))
-            elif p.grad is not None:
-                named.append((name, p.grad))
+            else:
+                grad = local_grad(p)
+                if grad is not None:
+                    named.append((name, grad))
         return nonfinite_names(named)
 
     def _reduced_nonfinite(self) -> list[str]:

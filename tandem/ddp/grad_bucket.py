@@ -56,8 +56,8 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's gradient, as views of :meth:`buffer` shaped like the parameter."""
-        return [self._buffer.narrow(0, off, p.numel()).view_as(p)
-                for off, p in zip(self._bucket.spec.offsets, self._bucket.params)]
+        return [self._buffer.narrow(0, off, view.numel()).view_as(view)
+                for off, view in zip(self._bucket.spec.offsets, self._bucket.views)]
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)

@@ -16,7 +16,7 @@ from tandem.comm.group import GroupComm
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem.ddp.checks import NonFinite, NonFiniteReport, broadcast_module_state, \
-    check_same_model_on_all_ranks, model_signature
+    check_same_model_on_all_ranks, check_tensor_parallel, model_signature
 from tandem._tree import to_device
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
@@ -69,7 +69,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             buffer (saves one copy of the gradients in memory and time).
         static_graph: the set of used parameters and the number of times each
             is used are the same every step.
-        device_mesh: a 1-D device mesh, instead of ``process_group``.
+        device_mesh: a 1-D device mesh, instead of ``process_group``: for a
+            model parallelised with torch's tensor parallelism over
+            ``mesh["tp"]``, pass ``mesh["dp"]`` (Note [tensor-parallel
+            parameters] in tandem/dtensor.py).
         bucket_cap_mb_list: a cap per bucket, in MiB.
         batched_grad_copy: accepted (gradients are always copied per bucket).
         forward_sync_buffers: torch's newer name for ``broadcast_buffers`` (before
@@ -165,6 +168,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 raise RuntimeError(
                     f"parameter '{n}' is uninitialized (a lazy module): run a dummy forward "
                     "pass to initialise it before wrapping the module in DistributedDataParallel")
+        if dist.is_initialized():  # Note [tensor-parallel parameters] in tandem/dtensor.py
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            check_tensor_parallel(named_params, dist.get_process_group_ranks(group), dist.get_rank(),
+                                  int(self.zero_stage))
         self.device, self.device_type = _single_device(named_params)
         self.device_ids, self.output_device = _resolve_device_ids(
             device_ids, output_device, self.device, self.device_type)

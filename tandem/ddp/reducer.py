@@ -108,6 +108,7 @@ from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork, issues_one_co
 from tandem._tree import iter_tensors
 from tandem.ddp.graph import opaque_nodes, reachable_params
 from tandem.ddp.plan import BucketPlan, ParamInfo, plan_ddp_buckets
+from tandem.dtensor import local_grad, local_tensor, set_local_grad
 
 __all__ = ["CommStats", "GradReducer", "ReducerOptions", "StepState"]
 
@@ -165,7 +166,8 @@ class GradReducer:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        self._infos = [ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params]
+        # Note [tensor-parallel parameters] in tandem/dtensor.py: buckets hold local shards.
+        self._infos = [ParamInfo(n, local_tensor(p).numel(), p.dtype, p.device) for n, p in named_params]
         self._div = 1.0 / comm.size
         self._static = options.static_graph
         self._as_view = options.gradient_as_bucket_view
@@ -236,10 +238,11 @@ class GradReducer:
         if self.options.gradient_as_bucket_view:
             # Existing gradients move into the (new) buffer and param.grad becomes the view.
             for i, p in enumerate(self.params):
-                if p.grad is not None:
+                grad = local_grad(p)
+                if grad is not None:
                     view = self._view(i)
-                    view.copy_(p.grad)
-                    p.grad = view
+                    view.copy_(grad)
+                    set_local_grad(p, view)
 
     def _view(self, i: int) -> torch.Tensor:
         b, pos = self._where[i]
@@ -586,7 +589,7 @@ class GradReducer:
             return  # param.grad holds the average already (Note [in-place reduction])
         as_view, stepper = self._as_view, self._stepper
         if not as_view and stepper is None and globally_used is None:
-            grads = [p.grad for p in bucket.params]
+            grads = [local_grad(p) for p in bucket.params]
             if all(g is not None for g in grads):  # the common case, in one call
                 foreach_copy_(cast("list[torch.Tensor]", grads), bucket.views)
                 return
@@ -595,13 +598,14 @@ class GradReducer:
             if globally_used is not None and not globally_used[i]:
                 continue  # unused on every rank: .grad stays as it was, like torch
             p, view = self.params[i], bucket.views[pos]
+            grad = local_grad(p)
             if as_view or (stepper is not None and stepper.owns(i)):
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
+                if grad is None or grad.data_ptr() != view.data_ptr():
+                    set_local_grad(p, view)
+            elif grad is None:
+                set_local_grad(p, view.clone())
             else:
-                copy_dst.append(p.grad)
+                copy_dst.append(grad)
                 copy_src.append(view)
         if copy_dst:
             foreach_copy_(copy_dst, copy_src)

@@ -38,6 +38,7 @@ from tandem.comm.group import GroupComm
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
+from tandem.fsdp.tensor_parallel import TensorParallelParam, tensor_parallel_param
 from tandem.fsdp.unit import ShardState, ShardedUnit, UnitConfig
 from tandem.fsdp.units import ParamEntry, walk_unit
 
@@ -121,9 +122,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     reshard = _check_reshard(reshard_after_forward, comm.size)
     config = _unit_config(mesh, mp_policy, offload_policy)
     ignored = {id(p) for p in (ignored_params or ())}
-    params, absorbed = _collect(module, ignored)
+    params, absorbed = _collect(module, ignored, mesh)
+    tp = _tensor_parallel(params, absorbed, mesh)
     _move(module, params, config.device)
-    unit = ShardedUnit(type(module).__name__, params, mesh, comm, config)
+    unit = ShardedUnit(type(module).__name__, params, mesh, comm, config, tp)
     unit.module = module
     unit.reshard_after_forward = True if reshard is None else reshard
     unit.auto_reshard_after_forward = reshard is None
@@ -301,7 +303,7 @@ def _unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
                       cast_forward_inputs=bool(mp.cast_forward_inputs), output_dtype=mp.output_dtype)
 
 
-def _collect(module: nn.Module, ignored: set[int]) -> tuple[list[ParamEntry], list[ShardedUnit]]:
+def _collect(module: nn.Module, ignored: set[int], mesh: Any) -> tuple[list[ParamEntry], list[ShardedUnit]]:
     """The parameters under ``module`` that no other unit holds (units.py's walk),
     checked: an absorbed tiny unit must not have run, and a parameter another
     unit already shards (a tied weight) is an error."""
@@ -312,7 +314,7 @@ def _collect(module: nn.Module, ignored: set[int]) -> tuple[list[ParamEntry], li
             raise RuntimeError(f"fully_shard: '{unit.name}' already ran forward; apply fully_shard to every "
                                "module before the first forward")
     for fqn, _, p in entries:
-        if isinstance(p, DTensor) and not _held_by(p, absorbed):
+        if isinstance(p, DTensor) and not _held_by(p, absorbed) and _sharded_by_a_unit(p, mesh):
             raise ValueError(f"fully_shard: parameter '{fqn}' is already sharded by another unit (tied "
                              "weights?); call fully_shard on a module that contains every user of it")
     return entries, absorbed
@@ -320,6 +322,22 @@ def _collect(module: nn.Module, ignored: set[int]) -> tuple[list[ParamEntry], li
 
 def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
     return any(param is m.sharded for u in units for m in u.managed)
+
+
+def _sharded_by_a_unit(param: Any, mesh: Any) -> bool:
+    """Whether a DTensor parameter is a unit's shard: over this data-parallel
+    mesh, or over a 2-D one (Note [2-D parameters] in tensor_parallel.py),
+    rather than a tensor-parallel parameter over a sibling of ``mesh``."""
+    return param.device_mesh.ndim == 2 or param.device_mesh == mesh
+
+
+def _tensor_parallel(params: list[ParamEntry], absorbed: list[ShardedUnit],
+                     mesh: Any) -> list[TensorParallelParam | None]:
+    """Each parameter's 2-D layout (None for a plain one); an absorbed unit's
+    parameters keep the layout that unit gave them."""
+    earlier = {id(m.sharded): m.tp for u in absorbed for m in u.managed}
+    return [earlier[id(p)] if id(p) in earlier else tensor_parallel_param(fqn, p, mesh)
+            for fqn, _, p in params]
 
 
 def _move(module: nn.Module, params: list[ParamEntry], device: torch.device) -> None:

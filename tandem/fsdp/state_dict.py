@@ -47,12 +47,15 @@ def _shard_full_tensors(unit: Any, module: nn.Module, state_dict: dict[str, Any]
         value = state_dict.get(key)
         if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
             continue
-        if tuple(value.shape) != m.spec.shape:
+        shape = m.spec.shape if m.tp is None else tuple(m.tp.unsharded_spec.shape)
+        if tuple(value.shape) != shape:
             raise ValueError(f"rank {unit.comm.rank}: '{key}' in the state dict has shape {tuple(value.shape)}, "
-                             f"the model's parameter has {m.spec.shape}")
+                             f"the model's parameter has {shape}")
+        if m.tp is not None:  # Note [2-D parameters] in tensor_parallel.py: the tensor-parallel shard first
+            value = m.tp.local_of_full(value)
         rows = value.narrow(0, m.spec.row_start, m.spec.local_rows)
         local = rows.to(unit.config.shard_device, unit.orig_dtype, copy=True)
-        state_dict[key] = unit.to_dtensor(local, m.spec)
+        state_dict[key] = unit.to_dtensor(local, m.spec, m.tp)
 
 
 def load_full_state_dict(model: nn.Module, source: str | os.PathLike | Mapping[str, Any], *,

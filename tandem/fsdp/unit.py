@@ -36,7 +36,9 @@ from torch import nn
 from tandem._compat import chunk_cat, dtensor_api, dtensor_like, dtensor_local, foreach_copy_, \
     preserve_version_counters
 from tandem.comm.group import GroupComm, Work
+from tandem.dtensor import local_grad
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
+from tandem.fsdp.tensor_parallel import TensorParallelParam
 from tandem.fsdp.units import ParamEntry
 
 __all__ = ["ManagedParam", "ReduceState", "ShardState", "ShardedUnit", "UnitConfig"]
@@ -73,6 +75,7 @@ class ManagedParam:
     sharded: nn.Parameter                  # DTensor, Shard(0): a view of the shard buffer
     unsharded: nn.Parameter                # a view of the unsharded buffer
     requires_grad: bool
+    tp: TensorParallelParam | None = None  # Note [2-D parameters] in tensor_parallel.py
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class ShardedUnit:
     """The parameters of one ``fully_shard`` call, sharded on dim 0 across ``comm``."""
 
     def __init__(self, name: str, params: list[ParamEntry], mesh: Any, comm: GroupComm,
-                 config: UnitConfig) -> None:
+                 config: UnitConfig, tp: list[TensorParallelParam | None] | None = None) -> None:
         self.name = name
         self.mesh = mesh
         self.comm = comm                      # all-gathers
@@ -117,12 +120,15 @@ class ShardedUnit:
         self.orig_dtype = _uniform_dtype(name, params)
         self.param_dtype = config.param_dtype or self.orig_dtype
         self.reduce_dtype = config.reduce_dtype or self.param_dtype
-        self.layout: UnitLayout = plan_unit([tuple(p.shape) for _, _, p in params], comm.size, comm.rank)
+        # Note [2-D parameters]: a tensor-parallel parameter is sharded as its local tensor.
+        tp = tp if tp is not None else [None] * len(params)
+        shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
+        self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank)
         self.shard_flat = self._new_shard_buffer()
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype,
                                           device=config.device)
-        self.managed = [self._manage(fqn, owners, param, spec)
-                        for (fqn, owners, param), spec in zip(params, self.layout.params)]
+        self.managed = [self._manage(fqn, owners, param, spec, t)
+                        for (fqn, owners, param), spec, t in zip(params, self.layout.params, tp)]
         comm.ledger.describe_params(f"unit {name}", [fqn for fqn, _, _ in params])
         self._copy_out_dst = [self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
                                                          p.chunk_numel).view(self.layout.world_size, -1)
@@ -162,28 +168,38 @@ class ShardedUnit:
         return buf
 
     def _manage(self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
-                spec: ParamShard) -> ManagedParam:
+                spec: ParamShard, tp: TensorParallelParam | None) -> ManagedParam:
         local = self.shard_flat.narrow(0, spec.shard_offset, spec.local_numel).view(spec.local_shape)
         DTensor, _, _ = dtensor_api()
-        if isinstance(param, DTensor):
+        if tp is not None and param.device_mesh is not tp.sharded_mesh:  # type: ignore[attr-defined]
+            # A tensor-parallel parameter: its local tensor is what this unit shards.
+            with torch.no_grad():
+                local.copy_(dtensor_local(param).narrow(0, spec.row_start, spec.local_rows))
+            sharded: nn.Parameter = nn.Parameter(tp.sharded(local), requires_grad=param.requires_grad)
+        elif isinstance(param, DTensor):
             # A parameter of an absorbed tiny unit (Note [tiny units] in api.py): its
             # local rows move into this buffer, and the parameter object stays.
             with torch.no_grad():
                 old = dtensor_local(param)
                 local.copy_(old)
                 old.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
-            sharded: nn.Parameter = param
+            sharded = param
         else:
             if not param.is_meta:  # meta: values come later (Note [meta init] in api.py)
                 with torch.no_grad():
                     local.copy_(param.detach().narrow(0, spec.row_start, spec.local_rows))
             sharded = nn.Parameter(self.to_dtensor(local, spec), requires_grad=param.requires_grad)
         view = self.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
-        unsharded = nn.Parameter(view, requires_grad=param.requires_grad)
-        return ManagedParam(fqn, owners, spec, sharded, unsharded, param.requires_grad)
+        full = view if tp is None else tp.unsharded(view)
+        unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
+        return ManagedParam(fqn, owners, spec, sharded, unsharded, param.requires_grad, tp)
 
-    def to_dtensor(self, local: torch.Tensor, spec: ParamShard) -> torch.Tensor:
-        """``local`` (this rank's rows of the parameter ``spec``) as a Shard(0) DTensor."""
+    def to_dtensor(self, local: torch.Tensor, spec: ParamShard,
+                   tp: TensorParallelParam | None = None) -> torch.Tensor:
+        """``local`` (this rank's rows of the parameter ``spec``) as a Shard(0)
+        DTensor (over the 2-D mesh for a tensor-parallel parameter)."""
+        if tp is not None:
+            return tp.sharded(local)
         DTensor, Shard, _ = dtensor_api()
         shape = torch.Size(spec.shape)
         with torch.no_grad():
@@ -314,7 +330,7 @@ class ShardedUnit:
         world = self.layout.world_size
         grads, flags = [], []
         for m in self.managed:
-            g = m.unsharded.grad
+            g = local_grad(m.unsharded)  # Note [2-D parameters]: the tensor-parallel shard's gradient
             flags.append(0.0 if g is None else 1.0)
             grads.append(torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
                          if g is None else g)

@@ -1,0 +1,70 @@
+"""The local tensors of tensor-parallel (DTensor) parameters and their
+gradients, which is what tandem's data parallelism reduces and shards.
+
+Note [tensor-parallel parameters]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A model parallelised with torch's tensor parallelism (``parallelize_module``
+over ``mesh["tp"]``) holds ``DTensor`` parameters: each rank keeps its shard of
+a ``ColwiseParallel`` weight, say, and the DTensor knows the global shape. DDP
+over ``mesh["dp"]`` (the other dimension) averages each shard with the ranks
+that hold the same shard: the data-parallel group of a 2-D mesh is exactly the
+ranks with the same tensor-parallel coordinate. So DDP's reducer works on local
+tensors only: a parameter's bucket view is shaped like its local shard, its
+gradient is read from and written to ``param.grad``'s local tensor, and
+``param.grad`` stays a DTensor laid out like the parameter, so that torch's
+optimizers and ``clip_grad_norm_`` see what they see without DDP.
+
+A gradient whose placements differ from its parameter's (a ``Partial`` sum that
+tensor parallelism left unreduced) is redistributed to the parameter's
+placements when it is first read, as torch's FSDP2 does; that is a collective
+over the tensor-parallel group, issued by every rank of it in the same order
+(the order of backward). Plain parameters (a LayerNorm that tensor parallelism
+left alone) are what they always were.
+
+fully_shard over ``mesh["dp"]`` shards the local tensor on dim 0 in the same
+way (Note [2-D parameters] in tandem/fsdp/tensor_parallel.py).
+
+torch's own DDP does not accept DTensor parameters; torch converts them to
+plain tensors and back around every forward (``_pre_dp_module_transform``),
+which tandem does not need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem._compat import dtensor_api, dtensor_like, dtensor_local
+
+__all__ = ["is_distributed", "local_grad", "local_tensor", "set_local_grad"]
+
+_DTensor = dtensor_api()[0]
+
+
+def is_distributed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a tensor-parallel parameter or gradient)."""
+    return isinstance(t, _DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or the local shard of a DTensor (the same tensor object, so
+    writes to it are writes to ``t``)."""
+    return dtensor_local(t) if isinstance(t, _DTensor) else t
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of ``p.grad`` (None when there is none). A DTensor
+    gradient laid out unlike ``p`` is first redistributed to ``p``'s placements
+    and rebound (Note [tensor-parallel parameters])."""
+    grad = p.grad
+    if grad is None or not isinstance(grad, _DTensor):
+        return grad
+    placements = p.placements  # type: ignore[attr-defined]
+    if grad.placements != placements:
+        grad = grad.redistribute(placements=placements)
+        p.grad = grad
+    return dtensor_local(grad)
+
+
+def set_local_grad(p: torch.Tensor, local: torch.Tensor) -> None:
+    """``p.grad = local``, as a DTensor laid out like ``p`` when ``p`` is one."""
+    p.grad = dtensor_like(local, p) if isinstance(p, _DTensor) else local
