@@ -364,6 +364,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
+    def prepare_for_backward(self, output: Any) -> None:
+        """Make the next backward through ``output`` the synchronised one, although
+        the forward that produced it ran under ``no_sync()``: torch's
+        ``reducer.prepare_for_backward``, which torch's ``PipelineStage`` calls.
+
+        For pipeline schedules (``torch.distributed.pipelining``), which run several
+        micro-batches' forwards before their backwards and know only at backward
+        time which backward is the last of the step: run every forward under
+        ``no_sync()`` and call this with the last micro-batch's stage output (or
+        loss) just before its backward. That backward reduces, together with its
+        own gradients, those that the earlier backwards accumulated, as after
+        ``no_sync()``. A no-op in a group of one.
+        """
+        if self._reducer is not None:
+            self._reducer.arm(output, divisor=self._comm.size, name_ranks=not self._join_config.enable)
+
     # ------------------------------------------------------------------ fused step
     def fuse_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` inside backward, bucket by bucket, as soon as each
