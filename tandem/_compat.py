@@ -294,3 +294,26 @@ def group_label(group: torch.distributed.ProcessGroup | None) -> str:
         return name
     ranks = torch.distributed.get_process_group_ranks(group)
     return "ranks " + ",".join(map(str, ranks))
+
+
+__all__ += ["dist_autograd_context_id"]
+
+
+def dist_autograd_context_id() -> int | None:
+    """The id of the distributed autograd context this thread runs in, or None.
+
+    Why: under ``torch.distributed.autograd`` gradients land in the context, not in
+    ``param.grad``, and DDP must reduce them there (Note [distributed autograd] in
+    tandem/ddp/dist_autograd.py); torch's reducer reads the same thread-local in C++.
+    Without an RPC agent there is no context: one flag read, no exception.
+    """
+    if not torch.distributed.rpc.is_available():
+        return None
+    if not torch._C._distributed_rpc._is_current_rpc_agent_set():  # type: ignore[attr-defined]
+        return None
+    import torch.distributed.autograd as dist_autograd
+    try:
+        context = dist_autograd._current_context()  # type: ignore[attr-defined]
+    except RuntimeError:  # "Current thread doesn't have a valid autograd context"
+        return None
+    return int(context._context_id())

@@ -96,10 +96,11 @@ from typing import cast
 
 import torch
 
-from tandem._compat import accumulate_grad_node, foreach_copy_, queue_backward_callback, \
-    will_execute_in_this_backward
+from tandem._compat import accumulate_grad_node, dist_autograd_context_id, foreach_copy_, \
+    queue_backward_callback, will_execute_in_this_backward
 from tandem.comm.group import CollectiveEvent, GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
+from tandem.ddp.dist_autograd import ContextGrads, unsupported_under_context
 from tandem.ddp.fused import BucketStepper
 from tandem.ddp.checks import NonFinite, NonFiniteReport
 from tandem.ddp.finite import FLAGS_CHECKED_TAG, FiniteCheck
@@ -213,6 +214,12 @@ class GradReducer:
         self._acc_nodes = [accumulate_grad_node(p) for p in self.params]
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
+        # Note [distributed autograd] in dist_autograd.py: hooks on the AccumulateGrad
+        # nodes, added by the first forward that runs inside a context.
+        self._context_hooks: list[object] = []
+        self._context_id: int | None = None        # the context the armed forward ran in
+        self._context_grads: ContextGrads | None = None
+        self._used_counts: list[int] | None = None
         logger.info("DDP: %s, world %d", self.plan.describe(), comm.size)
 
     # ------------------------------------------------------------------ planning
@@ -313,6 +320,21 @@ class GradReducer:
         if self.steps == 0:
             self._arrival = []  # an earlier first step may have failed half-way
         self._pending_unused = self._find_unused(outputs)
+        self._context_grads = None
+        self._context_id = dist_autograd_context_id()
+        if self._context_id is not None:
+            self._hook_context_grads()
+
+    def _hook_context_grads(self) -> None:
+        """Note [distributed autograd] in dist_autograd.py: this forward runs inside a
+        distributed autograd context, so its backward may leave the gradients there."""
+        what = "ZeRO" if self._zero else "fuse_optimizer" if self._stepper is not None else None
+        if what is not None:
+            self.state = StepState.IDLE
+            raise RuntimeError(unsupported_under_context(self.comm.rank, what))
+        if not self._context_hooks:
+            self._context_hooks = [node.register_hook(functools.partial(self._on_context_grad, i))
+                                   for i, node in enumerate(self._acc_nodes)]
 
     def _find_unused(self, outputs: list[torch.Tensor]) -> list[int]:
         """Parameters known to get no gradient in this backward. They are marked
@@ -381,6 +403,17 @@ class GradReducer:
                 return
         if self._ready(i) and self.steps == 0 and not self._static:
             self._arrival.append(i)
+
+    def _on_context_grad(self, i: int, grad_inputs: object, grad_outputs: object) -> None:
+        # The AccumulateGrad node's post hook (Note [distributed autograd] in dist_autograd.py).
+        if self.state is not StepState.ARMED or self._locally_used[i] or self._context_id is None:
+            return  # no synchronised backward, or a local one: _on_grad took the gradient
+        if self._context_grads is None:
+            # The engine's thread does not expose the backward's context to Python
+            # (torch's reducer reads a C++ thread-local): the forward's context it is.
+            self._context_grads = ContextGrads(self._context_id, self.params, self.names, self.comm.rank)
+        self._context_grads.bind(i)
+        self._on_grad(i)
 
     def _ready(self, i: int) -> bool:
         """Parameter i's gradient is final for this backward: copy it in (or leave
@@ -482,9 +515,15 @@ class GradReducer:
                 self._finish()
             return
         self.state = StepState.FINISHING
+        context_grads, self._context_grads = self._context_grads, None
+        self._used_counts = None
         try:
             self._finish_step()
+            if context_grads is not None:  # Note [distributed autograd] in dist_autograd.py
+                context_grads.deliver(self._used_counts, self.comm.size)
         finally:
+            if context_grads is not None:
+                context_grads.restore()
             self.state = StepState.IDLE
             self._callback_queued = False
 
@@ -555,6 +594,7 @@ class GradReducer:
             self._static_used = globally_used
         elif self.options.static_graph:
             globally_used = self._static_used
+        self._used_counts = globally_used  # ranks per parameter (all-reduced with SUM)
         if self.steps == 0 and self.options.rebuild_buckets and not (
                 self.options.find_unused_parameters and not self.options.static_graph):
             self._rebuild_pending = True
