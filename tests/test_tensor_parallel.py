@@ -25,6 +25,7 @@ from torch import nn
 
 import tandem
 from tandem.testing import run_distributed
+from tandem.testing.models import TinyLM
 
 D, HEADS, VOCAB, STEPS = 16, 4, 32, 3
 
@@ -50,18 +51,9 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-class Net(nn.Module):
+class Net(TinyLM):
     def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        super().__init__(VOCAB, D, [Block(), Block()])
 
 
 def _parallelize(model: Net, tp_mesh: object) -> Net:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODELS", "make_model"]
+__all__ = ["MODELS", "TinyLM", "make_model"]
 
 IN, OUT = 8, 4
 
@@ -115,6 +115,24 @@ class Encoder(nn.Module):
     def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
         seq = self.embed(x.view(x.shape[0], IN // 2, 2))
         return self.head(self.encoder(seq).mean(dim=1))
+
+
+class TinyLM(nn.Module):
+    """A token embedding, ``blocks`` (residual, each ``(batch, seq, dim) ->`` the
+    same), and a head to the vocabulary: the shape of a language model, for the
+    tensor-parallel tests, whose blocks differ."""
+
+    def __init__(self, vocab: int, dim: int, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 MODELS = {

@@ -5,10 +5,11 @@ Two parts, as everywhere in tandem: :func:`plan_report` is pure (a
 :class:`PlanReport` from the model's parameters and buffers, what was
 measured, and the options: DDP's buckets, the memory per rank under DDP,
 ZeRO-1, ZeRO-2 and fully_shard from :func:`tandem.zero.estimate_memory`, which
-strategy fits, the batch arithmetic, the warnings); :func:`measure` runs the
-forward and backward that measure the activations and find the parameters the
-forward does not reach; :func:`plan` and :func:`main` (the command line) tie
-them together.
+strategy fits, the batch arithmetic, the warnings; on a dp x tp mesh, per rank
+of the mesh from the local shapes :func:`tensor_parallel_shards` derives from a
+tensor-parallel plan); :func:`measure` runs the forward and backward that
+measure the activations and find the parameters the forward does not reach;
+:func:`plan` and :func:`main` (the command line) tie them together.
 
 # Note [measured activations]
 Activations are what autograd saves for backward: every tensor passed to a
@@ -22,14 +23,17 @@ changed by the forward (BatchNorm's running statistics) are restored.
 Measured on the device the model is on, in its dtype, without autocast: a
 model trained under autocast saves some half-precision tensors instead.
 Activations grow with the batch: measure with the per-rank batch you will train.
+
+On a dp x tp mesh: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +45,7 @@ from tandem.ddp.graph import reachable_params
 from tandem.ddp.plan import BucketPlan
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.tools.entry import load_entry
+from tandem.tools.tp_plan import TensorParallelShard, parse_mesh, tensor_parallel_shards
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "Measurement", "PlanReport", "StrategyMemory", "default_fsdp_units",
@@ -67,6 +72,8 @@ class StrategyMemory:
     name: str
     estimate: MemoryEstimate
     activations: int
+    refused: str | None = None
+    """Why tandem cannot run this strategy on this model (None: it can)."""
 
     @property
     def peak(self) -> int:
@@ -95,17 +102,24 @@ class PlanReport:
     model: str
     """The model's class name."""
     world_size: int
-    """Ranks planned for."""
+    """Data-parallel ranks planned for (all the ranks without tensor parallelism)."""
+    tensor_parallel: int = 1
+    """Ranks of each tensor-parallel group (``mesh["tp"]``); the mesh has
+    ``world_size * tensor_parallel`` ranks."""
+    tp_shards: tuple[TensorParallelShard, ...] = ()
+    """The parameters ``tp_plan`` makes DTensors, with their local shapes."""
     optimizer: str
     """The optimizer's name."""
     optimizer_bytes_per_param: int
     """Its state per parameter element."""
     num_params: int
-    """Parameter elements, frozen ones included."""
+    """Parameter elements, frozen ones included (of the whole model)."""
+    num_local: int
+    """Parameter elements one rank holds (its tensor-parallel shards; ``num_params`` without)."""
     num_trainable: int
-    """Elements DDP reduces."""
+    """Elements DDP reduces on one rank."""
     param_bytes: int
-    """Bytes of the parameters."""
+    """Bytes of the parameters one rank holds."""
     buffers: tuple[tuple[str, int], ...]
     """Buffers DDP broadcasts before every forward (name, bytes); empty with ``broadcast_buffers=False``."""
     buckets: BucketPlan
@@ -113,7 +127,8 @@ class PlanReport:
     param_names: tuple[str, ...]
     """The trainable parameters, by the indices the buckets use."""
     strategies: tuple[StrategyMemory, ...]
-    """DDP, ZeRO-1, ZeRO-2 and fully_shard, in that order."""
+    """DDP, ZeRO-1, ZeRO-2 and fully_shard, in that order (ZeRO-1/2 refused
+    with tensor-parallel parameters: :attr:`StrategyMemory.refused`)."""
     measurement: Measurement | None
     """What the sample forward measured (None: no sample given)."""
     grad_accum: int
@@ -126,19 +141,26 @@ class PlanReport:
     """What to change before launching."""
 
     @property
+    def ranks(self) -> int:
+        """Ranks of the whole mesh: ``world_size * tensor_parallel``."""
+        return self.world_size * self.tensor_parallel
+
+    @property
     def global_batch(self) -> int | None:
-        """Per-rank batch x gradient accumulation x world size (None: no sample)."""
+        """Per-rank batch x gradient accumulation x data-parallel size (the
+        ranks of a tensor-parallel group share one batch; None: no sample)."""
         if self.measurement is None or self.measurement.batch_size is None:
             return None
         return self.measurement.batch_size * self.grad_accum * self.world_size
 
     @property
     def choice(self) -> StrategyMemory | None:
-        """The first strategy (in :data:`STRATEGIES` order) whose peak fits
-        ``device_memory``; None when none does or no device memory was given."""
+        """The first strategy (in :data:`STRATEGIES` order) that tandem can run
+        and whose peak fits ``device_memory``; None when none does or no device
+        memory was given."""
         if self.device_memory is None:
             return None
-        return next((s for s in self.strategies if s.peak <= self.device_memory), None)
+        return next((s for s in self.strategies if s.refused is None and s.peak <= self.device_memory), None)
 
     def describe(self) -> str:
         """The report as text (what ``tandem plan`` prints)."""
@@ -148,13 +170,14 @@ class PlanReport:
 def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement | None = None,
                 optimizer: str | int = "adamw", device_memory: int | str | None = None, grad_accum: int = 1,
                 bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
-                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True) -> PlanReport:
+                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True,
+                tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None) -> PlanReport:
     """The plan, from the model's parameters and buffers (shapes, dtypes,
     ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
 
     Args:
-        model: the model, as it will be wrapped.
-        world_size: ranks.
+        model: the model, as it will be wrapped (not yet tensor-parallel).
+        world_size: data-parallel ranks (all the ranks without tensor parallelism).
         measurement: what :func:`measure` found (None: activations unknown).
         optimizer: a name in :data:`OPTIMIZER_STATE_BYTES`, or bytes of state
             per parameter element.
@@ -166,13 +189,20 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
             :func:`default_fsdp_units`).
         min_unit_bytes: fully_shard's ``min_unit_bytes``.
         broadcast_buffers: DDP's ``broadcast_buffers``.
+        tensor_parallel: ranks of ``mesh["tp"]``: the mesh is ``world_size x
+            tensor_parallel`` (Note [planning a tensor-parallel mesh]).
+        tp_plan: what you pass to ``parallelize_module(model, mesh["tp"], ...)``:
+            module-path patterns -> ``ColwiseParallel()``, ``RowwiseParallel()``
+            (or ``"colwise"``, ``"rowwise"``), ``SequenceParallel()``, ...
 
     Raises:
-        ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer`` or
-            ``device_memory``, and what :func:`tandem.zero.estimate_memory` rejects.
+        ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
+            ``device_memory``, ``tensor_parallel`` or ``tp_plan``, and what
+            :func:`tandem.zero.estimate_memory` rejects.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    shards = tensor_parallel_shards(model, tp_plan, tensor_parallel)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
     opt_name, opt_bytes = _optimizer_bytes(optimizer)
@@ -181,21 +211,27 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         raise ValueError(f"device_memory must be positive, got {device_memory!r}")
     units = tuple(default_fsdp_units(model) if fsdp_units is None else fsdp_units)
     spec = FullyShardSpec(units=units, min_unit_bytes=min_unit_bytes)
+    local_shapes = {s.name: s.local_shape for s in shards}
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
-                                bucket_cap_mb=bucket_cap_mb, fsdp=spec)
+                                bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)
+    refused = (None if not shards else
+               "tandem's DDP does not shard tensor-parallel (DTensor) parameters; use fully_shard")
     activations = 0 if measurement is None else measurement.activation_bytes
     ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     params = dict(model.named_parameters())
     buffers = tuple((n, b.numel() * b.element_size()) for n, b in model.named_buffers()
                     if n not in ignored) if broadcast_buffers else ()
     trainable = tuple(n for n, p in params.items() if p.requires_grad and n not in ignored)
+    local = {n: math.prod(local_shapes.get(n, p.shape)) for n, p in params.items()}
     report = PlanReport(
-        model=type(model).__name__, world_size=world_size, optimizer=opt_name, optimizer_bytes_per_param=opt_bytes,
-        num_params=sum(p.numel() for p in params.values()),
-        num_trainable=sum(params[n].numel() for n in trainable),
+        model=type(model).__name__, world_size=world_size, tensor_parallel=tensor_parallel, tp_shards=shards,
+        optimizer=opt_name, optimizer_bytes_per_param=opt_bytes,
+        num_params=sum(p.numel() for p in params.values()), num_local=sum(local.values()),
+        num_trainable=sum(local[n] for n in trainable),
         param_bytes=estimates[0].params, buffers=buffers,
         buckets=_buckets_of(estimates[0]), param_names=trainable,
-        strategies=tuple(StrategyMemory(name, e, activations) for name, e in zip(STRATEGIES, estimates)),
+        strategies=tuple(StrategyMemory(name, e, activations, refused if name.startswith("ZeRO") else None)
+                         for name, e in zip(STRATEGIES, estimates)),
         measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=())
     warnings = _warnings(report, model, spec, estimates[3])
     return PlanReport(**{**report.__dict__, "warnings": tuple(warnings)})
@@ -273,10 +309,17 @@ def _warnings(report: PlanReport, model: nn.Module, spec: FullyShardSpec, stage3
         out.append(f"the whole model ({_size(report.param_bytes)}) is under fully_shard's min_unit_bytes "
                    f"({_size(spec.min_unit_bytes)}): sharding it saves little and adds collectives; "
                    "DDP is the better choice")
-    few_rows = [n for n, p in model.named_parameters() if p.dim() and p.shape[0] < report.world_size]
+    local = {s.name: s.local_shape for s in report.tp_shards}
+    few_rows = [n for n, p in model.named_parameters()
+                if p.dim() and local.get(n, tuple(p.shape))[0] < report.world_size]
     if few_rows:
-        out.append(f"fully_shard: {len(few_rows)} parameter(s) have fewer rows than the {report.world_size} "
+        ranks = f"{report.world_size} data-parallel" if report.tp_shards else f"{report.world_size}"
+        out.append(f"fully_shard: {len(few_rows)} parameter(s) have fewer rows than the {ranks} "
                    f"ranks ({_names(few_rows)}): some ranks hold none of them, the others padding")
+    uneven = [s.name for s in report.tp_shards if s.dim is not None and s.shape[s.dim] < report.tensor_parallel]
+    if uneven:
+        out.append(f"tensor parallelism: {len(uneven)} parameter(s) are shorter than the {report.tensor_parallel} "
+                   f"tensor-parallel ranks along their sharded dim ({_names(uneven)}): some ranks hold none of them")
     return out
 
 
@@ -288,27 +331,42 @@ def _names(names: Sequence[str], limit: int = 4) -> str:
 # ---------------------------------------------------------------------- the text
 
 def _describe(r: PlanReport) -> list[str]:
-    lines = [f"tandem plan: {r.model} on {r.world_size} rank(s), optimizer {r.optimizer} "
+    mesh = r.tp_shards or r.tensor_parallel > 1
+    where = (f"a {r.world_size} x {r.tensor_parallel} mesh (dp={r.world_size} x tp={r.tensor_parallel} = "
+             f"{r.ranks} ranks)" if mesh else f"{r.world_size} rank(s)")
+    lines = [f"tandem plan: {r.model} on {where}, optimizer {r.optimizer} "
              f"({r.optimizer_bytes_per_param} bytes of state per parameter element)", ""]
-    frozen = r.num_params - r.num_trainable
-    lines.append(f"model        {r.num_params:,} parameter elements ({_size(r.param_bytes)})"
-                 + (f", {frozen:,} of them frozen" if frozen else "")
-                 + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
+    frozen = r.num_local - r.num_trainable
+    if mesh:
+        lines.append(f"model        {r.num_params:,} parameter elements, {r.num_local:,} per rank "
+                     f"({_size(r.param_bytes)})" + (f", {frozen:,} of them frozen" if frozen else "")
+                     + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
+    else:
+        lines.append(f"model        {r.num_params:,} parameter elements ({_size(r.param_bytes)})"
+                     + (f", {frozen:,} of them frozen" if frozen else "")
+                     + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
     m = r.measurement
     if m is None:
         lines.append("batch        no sample given (--sample): activations not measured, not included below")
     else:
         if r.global_batch is not None:
+            ranks = f"{r.world_size} data-parallel rank(s)" if mesh else f"{r.world_size} rank(s)"
             lines.append(f"batch        {m.batch_size} per rank x {r.grad_accum} accumulation step(s) x "
-                         f"{r.world_size} rank(s) = global batch {r.global_batch}")
+                         f"{ranks} = global batch {r.global_batch}"
+                         + (f" (the {r.tensor_parallel} ranks of a tensor-parallel group share a batch)"
+                            if mesh else ""))
         lines.append(f"activations  {_size(m.activation_bytes)} per rank per micro-batch "
-                     "(measured: tensors saved for backward in one forward)")
+                     "(measured: tensors saved for backward in one forward"
+                     + ("; unsharded, in one process: an overestimate for the tensor-parallel layers)"
+                        if mesh else ")"))
+    if mesh:
+        lines += ["", *_mesh_lines(r)]
     lines += ["", *_bucket_lines(r), "", *_memory_lines(r)]
     if r.device_memory is not None:
         lines.append("")
         choice = r.choice
         if choice is None:
-            best = min(r.strategies, key=lambda s: s.peak)
+            best = min((s for s in r.strategies if s.refused is None), key=lambda s: s.peak)
             lines.append(f"fits in {_size(r.device_memory)}: nothing; the smallest is {best.name} at "
                          f"{_size(best.peak)} ({_size(best.peak - r.device_memory)} over): use more ranks, "
                          "a smaller per-rank batch with more accumulation steps, or activation checkpointing")
@@ -318,6 +376,26 @@ def _describe(r: PlanReport) -> list[str]:
                          f"margin {_size(margin)} ({margin / r.device_memory:.0%})")
     if r.warnings:
         lines += ["", "warnings:", *(f"  - {w}" for w in r.warnings)]
+    return lines
+
+
+def _mesh_lines(r: PlanReport, limit: int = 12) -> list[str]:
+    modules = {s.module for s in r.tp_shards}
+    lines = [f"tensor parallel  {len(r.tp_shards)} parameter(s) of {len(modules)} module(s) are DTensors over "
+             f"tp={r.tensor_parallel}; every size below is one rank's: its tensor-parallel shard (tp rank 0's, "
+             f"the largest), then its share over dp={r.world_size}"]
+    groups: dict[tuple[str, ...], int] = {}   # one line per plan key, parameter and layout
+    for s in r.tp_shards:
+        attr = s.name[len(s.module) + 1:] if s.name.startswith(f"{s.module}.") else s.name
+        row = (f"{s.key}: {attr}" if s.key else attr, s.style, s.placement,
+               "x".join(map(str, s.shape)) + " -> " + "x".join(map(str, s.local_shape)))
+        groups[row] = groups.get(row, 0) + 1
+    width = max((len(row[0]) for row in groups), default=0)
+    for (what, style, placement, shapes), count in list(groups.items())[:limit]:
+        lines.append(f"  {what:<{width}}  {style:<8}  {placement:<11}  {shapes}"
+                     + (f"  (x{count})" if count > 1 else ""))
+    if len(groups) > limit:
+        lines.append(f"  ... and {len(groups) - limit} more")
     return lines
 
 
@@ -343,12 +421,16 @@ def _memory_lines(r: PlanReport) -> list[str]:
              f"  {'':<12}" + "".join(f"{c:>12}" for c in columns)]
     for s in r.strategies:
         e = s.estimate
+        if s.refused is not None:
+            lines.append(f"  {s.name:<12}" + f"{'n/a':>12}  {s.refused}")
+            continue
         values = (e.params, e.grads, e.optimizer, e.steady, s.activations, s.peak)
         lines.append(f"  {s.name:<12}" + "".join(f"{_size(v):>12}" for v in values))
     units = r.strategies[3].estimate.units
     lines.append(f"  fully_shard: {len(units)} unit(s) ("
                  + (", ".join(u.name or "<root>" for u in units[:4]) + (", ..." if len(units) > 4 else ""))
-                 + "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer")
+                 + (")" if r.strategies[1].refused else
+                    "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer"))
     return lines
 
 
@@ -440,13 +522,14 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
          device_memory: int | str | None = None, grad_accum: int = 1,
          loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None, bucket_cap_mb: float | None = None,
          fsdp_units: Sequence[str] | None = None, min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
-         broadcast_buffers: bool = True) -> PlanReport:
+         broadcast_buffers: bool = True, tensor_parallel: int = 1,
+         tp_plan: Mapping[str, Any] | str | None = None) -> PlanReport:
     """Will ``model`` fit on ``world_size`` ranks, and how should it be sharded?
 
     Args:
         model: an ``nn.Module``, or an entry point ``"package.module:build"``
-            called with no arguments to build it.
-        world_size: ranks.
+            called with no arguments to build it; not yet tensor-parallel.
+        world_size: data-parallel ranks (all the ranks without tensor parallelism).
         sample: one rank's batch, ``(inputs, targets)`` or the inputs (or an
             entry point returning it); None: activations are not measured.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``, ...
@@ -459,6 +542,13 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         bucket_cap_mb, broadcast_buffers: DDP's arguments.
         fsdp_units, min_unit_bytes: how fully_shard is applied
             (:func:`default_fsdp_units`).
+        tensor_parallel: the size of ``mesh["tp"]`` on a 2-D mesh ``(dp, tp)``
+            (Note [planning a tensor-parallel mesh]); sizes are then per rank
+            of the mesh.
+        tp_plan: the plan given to ``parallelize_module(model, mesh["tp"],
+            tp_plan)`` (or an entry point returning it): module-path patterns
+            (``"blocks.*.up"``) -> ``ColwiseParallel()``, ``RowwiseParallel()``
+            or ``"colwise"``, ``"rowwise"``, ...
 
     Returns:
         The :class:`PlanReport`; ``print(report.describe())`` shows it.
@@ -480,10 +570,13 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         sample = _call(sample, "--sample")
     if isinstance(loss_fn, str):
         loss_fn = load_entry(loss_fn, what="--loss")
+    styles: Mapping[str, Any] | None = _call(tp_plan, "--tp-plan") if isinstance(tp_plan, str) else tp_plan
+    tensor_parallel_shards(model, styles, tensor_parallel)   # a bad plan fails before the forward runs
     measurement = None if sample is None else measure(model, sample, loss_fn=loss_fn)
     return plan_report(model, world_size=world_size, measurement=measurement, optimizer=optimizer,
                        device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
-                       fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers)
+                       fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers,
+                       tensor_parallel=tensor_parallel, tp_plan=styles)
 
 
 def _call(spec: str, what: str) -> Any:
@@ -495,12 +588,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem plan",
         description="Before launching: DDP's buckets, memory per rank under DDP, ZeRO-1, ZeRO-2 and "
                     "fully_shard (activations measured with one forward on a sample batch), which fits "
-                    "a device, and what to fix.")
+                    "a device, and what to fix; on a dp x tp mesh with torch's tensor parallelism too.")
     p.add_argument("--model", required=True, metavar="MOD:FN", help="a function building the model")
     p.add_argument("--sample", metavar="MOD:FN",
                    help="a function returning one rank's batch, (inputs, targets) or inputs")
     p.add_argument("--loss", metavar="MOD:FN", help="loss_fn(outputs, targets) (default: sum of the outputs)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    ranks = p.add_mutually_exclusive_group(required=True)
+    ranks.add_argument("--world-size", type=int, help="number of ranks (data parallel only)")
+    ranks.add_argument("--mesh", metavar="dp=N,tp=M",
+                       help="a 2-D mesh: N data-parallel x M tensor-parallel ranks (with --tp-plan)")
+    p.add_argument("--tp-plan", metavar="MOD:FN",
+                   help="a function returning the dict given to parallelize_module(model, mesh['tp'], plan): "
+                        "module patterns -> ColwiseParallel()/RowwiseParallel() or 'colwise'/'rowwise'")
     p.add_argument("--optimizer", default="adamw",
                    help=f"{', '.join(OPTIMIZER_STATE_BYTES)}, or state bytes per element (default adamw)")
     p.add_argument("--device-memory", metavar="SIZE", help="memory of one device, e.g. 16GiB or 80GB")
@@ -519,10 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     units = None if args.fsdp_units is None else [u for u in args.fsdp_units.split(",") if u]
     try:
-        report = plan(args.model, world_size=args.world_size, sample=args.sample, optimizer=args.optimizer,
+        dp, tp = (args.world_size, 1) if args.mesh is None else parse_mesh(args.mesh)
+        report = plan(args.model, world_size=dp, sample=args.sample, optimizer=args.optimizer,
                       device_memory=args.device_memory, grad_accum=args.grad_accum, loss_fn=args.loss,
                       bucket_cap_mb=args.bucket_cap_mb, fsdp_units=units,
-                      broadcast_buffers=not args.no_broadcast_buffers)
+                      broadcast_buffers=not args.no_broadcast_buffers, tensor_parallel=tp, tp_plan=args.tp_plan)
     except ValueError as e:
         print(f"tandem plan: error: {e}", file=sys.stderr)
         return 2

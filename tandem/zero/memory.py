@@ -79,14 +79,27 @@ parameters, ``w`` the world size:
 
 Activations, the autograd graph and the collectives' own scratch space are
 not included, and ``ignored_params``, CPU offloading and
-``reshard_after_forward=k`` are not modelled. ``total`` adds the peaks of
+``reshard_after_forward=k`` are not modelled.
+
+# Note [local shapes]
+Under tensor parallelism (Note [tensor-parallel parameters] in
+tandem/dtensor.py) a rank holds its shard of a parameter, and tandem's data
+parallelism reduces and shards that local tensor: DDP's buckets hold its
+elements, fully_shard chunks its rows across the data-parallel ranks (Note
+[2-D parameters] in tandem/fsdp/tensor_parallel.py). :func:`estimate_memory`
+therefore takes the shapes one rank holds (``local_shapes``, tensor-parallel
+rank 0's, the largest chunks) in place of the parameters' own, with
+``world_size`` the data-parallel size, and every formula above applies to
+them unchanged. ``tandem plan`` (tandem/tools/plan.py) derives them from a
+tensor-parallel plan. ``total`` adds the peaks of
 ``gathered`` and ``reducing`` to the steady state: an upper bound on what
 fully_shard holds at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -201,7 +214,8 @@ def ddp_bucket_plan(params: Sequence[ParamInfo], world_size: int, *, zero_stage:
 
 def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_param: int = 8,
                     bucket_cap_mb: float | None = None, fsdp: FullyShardSpec | None = None,
-                    gradient_as_bucket_view: bool = False) -> list[MemoryEstimate]:
+                    gradient_as_bucket_view: bool = False,
+                    local_shapes: Mapping[str, Sequence[int]] | None = None) -> list[MemoryEstimate]:
     """Per-rank memory of ``model`` at ZeRO stages 0, 1, 2 and 3.
 
     Args:
@@ -217,6 +231,10 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
         fsdp: how ``tandem.fully_shard`` is applied, for stage 3 (default: to
             the root only, one unit holding the whole model).
         gradient_as_bucket_view: DDP's argument, for stage 0.
+        local_shapes: the shape one rank holds of each parameter named here
+            (by its name in ``named_parameters()``) in place of its own: the
+            tensor-parallel shards (Note [local shapes]); ``world_size`` is
+            then the data-parallel size.
 
     Returns:
         One estimate per stage (Notes [stages 0 to 2 memory] and [stage 3
@@ -238,17 +256,18 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer_bytes_per_param < 0:
         raise ValueError(f"optimizer_bytes_per_param must be >= 0, got {optimizer_bytes_per_param}")
+    shapes = _shapes_of(model, local_shapes)
     ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    infos = [ParamInfo(n, p.numel(), p.dtype, p.device)
+    infos = [ParamInfo(n, math.prod(shapes[id(p)]), p.dtype, p.device)
              for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
     if not infos:
         raise ValueError("the model has no trainable parameters")
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(math.prod(shapes[id(p)]) * p.element_size() for p in model.parameters())
     ddp = ddp_bucket_plan(infos, world_size, bucket_cap_mb=bucket_cap_mb,
                           gradient_as_bucket_view=gradient_as_bucket_view)
     zero = ddp_bucket_plan(infos, world_size, zero_stage=1, bucket_cap_mb=bucket_cap_mb)
     spec = fsdp if fsdp is not None else FullyShardSpec()
-    units = _plan_units(model, world_size, spec)
+    units = _plan_units(model, world_size, spec, shapes)
     return [
         _stage0(ddp, infos, params, world_size, optimizer_bytes_per_param, gradient_as_bucket_view),
         *(_zero_stage(stage, zero, infos, params, world_size, optimizer_bytes_per_param) for stage in (1, 2)),
@@ -284,6 +303,19 @@ def _zero_stage(stage: int, plan: BucketPlan, infos: list[ParamInfo], params: in
                           gathered=flat + shards, reducing=reducing, buckets=plan)
 
 
+def _shapes_of(model: nn.Module, local_shapes: Mapping[str, Sequence[int]] | None) -> dict[int, tuple[int, ...]]:
+    """``id(parameter) -> the shape a rank holds`` (Note [local shapes])."""
+    named = dict(model.named_parameters())
+    unknown = sorted(set(local_shapes or ()) - set(named))
+    if unknown:
+        raise ValueError(f"local_shapes names {unknown}, not parameters of {type(model).__name__} "
+                         f"(its parameters: {', '.join(list(named)[:6])}{', ...' if len(named) > 6 else ''})")
+    shapes = {id(p): tuple(p.shape) for p in named.values()}
+    for name, shape in (local_shapes or {}).items():
+        shapes[id(named[name])] = tuple(int(s) for s in shape)
+    return shapes
+
+
 def _flat_bytes(plan: BucketPlan) -> int:
     """Bytes of the flat bucket buffers (solo buckets are in none)."""
     return sum(n * _itemsize(dtype) for (_, dtype), n in plan.buffer_numel.items())
@@ -305,7 +337,8 @@ class _Draft:
     mergeable: bool
 
 
-def _plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec) -> tuple[UnitEstimate, ...]:
+def _plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec, shapes: dict[int, tuple[int, ...]]
+                ) -> tuple[UnitEstimate, ...]:
     """The units ``fully_shard`` builds when called bottom-up on ``spec.units``
     and the root, in module order (root first), with tiny units merged as
     fully_shard merges them (Note [tiny units] in tandem/fsdp/api.py).
@@ -314,6 +347,7 @@ def _plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec) -> tupl
         model: the model, not yet sharded.
         world_size: ranks of the mesh.
         spec: the modules and options (:class:`FullyShardSpec`).
+        shapes: ``id(parameter) -> the shape a rank holds`` (Note [local shapes]).
 
     Returns:
         One :class:`UnitEstimate` per unit, each with rank 0's layout.
@@ -334,7 +368,7 @@ def _plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec) -> tupl
     for name in _post_order(model):    # bottom-up: every call after its submodules' calls
         if name not in wanted:
             continue
-        draft = _replay_call(name, modules[name], unit_of, owner, spec.min_unit_bytes)
+        draft = _replay_call(name, modules[name], unit_of, owner, spec.min_unit_bytes, shapes)
         for p in draft.params:
             owner[id(p[1])] = draft
         unit_of.update({key: draft for key, old in unit_of.items() if old.name in draft.merged})
@@ -342,13 +376,13 @@ def _plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec) -> tupl
     order = {name: k for k, name in enumerate(modules)}
     drafts = sorted({id(d): d for d in unit_of.values()}.values(), key=lambda d: order[d.name])
     return tuple(UnitEstimate(name=d.name, merged=tuple(d.merged),
-                              layout=plan_unit([tuple(p.shape) for _, p in d.params], world_size, 0),
+                              layout=plan_unit([shapes[id(p)] for _, p in d.params], world_size, 0),
                               dtype=_unit_dtype(d), trainable=tuple(p.requires_grad for _, p in d.params))
                  for d in drafts)
 
 
 def _replay_call(name: str, module: nn.Module, unit_of: dict[int, _Draft], owner: dict[int, _Draft],
-                 min_unit_bytes: int) -> _Draft:
+                 min_unit_bytes: int, shapes: dict[int, tuple[int, ...]]) -> _Draft:
     """The unit of ``fully_shard(module)``: the parameters under ``module`` that no
     earlier unit holds, walked as fully_shard walks them (depth first, a
     module's own parameters before its children's), through tiny units (which
@@ -363,7 +397,7 @@ def _replay_call(name: str, module: nn.Module, unit_of: dict[int, _Draft], owner
                              "fully_shard would reject it: shard a module that contains every user of it")
         params[id(p)] = (fqn, p)
     draft = _Draft(name, list(params.values()), [n for a in absorbed for n in (a.name, *a.merged)], False)
-    numel = sum(p.numel() for _, p in draft.params)
+    numel = sum(math.prod(shapes[id(p)]) for _, p in draft.params)
     draft.mergeable = numel * _unit_dtype(draft).itemsize < min_unit_bytes
     return draft
 
