@@ -11,7 +11,7 @@ import torch
 from tandem._compat import foreach_copy_
 from tandem.comm.group import Work
 from tandem.ddp.plan import BucketSpec
-from tandem.dtensor import local_grad, local_tensor, set_local_grad
+from tandem.dtensor import is_distributed, local_grad, local_tensor, set_local_grad
 
 if TYPE_CHECKING:  # grad_bucket imports this module
     from tandem.ddp.grad_bucket import HookWork
@@ -101,6 +101,7 @@ class Bucket:
         # Shaped like each parameter's local tensor: Note [tensor-parallel parameters] in tandem/dtensor.py.
         self.views = [data.narrow(0, off, local.numel()).view_as(local)
                       for off, local in zip(spec.offsets, map(local_tensor, params))]
+        self.tensor_parallel = any(map(is_distributed, params))  # else .grad is the local gradient
         # Note [in-place reduction] in reducer.py: one parameter and no flag slot (a
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0
@@ -158,7 +159,7 @@ class Bucket:
 
     def copy_all(self, scale: float, rebind: bool) -> None:
         """:meth:`copy_in` for every parameter, batched: one copy, one scaling."""
-        grads = [local_grad(p) for p in self.params]
+        grads = self.local_grads()
         if not rebind and all(g is not None for g in grads):
             # The common case: separate gradient tensors (only rebinding makes a
             # gradient alias its view), all defined.
@@ -177,6 +178,14 @@ class Bucket:
         if dst:
             foreach_copy_(dst, src)
         self.grads.mul_(scale)
+
+    def local_grads(self) -> list[torch.Tensor | None]:
+        """Each parameter's gradient as the buckets hold it (local shards: Note
+        [tensor-parallel parameters] in tandem/dtensor.py); the hot path, once
+        or twice a step per bucket, skips the per-parameter check without DTensors."""
+        if self.tensor_parallel:
+            return [local_grad(p) for p in self.params]
+        return [p.grad for p in self.params]
 
     def ensure_data(self) -> None:
         """Give a solo bucket's staging tensor its memory (zeros) the first time a

@@ -629,7 +629,7 @@ class GradReducer:
             return  # param.grad holds the average already (Note [in-place reduction])
         as_view, stepper = self._as_view, self._stepper
         if not as_view and stepper is None and globally_used is None:
-            grads = [local_grad(p) for p in bucket.params]
+            grads = bucket.local_grads()
             if all(g is not None for g in grads):  # the common case, in one call
                 foreach_copy_(cast("list[torch.Tensor]", grads), bucket.views)
                 return
