@@ -42,10 +42,12 @@ class Block(nn.Module):
         self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         h = self.norm1(x)
-        # -1 heads: under tensor parallelism each rank holds HEADS / tp of them.
-        q, k, v = (m(h).view(b, t, -1, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        # Shapes from the projections, not from x: under sequence parallelism x
+        # holds this rank's part of the sequence, and each rank HEADS / tp heads.
+        q, k, v = (m(h) for m in (self.q, self.k, self.v))
+        b, t = q.shape[:2]
+        q, k, v = (y.view(b, t, -1, D // HEADS).transpose(1, 2) for y in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
@@ -56,11 +58,28 @@ class Net(TinyLM):
         super().__init__(VOCAB, D, [Block(), Block()])
 
 
-def _parallelize(model: Net, tp_mesh: object) -> Net:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _parallelize(model: Net, tp_mesh: object, sequence_parallel: bool = False) -> Net:
+    """Attention and MLP column/row-wise over ``tp_mesh``. With
+    ``sequence_parallel`` (as torchtitan does it), the residual stream between
+    them is split along the sequence, the LayerNorms run on that split (their
+    weights' gradients are then partial sums over the sequence shards: Note
+    [tensor-parallel parameters]), and the embedding and head are parallel too."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, \
+        parallelize_module
 
-    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
-            "up": ColwiseParallel(), "down": RowwiseParallel()}
+    if not sequence_parallel:
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+                "up": ColwiseParallel(), "down": RowwiseParallel()}
+    else:
+        seq = Shard(1)
+        plan = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                "q": ColwiseParallel(input_layouts=seq), "k": ColwiseParallel(input_layouts=seq),
+                "v": ColwiseParallel(input_layouts=seq), "o": RowwiseParallel(output_layouts=seq),
+                "up": ColwiseParallel(input_layouts=seq), "down": RowwiseParallel(output_layouts=seq)}
+        parallelize_module(model, tp_mesh, {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())})
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
     return model
@@ -135,10 +154,12 @@ CASES = {
     "ddp_fused_optimizer": ("ddp", {"fused": True}),
     "ddp_no_sync_accumulation": ("ddp", {"accumulate": 2}),
     "ddp_check_finite_find_unused": ("ddp", {"check_finite": "raise", "find_unused_parameters": True}),
+    "ddp_sequence_parallel": ("ddp", {"sequence_parallel": True}),
     "fully_shard": ("fsdp", {}),
     "fully_shard_unit_per_block": ("fsdp", {"min_unit_bytes": 0}),
     "fully_shard_no_reshard_accumulation": ("fsdp", {"min_unit_bytes": 0, "reshard_after_forward": False,
                                                      "accumulate": 2}),
+    "fully_shard_sequence_parallel": ("fsdp", {"min_unit_bytes": 0, "sequence_parallel": True}),
 }
 
 
@@ -148,7 +169,7 @@ def _train(rank: int, mesh: object, wrapper: str, options: dict) -> tuple[dict[s
     fused = options.pop("fused", False)
     solo = options.pop("solo", False)
     torch.manual_seed(0)
-    model = _parallelize(Net(), mesh["tp"])  # type: ignore[index]
+    model = _parallelize(Net(), mesh["tp"], options.pop("sequence_parallel", False))  # type: ignore[index]
     if wrapper == "ddp":
         with _solo_bytes(1) if solo else contextlib.nullcontext():
             wrapped = tandem.DistributedDataParallel(model, device_mesh=mesh["dp"], **options)  # type: ignore[index]
