@@ -10,6 +10,7 @@ tandem's, and is compared with plain single-process training on the global batch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -37,6 +38,9 @@ GRID = [
     HybridConfig(ddp="tandem", steps=STEPS, batch_size=8, bucket_cap_mb=TINY_CAP_MB),
     HybridConfig(ddp="torch", steps=STEPS, batch_size=8, gradient_as_bucket_view=True),
     HybridConfig(ddp="tandem", steps=STEPS, batch_size=8, gradient_as_bucket_view=True),
+    HybridConfig(ddp="torch", steps=STEPS, batch_size=8, find_unused_parameters=True),
+    HybridConfig(ddp="tandem", steps=STEPS, batch_size=8, find_unused_parameters=True),
+    HybridConfig(ddp="tandem", steps=STEPS, batch_size=8, static_graph=True),
 ]
 
 
@@ -103,7 +107,7 @@ def _check_replicas(result: HybridResult) -> None:
 
 def test_torch_ddp_hybrid_matches_single_process(results: dict[HybridConfig, HybridResult]) -> None:
     """The harness and the reference agree on torch's own DDP (the yardstick)."""
-    for config in (GRID[0], GRID[4]):
+    for config in (GRID[0], GRID[4], GRID[6]):
         result = results[config]
         _check_replicas(result)
         losses, dense, table = single_process(config)
@@ -111,13 +115,17 @@ def test_torch_ddp_hybrid_matches_single_process(results: dict[HybridConfig, Hyb
         assert losses[0][-1] < losses[0][0], "the job learns"
 
 
-@pytest.mark.parametrize("index", [1, 2, 3, 5], ids=["plain", "local-optimizer", "bucket-per-param",
-                                                       "gradient-as-bucket-view"])
+@pytest.mark.parametrize("index", [1, 2, 3, 5, 7, 8], ids=["plain", "local-optimizer", "bucket-per-param",
+                                                             "gradient-as-bucket-view", "find-unused-parameters",
+                                                             "static-graph"])
 def test_tandem_ddp_hybrid_equals_torch_ddp(results: dict[HybridConfig, HybridResult], index: int) -> None:
     config = GRID[index]
     result = results[config]
     _check_replicas(result)
-    yardstick = results[GRID[4] if config.gradient_as_bucket_view else GRID[0]]
+    # torch's DDP with the same gradient layout and unused-parameter search
+    # (static_graph and the optimizer and bucket choices change no number).
+    yardstick = results[dataclasses.replace(config, ddp="torch", optimizer="distributed", bucket_cap_mb=25.0,
+                                            static_graph=False)]
     # Equal to torch's DDP in the same job (bit for bit, today)...
     diff = _max_diff(result, [t.losses for t in yardstick.trainers],
                      [t.dense for t in yardstick.trainers], yardstick.embedding)

@@ -108,6 +108,10 @@ class HybridConfig:
     """Passed to DistributedDataParallel."""
     bucket_cap_mb: float = 25.0
     """Passed to DistributedDataParallel (a tiny cap: a bucket per parameter)."""
+    find_unused_parameters: bool = False
+    """Passed to DistributedDataParallel."""
+    static_graph: bool = False
+    """Passed to DistributedDataParallel."""
 
     def __post_init__(self) -> None:
         if self.ddp not in ("tandem", "torch"):
@@ -202,7 +206,8 @@ class HybridModel(nn.Module):
 def _wrap(dense: nn.Module, config: HybridConfig, group: dist.ProcessGroup) -> nn.Module:
     ddp = tandem.DistributedDataParallel if config.ddp == "tandem" else nn.parallel.DistributedDataParallel
     return ddp(dense, process_group=group, gradient_as_bucket_view=config.gradient_as_bucket_view,
-               bucket_cap_mb=config.bucket_cap_mb)
+               bucket_cap_mb=config.bucket_cap_mb, find_unused_parameters=config.find_unused_parameters,
+               static_graph=config.static_graph)
 
 
 def train(remote_table: RemoteModule, config: HybridConfig, index: int, count: int) -> TrainerResult:
