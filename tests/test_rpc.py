@@ -133,3 +133,69 @@ def test_tandem_ddp_hybrid_equals_torch_ddp(results: dict[HybridConfig, HybridRe
     # ...and to single-process training on the global batch.
     losses, dense, table = single_process(config)
     assert _max_diff(result, losses, [dense] * NUM_TRAINERS, table) <= TOL
+
+
+# ---------------------------------------------------------------------- what is refused
+
+def _refusals(rank: int, world_size: int) -> dict[str, str]:
+    """Two trainers, RPC only for its autograd contexts (a local graph): what
+    tandem's DDP refuses under distributed autograd, and the error for a
+    parameter only some ranks used (Note [distributed autograd])."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+
+    import tandem
+
+    store = os.environ["TANDEM_TEST_STORE"]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}.rpc",
+                                                                     rpc_timeout=60))
+    out = {}
+    try:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+        for name, kwargs in {"zero": {"zero_stage": 1}, "fused": {}}.items():
+            torch.manual_seed(0)
+            ddp = tandem.DistributedDataParallel(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2)), **kwargs)
+            if name == "fused":
+                ddp.fuse_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+            try:
+                with dist_autograd.context():
+                    ddp(x)
+            except RuntimeError as e:
+                out[name] = str(e)
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(6, 2), "b": nn.Linear(6, 2)})
+
+        class UsesB(nn.Module):  # rank 1 never touches "b"
+            def __init__(self) -> None:
+                super().__init__()
+                self.m = model
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.m["a"](x) + (self.m["b"](x) if rank == 0 else 0)
+
+        ddp = tandem.DistributedDataParallel(UsesB(), find_unused_parameters=True)
+        try:
+            with dist_autograd.context() as context_id:
+                dist_autograd.backward(context_id, [ddp(x).sum()])
+        except RuntimeError as e:
+            out["partly_used"] = str(e)
+    finally:
+        dist.barrier()
+        rpc.shutdown()
+        dist.destroy_process_group()
+    return out
+
+
+def test_zero_fused_and_partly_used_parameters_are_refused_on_every_rank() -> None:
+    results = run_distributed(_refusals, 2, timeout=90, init_process_group=False)
+    for rank, out in enumerate(results):
+        assert f"rank {rank}" in out["zero"] and "ZeRO" in out["zero"], out
+        assert "fuse_optimizer" in out["fused"] and "distributed autograd" in out["fused"], out
+        assert "['m.b.weight', 'm.b.bias']" in out["partly_used"], out
+        assert "some ranks but not on others" in out["partly_used"], out
