@@ -22,7 +22,8 @@ from torch.utils.data.distributed import DistributedSampler as TorchDistributedS
 
 import tandem
 from tandem.testing import run_distributed
-from tandem.train.prepare import Strategy, gather_for_metrics, no_sync, prepare, unwrap
+from tandem.data.loader import gather_for_metrics
+from tandem.train.prepare import Strategy, no_sync, prepare, unwrap
 
 WORLD = 2
 SEED = 5           # the DataLoaders' generator seed, which prepare adopts

@@ -1,8 +1,10 @@
-"""Data for data-parallel training: a resumable DistributedSampler (sampler.py)
-and metrics reduced or gathered across ranks (metrics.py)."""
+"""Data for data-parallel training: a resumable DistributedSampler (sampler.py),
+metrics reduced or gathered across ranks (metrics.py), and this rank's share of
+a DataLoader as ``tandem.prepare`` makes it (loader.py)."""
 
+from tandem.data.loader import DistributedLoader, gather_for_metrics
 from tandem.data.metrics import RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, weighted_mean
 from tandem.data.sampler import DistributedSampler
 
-__all__ = ["DistributedSampler", "RunningMean", "all_reduce_mean", "all_reduce_sum", "gather_samples",
-           "weighted_mean"]
+__all__ = ["DistributedLoader", "DistributedSampler", "RunningMean", "all_reduce_mean", "all_reduce_sum",
+           "gather_for_metrics", "gather_samples", "weighted_mean"]

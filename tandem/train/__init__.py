@@ -6,7 +6,8 @@ for users who keep their own loop."""
 from tandem.train.checkpoint import atomic_save, latest_checkpoint, list_checkpoints, load_checkpoint, \
     save_checkpoint
 from tandem.train.config import Precision, TrainerConfig
-from tandem.train.prepare import DistributedLoader, Strategy, gather_for_metrics, no_sync, prepare, unwrap
+from tandem.data.loader import DistributedLoader, gather_for_metrics
+from tandem.train.prepare import Strategy, no_sync, prepare, unwrap
 from tandem.train.rng import capture_rng_state, rank_seed, restore_rng_state, seed_everything
 from tandem.train.state import TrainingState
 from tandem.train.trainer import FitResult, Trainer

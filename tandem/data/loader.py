@@ -1,0 +1,249 @@
+"""This rank's share of a DataLoader (:class:`DistributedLoader`), built by
+``tandem.prepare`` from a one-process DataLoader, and the gather that undoes the
+split for metrics (:func:`gather_for_metrics`).
+
+# Note [prepared loaders]
+A prepared loader is a new ``torch.utils.data.DataLoader`` over the same
+dataset, with the original's batch size, collate function, workers, pinning,
+``drop_last`` and generator, whose sampler is a :class:`tandem.DistributedSampler`
+(shuffling when the original's sampler was a ``RandomSampler``). Three choices:
+
+- ``batch_size`` stays per rank, as in Accelerate's default (``split_batches=False``):
+  one step of R ranks consumes R * batch_size samples. Global batch size, and
+  so learning rate, scale with the world size; keep them fixed by dividing the
+  batch size by R before ``prepare``.
+- The sampler pads (never drops): every rank gets ``ceil(n / R)`` samples, the
+  last ``R * ceil(n / R) - n`` positions repeating samples from the start of the
+  epoch's order, as torch's sampler and Accelerate's ``even_batches`` do, so no
+  rank waits in a collective for a batch that never comes.
+  :func:`gather_for_metrics` drops exactly those repeats.
+- Each ``iter(loader)`` starts the next epoch: the first iteration yields epoch
+  0, the k-th epoch k - 1, as if ``sampler.set_epoch`` had been called before
+  each (the classic pitfall of a forgotten ``set_epoch`` cannot happen).
+  Accelerate counts the same way. :meth:`DistributedLoader.set_epoch` chooses
+  the epoch (and resume position) of the next iteration explicitly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from tandem._tree import iter_tensors, to_device
+from tandem.comm.group import GroupComm
+from tandem.data.metrics import Samples, gather_samples
+from tandem.data.sampler import DistributedSampler
+
+__all__ = ["DistributedLoader", "LoaderSpec", "distributed_loader", "gather_for_metrics", "loader_spec"]
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """What a prepared loader keeps of the original, and what the ranks must agree on."""
+
+    index: int
+    dataset_size: int
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+
+    def describe(self) -> str:
+        return (f"loader {self.index}: {self.dataset_size} samples, batch_size {self.batch_size}, "
+                f"shuffle={self.shuffle}, seed {self.seed}, drop_last={self.drop_last}")
+
+
+def loader_spec(loader: DataLoader, index: int, seed: int | None) -> LoaderSpec:
+    """Read (and check) what a DistributedSampler needs from ``loader``."""
+    where = f"prepare: dataloader {index}"
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"{where} is a {type(loader).__name__}, not a torch.utils.data.DataLoader")
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(f"{where} reads an IterableDataset ({type(loader.dataset).__name__}), which a "
+                         "sampler cannot split across ranks; shard it yourself by rank, or use a "
+                         "map-style dataset")
+    if loader.batch_size is None:
+        raise ValueError(f"{where} has a custom batch_sampler ({type(loader.batch_sampler).__name__}); "
+                         "prepare splits samples, not batches: pass batch_size= (and shuffle=) instead")
+    sampler = loader.sampler
+    if isinstance(sampler, (DistributedSampler, torch.utils.data.distributed.DistributedSampler)):
+        raise ValueError(f"{where} already has a DistributedSampler; pass the loader over the whole "
+                         "dataset (shuffle=True or False) and prepare splits it")
+    if isinstance(sampler, RandomSampler):
+        size = len(cast(Sized, loader.dataset))
+        if sampler.replacement or sampler.num_samples != size:
+            raise ValueError(f"{where}: a RandomSampler with replacement={sampler.replacement}, "
+                             f"num_samples={sampler.num_samples} (dataset of {size}) cannot be split "
+                             "across ranks; use shuffle=True without them")
+        shuffle = True
+    elif isinstance(sampler, SequentialSampler):
+        shuffle = False
+    else:
+        raise ValueError(f"{where} has a {type(sampler).__name__} sampler; prepare knows how to split "
+                         "a RandomSampler (shuffle=True) or a SequentialSampler (shuffle=False) only")
+    if seed is None:
+        generator = getattr(sampler, "generator", None) or loader.generator
+        seed = generator.initial_seed() if generator is not None else 0
+    return LoaderSpec(index=index, dataset_size=len(cast(Sized, loader.dataset)),
+                       batch_size=loader.batch_size, shuffle=shuffle, seed=int(seed),
+                       drop_last=bool(loader.drop_last))
+
+
+_PASSED_THROUGH = ("num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+                   "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
+                   "pin_memory_device", "in_order")
+
+
+def distributed_loader(loader: DataLoader, spec: LoaderSpec, comm: GroupComm,
+                        device: torch.device | None) -> DistributedLoader:
+    sampler = DistributedSampler(cast(Sized, loader.dataset), num_replicas=comm.size, rank=comm.rank,
+                                 shuffle=spec.shuffle, seed=spec.seed, drop_last=False)
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    options = {name: getattr(loader, name) for name in _PASSED_THROUGH
+               if name in accepted and hasattr(loader, name)}
+    return DistributedLoader(DataLoader(loader.dataset, batch_size=spec.batch_size, sampler=sampler,
+                                        **options), device)
+
+
+class DistributedLoader:
+    """This rank's share of a DataLoader, one epoch per iteration (Note [prepared loaders]).
+
+    Iterating it yields what the original DataLoader would for this rank's
+    samples under a :class:`tandem.DistributedSampler`, each batch moved to
+    ``device``. Each ``iter()`` starts the next epoch (0, 1, 2, ...), so the
+    order reshuffles without a ``set_epoch`` call; :meth:`set_epoch` sets the
+    next one explicitly (e.g. when resuming).
+
+    Attributes:
+        loader: the underlying ``torch.utils.data.DataLoader``.
+        sampler: its :class:`tandem.DistributedSampler`.
+        device: where batches are moved, or None to leave them where collate put them.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device | None) -> None:
+        self.loader = loader
+        self.sampler = cast(DistributedSampler, loader.sampler)
+        self.device = device
+        self._epoch = 0
+        self._fresh = True     # the sampler is set for _epoch, and no iteration has used it yet
+        self._yielded = 0      # samples this rank received in the current iteration
+        self._remaining = self.sampler.dataset_size  # positions of the epoch left at its start
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank (not across ranks)."""
+        return cast(int, self.loader.batch_size)
+
+    @property
+    def drop_last(self) -> bool:
+        return self.loader.drop_last
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the iteration in progress, or of the next one after :meth:`set_epoch`."""
+        return self._epoch
+
+    @property
+    def yielded(self) -> int:
+        """Samples this rank has received so far in the current iteration."""
+        return self._yielded
+
+    @property
+    def remaining(self) -> int:
+        """Samples of the dataset the current iteration covers, all ranks together
+        (the dataset size, less a resume position)."""
+        return self._remaining
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Make the next iteration yield ``epoch``, after the first ``start`` samples
+        the whole job consumed (see :meth:`tandem.DistributedSampler.set_epoch`);
+        later iterations continue with ``epoch + 1``, ``epoch + 2``, ... from their start."""
+        self.sampler.set_epoch(epoch, start)
+        self._epoch = epoch
+        self._fresh = True
+
+    def __len__(self) -> int:
+        """Batches of this rank in an epoch (that of :attr:`epoch`)."""
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._fresh:
+            self.sampler.set_epoch(self._epoch + 1)
+            self._epoch += 1
+        self._fresh = False
+        self._yielded = 0
+        self._remaining = self.sampler.dataset_size - self.sampler.start
+        return self._batches(iter(self.loader), len(self.sampler))
+
+    def _batches(self, batches: Iterator[Any], share: int) -> Iterator[Any]:
+        for index, batch in enumerate(batches):
+            self._yielded = min((index + 1) * self.batch_size, share)
+            yield batch if self.device is None else to_device(batch, self.device)
+
+    def __repr__(self) -> str:
+        return (f"DistributedLoader(rank {self.sampler.rank} of {self.sampler.num_replicas}, "
+                f"{len(self.sampler)} of {self.sampler.dataset_size} samples, batch_size "
+                f"{self.batch_size}, shuffle={self.sampler.shuffle}, epoch {self._epoch})")
+
+
+
+# ---------------------------------------------------------------------- in the loop
+
+def gather_for_metrics(values: Samples, loader: DistributedLoader,
+                       group: dist.ProcessGroup | None = None) -> Samples:
+    """Every rank's results for the samples ``loader`` yielded last, each sample
+    once, in the epoch's order, on every rank.
+
+    ``values`` holds this rank's results (one row per sample) of the last ``k``
+    samples ``loader`` yielded in its current iteration: one batch, inside the
+    loop, or ``torch.cat`` of every batch, after it. The rows of all ranks are
+    gathered and interleaved back into the sampler's order, and the padding
+    that made the ranks' shares equal (Note [prepared loaders]) is dropped: a
+    metric over the result counts each sample of the dataset once. A
+    collective: call it on every rank, at the same point of the loop.
+
+    Args:
+        values: a tensor, or a tuple, list or dict of tensors, each with ``k``
+            rows (the same ``k`` on every rank).
+        loader: the :class:`DistributedLoader` the samples came from.
+        group: the process group the loader's sampler splits over (default:
+            the default group).
+
+    Returns:
+        The same kind of value, each tensor with at most ``k * world_size`` rows.
+
+    Raises:
+        TypeError: ``values`` holds no tensor with a first dimension.
+        ValueError: ``k`` exceeds what ``loader`` yielded in this iteration, or
+            the ranks' values differ in rows, shapes or kinds (on every rank).
+    """
+    rows = _rows(values)
+    if rows > loader.yielded:
+        raise ValueError(
+            f"gather_for_metrics (rank {loader.sampler.rank}): values hold {rows} rows, but the loader "
+            f"yielded {loader.yielded} samples in this iteration; pass the results of the samples it "
+            "yielded last (one batch, or every batch since the iteration started)")
+    world = loader.sampler.num_replicas
+    # Rank-local sample i stands at position i * world + rank of what the iteration covers
+    # (tandem/data/sampler.py); positions past `remaining` are padding.
+    before = loader.yielded - rows
+    keep = max(0, min(rows * world, loader.remaining - before * world))
+    return gather_samples(values, keep, group)
+
+
+def _rows(values: Samples) -> int:
+    first = next(iter_tensors(values), None)
+    if first is None or first.dim() == 0:
+        raise TypeError("gather_for_metrics takes a tensor, or a tuple, list or dict of tensors, each "
+                        f"with one row per sample; got {type(values).__name__} without such a tensor")
+    return first.shape[0]
