@@ -3,6 +3,7 @@ with the parameters torch's DDP reaches under torch's Join on the same data."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join as TorchJoin
@@ -11,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import RankFailure, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 BATCHES = (3, 5, 8)
@@ -94,3 +95,34 @@ def test_throw_on_early_termination_raises_on_every_rank() -> None:
     assert messages[0] == "Rank 0 exhausted all inputs."
     for m in messages[1:]:
         assert "Detected at least one rank that exhausted inputs" in m, m
+
+
+def _missing_under_join(rank: int, world_size: int) -> None:
+    """Rank 0 runs out after one batch; rank 1's second backward leaves the
+    head without a gradient (no find_unused_parameters)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(IN, OUT), "head": nn.Linear(OUT, OUT)})
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, x: torch.Tensor, use_head: bool) -> torch.Tensor:
+            h = self.m["body"](x)
+            return self.m["head"](h) if use_head else h
+
+    ddp = tandem.DistributedDataParallel(Net())
+    with ddp.join():
+        for k, (x, y) in enumerate(_batches(rank)[:1 + rank]):
+            nn.functional.mse_loss(ddp(x, use_head=k == 0), y).backward()
+
+
+def test_a_missing_gradient_inside_join_raises_instead_of_hanging() -> None:
+    # Before: the training rank gathered every rank's missing names, a
+    # collective the joined rank does not mirror, and both waited forever.
+    with pytest.raises(RankFailure) as failure:
+        run_distributed(_missing_under_join, 2, timeout=60)
+    message = failure.value.tracebacks[1]
+    assert "rank 1: DistributedDataParallel: these parameters received no gradient" in message, message
+    assert "rank 1: 'm.head.bias', 'm.head.weight'" in message and "inside tandem.join" in message, message

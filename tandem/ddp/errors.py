@@ -5,9 +5,15 @@ from __future__ import annotations
 __all__ = ["gradient_twice", "missing_gradients", "unfinished_backward"]
 
 
-def missing_gradients(rank: int, per_rank: list[list[str]]) -> str:
-    """Parameters that received no gradient, per rank (Note [missing-gradient flag])."""
-    lines = [f"  rank {r}: {', '.join(repr(n) for n in names)}" for r, names in enumerate(per_rank) if names]
+def missing_gradients(rank: int, per_rank: list[list[str]] | None, mine: list[str] | None = None) -> str:
+    """Parameters that received no gradient, per rank (Note [missing-gradient flag]);
+    ``per_rank`` None: only this rank's (``mine``) are known (inside tandem.join)."""
+    if per_rank is None:
+        lines = [f"  rank {rank}: {', '.join(repr(n) for n in mine)}" if mine else
+                 f"  rank {rank}: none; another rank still training is missing some"]
+        lines.append("  (inside tandem.join the other ranks are not asked which)")
+    else:
+        lines = [f"  rank {r}: {', '.join(repr(n) for n in names)}" for r, names in enumerate(per_rank) if names]
     return (f"rank {rank}: DistributedDataParallel: these parameters received no "
             "gradient in this backward:\n" + "\n".join(lines) + "\n"
             "Either they were not used in forward, or the outputs that use them did not reach "

@@ -194,6 +194,7 @@ class GradReducer:
         self._arrival: list[int] = []       # param indices in order of first readiness
         self._pending_unused: list[int] = []  # marked ready when backward starts
         self._missing_flag = 0.0            # Note [missing-gradient flag]
+        self._name_ranks = True             # every rank takes part in error paths (not inside join)
         self._in_place = False              # Note [in-place reduction], decided in arm
         self._rebuild_pending = False
         # static graph: learned in the first synchronised step
@@ -306,6 +307,7 @@ class GradReducer:
         self._missing_flag = 0.0
         self._locally_used = [False] * len(self.params)
         self._hook_count = [0] * len(self.params)
+        self._name_ranks = name_ranks
         if self._check is not None:
             self._check.arm(marked=self._zero or self._as_view or self._comm_hook is not None,
                             name_ranks=name_ranks)
@@ -733,6 +735,10 @@ class GradReducer:
 
     # ------------------------------------------------------------------ errors
     def _raise_missing(self, mine: list[str]) -> None:
+        if not self._name_ranks:
+            # Inside tandem.join the joined ranks mirror only the reduction's
+            # collectives: a gather here would meet theirs and hang. Name this rank's.
+            raise RuntimeError(missing_gradients(self.comm.rank, None, mine))
         per_rank = self.comm.all_gather_object(mine, tag="missing gradients")
         raise RuntimeError(missing_gradients(self.comm.rank, per_rank))
 
