@@ -171,24 +171,24 @@ class ShardedUnit:
                 spec: ParamShard, tp: TensorParallelParam | None) -> ManagedParam:
         local = self.shard_flat.narrow(0, spec.shard_offset, spec.local_numel).view(spec.local_shape)
         DTensor, _, _ = dtensor_api()
-        if tp is not None and param.device_mesh is not tp.sharded_mesh:  # type: ignore[attr-defined]
-            # A tensor-parallel parameter: its local tensor is what this unit shards.
-            with torch.no_grad():
-                local.copy_(dtensor_local(param).narrow(0, spec.row_start, spec.local_rows))
-            sharded: nn.Parameter = nn.Parameter(tp.sharded(local), requires_grad=param.requires_grad)
-        elif isinstance(param, DTensor):
+        # An absorbed tiny unit's shard is a DTensor over this mesh, or over the
+        # 2-D one of its tensor-parallel layout; a tensor-parallel parameter not yet
+        # sharded is a DTensor over mesh["tp"] (Note [2-D parameters]).
+        if isinstance(param, DTensor) and (tp is None or param.device_mesh is tp.sharded_mesh):
             # A parameter of an absorbed tiny unit (Note [tiny units] in api.py): its
             # local rows move into this buffer, and the parameter object stays.
             with torch.no_grad():
                 old = dtensor_local(param)
                 local.copy_(old)
                 old.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
-            sharded = param
+            sharded: nn.Parameter = param
         else:
-            if not param.is_meta:  # meta: values come later (Note [meta init] in api.py)
+            # A plain parameter, or a tensor-parallel one: its local tensor is what this unit shards.
+            full = param.detach() if tp is None else dtensor_local(param)
+            if not full.is_meta:  # meta: values come later (Note [meta init] in api.py)
                 with torch.no_grad():
-                    local.copy_(param.detach().narrow(0, spec.row_start, spec.local_rows))
-            sharded = nn.Parameter(self.to_dtensor(local, spec), requires_grad=param.requires_grad)
+                    local.copy_(full.narrow(0, spec.row_start, spec.local_rows))
+            sharded = nn.Parameter(self.to_dtensor(local, spec, tp), requires_grad=param.requires_grad)
         view = self.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
         full = view if tp is None else tp.unsharded(view)
         unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
