@@ -17,6 +17,12 @@ rank within a few seconds:
   peer whose beat has not moved for :data:`STALE_AFTER_S` is gone, and the wait
   raises :class:`PeerLostError` naming it.
 
+A peer with no beat at all is not evidence of a death while the collective is
+still running: the monitor of a group that torch initialised starts at the
+rank's first tandem call, so a peer still loading its data has not beaten yet
+(a 2.8 s gap flaked CI before this rule). It counts as gone only once gloo has
+failed the collective and the beat is still missing :data:`STALE_AFTER_S` later.
+
 A peer that is alive but stuck (a hang, not a death) keeps beating: that is the
 launcher watchdog's case (``tandem run --hang-timeout``). NCCL has its own
 watchdog and blocking semantics, so NCCL waits are not sliced.
@@ -83,8 +89,13 @@ class PeerWatch:
         self.rank = rank
         self._seen: dict[int, tuple[str | None, float]] = {}
 
-    def observe(self, ranks: Sequence[int]) -> dict[int, str]:
+    def observe(self, ranks: Sequence[int], *, failed: bool = False) -> dict[int, str]:
         """Read the beats of ``ranks`` now; returns the ones that are gone, with why.
+
+        Args:
+            ranks: the peers to read.
+            failed: the collective has already failed, so a peer that has never
+                beaten counts as gone too (Note [dead peers]).
 
         Raises:
             RuntimeError: the store cannot be reached (its host is gone).
@@ -100,7 +111,7 @@ class PeerWatch:
             previous = self._seen.get(r)
             if previous is None or previous[0] != value:
                 self._seen[r] = (value, now)
-            elif now - previous[1] >= STALE_AFTER_S:
+            elif now - previous[1] >= STALE_AFTER_S and (value is not None or failed):
                 lost[r] = (f"stopped beating {now - previous[1]:.1f} s ago" if value is not None
                            else f"has not beaten in {now - previous[1]:.1f} s")
         return lost
@@ -109,7 +120,7 @@ class PeerWatch:
         """Watch ``ranks`` for up to ``window_s``; returns as soon as one is seen gone."""
         end = time.monotonic() + window_s
         while True:
-            lost = self.observe(ranks)
+            lost = self.observe(ranks, failed=True)
             if lost or time.monotonic() >= end:
                 return lost
             time.sleep(HEARTBEAT_INTERVAL_S)
