@@ -7,7 +7,9 @@ transformer whose attention and MLP are Colwise/Rowwise parallel, wrapped in
 tandem's DDP or fully_shard over ``mesh["dp"]``, trains for a few steps; every
 parameter, reassembled with ``full_tensor()``, is compared with one process
 training the same model on the global batch, and the mean of the data-parallel
-ranks' losses with the single process's loss.
+ranks' losses with the single process's loss. A bf16 mixed-precision policy,
+which one fp32 process cannot match, is compared with torch's own fully_shard
+on the same 2-D mesh instead.
 """
 
 from __future__ import annotations
@@ -192,6 +194,30 @@ def _train(rank: int, mesh: object, wrapper: str, options: dict) -> tuple[dict[s
     return _full(model), losses
 
 
+def _train_mixed_precision(mesh: object, impl: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """fully_shard (tandem's or torch's) over ``mesh["dp"]`` with bf16 compute
+    and fp32 reduction, a unit per block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = _parallelize(Net(), mesh["tp"])  # type: ignore[index]
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard as shard
+        options: dict = {}
+    else:
+        shard, options = tandem.fully_shard, {"min_unit_bytes": 0}
+    options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with warnings.catch_warnings():  # torch's: "returned a view tensor" of the head's output
+        warnings.simplefilter("ignore")
+        for block in model.blocks:
+            shard(block, mesh=mesh["dp"], **options)  # type: ignore[index]
+        shard(model, mesh=mesh["dp"], **options)  # type: ignore[index]
+        dp = mesh["dp"].get_local_rank()  # type: ignore[index]
+        losses = _fit(model, _optimizer(model.parameters()), lambda t: t.chunk(2)[dp], 1,
+                      lambda last: contextlib.nullcontext())
+    return _full(model), losses
+
+
 def _errors(rank: int, mesh: object) -> dict[str, str]:
     """What a wrong data-parallel group and ZeRO say, on every rank."""
     out = {}
@@ -209,6 +235,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     results = {name: _train(rank, mesh, wrapper, options) for name, (wrapper, options) in CASES.items()}
+    mixed = {impl: _train_mixed_precision(mesh, impl) for impl in ("tandem", "torch")}
     # A full (single-process) state dict loads into the 2-D sharded model.
     torch.manual_seed(1)
     source = Net()
@@ -220,7 +247,7 @@ def _worker(rank: int, world_size: int) -> dict:
     tandem.fsdp.load_full_state_dict(model, source.state_dict())
     loaded = _full(model)
     dist.barrier()
-    return {"cases": results, "loaded": loaded, "source": _full(source), "errors": _errors(rank, mesh)}
+    return {"cases": results, "mixed": mixed, "loaded": loaded, "source": _full(source), "errors": _errors(rank, mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +267,20 @@ def test_equal_to_one_process_on_the_global_batch(results: list[dict], case: str
     mean = [(a + b) / 2 for a, b in zip(results[0]["cases"][case][1], results[2]["cases"][case][1])]
     assert mean == pytest.approx(ref_losses, abs=1e-5)
     assert results[0]["cases"][case][1] == results[1]["cases"][case][1]  # tp peers see one loss
+
+
+def test_a_bf16_policy_equals_torchs_fully_shard_on_the_same_mesh(results: list[dict]) -> None:
+    fp32, _ = _local(1)
+    for rank, r in enumerate(results):
+        (ours, our_losses), (theirs, their_losses) = r["mixed"]["tandem"], r["mixed"]["torch"]
+        assert ours.keys() == theirs.keys() == fp32.keys()
+        gap_to_torch = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+        gap_to_fp32 = max((ours[k] - fp32[k]).abs().max().item() for k in ours)
+        assert gap_to_torch <= 1e-5, f"rank {rank}: {gap_to_torch}"
+        assert our_losses == pytest.approx(their_losses, abs=1e-5)
+        # The policy took effect: bf16 compute moved the weights away from fp32 training.
+        assert gap_to_fp32 > 1e-3, f"rank {rank}: {gap_to_fp32}"
+        assert all(v.dtype == torch.float32 for v in ours.values())  # the shards stay fp32
 
 
 def test_a_full_state_dict_loads_into_the_2d_sharded_model(results: list[dict]) -> None:
