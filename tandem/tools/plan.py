@@ -337,14 +337,10 @@ def _describe(r: PlanReport) -> list[str]:
     lines = [f"tandem plan: {r.model} on {where}, optimizer {r.optimizer} "
              f"({r.optimizer_bytes_per_param} bytes of state per parameter element)", ""]
     frozen = r.num_local - r.num_trainable
-    if mesh:
-        lines.append(f"model        {r.num_params:,} parameter elements, {r.num_local:,} per rank "
-                     f"({_size(r.param_bytes)})" + (f", {frozen:,} of them frozen" if frozen else "")
-                     + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
-    else:
-        lines.append(f"model        {r.num_params:,} parameter elements ({_size(r.param_bytes)})"
-                     + (f", {frozen:,} of them frozen" if frozen else "")
-                     + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
+    per_rank = f", {r.num_local:,} per rank" if mesh else ""
+    lines.append(f"model        {r.num_params:,} parameter elements{per_rank} ({_size(r.param_bytes)})"
+                 + (f", {frozen:,} of them frozen" if frozen else "")
+                 + f"; {len(r.buffers)} buffer(s) broadcast by DDP")
     m = r.measurement
     if m is None:
         lines.append("batch        no sample given (--sample): activations not measured, not included below")

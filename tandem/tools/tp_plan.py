@@ -186,7 +186,6 @@ def _chunk(n: int, ranks: int) -> int:
     return -(-n // ranks)
 
 
-
 def parse_mesh(text: str) -> tuple[int, int]:
     """``"dp=2,tp=4"`` (either order; ``tp`` may be left out) -> ``(dp, tp)``.
 
