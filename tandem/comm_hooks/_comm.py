@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tandem.comm.group import GroupComm
 
-__all__ = ["hook_comm"]
+__all__ = ["hook_comm", "is_default_group"]
 
 
 def hook_comm(group: Any, bucket: Any) -> GroupComm:
@@ -33,6 +33,13 @@ def hook_comm(group: Any, bucket: Any) -> GroupComm:
     if isinstance(comm, GroupComm) and _same_group(comm.group, group):
         return comm
     return GroupComm(group)
+
+
+def is_default_group(group: Any) -> bool:
+    """Whether ``group`` (``None``, a ``ProcessGroup`` or a ``GroupComm``) is the default group."""
+    if isinstance(group, GroupComm):
+        group = group.group
+    return _same_group(group, None)
 
 
 def _same_group(a: Any, b: Any) -> bool:

@@ -33,10 +33,14 @@ same Q, which the power iteration does not mind: each matrix is approximated on
 its own.
 
 # Note [powersgd memory]
-Error and warm-start Q are kept per parameter (keyed by the parameter object's
-identity), not per bucket index as in torch, so they survive DDP rebuilding its
+Error and warm-start Q are kept per parameter (keyed by the parameter object,
+held weakly), not per bucket index as in torch, so they survive DDP rebuilding its
 buckets after the first step: compression may start at any step (torch requires
-``start_powerSGD_iter >= 2``).
+``start_powerSGD_iter >= 2``). A copy of the state (``copy.deepcopy`` or
+``torch.save`` of the DDP model that holds it, Note [copying a DDP model] in
+tandem/ddp/module.py) carries the memory as (parameter, tensor) pairs, so that
+the keys become the copied model's parameters and the copy compresses on as the
+original does.
 """
 
 # Annotations stay evaluated (no ``from __future__ import annotations``): torch's
@@ -48,10 +52,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem._compat import foreach_copy_
 from tandem.comm.group import GroupComm
-from tandem.comm_hooks._comm import hook_comm
+from tandem.comm_hooks._comm import hook_comm, is_default_group
 from tandem.comm_hooks.allreduce import allreduce_hook
 from tandem.comm_hooks.low_rank import LowRankPlan, orthogonalize_, plan_low_rank
 
@@ -117,9 +122,27 @@ class PowerSGDState:
         self.process_group = process_group
         self.iter = 0
         """Synchronised backwards seen (advanced at each backward's last bucket)."""
-        self._error: dict[int, torch.Tensor] = {}
-        self._q: dict[int, torch.Tensor] = {}
+        # Per parameter (Note [powersgd memory]).
+        self._error: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._q: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._plans: dict[tuple[tuple[int, ...], ...], LowRankPlan] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        if not is_default_group(self.process_group):
+            # torch's PowerSGDState drops its group and takes the default one at load.
+            raise TypeError(
+                "a PowerSGDState over a process group other than the default one cannot be deep-copied "
+                "or pickled; build a new PowerSGDState for the copy, over the group it reduces over")
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["_error"] = list(self._error.items())
+        state["_q"] = list(self._q.items())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._error = WeakIdKeyDictionary(dict(state["_error"]))
+        self._q = WeakIdKeyDictionary(dict(state["_q"]))
 
     @property
     def compressing(self) -> bool:
@@ -137,7 +160,7 @@ class PowerSGDState:
                         plan.total_numel, len(plan.compressed), self.config.matrix_rank)
         return plan
 
-    def _add_error(self, key: int, m: torch.Tensor) -> None:
+    def _add_error(self, key: torch.Tensor, m: torch.Tensor) -> None:
         """Error feedback in: ``m += `` last step's error of parameter ``key``; the
         error memory then holds this compensated local gradient."""
         if not self.config.error_feedback:
@@ -149,7 +172,7 @@ class PowerSGDState:
             m.add_(error)
             error.copy_(m)
 
-    def _settle(self, key: int, decompressed: torch.Tensor, q: torch.Tensor) -> None:
+    def _settle(self, key: torch.Tensor, decompressed: torch.Tensor, q: torch.Tensor) -> None:
         """Error feedback out (error = compensated local gradient - ``decompressed``),
         and ``q`` kept for the next step's warm start."""
         if self.config.error_feedback:
@@ -157,7 +180,7 @@ class PowerSGDState:
         if self.config.warm_start:
             self._q[key] = q
 
-    def _initial_q(self, key: int, q: torch.Tensor) -> None:
+    def _initial_q(self, key: torch.Tensor, q: torch.Tensor) -> None:
         """Fill ``q`` with last step's Q for parameter ``key``, or random numbers
         (Note [powersgd random Q])."""
         previous = self._q.get(key) if self.config.warm_start else None
@@ -252,15 +275,15 @@ def _reduce_low_rank(state: PowerSGDState, comm: GroupComm, bucket: Any) -> None
 
 def _factor_views(plan: LowRankPlan, grads: list[torch.Tensor], params: list[torch.Tensor],
                   flat_p: torch.Tensor, flat_q: torch.Tensor,
-                  ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(parameter key, M, P, Q) per compressed gradient: M a view of the bucket, P
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(parameter, M, P, Q) per compressed gradient: M a view of the bucket, P
     and Q views of the collectives' flat tensors."""
     out = []
     for s in plan.compressed:
         m = grads[s.index].view(s.rows, s.cols)
         p = flat_p.narrow(0, s.p_offset, s.rows * s.rank).view(s.rows, s.rank)
         q = flat_q.narrow(0, s.q_offset, s.cols * s.rank).view(s.cols, s.rank)
-        out.append((id(params[s.index]), m, p, q))
+        out.append((params[s.index], m, p, q))
     return out
 
 

@@ -220,6 +220,24 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch compatibility; every backward finishes its reductions."""
 
+    # Note [copying a sharded model]: torch's fully_shard refuses deepcopy
+    # ("FSDP does not support deepcopy. Please use state dict for
+    # serialization.") and its modules fail to pickle (their FSDP<class> cannot
+    # be looked up); so do tandem's, with an error that names the fix. A copy
+    # would need its own units, shard buffers and schedule over the group, which
+    # rebuilding the model does better. A shallow copy.copy works, as in torch.
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise _cannot_copy(self, "deep-copied")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _cannot_copy(self, "pickled (torch.save)")
+
+    def __copy__(self) -> Any:
+        cls = type(self)
+        new = cls.__new__(cls)
+        new.__dict__.update(self.__dict__)
+        return new
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``to_empty``/``to``/``cuda`` on a sharded model (Note [meta init])."""
         units = _units(self, True)
@@ -238,6 +256,16 @@ def _unit(module: Any) -> ShardedUnit:
     if unit is None:
         raise ValueError(f"{type(module).__name__} is not a fully_shard module")
     return unit
+
+
+def _cannot_copy(module: Any, how: str) -> TypeError:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return TypeError(
+        f"rank {rank}: a {type(module).__name__} sharded by tandem.fully_shard cannot be {how}: its "
+        "parameters are this rank's shards, bound to its process group (torch's fully_shard refuses "
+        "this too). Copy its state instead: build the model again, fully_shard it the same way and "
+        "load_state_dict(model.state_dict()) (sharded, no communication), or save model.state_dict() "
+        "with torch.distributed.checkpoint (its DTensors' full_tensor() gathers a full one, a collective)")
 
 
 def _units(module: Any, recurse: bool) -> list[ShardedUnit]:

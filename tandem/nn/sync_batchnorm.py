@@ -64,6 +64,14 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             self.bias = None  # type: ignore[assignment]
         self._comm: GroupComm | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The GroupComm is bound to this process (its ledger and monitors): a copy
+        # (deepcopy, torch.save) builds its own on first use, as torch's layer
+        # holds only the process group.
+        state: dict[str, Any] = super().__getstate__()
+        state["_comm"] = None
+        return state
+
     @property
     def comm(self) -> GroupComm:
         """The collectives of ``process_group`` (observable through ``comm.observers``)."""

@@ -20,12 +20,32 @@ its optimizer state is flat too. Runs hold the master values (fp32, or the
 parameter's dtype when wider); pieces are what map them back to parameter
 elements, for the all-gather and for checkpoints in torch's per-parameter format,
 which is also what makes a checkpoint loadable at another world size.
+
+# Note [copying a ZeroOptimizer]
+torch's ZeroRedundancyOptimizer survives copy.deepcopy and torch.save only in
+appearance: torch.optim.Optimizer's __getstate__ keeps defaults, state and
+param_groups, so the copy's first step() raises AttributeError. A ZeroOptimizer
+is bound to its DDP model's reducer (it steps the reducer's gradient shards), so
+its copy carries the model instead and rebuilds itself over the model's copy
+(which has rebuilt its reducer, Note [copying a DDP model] in
+tandem/ddp/module.py), then restores its shard of the state: the wrapped
+optimizer's state and the master values (wider than the parameters under
+low-precision training). Copied together, ``copy.deepcopy((model, optimizer))``
+or one ``torch.save`` of both, the two copies belong together and train as the
+originals do; the optimizer copied alone brings a copy of the model with it, as
+a torch optimizer brings copies of its parameters. The state is this rank's
+shard: a copy loads at the same rank and world size only (for another world
+size, use state_dict() or save_sharded()). The forward pre-hooks of
+overlap_param_gather, which the module's copy would otherwise carry and call
+on the original optimizer, copy as no-ops and are removed when the optimizer's
+copy registers its own.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -83,6 +103,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if reducer is None or not stage:
             raise ValueError("ZeroOptimizer needs tandem.DistributedDataParallel(..., zero_stage=1 or 2), "
                              f"got {type(ddp_model).__name__} with zero_stage={stage}")
+        self._ddp = ddp_model
+        self._optimizer_class = optimizer_class
+        self._optimizer_kwargs = dict(optimizer_kwargs)
         self._reducer = reducer
         self._comm = reducer.comm
         self.zero_stage = stage
@@ -109,10 +132,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._overlap_gather = bool(ddp.zero_config.overlap_param_gather)
         self._gather_hooks = (_register_gather_hooks(ddp.module, reducer, self._finish_gather)
                               if self._overlap_gather else [])
+        ddp._zero_optimizer = weakref.ref(self)  # a copy of the model first waits for our gathers
         owned = self.owned_numel
         total = sum(b.numel for b in reducer.plan.buckets)
         logger.info("ZeRO-%d: rank %d owns %d of %d elements in %d runs over %d buckets",
                     stage, self._comm.rank, owned, total, len(self._runs), len(reducer.plan.buckets))
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict[str, Any]:  # Note [copying a ZeroOptimizer]
+        self.finish_param_gather()  # waits only: no collective
+        return {"ddp": self._ddp, "optimizer_class": self._optimizer_class,
+                "optimizer_kwargs": self._optimizer_kwargs, "param_groups": self.param_groups,
+                "rank": self._comm.rank, "world_size": self._comm.size, "runs": self._runs,
+                "masters": [m.detach() for m in self._masters], "inner": self._optim.state_dict(),
+                "gather_hooks": self._gather_hooks}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        ddp = state["ddp"]
+        for handle in state["gather_hooks"]:
+            handle.remove()  # the copied module's no-op copies of our hooks
+        self.__init__(ddp, state["optimizer_class"], state["param_groups"],  # type: ignore[misc]
+                      **state["optimizer_kwargs"])
+        fix = ("carry the state with optimizer.state_dict() (or save_sharded()) into a ZeroOptimizer "
+               "built on the loaded model")
+        if (self._comm.rank, self._comm.size) != (state["rank"], state["world_size"]):
+            raise RuntimeError(
+                f"rank {self._comm.rank} of {self._comm.size}: this ZeroOptimizer was copied or pickled at "
+                f"rank {state['rank']} of {state['world_size']} and holds that rank's shard of the optimizer "
+                f"state; load it at the same rank and world size, or {fix}")
+        if self._runs != state["runs"]:
+            raise RuntimeError(
+                f"rank {self._comm.rank}: the loaded model's buckets are not those this ZeroOptimizer's "
+                f"shards were laid out over (another tandem version?); {fix}")
+        with torch.no_grad():
+            for master, saved in zip(self._masters, state["masters"]):
+                master.copy_(saved)
+        self._optim.load_state_dict(state["inner"])
 
     @property
     def optim(self) -> torch.optim.Optimizer:
@@ -506,8 +561,28 @@ def _register_gather_hooks(module: torch.nn.Module, reducer: Any,
     for sub in module.modules():
         buckets = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in bucket_of})
         if buckets:
-            def hook(_module: Any, _args: Any, buckets: list[int] = buckets) -> None:
-                for b in buckets:
-                    finish(b)
-            handles.append(sub.register_forward_pre_hook(hook))
+            handles.append(sub.register_forward_pre_hook(_GatherHook(finish, buckets)))
     return handles
+
+
+class _GatherHook:
+    """Wait for the all-gathers of ``buckets`` before the module's forward. Copies
+    as a no-op (Note [copying a ZeroOptimizer]): the copy belongs to another model."""
+
+    def __init__(self, finish: Callable[[int], None], buckets: list[int]) -> None:
+        self.finish = finish
+        self.buckets = buckets
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        for b in self.buckets:
+            self.finish(b)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_CopiedGatherHook, ())
+
+
+class _CopiedGatherHook:
+    """What a module's copy holds in place of a :class:`_GatherHook`: nothing to wait for."""
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        return None
