@@ -92,6 +92,23 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         fn(list(dst), list(src))
 
 
+def storage_use_count(tensor: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share ``tensor``'s memory; None
+    where this torch cannot tell.
+
+    Why: DDP lets ``param.grad`` be a view of its bucket between steps (Note
+    [gradients born in their bucket] in tandem/ddp/reducer.py) only while nothing
+    outside the reducer holds a tensor on that memory, which would otherwise see
+    the next step's gradients; one count per buffer per step tells, where a
+    Python reference count would miss views derived from ``.grad``. torch's
+    cudagraph trees read the same count for the same question.
+    """
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    if fn is None:
+        return None
+    return int(fn(tensor.untyped_storage()._cdata))
+
+
 def bind_group_defaults_before_init() -> None:
     """Import ``torch.distributed.nn.functional`` before any process group exists.
 

@@ -3,12 +3,13 @@ state of its reduction in the current backward."""
 
 from __future__ import annotations
 
+import sys
 from enum import Enum, auto
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from tandem._compat import foreach_copy_
+from tandem._compat import foreach_copy_, storage_use_count
 from tandem.comm.group import Work
 from tandem.ddp.plan import BucketSpec
 from tandem.dtensor import is_distributed, local_grad, local_tensor, set_local_grad
@@ -21,6 +22,9 @@ __all__ = ["Bucket", "BucketState", "GradBuffer"]
 # Average parameter size (elements) under which a bucket copies its gradients in
 # one batch when complete rather than one by one (Note [copy granularity]).
 _BATCH_COPY_BELOW = 16384
+# References to a bucket's view while only the bucket holds it: its list, and
+# sys.getrefcount's argument (views_held_elsewhere).
+_VIEW_REFS = 2
 
 
 class BucketState(Enum):
@@ -44,6 +48,25 @@ class GradBuffer:
         # buckets' views exist (release_solo) until a step needs them.
         self.solo: dict[int, torch.Tensor] = {
             spec.index: torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device) for spec in solo}
+
+        self._settled: dict[tuple[torch.device, torch.dtype], int | None] = {}
+
+    def settle(self) -> None:
+        """Remember how many tensors share each flat buffer now, when only the
+        reducer's own views do (Note [gradients born in their bucket] in reducer.py)."""
+        self._settled = {key: storage_use_count(t) for key, t in self.flat.items()}
+
+    def escaped(self) -> bool:
+        """Whether a tensor on the buffer's memory was made since :meth:`settle`
+        and is still alive (a view of ``param.grad`` the user kept, say)."""
+        for key, t in self.flat.items():
+            settled = self._settled.get(key)
+            if settled is None:
+                return True  # never settled, or this torch cannot count: assume the worst
+            count = storage_use_count(t)
+            if count is None or count > settled:
+                return True
+        return False
 
     def slice(self, spec: BucketSpec) -> torch.Tensor:
         if spec.solo:
@@ -95,6 +118,7 @@ class Bucket:
         self.copies_per_param = spec.numel >= _BATCH_COPY_BELOW * len(params)
         self.index = spec.index
         self.params = params
+        self.size = len(params)
         self.names = names
         self.data = data                                  # the whole padded slice
         self.grads = data.narrow(0, 0, spec.numel)        # the parameters' region
@@ -106,6 +130,9 @@ class Bucket:
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0
         self.in_place = False  # this step's reduction runs on param.grad itself
+        # Positions whose gradient autograd accumulated into the view itself, to be
+        # scaled at launch (a second gradient may still add to it until then).
+        self.deferred: list[int] = []
         self.state = BucketState.REDUCED
         self.ready = [False] * len(params)
         self.num_ready = 0
@@ -113,7 +140,7 @@ class Bucket:
 
     @property
     def complete(self) -> bool:
-        return self.num_ready == len(self.params)
+        return self.num_ready == self.size
 
     def reset(self) -> None:
         """Start a new step: no gradient has arrived yet."""
@@ -123,6 +150,7 @@ class Bucket:
         self.num_ready = 0
         self.work = None
         self.in_place = False
+        self.deferred = []
 
     def mark_ready(self, pos: int) -> None:
         if self.state is not BucketState.FILLING:  # hot path: check before calling
@@ -151,19 +179,35 @@ class Bucket:
         if grad is None:
             view.zero_()
         elif _aliases(grad, view):
-            view.mul_(scale)
+            if pos not in self.deferred:  # scaled at launch: scale_deferred
+                self.deferred.append(pos)
         else:
             torch.mul(grad, scale, out=view)
             if rebind:
                 set_local_grad(p, view)
 
+    def scale_deferred(self, scale: float) -> None:
+        """Scale the gradients that were accumulated into their views (:meth:`copy_in`)."""
+        if self.deferred:
+            views = [self.views[pos] for pos in self.deferred]
+            if len(views) == 1:
+                views[0].mul_(scale)
+            else:
+                torch._foreach_mul_(views, scale)
+            self.deferred = []
+
     def copy_all(self, scale: float, rebind: bool) -> None:
         """:meth:`copy_in` for every parameter, batched: one copy, one scaling."""
         grads = self.local_grads()
-        if not rebind and all(g is not None for g in grads):
-            # The common case: separate gradient tensors (only rebinding makes a
-            # gradient alias its view), all defined.
-            foreach_copy_(self.views, cast("list[torch.Tensor]", grads))
+        views = self.views
+        if all(g is v for g, v in zip(grads, views)):
+            # Every gradient was born in its view (Note [gradients born in their
+            # bucket] in reducer.py): nothing to copy.
+            self.grads.mul_(scale)
+            return
+        if not rebind and all(g is not None for g in grads) and not any(g is v for g, v in zip(grads, views)):
+            # Separate gradient tensors, all defined: one batched copy.
+            foreach_copy_(views, cast("list[torch.Tensor]", grads))
             self.grads.mul_(scale)
             return
         dst, src = [], []
@@ -204,6 +248,16 @@ class Bucket:
                 or grad.dtype != spec.dtype or grad.device != spec.device):
             return None
         return grad
+
+    def views_held_elsewhere(self) -> bool:
+        """Whether a view that its parameter no longer holds as .grad is referenced
+        outside this bucket (an old ``p.grad`` the user kept: Note [gradients born
+        in their bucket] in reducer.py)."""
+        views, params = self.views, self.params
+        for k in range(len(views)):  # by index: a loop variable would be a reference too
+            if params[k].grad is not views[k] and sys.getrefcount(views[k]) > _VIEW_REFS:
+                return True
+        return False
 
     def grad_is_view(self, pos: int) -> bool:
         grad = local_grad(self.params[pos])

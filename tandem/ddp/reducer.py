@@ -52,6 +52,46 @@ non-contiguous or of another dtype, or the .grad of a parameter that got no
 gradient in this backward (it must stay as it was), is copied into the bucket
 as before.
 
+# Note [gradients born in their bucket]
+Averaged gradients are not copied back to ``param.grad``: after a synchronised
+step, ``param.grad`` is the parameter's view of its reduced bucket (as under
+torch's ``gradient_as_bucket_view=True``), so the copy back is gone; and where
+the user keeps gradients between steps (``zero_grad(set_to_none=False)``,
+accumulation under no_sync) autograd accumulates straight into the bucket and
+the copy in is gone too: the bucket is scaled in place at launch
+(``Bucket.deferred`` for a view that may still receive a second gradient).
+After ``zero_grad(set_to_none=True)`` autograd makes a fresh gradient, which is
+copied in (scaled) as before. What torch's default lets a user observe stays true:
+
+* a tensor the user assigned to ``param.grad`` before the forward stays
+  ``param.grad`` and receives the average by copy (``_foreign``);
+* a parameter unused in a backward keeps its ``.grad`` untouched (it gets a
+  tensor of its own before its bucket, which it shared, is scaled: ``_mark_unused``);
+* an old gradient the user kept (``g = p.grad``, or a view of it) is never
+  overwritten: at the start of each synchronised backward, before any bucket is
+  written, the reducer checks that nothing outside it holds the buckets' memory
+  (the buffer's storage use count, and the Python references of each view that
+  its parameter no longer holds: ``_escaped``) and otherwise moves the buckets to
+  new memory (``_rebase``), which the kept tensors no longer share.
+
+What differs: ``param.grad`` is a view of a larger buffer (``torch.save`` of a
+lone ``.grad`` saves the buffer; ``.grad.data_ptr()`` points into the bucket).
+Not under ZeRO, gradient_as_bucket_view (which binds views its own way),
+check_finite (a step may be dropped after the buckets are written), a fused
+optimizer, distributed autograd, solo buckets (Note [in-place reduction]: they
+have no bucket memory) or tensor-parallel parameters: there the copy back stays.
+
+# Note [hook fast path]
+The post-accumulate-grad hook runs once per parameter per backward, in Python,
+where torch's reducer runs C++; on a model of 400 small tensors it is most of
+what DDP costs. In the steady state (after the first step, no static-graph hook
+counts, the end-of-backward callback already queued, grad mode off) a gradient
+of a bucket that copies its gradients in one batch (Note [copy granularity] in
+bucket.py) needs nothing but a mark: the hook marks it and launches the bucket
+when it is the last; everything else (a first or second arrival, a per-parameter
+copy, create_graph) takes the general path through _ready. Both paths keep the
+same state, so either may take any gradient.
+
 # Note [zero reduction]
 Under ZeRO stages 1 and 2 (Note [flat buffer layout] in plan.py) the same buckets
 are launched in the same order, but each is reduce-scattered instead of
@@ -97,7 +137,7 @@ from typing import cast
 import torch
 
 from tandem._compat import accumulate_grad_node, dist_autograd_context_id, foreach_copy_, \
-    queue_backward_callback, will_execute_in_this_backward
+    queue_backward_callback, storage_use_count, will_execute_in_this_backward
 from tandem.comm.group import CollectiveEvent, GroupComm, Work
 from tandem.ddp.bucket import Bucket, BucketState, GradBuffer
 from tandem.ddp.dist_autograd import ContextGrads, unsupported_under_context
@@ -180,6 +220,13 @@ class GradReducer:
         self.steps = 0                      # synchronised backwards whose gradients were delivered
         # Note [check_finite] in finite.py
         self._check = None if options.check_finite is None else FiniteCheck(options.check_finite, self)
+        # Note [gradients born in their bucket]: where param.grad may be left as its
+        # bucket's view after a step (decided per step in arm: _rebind).
+        self._born = not (self._zero or self._as_view or self._check is not None) \
+            and storage_use_count(torch.zeros(1)) is not None
+        self._rebind = False
+        self._fast = False  # Note [hook fast path], decided in arm
+        self._foreign: set[int] = set()  # params whose .grad is the user's tensor: copied into
 
         self.plan: BucketPlan
         self.buckets: list[Bucket] = []
@@ -251,6 +298,34 @@ class GradReducer:
                     view = self._view(i)
                     view.copy_(grad)
                     set_local_grad(p, view)
+        buffer.settle()
+
+    def _rebase(self) -> None:
+        """Give the buckets memory of their own again: a tensor outside the reducer
+        still holds the old memory (Note [gradients born in their bucket])."""
+        self._build([i for spec in self.plan.buckets for i in spec.params])
+        for b in self.buckets:
+            b.reset()
+            if b.spec.solo and not self._in_place:  # as in arm
+                b.ensure_data()
+        self._foreign = self._foreign_grads()
+        logger.debug("DDP: a tensor on the gradient buckets' memory is held outside the reducer "
+                     "(a kept view of param.grad): the buckets moved to new memory")
+
+    def _bindable(self) -> list[Bucket]:
+        """Buckets whose views param.grad may be left bound to (Note [gradients born
+        in their bucket]): not a solo bucket's staging, not tensor-parallel shards."""
+        return [b for b in self.buckets if not b.spec.solo and not b.tensor_parallel]
+
+    def _foreign_grads(self) -> set[int]:
+        return {i for b in self._bindable() for i, p, v in zip(b.spec.params, b.params, b.views)
+                if (g := p.grad) is not None and g is not v}
+
+    def _escaped(self) -> bool:
+        """Whether something outside the reducer holds memory of the buckets that
+        the coming step will write: a view derived from an old .grad (the buffer's
+        use count), or an old .grad itself that the parameter no longer holds."""
+        return self.buffer.escaped() or any(b.views_held_elsewhere() for b in self._bindable())
 
     def _view(self, i: int) -> torch.Tensor:
         b, pos = self._where[i]
@@ -326,6 +401,12 @@ class GradReducer:
         self._context_id = dist_autograd_context_id()
         if self._context_id is not None:
             self._hook_context_grads()
+        # Note [gradients born in their bucket]
+        self._rebind = self._born and self._stepper is None and self._context_id is None
+        # Note [hook fast path]: no hook counts (static graph), no arrival order to record.
+        self._fast = not self._static and self.steps > 0
+        if self._rebind:
+            self._foreign = self._foreign_grads()
 
     def _hook_context_grads(self) -> None:
         """Note [distributed autograd] in dist_autograd.py: this forward runs inside a
@@ -380,6 +461,8 @@ class GradReducer:
             self._callback_queued = True
             self._output_nodes = []
             queue_backward_callback(self._finish)
+            if self._rebind and self._escaped():
+                self._rebase()
             for i in self._pending_unused:
                 self._mark_unused(i)
             self._launch_complete()
@@ -388,6 +471,18 @@ class GradReducer:
         # Hot path: runs once per parameter per backward (the post-accumulate-grad hook).
         if self.state is not StepState.ARMED:
             return  # no_sync, or a backward that no synchronised forward armed
+        if self._fast and self._callback_queued and not torch.is_grad_enabled():
+            # Note [hook fast path]: the steady state of a batched-copy bucket.
+            b, pos = self._where[i]
+            bucket = self.buckets[b]
+            ready = bucket.ready
+            if not (ready[pos] or bucket.copies_per_param or bucket.state is not BucketState.FILLING):
+                self._locally_used[i] = True
+                ready[pos] = True
+                bucket.num_ready += 1
+                if bucket.num_ready == bucket.size:
+                    self._launch_complete()
+                return
         if torch.is_grad_enabled():  # backward(create_graph=True): Note [end of backward]
             with torch.no_grad():
                 self._on_grad(i, param)
@@ -437,18 +532,27 @@ class GradReducer:
         """A second gradient for a parameter in one backward. Harmless while its
         bucket still fills and the gradient is a separate tensor (copy the sum
         again); otherwise the first one was already taken."""
-        if (bucket.state is BucketState.FILLING and bucket.ready[pos]
-                and not (bucket.copies_per_param and bucket.grad_is_view(pos))):
-            if bucket.copies_per_param and not (bucket.single and self._in_place):
-                bucket.copy_in(pos, self._div, self._as_view)
-            return
+        if bucket.state is BucketState.FILLING and bucket.ready[pos]:
+            if bucket.copies_per_param and bucket.grad_is_view(pos):
+                if pos in bucket.deferred:
+                    return  # autograd added to the view again; scaled at launch
+            else:
+                if bucket.copies_per_param and not (bucket.single and self._in_place):
+                    bucket.copy_in(pos, self._div, self._as_view)
+                return
         raise RuntimeError(gradient_twice(self.comm.rank, self.names[i], bucket.index))
 
     def _mark_unused(self, i: int) -> None:
         """Parameter i gets no gradient in this backward: it contributes its current
         .grad (zeros when None, as torch), and is not counted as used."""
         b, pos = self._where[i]
-        if not self.buckets[b].ready[pos]:
+        bucket = self.buckets[b]
+        if not bucket.ready[pos]:
+            if self._rebind and bucket.grad_is_view(pos):
+                # Its .grad must stay as it was (Note [gradients born in their
+                # bucket]): the bucket takes a copy, scaled, and .grad its own tensor.
+                p = self.params[i]
+                p.grad = cast(torch.Tensor, p.grad).clone()
             self._ready(i)
 
     # ------------------------------------------------------------------ launching
@@ -474,6 +578,7 @@ class GradReducer:
             bucket.copy_in(0, self._div, rebind=False)
         elif not bucket.copies_per_param:
             bucket.copy_all(self._div, self.options.gradient_as_bucket_view)
+        bucket.scale_deferred(self._div)  # views autograd accumulated into (Bucket.copy_in)
         if self._check is not None:  # Note [check_finite] in finite.py
             self._check.mark(bucket)
         if self._comm_hook is not None:
@@ -521,6 +626,8 @@ class GradReducer:
         self._used_counts = None
         try:
             self._finish_step()
+            if self._rebind:  # after _finish_step: its locals hold views of the buffer
+                self.buffer.settle()  # Note [gradients born in their bucket]
             if context_grads is not None:  # Note [distributed autograd] in dist_autograd.py
                 context_grads.deliver(self._used_counts, self.comm.size)
         finally:
@@ -629,6 +736,9 @@ class GradReducer:
     def _write_back(self, bucket: Bucket, globally_used: list[int] | None) -> None:
         if bucket.in_place:
             return  # param.grad holds the average already (Note [in-place reduction])
+        if self._rebind and not bucket.spec.solo and not bucket.tensor_parallel:
+            self._bind_views(bucket, globally_used)
+            return
         as_view, stepper = self._as_view, self._stepper
         if not as_view and stepper is None and globally_used is None:
             grads = bucket.local_grads()
@@ -649,6 +759,26 @@ class GradReducer:
             else:
                 copy_dst.append(grad)
                 copy_src.append(view)
+        if copy_dst:
+            foreach_copy_(copy_dst, copy_src)
+
+    def _bind_views(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        """Note [gradients born in their bucket]: param.grad becomes (or stays) its
+        view of the reduced bucket; a tensor the user gave as .grad gets a copy."""
+        foreign, params = self._foreign, self.params
+        copy_dst, copy_src = [], []
+        for i, view in zip(bucket.spec.params, bucket.views):
+            if globally_used is not None and not globally_used[i]:
+                continue  # unused on every rank: .grad stays as it was, like torch
+            p = params[i]
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is not None and i in foreign:
+                copy_dst.append(grad)
+                copy_src.append(view)
+            else:
+                p.grad = view
         if copy_dst:
             foreach_copy_(copy_dst, copy_src)
 
