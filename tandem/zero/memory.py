@@ -17,11 +17,15 @@ stage. With ``F`` the flat bucket buffer (the non-solo buckets), ``G`` the
 trainable parameters' bytes and ``M`` rank 0's owned elements (its shard of
 each bucket without the padding; rank 0 owns the most):
 
-- stage 0 ``grads``: ``param.grad`` of every trainable parameter (``G``) plus
-  ``F``, which DDP holds for the whole run; a solo bucket (Note [solo buckets])
-  is reduced on ``param.grad`` in place and holds nothing. With
-  ``gradient_as_bucket_view`` ``param.grad`` is a view of ``F`` (and nothing is
-  solo): ``F`` only. A world of one builds no reducer: ``G`` only.
+- stage 0 ``grads``: ``F``, which DDP holds for the whole run and whose views
+  are ``param.grad`` after a step (Note [gradients born in their bucket] in
+  tandem/ddp/reducer.py), plus the ``param.grad`` of solo parameters (Note
+  [solo buckets]: reduced in place, no bucket memory). Tensor-parallel
+  parameters keep a ``param.grad`` of their own: ``G`` plus ``F``. With
+  ``gradient_as_bucket_view`` nothing is solo: ``F`` only. A world of one
+  builds no reducer: ``G`` only. ``reducing`` at stage 0: after
+  ``zero_grad(set_to_none=True)`` backward makes fresh gradients that live
+  beside ``F`` until it ends (``F`` again).
 - stage 1 ``grads``: ``param.grad`` (this rank's local gradients, kept) plus the
   gradient shards ``F / w``; stage 2: ``F / w`` only (``param.grad`` is freed as
   its bucket is launched, and after backward).
@@ -269,21 +273,27 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
     spec = fsdp if fsdp is not None else FullyShardSpec()
     units = _plan_units(model, world_size, spec, shapes)
     return [
-        _stage0(ddp, infos, params, world_size, optimizer_bytes_per_param, gradient_as_bucket_view),
+        _stage0(ddp, infos, params, world_size, optimizer_bytes_per_param, gradient_as_bucket_view,
+                tensor_parallel=bool(local_shapes)),
         *(_zero_stage(stage, zero, infos, params, world_size, optimizer_bytes_per_param) for stage in (1, 2)),
         _stage3(units, spec, optimizer_bytes_per_param),
     ]
 
 
 def _stage0(plan: BucketPlan, infos: list[ParamInfo], params: int, world_size: int,
-            optimizer_bytes_per_param: int, as_view: bool) -> MemoryEstimate:
+            optimizer_bytes_per_param: int, as_view: bool, tensor_parallel: bool = False) -> MemoryEstimate:
     trainable = sum(p.nbytes for p in infos)
     flat = _flat_bytes(plan)
+    reducing = 0
     if world_size == 1:
         grads = trainable   # a world of one builds no reducer (tandem/ddp/module.py)
-    else:
-        grads = flat if as_view else trainable + flat
-    return MemoryEstimate(0, params=params, grads=grads,
+    elif tensor_parallel:
+        grads = trainable + flat  # their .grad stays a tensor of its own
+    else:  # Note [gradients born in their bucket]: .grad is a view of F, solo ones apart
+        grads = flat + sum(b.numel * _itemsize(b.dtype) for b in plan.buckets if b.solo)
+        # after zero_grad(set_to_none=True) backward makes fresh gradients, copied into F
+        reducing = flat
+    return MemoryEstimate(0, params=params, grads=grads, reducing=reducing,
                           optimizer=sum(p.numel for p in infos) * optimizer_bytes_per_param, buckets=plan)
 
 
