@@ -139,21 +139,22 @@ def case_kept_gradients(rank: int) -> None:
     """A user keeps old gradients (the tensors, and views of them) across
     zero_grad(set_to_none=True): the next step must not write into them."""
     pair = Pair("mlp")
-    kept: list[list[torch.Tensor]] = [[], []]
+    kept: list[list[torch.Tensor]] = []    # per model, kept after the previous step
+    values: list[list[torch.Tensor]] = []  # what they held then
     for step in range(4):
         pair.each(lambda m, o: o.zero_grad(set_to_none=True))
         pair.each(lambda m, o, step=step: _backward(m, step, rank))
         pair.check(f"kept gradients, step {step}")
         pair.each(lambda m, o: o.step())
-        if step == 1:
+        for k, (ts, vs) in enumerate(zip(kept, values)):  # a whole step later: unchanged
+            _same(list(ts), list(vs), f"kept at step {step - 1}, {('tandem', 'torch')[k]}")
+        if step == 1:  # the gradient tensors themselves
             kept = [[p.grad for p in m.parameters()] for m in pair.both]  # type: ignore[misc]
-        if step == 2:
+        elif step == 2:  # views derived from them
             kept = [[p.grad.view(-1) for p in m.parameters()] for m in pair.both]  # type: ignore[union-attr]
-        if step in (1, 2):
-            values = [[t.clone() for t in ts] for ts in kept]
-        if step in (2, 3):  # the kept tensors still hold what they held when kept
-            for k in range(2):
-                _same(list(kept[k]), list(values[k]), f"kept at step {step - 1}, {'tandem torch'.split()[k]}")
+        else:
+            kept = []
+        values = [[t.clone() for t in ts] for ts in kept]
 
 
 def case_user_assigned_grad(rank: int) -> None:

@@ -126,6 +126,9 @@ class Bucket:
         self.views = [data.narrow(0, off, local.numel()).view_as(local)
                       for off, local in zip(spec.offsets, map(local_tensor, params))]
         self.tensor_parallel = any(map(is_distributed, params))  # else .grad is the local gradient
+        # param.grad may stay bound to its view between steps (Note [gradients born in
+        # their bucket] in reducer.py): not a solo bucket's staging, not tensor-parallel shards.
+        self.bindable = not spec.solo and not self.tensor_parallel
         # Note [in-place reduction] in reducer.py: one parameter and no flag slot (a
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0

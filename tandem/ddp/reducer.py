@@ -304,18 +304,22 @@ class GradReducer:
         """Give the buckets memory of their own again: a tensor outside the reducer
         still holds the old memory (Note [gradients born in their bucket])."""
         self._build([i for spec in self.plan.buckets for i in spec.params])
-        for b in self.buckets:
-            b.reset()
-            if b.spec.solo and not self._in_place:  # as in arm
-                b.ensure_data()
+        self._reset_buckets()
         self._foreign = self._foreign_grads()
         logger.debug("DDP: a tensor on the gradient buckets' memory is held outside the reducer "
                      "(a kept view of param.grad): the buckets moved to new memory")
 
+    def _reset_buckets(self) -> None:
+        """Every bucket starts a new step (in arm, and after _rebase built new ones)."""
+        for b in self.buckets:
+            b.reset()
+            if b.spec.solo and not self._in_place:  # a hook was registered: it needs the bucket
+                b.ensure_data()
+
     def _bindable(self) -> list[Bucket]:
         """Buckets whose views param.grad may be left bound to (Note [gradients born
-        in their bucket]): not a solo bucket's staging, not tensor-parallel shards."""
-        return [b for b in self.buckets if not b.spec.solo and not b.tensor_parallel]
+        in their bucket])."""
+        return [b for b in self.buckets if b.bindable]
 
     def _foreign_grads(self) -> set[int]:
         return {i for b in self._bindable() for i, p, v in zip(b.spec.params, b.params, b.views)
@@ -373,10 +377,7 @@ class GradReducer:
             self.buffer.restore()
             for b in self.buckets:  # parameters' regions are all written before launch
                 b.data.narrow(0, b.spec.numel, b.spec.padded_numel - b.spec.numel).zero_()
-        for b in self.buckets:
-            b.reset()
-            if b.spec.solo and not self._in_place:  # a hook was registered: it needs the bucket
-                b.ensure_data()
+        self._reset_buckets()
         self._next_launch = 0
         self._callback_queued = False
         self._missing_flag = 0.0
@@ -736,7 +737,7 @@ class GradReducer:
     def _write_back(self, bucket: Bucket, globally_used: list[int] | None) -> None:
         if bucket.in_place:
             return  # param.grad holds the average already (Note [in-place reduction])
-        if self._rebind and not bucket.spec.solo and not bucket.tensor_parallel:
+        if self._rebind and bucket.bindable:
             self._bind_views(bucket, globally_used)
             return
         as_view, stepper = self._as_view, self._stepper
