@@ -58,7 +58,7 @@ def test_memory_planner_shards_what_each_stage_promises() -> None:
     assert s0.buckets is not None and not any(b.solo for b in s0.buckets.buckets)   # every weight < 4 MiB
     flat = 4 * sum(b.padded_numel for b in s0.buckets.buckets)   # DDP's flat buffer: + flag + padding
     assert flat - 4 * n in (4, 8, 12, 16)
-    assert (s0.params, s0.grads, s0.optimizer) == (4 * n, 4 * n + flat, 8 * n)  # param.grad + the buffer
+    assert (s0.params, s0.grads, s0.optimizer) == (4 * n, flat, 8 * n)  # param.grad is its view of the buffer
     assert s1.params == s0.params and s1.grads == 4 * n + flat // 4   # local param.grad + gradient shards
     assert s1.optimizer == pytest.approx((4 + 8) * n / 4, rel=0.01)   # fp32 masters + Adam's moments, 1/4
     assert s2.grads == flat // 4 and s2.optimizer == s1.optimizer
