@@ -7,6 +7,7 @@ Run book::
     python benchmarks/bench_ddp.py --ddp-kwargs gradient_as_bucket_view=True
     python benchmarks/bench_ddp.py --models many --profile 30        # + cProfile of rank 0
     python benchmarks/bench_ddp.py --hooks none,fp16,bf16,powersgd   # communication hooks
+    python benchmarks/bench_ddp.py --models transformer --compile    # + both DDPs under torch.compile
 
 The script launches its own 2 ranks (tandem.testing.run_distributed: forkserver
 children, a gloo group, one intra-op thread per rank) and prints two Markdown
@@ -23,6 +24,19 @@ contender, the blocks in rotating order, each block started on a barrier:
 * ``tandem``  tandem.DistributedDataParallel
 * ``compute`` the plain module: the same step with no DDP and no communication
 * ``comm``    one dist.all_reduce of a flat fp32 tensor as large as all gradients
+
+With ``--compile``, the transformer model also gets, compiled with
+``torch.compile`` (inductor, the default backend):
+
+* ``torch+compile``    torch.compile(torch's DDP)
+* ``tandem+compile``   torch.compile(tandem's DDP)
+* ``compute+compile``  torch.compile(the plain module), their compute baseline
+
+Both DDPs have dynamo split the compiled graph at their buckets (dynamo's
+DDPOptimizer, Note [torch.compile] in tandem/ddp/compile.py), so that their
+reductions can overlap the compiled backward. Each compiles in one untimed step
+when it is built, before the warm-up; the tables give them rows of their own
+(``transformer+compile``), with the same columns against compute+compile.
 
 A step is ``zero_grad(set_to_none=True)``, forward, MSE loss, backward, SGD step,
 timed with time.perf_counter (and time.thread_time). Alternating blocks in one run spreads drift of the
@@ -77,6 +91,8 @@ from tandem.testing import RankFailure, run_distributed
 
 MODELS = ("mlp", "transformer", "many")
 CONTENDERS = ("torch", "tandem", "compute", "comm")
+COMPILED = ("torch+compile", "tandem+compile", "compute+compile")
+COMPILED_MODELS = ("transformer",)  # --compile adds the COMPILED contenders for these
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
@@ -193,6 +209,7 @@ class BenchConfig:
     profile: int = 0
     hooks: tuple[str, ...] = ()
     powersgd_rank: int = 1
+    compile: bool = False
 
 
 def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> list[dict[str, Any]]:
@@ -234,6 +251,8 @@ def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
         "compute": make_train_step(copy.deepcopy(work.model), work),
         "comm": make_comm_step(numel),
     }
+    if cfg.compile and name in COMPILED_MODELS:
+        steps.update(compiled_steps(work, cfg))
     blocks, cpu = run_rounds(steps, cfg)
 
     record: dict[str, Any] = {"model": name, "numel": numel, "tensors": len(params),
@@ -242,6 +261,21 @@ def bench_model(name: str, rank: int, cfg: BenchConfig) -> dict[str, Any]:
         record["profile"] = {c: profile_steps(steps[c], cfg.profile, rank)
                              for c in ("torch", "tandem")}
     return record
+
+
+def compiled_steps(work: Workload, cfg: BenchConfig) -> dict[str, Callable[[], None]]:
+    """The COMPILED contenders, each on its own copy of the model, compiled by one
+    untimed step here (every rank runs it: the DDPs communicate)."""
+    models = {
+        "torch+compile": nn.parallel.DistributedDataParallel(copy.deepcopy(work.model), **cfg.ddp_kwargs),
+        "tandem+compile": tandem.DistributedDataParallel(copy.deepcopy(work.model), **cfg.ddp_kwargs),
+        "compute+compile": copy.deepcopy(work.model),
+    }
+    steps = {}
+    for contender, model in models.items():
+        steps[contender] = make_train_step(torch.compile(model), work)
+        steps[contender]()
+    return steps
 
 
 # ---------------------------------------------------------------------- hooks
@@ -437,8 +471,22 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def summarise(record: dict[str, Any]) -> dict[str, Any]:
-    blocks = record["blocks"]
+def summarise(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One table row per variant the record holds: eager, and ``+compile`` where
+    the COMPILED contenders ran (their row reads them under the eager names)."""
+    rows = []
+    for suffix in ("", "+compile"):
+        if f"tandem{suffix}" not in record["blocks"]:
+            continue
+        names = {c: c if c == "comm" else c + suffix for c in CONTENDERS}
+        blocks = {c: record["blocks"][n] for c, n in names.items()}
+        row = summarise_blocks(blocks, {c: record["cpu"][n] for c, n in names.items()})
+        rows.append({"model": record["model"] + suffix, "numel": record["numel"],
+                     "tensors": record["tensors"], **row})
+    return rows
+
+
+def summarise_blocks(blocks: dict[str, list[list[float]]], cpu: dict[str, list[float]]) -> dict[str, Any]:
     med = {c: statistics.median(t for b in blocks[c] for t in b) for c in CONTENDERS}
     block_med = {c: [statistics.median(b) for b in blocks[c]] for c in CONTENDERS}
     round_ratio = [a / b for a, b in zip(block_med["tandem"], block_med["torch"])]
@@ -447,11 +495,10 @@ def summarise(record: dict[str, Any]) -> dict[str, Any]:
     def overlap(step: float) -> float:
         return (compute + comm - step) / min(compute, comm)
 
-    return {"model": record["model"], "numel": record["numel"], "tensors": record["tensors"],
-            "median": med, "block_iqr": {c: _quartiles(v) for c, v in block_med.items()},
+    return {"median": med, "block_iqr": {c: _quartiles(v) for c, v in block_med.items()},
             "ratio": med["tandem"] / med["torch"], "ratio_iqr": _quartiles(round_ratio),
             "overlap": {c: overlap(med[c]) for c in ("torch", "tandem")},
-            "cpu": {c: statistics.median(record["cpu"][c]) for c in CONTENDERS}}
+            "cpu": {c: statistics.median(cpu[c]) for c in CONTENDERS}}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -541,13 +588,20 @@ def main(argv: list[str] | None = None) -> None:
                              "(none = no hook); prints step time and bytes per step per hook")
     parser.add_argument("--powersgd-rank", type=int, default=1,
                         help="matrix rank of PowerSGD with --hooks (default 1)")
+    parser.add_argument("--compile", action="store_true",
+                        help=f"also time torch.compile of both DDPs (and of the plain module) on "
+                             f"{', '.join(COMPILED_MODELS)}: rows '<model>+compile'")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.compile and args.hooks:
+        parser.error("--compile and --hooks do not combine")
+    if args.compile and not set(args.models) & set(COMPILED_MODELS):
+        parser.error(f"--compile times {', '.join(COMPILED_MODELS)} only; add it to --models")
 
     cfg = BenchConfig(models=args.models, steps=args.steps, warmup=args.warmup,
                       repeats=args.repeats, ddp_kwargs=args.ddp_kwargs, profile=args.profile,
-                      hooks=args.hooks, powersgd_rank=args.powersgd_rank)
+                      hooks=args.hooks, powersgd_rank=args.powersgd_rank, compile=args.compile)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     records = run_distributed(bench_rank, world_size=2, args=(cfg,), timeout=3600)[0]
@@ -568,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
                                  probes))
         sys.stdout.flush()
         return
-    rows = [summarise(r) for r in records]
+    rows = [row for r in records for row in summarise(r)]
     print("Wall-clock time per step, rank 0 (median [quartiles of the per-block medians])\n")
     print(format_table(rows))
     print("\nMain-thread CPU time per step, rank 0 (median)\n")

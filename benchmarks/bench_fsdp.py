@@ -5,6 +5,7 @@ Run book::
     python benchmarks/bench_fsdp.py                      # 2 ranks, the defaults (about 2 minutes on 2 cores)
     python benchmarks/bench_fsdp.py --width 768 --depth 8 --rounds 15
     python benchmarks/bench_fsdp.py --profile 10         # + cProfile of 10 steps of each FSDP, rank 0
+    python benchmarks/bench_fsdp.py --compile            # + both FSDPs with each block compiled
 
 Launches its own ranks (tandem.testing.run_distributed: gloo, one intra-op
 thread per rank). Contenders, all with AdamW on the same model and batches: an
@@ -18,6 +19,14 @@ Linear(4d, d)), a final LayerNorm and a Linear head:
     torch-fsdp-noreshard   torch-fsdp with reshard_after_forward=False everywhere
     ddp                    tandem.DistributedDataParallel
     torch-ddp              torch's DistributedDataParallel
+
+and with ``--compile``, each block compiled with ``torch.compile`` (inductor)
+before it is sharded, as torchtitan does with torch's FSDP2:
+
+    tandem-fsdp+compile    tandem-fsdp over the compiled blocks
+    torch-fsdp+compile     torch-fsdp over the compiled blocks
+
+(each compiles in one untimed step when it is built, before the warm-up).
 
 A step is zero_grad(set_to_none=True), forward, MSE loss, backward,
 clip_grad_norm_(model.parameters(), 1.0), optimizer step. Steps run in
@@ -65,10 +74,16 @@ from tandem.testing import run_distributed
 
 CONTENDERS = ("tandem-fsdp", "torch-fsdp", "tandem-fsdp-noreshard", "torch-fsdp-noreshard",
               "ddp", "torch-ddp")
+COMPILED = ("tandem-fsdp+compile", "torch-fsdp+compile")  # with --compile
 COUNTERPART = {"tandem-fsdp": "torch-fsdp", "tandem-fsdp-noreshard": "torch-fsdp-noreshard",
-               "ddp": "torch-ddp"}
+               "ddp": "torch-ddp", "tandem-fsdp+compile": "torch-fsdp+compile"}
 BASELINE = {"tandem-fsdp": "ddp", "tandem-fsdp-noreshard": "ddp", "ddp": "ddp",
-            "torch-fsdp": "torch-ddp", "torch-fsdp-noreshard": "torch-ddp", "torch-ddp": "torch-ddp"}
+            "torch-fsdp": "torch-ddp", "torch-fsdp-noreshard": "torch-ddp", "torch-ddp": "torch-ddp",
+            "tandem-fsdp+compile": "ddp", "torch-fsdp+compile": "torch-ddp"}
+
+
+def contenders(args: argparse.Namespace) -> tuple[str, ...]:
+    return CONTENDERS + COMPILED if args.compile else CONTENDERS
 
 
 class Block(nn.Module):
@@ -114,6 +129,9 @@ def wrap(name: str, model: Net, mesh: Any) -> nn.Module:
     if name == "torch-ddp":
         return TorchDDP(model)
     reshard = not name.endswith("-noreshard")
+    if name.endswith("+compile"):  # each block, before it is sharded (Note [torch.compile] in tandem/fsdp/schedule.py)
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block)
     if name.startswith("tandem"):
         shard = functools.partial(tandem_fully_shard, mesh=mesh, reshard_after_forward=reshard,
                                   min_unit_bytes=0)
@@ -135,6 +153,9 @@ def contender(name: str, args: argparse.Namespace, rank: int, mesh: Any
         F.mse_loss(wrapped(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+
+    if name.endswith("+compile"):
+        step()  # compiles, outside the clock (every rank: the step communicates)
 
     def holdings() -> dict:
         params = list(model.parameters()) + _unsharded_buffers(model)
@@ -177,13 +198,14 @@ def _unsharded_buffers(model: nn.Module) -> list[torch.Tensor]:
 def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world_size,))
     torch.distributed.barrier()
-    runs = {name: contender(name, args, rank, mesh) for name in CONTENDERS}
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for name, (step, _) in runs.items():
+    names = contenders(args)
+    runs = {name: contender(name, args, rank, mesh) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for step, _ in runs.values():
         for _ in range(args.warmup):
             step()
     for r in range(args.rounds):
-        for name in CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             step = runs[name][0]
             torch.distributed.barrier()
             start = time.perf_counter()
@@ -198,11 +220,11 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    times = results[0]["times"]
+    times = results[0]["times"]  # every contender that ran, in CONTENDERS order
     rows = [("| contender | step ms, median [quartiles] | vs torch: per round [quartiles]; of medians "
              "| vs its DDP | parameters | gradients | optimizer state | total |"),
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in CONTENDERS:
+    for name in times:
         t = statistics.median(times[name])
         ratio = ""
         if name in COUNTERPART:
@@ -249,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after measuring, cProfile N steps of tandem-fsdp and torch-fsdp on rank 0")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time both FSDPs with each block compiled (torch.compile, before sharding)")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()

@@ -20,6 +20,7 @@ __all__ = ["accumulate_grad_node", "bind_group_defaults_before_init", "foreach_c
            "preserve_version_counters", "queue_backward_callback", "will_execute_in_this_backward"]
 
 
+@torch.compiler.disable  # run for real, never traced: see compiled autograd below
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the current backward pass (graph task) has finished.
 
@@ -27,7 +28,21 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     ``loss.backward()`` returns; the autograd engine's final callbacks are the
     hook for that (torch's own DDP uses the same one). Must be called from inside
     backward (a tensor or gradient hook).
+
+    Raises:
+        RuntimeError: under compiled autograd, which traces the backward's hooks
+            (Note [torch.compile] in tandem/ddp/compile.py); torch exposes that
+            state as ``in_compiled_autograd_region`` (private, torch 2.4 to 2.13
+            at least; where it is missing, torch's own assertion fires instead).
     """
+    from torch._dynamo import compiled_autograd
+
+    if getattr(compiled_autograd, "in_compiled_autograd_region", False):
+        raise RuntimeError(
+            "tandem's DistributedDataParallel and fully_shard do not support compiled autograd "
+            "(torch._dynamo.config.compiled_autograd): their gradient hooks issue collectives, which "
+            "compiled autograd would trace. Turn it off and compile the model instead "
+            "(torch.compile(model)); tandem's gradient reductions still overlap the compiled backward")
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
 
 
@@ -334,3 +349,33 @@ def dist_autograd_context_id() -> int | None:
     except RuntimeError:  # "Current thread doesn't have a valid autograd context"
         return None
     return int(context._context_id())
+
+
+# ---------------------------------------------------------------- torch.compile (tandem.ddp.compile)
+
+__all__ += ["enter_ddp_forward", "exit_ddp_forward"]
+
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP  # noqa: E402
+
+
+def enter_ddp_forward(hint: Any) -> Any:
+    """Tell ``torch.compile`` that a DDP forward is running, with ``hint``'s
+    ``bucket_bytes_cap``; returns what to pass to :func:`exit_ddp_forward`.
+    Call it, and its pair, from code that dynamo does not trace (the write must
+    happen for real, before the inner module's frame is compiled).
+
+    Why: dynamo splits the graph of a frame it compiles at DDP bucket boundaries
+    (its DDPOptimizer, Note [torch.compile] in tandem/ddp/compile.py) only while
+    ``torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()``
+    returns something, and reads nothing from it but ``bucket_bytes_cap``; that
+    classmethod returns the private class attribute ``_active_ddp_module``, which
+    torch's DDP sets around its inner module call (torch 2.0 to 2.13 at least).
+    """
+    previous = getattr(_TorchDDP, "_active_ddp_module", None)
+    _TorchDDP._active_ddp_module = hint  # type: ignore[attr-defined]
+    return previous
+
+
+def exit_ddp_forward(previous: Any) -> None:
+    """Undo :func:`enter_ddp_forward` (nested DDP forwards restore the outer one)."""
+    _TorchDDP._active_ddp_module = previous  # type: ignore[attr-defined]

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._compat import preserve_version_counters
+from tandem._compat import enter_ddp_forward, exit_ddp_forward, preserve_version_counters
 from tandem.comm.group import GroupComm
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from tandem.ddp.compile import split_hint
 from tandem.ddp.checks import NonFinite, NonFiniteReport, broadcast_module_state, \
     check_same_model_on_all_ranks, check_tensor_parallel, model_signature
 from tandem._tree import to_device
@@ -223,6 +224,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._zero_optimizer: weakref.ref[Any] | None = None
         if self._needs_reducer():
             self._make_reducer()
+        self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
 
     def _needs_reducer(self) -> bool:
         # A world of one needs no reducer, unless ZeRO's optimizer reads its
@@ -272,12 +274,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         return None if self._reducer is None else self._reducer.nonfinite
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable(recursive=False)  # Note [torch.compile] in compile.py
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs, join_work, outer_ddp = self._pre_forward(inputs, kwargs)
+        try:
+            output = self.module(*inputs, **kwargs)
+        except BaseException:
+            self._exit_compile_hint(outer_ddp)
+            raise
+        return self._post_forward(output, join_work, outer_ddp)
+
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, Any, Any]:
         # Note [join mirror] in join.py: the order of the collectives below is
         # what a joined rank's hook mirrors.
         join_work = Join.notify_join_context(self)
-        grad_enabled = torch.is_grad_enabled()
-        if self._reducer is not None and grad_enabled:
+        if self._reducer is not None and torch.is_grad_enabled():
             self._reducer.before_forward()
         if self._will_sync_buffers():
             self._sync_buffers(self._common_rank(candidate=True) if self._join_config.enable else 0)
@@ -285,8 +297,20 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._agree_on_grad_sync(joined=False)
         if self.device_ids:
             inputs, kwargs = to_device((inputs, kwargs), self.device)
-        output = self.module(*inputs, **kwargs)
-        if grad_enabled and self.require_backward_grad_sync:
+        # Last: the inner module's frame is compiled split at buckets (Note [torch.compile]).
+        outer_ddp = enter_ddp_forward(self._split_hint) if self._split_hint is not None else None
+        return inputs, kwargs, join_work, outer_ddp
+
+    @torch.compiler.disable
+    def _exit_compile_hint(self, outer_ddp: Any) -> None:
+        if self._split_hint is not None:
+            exit_ddp_forward(outer_ddp)
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any, join_work: Any, outer_ddp: Any) -> Any:
+        if self._split_hint is not None:
+            exit_ddp_forward(outer_ddp)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             if self._reducer is not None:
                 self._reducer.arm(output, divisor=self._grad_divisor(join_work),

@@ -39,6 +39,21 @@ nothing overlaps. Here each gather is an async collective, so overlap needs no
 streams: a unit's pre-forward launches the gather of the unit that ran after it
 in the previous iteration, and its pre-backward the gather of the unit that
 finished forward before it, unless set_modules_to_*_prefetch names others.
+
+# Note [torch.compile]
+Blocks may be compiled one by one, as torchtitan does with torch's FSDP2:
+``torch.compile(block)`` before ``fully_shard`` (the compiled wrapper becomes
+the unit's module), or after it (``torch.compile(sharded)`` or
+``sharded.compile()``). Each block's forward is one graph, and a unit's
+gathers and reductions run between graphs, where the hooks are: before
+``fully_shard`` they are the compiled wrapper's hooks, which run outside its
+graph; after it, dynamo meets them while tracing ``Module._call_impl``, so the
+forward hooks are disabled for dynamo (torch's FSDP2 disables its own): they
+gather through tandem's comm layer, and a collective traced into a graph would
+bypass it. The backward hooks are run by the autograd engine, outside compiled
+code. The graph reads the unit's ``unsharded`` parameters, the same objects at
+every step (their storage is freed and allocated again), so one graph serves
+every step and every block of a class.
 """
 
 from __future__ import annotations
@@ -266,12 +281,14 @@ def _swap(replaced: dict[int, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- hooks
 
+@torch.compiler.disable  # Note [torch.compile]
 def pre_forward(unit: ShardedUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a unit's module."""
     schedule = unit.schedule if unit.schedule is not None else lazy_init(unit, module)
     return schedule.pre_forward(unit, args, kwargs)
 
 
+@torch.compiler.disable  # Note [torch.compile]
 def post_forward(unit: ShardedUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     """The forward hook of a unit's module."""
     assert unit.schedule is not None
