@@ -27,18 +27,12 @@ import torch.distributed as dist
 from tandem._compat import bind_group_defaults_before_init, default_store
 from tandem.comm.exit import install_clean_exit, uninstall_clean_exit
 from tandem.comm.monitor import start_monitor, stop_monitor
+from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
 
 __all__ = ["DEFAULT_TIMEOUT", "init", "shutdown"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-"""How long the rendezvous and each collective may wait for the other ranks.
-
-Ten minutes, like torch's NCCL default and a third of its gloo default: long enough
-for a slow rank to load data or a checkpoint, short enough that a hung job fails
-while someone is still watching."""
 
 
 # Note [who owns the default group]

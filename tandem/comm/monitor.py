@@ -42,6 +42,7 @@ import torch.distributed as dist
 from tandem._compat import default_store
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.ledger import Ledger
+from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.peers import EXITED, HEARTBEAT_INTERVAL_S, PeerWatch, heartbeat_key
 
 __all__ = ["Monitor", "current_monitor", "start_monitor", "stop_monitor"]
@@ -191,8 +192,6 @@ def current_monitor() -> Monitor:
     """This process's monitor; started on first use if :func:`tandem.init` did not."""
     if _current is not None and _current[0] == _owner():
         return _current[1]
-    from tandem.comm.bootstrap import DEFAULT_TIMEOUT  # bootstrap imports this module
-
     return start_monitor(timeout_s=DEFAULT_TIMEOUT.total_seconds())
 
 

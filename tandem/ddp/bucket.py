@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import sys
 from enum import Enum, auto
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 
 from tandem._compat import foreach_copy_, storage_use_count
-from tandem.comm.group import Work
 from tandem.ddp.plan import BucketSpec
 from tandem.dtensor import is_distributed, local_grad, local_tensor, set_local_grad
 
-if TYPE_CHECKING:  # grad_bucket imports this module
-    from tandem.ddp.grad_bucket import HookWork
+__all__ = ["Bucket", "BucketState", "GradBuffer", "PendingReduction"]
 
-__all__ = ["Bucket", "BucketState", "GradBuffer"]
+
+class PendingReduction(Protocol):
+    """A bucket's reduction in flight: a collective's
+    :class:`~tandem.comm.group.Work`, or a communication hook's future
+    (:class:`~tandem.ddp.grad_bucket.HookWork`, which builds on buckets)."""
+
+    def wait(self) -> None: ...
 
 # Average parameter size (elements) under which a bucket copies its gradients in
 # one batch when complete rather than one by one (Note [copy granularity]).
@@ -139,7 +143,7 @@ class Bucket:
         self.state = BucketState.REDUCED
         self.ready = [False] * len(params)
         self.num_ready = 0
-        self.work: Work | HookWork | None = None
+        self.work: PendingReduction | None = None
 
     @property
     def complete(self) -> bool:
@@ -162,7 +166,7 @@ class Bucket:
             self.ready[pos] = True
             self.num_ready += 1
 
-    def launched(self, work: Work | HookWork) -> None:
+    def launched(self, work: PendingReduction) -> None:
         self._expect(BucketState.FILLING)
         self.state = BucketState.IN_FLIGHT
         self.work = work

@@ -35,29 +35,54 @@ bucket launch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
-from tandem.ddp.bucket import Bucket
+from tandem.comm.group import GroupComm
+from tandem.ddp.bucket import Bucket, GradBuffer
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_mark, nonfinite_names
 from tandem.dtensor import local_grad
 
-if TYPE_CHECKING:  # the reducer owns this check
-    from tandem.ddp.reducer import GradReducer
-
-__all__ = ["FLAGS_CHECKED_TAG", "FiniteCheck"]
+__all__ = ["CheckedReducer", "FLAGS_CHECKED_TAG", "FiniteCheck"]
 
 logger = logging.getLogger(__name__)
 
 FLAGS_CHECKED_TAG = "missing gradients and non-finite flags"
 
 
+class _ZeroStageOption(Protocol):
+    @property
+    def zero_stage(self) -> int: ...
+
+
+class CheckedReducer(Protocol):
+    """What the check reads of the reducer that owns it
+    (:class:`tandem.ddp.reducer.GradReducer`, which imports this module)."""
+
+    @property
+    def comm(self) -> GroupComm: ...
+    @property
+    def options(self) -> _ZeroStageOption: ...
+    @property
+    def names(self) -> Sequence[str]: ...
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def buckets(self) -> Sequence[Bucket]: ...
+    @property
+    def grad_shards(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def buffer(self) -> GradBuffer: ...
+    @property
+    def steps(self) -> int: ...
+
+
 class FiniteCheck:
     """The check_finite state of one reducer, step by step (Note [check_finite])."""
 
-    def __init__(self, mode: NonFinite, reducer: GradReducer) -> None:
+    def __init__(self, mode: NonFinite, reducer: CheckedReducer) -> None:
         self.mode = mode
         self._r = reducer
         self.report: NonFiniteReport | None = None  # of the last synchronised backward

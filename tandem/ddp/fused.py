@@ -41,7 +41,17 @@ import torch
 
 from tandem.ddp.bucket import Bucket
 
-__all__ = ["BucketStepper", "FusedOptimizer", "bucket_optimizer", "check_fusable", "run_step_hooks"]
+__all__ = ["BucketStepper", "FusedOptimizer", "ShardedStepSource", "bucket_optimizer", "check_fusable",
+           "run_step_hooks"]
+
+
+class ShardedStepSource(Protocol):
+    """The ZeRO optimizer built on a DDP model (:class:`tandem.zero.ZeroOptimizer`,
+    a layer above, which registers itself with the model): it makes its own
+    stepper, and a copy of the model waits for its gathers."""
+
+    def fused_stepper(self, reducer: Any) -> BucketStepper: ...
+    def finish_param_gather(self) -> None: ...
 
 
 class BucketStepper(Protocol):

@@ -20,10 +20,11 @@ from tandem.ddp.compile import split_hint
 from tandem.ddp.checks import NonFinite, NonFiniteReport, broadcast_module_state, \
     check_same_model_on_all_ranks, check_tensor_parallel, model_signature
 from tandem._tree import to_device
+from tandem.ddp.fused import ShardedStepSource
 from tandem.ddp.join import DDPJoinHook, join
 from tandem.ddp.plan import cap_bytes_from_mb
 from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions
-from tandem.zero.config import ZeroConfig, ZeroStage
+from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 
 __all__ = ["DistributedDataParallel"]
 
@@ -221,7 +222,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook: tuple[object, Any] | None = None  # (state, hook), for copies
         # The ZeroOptimizer built on this model, whose parameter all-gathers a copy
         # must wait for (Note [copying a DDP model]); set by ZeroOptimizer.
-        self._zero_optimizer: weakref.ref[Any] | None = None
+        self._zero_optimizer: weakref.ref[ShardedStepSource] | None = None
         if self._needs_reducer():
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
@@ -455,8 +456,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._make_reducer()
         stepper: Any
         if self.zero_stage:
-            from tandem.zero.fused import zero_stepper
-            stepper = zero_stepper(optimizer, reducer)
+            # The ZeroOptimizer built on this model registered itself (tandem.zero
+            # builds on this module, not the other way round) and makes its stepper.
+            zero = self._zero_optimizer() if self._zero_optimizer is not None else None
+            if zero is None or zero is not optimizer:
+                raise ValueError(
+                    f"fuse_optimizer under zero_stage={int(self.zero_stage)} needs the tandem.ZeroOptimizer "
+                    f"built on this DistributedDataParallel, got {type(optimizer).__name__}: "
+                    "ddp.fuse_optimizer(tandem.ZeroOptimizer(ddp, torch.optim.AdamW, lr=...))")
+            stepper = zero.fused_stepper(reducer)
         else:
             stepper = FusedOptimizer(optimizer, reducer.params)
         reducer.set_stepper(stepper)

@@ -105,11 +105,11 @@ def _await_stacks(attempt: Attempt, ranks: list[int]) -> dict[int, str]:
 
 
 def _library_paths() -> tuple[str, ...]:
-    # The standard library, installed packages (torch) and tandem itself.
-    import tandem
-
+    # The standard library, installed packages (torch) and tandem itself (the
+    # package this module sits in, found without importing its top level).
     found = sysconfig.get_paths()
-    paths = {found["stdlib"], found["purelib"], found["platlib"], os.path.dirname(tandem.__file__)}
+    tandem_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = {found["stdlib"], found["purelib"], found["platlib"], tandem_dir}
     return tuple(sorted(p for p in paths if p))
 
 

@@ -6,7 +6,7 @@ optimizer (optimizer.py), which steps the gradient shards that
 ``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters.
 """
 
-from tandem.zero.config import ZeroConfig, ZeroStage
+from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 from tandem.zero.layout import BucketShard, ShardPiece, shard_bucket
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, UnitEstimate, estimate_memory, format_memory_table
 from tandem.zero.optimizer import ZeroOptimizer

@@ -4,30 +4,40 @@ reduce-scatter lands, and its updated parameters' all-gather starts at once
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
 from tandem.ddp.bucket import Bucket
 from tandem.ddp.fused import bucket_optimizer, run_step_hooks, step_bucket_optimizer
-from tandem.zero.optimizer import ZeroOptimizer
+from tandem.zero.layout import ShardRun
 
-__all__ = ["ZeroFusedStep", "zero_stepper"]
+__all__ = ["ShardedOptimizer", "ZeroFusedStep"]
 
 
-def zero_stepper(optimizer: torch.optim.Optimizer, reducer: Any) -> ZeroFusedStep:
-    if not isinstance(optimizer, ZeroOptimizer) or optimizer._reducer is not reducer:
-        raise ValueError(
-            f"fuse_optimizer under zero_stage={reducer.options.zero_stage} needs the tandem.ZeroOptimizer "
-            f"built on this DistributedDataParallel, got {type(optimizer).__name__}: "
-            "ddp.fuse_optimizer(tandem.ZeroOptimizer(ddp, torch.optim.AdamW, lr=...))")
-    return ZeroFusedStep(optimizer, reducer)
+class ShardedOptimizer(Protocol):
+    """What the fused step drives: :class:`tandem.zero.ZeroOptimizer`, which
+    makes its :class:`ZeroFusedStep` (and so imports this module)."""
+
+    _seen_steps: int
+
+    @property
+    def optim(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def overlap_gather(self) -> bool: ...
+    def runs_of(self, bucket: int) -> list[tuple[ShardRun, torch.Tensor]]: ...
+    def bind_grads(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None: ...
+    def refresh_masters(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None: ...
+    def launch_gather(self, bucket: int) -> None: ...
+    def finish_param_gather(self) -> None: ...
+    def _sync_hyperparams(self) -> None: ...
 
 
 class ZeroFusedStep:
     """A :class:`~tandem.ddp.fused.BucketStepper` over a ZeroOptimizer's shard runs."""
 
-    def __init__(self, zero: ZeroOptimizer, reducer: Any) -> None:
+    def __init__(self, zero: ShardedOptimizer, reducer: Any) -> None:
         self.zero = zero
         self._reducer = reducer
         inner = zero.optim
@@ -44,7 +54,7 @@ class ZeroFusedStep:
 
     def begin_step(self) -> None:
         zero = self.zero
-        run_step_hooks(zero, pre=True)
+        run_step_hooks(cast(torch.optim.Optimizer, zero), pre=True)
         zero.finish_param_gather()
         zero._sync_hyperparams()
 
@@ -65,4 +75,4 @@ class ZeroFusedStep:
         zero._seen_steps = self._reducer.steps + 1  # these gradients are stepped
         if not zero.overlap_gather:
             zero.finish_param_gather()
-        run_step_hooks(zero, pre=False)
+        run_step_hooks(cast(torch.optim.Optimizer, zero), pre=False)

@@ -58,6 +58,7 @@ from tandem.checkpoint.agree import agree
 from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import CheckpointError, committed_steps, load_committed, save_committed
 from tandem.comm.group import Work
+from tandem.zero.fused import ZeroFusedStep
 from tandem.zero.layout import ShardRun, plan_runs, shard_bucket
 from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, check_shards, entries_of_run, \
     run_state_from
@@ -252,6 +253,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     # The parts of a step, for the fused step too (tandem/zero/fused.py).
+    def fused_stepper(self, reducer: Any) -> ZeroFusedStep:
+        """The bucket stepper of ``ddp.fuse_optimizer(self)`` (Note [fused step]
+        in tandem/ddp/fused.py); ``reducer`` is the model's, which this optimizer
+        was built on."""
+        assert reducer is self._reducer, "fuse_optimizer checks that this optimizer is the model's"
+        return ZeroFusedStep(self, reducer)
+
     def runs_of(self, bucket: int) -> list[tuple[ShardRun, torch.Tensor]]:
         """This rank's runs in ``bucket`` and their master tensors."""
         return self._by_bucket[bucket]

@@ -1,7 +1,8 @@
 """ZeRO's modes and options: which state is sharded, and what overlaps with what.
 
-Kept apart from the optimizer so that the DDP wrapper can take a stage without
-importing the optimizer (which imports the wrapper).
+In ddp/, below tandem.zero: the DDP wrapper takes a stage and these options
+(its reducer reduce-scatters instead of all-reducing), and the ZeRO optimizer
+(tandem.zero, a layer above) builds on that wrapper. ``tandem.zero`` exports them.
 """
 
 from __future__ import annotations
