@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,13 @@ __all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard
 
 logger = logging.getLogger(__name__)
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
+ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
+
+
+def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Any = None, mp_policy: Any = None, offload_policy: Any = None,
                 ignored_params: set[nn.Parameter] | None = None,
-                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES) -> nn.Module:
+                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES) -> ModuleOrList:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (ZeRO-3), as
     ``torch.distributed.fsdp.fully_shard`` does, with the same arguments.
 
@@ -58,7 +61,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     ``module`` that no earlier call took; a unit is gathered with one
     all-gather before its forward, freed after it (``reshard_after_forward``),
     gathered again for its backward, and its gradients are reduce-scattered
-    into shards. Parameters become ``DTensor`` s sharded on dim 0, so a torch
+    into shards. Parameters become ``DTensor`` s sharded on dim 0 (or the dim
+    ``shard_placement_fn`` names), so a torch
     optimizer built afterwards over ``model.parameters()`` steps only this
     rank's shards, ``torch.nn.utils.clip_grad_norm_`` clips by the global norm,
     ``model.state_dict()`` is sharded, and ``torch.distributed.checkpoint``
@@ -73,17 +77,30 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 
     Args:
         module: the module to shard; it becomes an instance of
-            ``FSDP<its class>``, which adds :class:`FSDPModule`'s methods.
+            ``FSDP<its class>``, which adds :class:`FSDPModule`'s methods. A
+            list of modules makes one unit of all of them, gathered at the
+            first one's forward and resharded after the last one's (Note
+            [grouped modules] in schedule.py); it cannot be the root.
         mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: all
-            ranks, on ``cuda`` for nccl and ``cpu`` otherwise).
+            ranks, on ``cuda`` for nccl and ``cpu`` otherwise), over which
+            every parameter is sharded; or a 2-D one with named dimensions
+            ``(replicate, shard)``: HSDP, sharded within the shard dimension
+            and replicated across the other, the gradients reduce-scattered
+            over the first and all-reduced over the second (Note [hybrid
+            sharding] in unit.py). Parameters that torch's tensor
+            parallelism made DTensors take the 1-D data-parallel slice,
+            ``mesh["dp"]`` (Note [2-D parameters] in tensor_parallel.py).
         reshard_after_forward: True frees the parameters after forward and
             gathers them again in backward; False keeps them until after
             backward (no second gather: 1.0x DDP's traffic instead of 1.5x);
             None is True except for the root, whose backward starts at once;
             an int k keeps a 1/k slice after forward and gathers over the
             group of k neighbouring ranks in backward.
-        shard_placement_fn: not supported (every parameter is sharded on dim 0);
-            must be None.
+        shard_placement_fn: a callable ``param -> Shard(d) or None``: shard
+            that parameter on dim ``d`` (negative counts from the end; None:
+            dim 0), as torch's; a dim other than 0 must divide evenly among
+            the shard group's ranks. A ``ShardPlacementResult`` (a mesh of its
+            own) is refused.
         mp_policy: torch's ``MixedPrecisionPolicy``: gather and compute in
             ``param_dtype``, reduce in ``reduce_dtype``, cast the output to
             ``output_dtype``, cast floating inputs if ``cast_forward_inputs``.
@@ -98,56 +115,64 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
             module (0 keeps every call a unit of its own, as torch does).
 
     Returns:
-        ``module``, sharded in place.
+        ``module`` (the module, or the list), sharded in place.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: a bad ``reshard_after_forward`` or mesh, mixed dtypes in a
-            unit, or a parameter tied to one in another unit.
-        NotImplementedError: a 2-D mesh (HSDP) or a ``shard_placement_fn``.
+        TypeError: ``module`` is not an ``nn.Module`` or a list of them, or
+            ``shard_placement_fn`` returns something other than a ``Shard``.
+        ValueError: a bad ``reshard_after_forward`` or mesh (3-D, or 2-D
+            without dimension names), a placement dim out of range or uneven,
+            mixed dtypes in a unit, a parameter tied to one in another unit,
+            or a 0-dimensional parameter (torch's fully_shard refuses it too).
+        NotImplementedError: HSDP of tensor-parallel parameters, a
+            ``ShardPlacementResult``, or a placement dim other than 0 for a
+            tensor-parallel parameter.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__} (groups of "
-                        "modules are not supported: call fully_shard on their common parent)")
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fully_shard: shard_placement_fn is not supported; tandem shards "
-                                  "every parameter on dim 0 (pass None)")
-    if unit_of(module) is not None and unit_of(module).module is module:  # type: ignore[union-attr]
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = _modules_of(module)
+    for m in modules:
+        if unit_of(m) is not None and m in unit_of(m).modules:  # type: ignore[union-attr]
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"fully_shard takes a 1-D mesh of data-parallel ranks, got a {mesh.ndim}-D "
-                                  "mesh; pass mesh['dp'] (hybrid sharding is not supported)")
-    comm = GroupComm(mesh.get_group())
+    shard_mesh, replicate_mesh = _data_parallel_meshes(mesh)
+    comm = GroupComm(shard_mesh.get_group())
+    replicate_comm = GroupComm(replicate_mesh.get_group()) if replicate_mesh is not None else None
     reshard = _check_reshard(reshard_after_forward, comm.size)
     config = _unit_config(mesh, mp_policy, offload_policy)
     ignored = {id(p) for p in (ignored_params or ())}
-    params, absorbed = _collect(module, ignored, mesh)
+    params, absorbed = _collect(modules, ignored, mesh)
     tp = _tensor_parallel(params, absorbed, mesh)
-    _move(module, params, config.device)
-    unit = ShardedUnit(type(module).__name__, params, mesh, comm, config, tp)
-    unit.module = module
+    dims = _shard_dims(params, absorbed, tp, shard_placement_fn, comm.size)
+    for m in modules:
+        _move(m, params, config.device)
+    name = "+".join(type(m).__name__ for m in modules)
+    unit = ShardedUnit(name, params, mesh, comm, config, tp, replicate_comm, dims)
+    unit.modules = modules
     unit.reshard_after_forward = True if reshard is None else reshard
     unit.auto_reshard_after_forward = reshard is None
     unit.mergeable = unit.layout.numel * unit.orig_dtype.itemsize < min_unit_bytes
     for old in absorbed:
         for handle in old.hooks:
             handle.remove()
-        assert old.module is not None  # set when its own fully_shard built it
-        for m in old.module.modules():
-            if unit_of(m) is old:
-                setattr(m, UNIT_ATTR, unit)
+        for sub in (sub for top in old.modules for sub in top.modules()):
+            if unit_of(sub) is old:
+                setattr(sub, UNIT_ATTR, unit)
+    for member in modules:
+        _attach(member, unit)
+    logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
+                 name, len(unit.managed), unit.layout.numel, len(absorbed))
+    return module
+
+
+def _attach(module: nn.Module, unit: ShardedUnit) -> None:
+    """Make ``module`` one of ``unit``'s: its hooks, and the ``FSDP<class>``."""
     setattr(module, UNIT_ATTR, unit)
-    unit.hooks = [
+    unit.hooks += [
         module.register_forward_pre_hook(functools.partial(pre_forward, unit), prepend=True, with_kwargs=True),
         module.register_forward_hook(functools.partial(post_forward, unit)),
         *register_state_dict_hooks(module, unit),
     ]
     cls: type = type(module)  # as a plain type: mypy sees type[Module] as unhashable
     module.__class__ = _fsdp_class(cls)
-    logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
-                 type(module).__name__, len(unit.managed), unit.layout.numel, len(absorbed))
-    return module
 
 
 class UnshardHandle:
@@ -184,6 +209,14 @@ class FSDPModule:
         (torch DDP's ``no_sync``); the next backward with True reduces the sum."""
         for unit in _units(self, recurse):
             unit.requires_grad_sync = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters the gradients in backward but keeps the
+        result as a partial sum instead of all-reducing it across the replicas;
+        the next backward with True all-reduces the sum (torch's method: Note
+        [hybrid sharding] in unit.py). No effect on a 1-D mesh."""
+        for unit in _units(self, recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in _units(self, recurse):
@@ -297,13 +330,33 @@ def _default_mesh() -> Any:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def _data_parallel_meshes(mesh: Any) -> tuple[Any, Any]:
+    """``(shard mesh, replicate mesh or None)`` of fully_shard's ``mesh``: a 1-D
+    mesh shards over all of it; a 2-D one is HSDP, ``(replicate, shard)`` as
+    torch's FSDP2 reads it (Note [hybrid sharding] in unit.py)."""
+    if not hasattr(mesh, "ndim") or not hasattr(mesh, "get_group"):
+        raise TypeError(f"fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh, None
+    names = mesh.mesh_dim_names
+    if mesh.ndim != 2 or not names:
+        what = f"a {mesh.ndim}-D mesh" + ("" if names else " without mesh_dim_names")
+        raise ValueError(
+            f"fully_shard takes a 1-D mesh of data-parallel ranks (FSDP) or a 2-D mesh with named dimensions "
+            f"(replicate, shard) (HSDP), got {what}: {mesh}. For HSDP build it with init_device_mesh(device, "
+            "(replicas, shards), mesh_dim_names=('replicate', 'shard')); with tensor parallelism pass the "
+            "data-parallel slice, mesh['dp']")
+    return mesh[names[1]], mesh[names[0]]
+
+
 def _check_reshard(value: Any, world_size: int) -> bool | int | None:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if value < 1 or world_size % value:
-            raise ValueError(f"reshard_after_forward={value} must divide the mesh size {world_size} "
-                             "(the size of the group to gather from in backward)")
+            raise ValueError(f"reshard_after_forward={value} must divide the shard group of {world_size} ranks "
+                             "(the mesh, or its shard dimension under HSDP): it is the size of the group to "
+                             "gather from in backward")
         if value == 1:
             return True
         if value == world_size:
@@ -331,21 +384,101 @@ def _unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
                       cast_forward_inputs=bool(mp.cast_forward_inputs), output_dtype=mp.output_dtype)
 
 
-def _collect(module: nn.Module, ignored: set[int], mesh: Any) -> tuple[list[ParamEntry], list[ShardedUnit]]:
-    """The parameters under ``module`` that no other unit holds (units.py's walk),
-    checked: an absorbed tiny unit must not have run, and a parameter another
-    unit already shards (a tied weight) is an error."""
+def _collect(modules: tuple[nn.Module, ...], ignored: set[int], mesh: Any
+             ) -> tuple[list[ParamEntry], list[ShardedUnit]]:
+    """The parameters under ``modules`` that no other unit holds (units.py's walk
+    of each, a parameter tied between them taken once), checked: an absorbed
+    tiny unit must not have run, and a parameter another unit already shards
+    (a tied weight) is an error."""
     DTensor, _, _ = dtensor_api()
-    entries, absorbed = walk_unit(module, unit_of, lambda u: u.mergeable, ignored)
+    found: dict[int, ParamEntry] = {}
+    absorbed: list[ShardedUnit] = []
+    for module in modules:
+        entries, taken = walk_unit(module, unit_of, lambda u: u.mergeable, ignored)
+        for fqn, owners, p in entries:
+            if id(p) in found:
+                found[id(p)][1].extend(owners)
+            else:
+                found[id(p)] = (fqn, owners, p)
+        absorbed += [u for u in taken if u not in absorbed]
     for unit in absorbed:
         if unit.schedule is not None:
             raise RuntimeError(f"fully_shard: '{unit.name}' already ran forward; apply fully_shard to every "
                                "module before the first forward")
-    for fqn, _, p in entries:
+    scalars = [fqn for fqn, _, p in found.values() if p.dim() == 0]
+    if scalars:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise ValueError(
+            f"rank {rank}: fully_shard: parameter '{scalars[0]}' is 0-dimensional (a scalar), and fully_shard "
+            "shards a dim of every parameter; torch's fully_shard refuses it too (\"fully_shard doesn't support "
+            "scalar parameters\"). Make it a 1-D tensor of one element (nn.Parameter(value.reshape(1))), or pass "
+            "it in ignored_params (then it is neither sharded nor averaged: all-reduce its gradient yourself)")
+    for fqn, _, p in found.values():
         if isinstance(p, DTensor) and not _held_by(p, absorbed) and _sharded_by_a_unit(p, mesh):
             raise ValueError(f"fully_shard: parameter '{fqn}' is already sharded by another unit (tied "
                              "weights?); call fully_shard on a module that contains every user of it")
-    return entries, absorbed
+    return list(found.values()), absorbed
+
+
+def _modules_of(module: Any) -> tuple[nn.Module, ...]:
+    """The modules of one ``fully_shard`` call: ``module``, or the outermost of a
+    list of modules (one unit for all of them, as torch's FSDP2 takes it)."""
+    if isinstance(module, nn.Module):
+        return (module,)
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        inner = {id(sub) for m in module for sub in m.modules() if sub is not m}
+        unique = list({id(m): m for m in module}.values())
+        return tuple(m for m in unique if id(m) not in inner)
+    what = type(module).__name__ if not isinstance(module, (list, tuple)) else (
+        "an empty list" if not module else
+        f"a list holding a {next(type(m).__name__ for m in module if not isinstance(m, nn.Module))}")
+    raise TypeError(f"fully_shard takes an nn.Module or a non-empty list of nn.Modules (one unit for all of "
+                    f"them), got {what}")
+
+
+def _shard_dims(params: list[ParamEntry], absorbed: list[ShardedUnit], tp: list[TensorParallelParam | None],
+                shard_placement_fn: Any, world_size: int) -> list[int]:
+    """The dim each parameter is sharded on: ``shard_placement_fn(param)``'s
+    ``Shard(d)``, or 0 for None (torch's FSDP2's rule); an absorbed unit's
+    parameters keep theirs."""
+    _, Shard, _ = dtensor_api()
+    earlier = {id(m.sharded): m.spec.shard_dim for u in absorbed for m in u.managed}
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard: shard_placement_fn must be a callable param -> Shard(dim) or None, "
+                        f"got {shard_placement_fn!r}")
+    dims = []
+    for (fqn, _, p), t in zip(params, tp):
+        if id(p) in earlier or shard_placement_fn is None:
+            dims.append(earlier.get(id(p), 0))
+            continue
+        placement = shard_placement_fn(p)
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement).__name__ == "ShardPlacementResult":
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn returned a ShardPlacementResult (a mesh of its own) for "
+                f"'{fqn}'; tandem shards a unit over one mesh: return Shard(dim) or None, and call fully_shard "
+                "separately, with that mesh, on the module holding such parameters")
+        if not isinstance(placement, Shard):
+            raise TypeError(f"fully_shard: shard_placement_fn returned {placement!r} for '{fqn}'; it must "
+                            "return Shard(dim) or None")
+        d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= d < p.dim():
+            raise ValueError(f"fully_shard: shard_placement_fn returned {placement} for '{fqn}' of shape "
+                             f"{tuple(p.shape)}: dim {placement.dim} is out of range; return Shard(d) with "
+                             f"0 <= d < {p.dim()}")
+        if d and t is not None:
+            raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement} for the "
+                                      f"tensor-parallel parameter '{fqn}'; its data-parallel shards are on "
+                                      "dim 0 only (Note [2-D parameters]): return None for it")
+        if d and p.shape[d] % world_size:
+            raise ValueError(f"fully_shard: shard_placement_fn returned {placement} for '{fqn}' of shape "
+                             f"{tuple(p.shape)}: its {p.shape[d]} rows on dim {d} do not divide among the "
+                             f"{world_size} ranks of the shard group (as in torch's FSDP2, a dim other than 0 "
+                             "must shard evenly); return Shard(0) or None for it")
+        dims.append(d)
+    return dims
 
 
 def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
@@ -354,8 +487,9 @@ def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
 
 def _sharded_by_a_unit(param: Any, mesh: Any) -> bool:
     """Whether a DTensor parameter is a unit's shard: over this data-parallel
-    mesh, or over a 2-D one (Note [2-D parameters] in tensor_parallel.py),
-    rather than a tensor-parallel parameter over a sibling of ``mesh``."""
+    mesh (1-D, or 2-D under HSDP), or over the 2-D mesh of a tensor-parallel
+    layout (Note [2-D parameters] in tensor_parallel.py), rather than a
+    tensor-parallel parameter over a sibling of ``mesh``."""
     return param.device_mesh.ndim == 2 or param.device_mesh == mesh
 
 
@@ -364,6 +498,15 @@ def _tensor_parallel(params: list[ParamEntry], absorbed: list[ShardedUnit],
     """Each parameter's 2-D layout (None for a plain one); an absorbed unit's
     parameters keep the layout that unit gave them."""
     earlier = {id(m.sharded): m.tp for u in absorbed for m in u.managed}
+    DTensor, _, _ = dtensor_api()
+    if mesh.ndim == 2:
+        tensor_parallel = [(fqn, p) for fqn, _, p in params if isinstance(p, DTensor) and id(p) not in earlier]
+        if tensor_parallel:
+            fqn, p = tensor_parallel[0]
+            raise NotImplementedError(
+                f"fully_shard: parameter '{fqn}' is a DTensor over {p.device_mesh}, "
+                f"and mesh={mesh} is 2-D: HSDP of tensor-parallel parameters is not supported. For DP x TP "
+                "pass the 1-D data-parallel slice (mesh=mesh['dp']); for HSDP use plain parameters")
     return [earlier[id(p)] if id(p) in earlier else tensor_parallel_param(fqn, p, mesh)
             for fqn, _, p in params]
 
