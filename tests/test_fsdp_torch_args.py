@@ -192,6 +192,7 @@ def _refusals(rank: int) -> dict[str, tuple[str, str] | None]:
         "not_a_shard": lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: "dim 1"),
         "not_modules": lambda: fully_shard([nn.Linear(2, 2), "head"]),  # type: ignore[list-item]
         "group_as_root": lambda: _group_root(),
+        "dp_mesh_dims": lambda: fully_shard(nn.Linear(2, 2), dp_mesh_dims=("dp",)),
     }
     out: dict[str, tuple[str, str] | None] = {}
     for name, call in calls.items():
@@ -299,6 +300,8 @@ def test_what_is_still_refused_names_the_value_and_the_fix() -> None:
         assert e["not_a_shard"][0] == "TypeError" and "'dim 1'" in e["not_a_shard"][1]
         assert e["not_modules"][0] == "TypeError" and "a list holding a str" in e["not_modules"][1]
         assert e["group_as_root"][0] == "RuntimeError" and "cannot be the root" in e["group_as_root"][1]
+        assert e["dp_mesh_dims"][0] == "NotImplementedError" and "dp_mesh_dims=('dp',)" in e["dp_mesh_dims"][1]
+        assert "mesh=mesh['dp']" in e["dp_mesh_dims"][1]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

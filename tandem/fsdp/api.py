@@ -51,7 +51,7 @@ ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
 
 def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Any = None, mp_policy: Any = None, offload_policy: Any = None,
-                ignored_params: set[nn.Parameter] | None = None,
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None,
                 min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES) -> ModuleOrList:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (ZeRO-3), as
     ``torch.distributed.fsdp.fully_shard`` does, with the same arguments.
@@ -110,6 +110,8 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
             for each gather); ``OffloadPolicy()`` or None keeps them on the device.
         ignored_params: parameters left as they are: not sharded, not moved,
             their gradients not reduced.
+        dp_mesh_dims: torch 2.13's SPMD mesh (a whole mesh and the names of
+            its data-parallel dimensions): not supported, must be None.
         min_unit_bytes: tandem only: a unit with fewer bytes of parameters
             joins the unit of a later ``fully_shard`` call on an enclosing
             module (0 keeps every call a unit of its own, as torch does).
@@ -125,9 +127,14 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
             mixed dtypes in a unit, a parameter tied to one in another unit,
             or a 0-dimensional parameter (torch's fully_shard refuses it too).
         NotImplementedError: HSDP of tensor-parallel parameters, a
-            ``ShardPlacementResult``, or a placement dim other than 0 for a
-            tensor-parallel parameter.
+            ``ShardPlacementResult``, a placement dim other than 0 for a
+            tensor-parallel parameter, or ``dp_mesh_dims``.
     """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (an SPMD mesh) is not supported; pass the data-parallel "
+            "mesh itself: mesh=mesh['dp'] (1-D: FSDP, or DP x TP for tensor-parallel parameters), or "
+            "mesh=mesh['replicate', 'shard'] (2-D: HSDP)")
     modules = _modules_of(module)
     for m in modules:
         if unit_of(m) is not None and m in unit_of(m).modules:  # type: ignore[union-attr]

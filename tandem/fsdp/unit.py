@@ -128,7 +128,9 @@ class _Reduce:
 
 
 class ShardedUnit:
-    """The parameters of one ``fully_shard`` call, sharded on dim 0 across ``comm``."""
+    """The parameters of one ``fully_shard`` call, each sharded on its dim (0
+    unless ``shard_placement_fn`` said otherwise) across ``comm``, the shard
+    group (Note [hybrid sharding])."""
 
     def __init__(self, name: str, params: list[ParamEntry], mesh: Any, comm: GroupComm,
                  config: UnitConfig, tp: list[TensorParallelParam | None] | None = None,
