@@ -5,7 +5,7 @@ batch (Note [hybrid sharding] in tandem/fsdp/unit.py).
 One spawned group of 4 gloo ranks runs every case: the 2 x 2 mesh of
 ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``
 trains test_fsdp's small transformer-like model (AdamW and clipping by the
-global norm, or plain SGD) with tandem and with torch; a distributed
+global norm, or plain SGD; a bf16 policy) with tandem and with torch; a distributed
 checkpoint saved under HSDP 2 x 2 is loaded at two other mesh shapes (a 1-D
 world of 4, and 4 x 1) and training continues there; bad meshes are refused
 on every rank.
@@ -45,6 +45,7 @@ class Hsdp:
     reshard: bool | None = None
     min_unit_bytes: int = 0
     branchy: bool = False                # odd ranks use Block.alt, nobody Block.unused
+    bf16: bool = False                   # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
 
     def case(self, steps: int = 3) -> Case:
         return Case(micro=self.micro, branchy=self.branchy, steps=steps, clip=1e9 if self.sgd else 0.3,
@@ -64,6 +65,8 @@ CASES = {
     # SGD: one element of layers.0.fc2.weight has a gradient of 4e-8, near Adam's
     # eps, where Adam turns the summation order's rounding into 2e-5 of update
     "branchy": Hsdp(branchy=True, sgd=True),
+    "bf16": Hsdp(bf16=True),
+    "torch_bf16": Hsdp(impl="torch", bf16=True),
     "replicate_4": Hsdp(shape=(4, 1)),
     "shard_4": Hsdp(shape=(1, 4)),
 }
@@ -87,6 +90,9 @@ def _build(h: Hsdp, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
         shard, kwargs = fully_shard, {"min_unit_bytes": h.min_unit_bytes}
     if h.reshard is not None:
         kwargs["reshard_after_forward"] = h.reshard
+    if h.bf16:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         shard(block, mesh=mesh, **kwargs)
     shard(model, mesh=mesh, **kwargs)
@@ -307,7 +313,7 @@ def _local_sgd(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 # ---------------------------------------------------------------------- the tests
 
-@pytest.mark.parametrize("name", [n for n, h in CASES.items() if h.impl == "tandem"])
+@pytest.mark.parametrize("name", [n for n, h in CASES.items() if h.impl == "tandem" and not h.bf16])
 def test_hsdp_equals_one_process_on_the_global_batch(name: str) -> None:
     losses, params = _local(name)
     for rank, r in enumerate(_results()):
@@ -405,3 +411,12 @@ def test_accumulating_without_the_all_reduce_still_reduce_scatters_each_micro_ba
         for got, scatters in ((once, 2 * once.units), (no_sync, no_sync.units)):
             ops = [op for op, *_ in got.events]
             assert ops.count("reduce_scatter") == scatters and ops.count("all_reduce") == got.units, (rank, ops)
+
+
+def test_a_bf16_policy_is_close_to_torchs_hsdp_and_differs_from_fp32() -> None:
+    for rank, r in enumerate(_results()):
+        ours, theirs, fp32 = r["cases"]["bf16"], r["cases"]["torch_bf16"], r["cases"]["adamw"]
+        gap_to_torch, gap_to_fp32 = max_diff(ours.params, theirs.params), max_diff(ours.params, fp32.params)
+        assert gap_to_torch <= 2e-3, (rank, gap_to_torch)
+        assert gap_to_fp32 > 10 * gap_to_torch and gap_to_fp32 > 1e-4, (rank, gap_to_fp32, gap_to_torch)
+        assert all(p.dtype == torch.float32 for p in ours.params.values())   # the shards stay fp32

@@ -139,11 +139,21 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def _train(rank: int, case: Case, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], dict[str, str]]:
+def _train(rank: int, case: Case, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], dict[str, str], int]:
+    """Losses, full parameters, placements, and how often the unit of
+    [norm, head] was gathered in the second step (tandem with a group)."""
     model, opt = _build(case)
-    losses = [_step(model, opt, rank, WORLD, step) for step in range(steps)]
+    gathers: list[str] = []
+    group = getattr(model.norm, "_tandem_fsdp_unit", None) if case.group else None
+    losses = []
+    for step in range(steps):
+        if step == 1 and group is not None:
+            group.comm.observers.append(lambda e: gathers.append(e.tag) if e.op == "all_gather_into" else None)
+        losses.append(_step(model, opt, rank, WORLD, step))
+        if step == 1 and group is not None:
+            group.comm.observers.clear()
     placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
-    return losses, _full(model), placements
+    return losses, _full(model), placements, gathers.count(f"unit {group.name}") if group is not None else 0
 
 
 def _checkpoint(rank: int, path: str) -> dict[str, tuple[list[float], dict[str, torch.Tensor], str]]:
@@ -257,8 +267,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_equal_to_torchs_fully_shard_and_to_one_process(name: str) -> None:
     local_losses, local = _local(CASES[name].chunked)
     for rank, r in enumerate(_results()):
-        losses, params, placements = r["cases"][name]
-        t_losses, t_params, t_placements = r["cases"]["torch_" + name]
+        losses, params, placements, _ = r["cases"][name]
+        t_losses, t_params, t_placements, _ = r["cases"]["torch_" + name]
         assert max(abs(a - b) for a, b in zip(losses, t_losses)) <= TOL, (rank, losses, t_losses)
         assert _max_diff(params, t_params) <= TOL, rank
         assert max(abs(a - b) for a, b in zip(losses, local_losses)) <= TOL, (rank, losses, local_losses)
@@ -267,7 +277,7 @@ def test_equal_to_torchs_fully_shard_and_to_one_process(name: str) -> None:
 
 
 def test_the_placement_function_shards_expert_weights_on_dim_1_and_minus_1() -> None:
-    _, _, placements = _results()[0]["cases"]["placement"]
+    _, _, placements, _ = _results()[0]["cases"]["placement"]
     assert placements["experts.w_in"] == "(Shard(dim=1),)"
     assert placements["experts.w_out"] == "(Shard(dim=2),)"
     assert placements["experts.gate.weight"] == "(Shard(dim=0),)"
@@ -319,3 +329,13 @@ def test_the_layout_of_other_dims_is_torch_chunk_along_them(world: int) -> None:
         assert torch.equal(torch.cat(rows, dim=d), p)
     with pytest.raises(ValueError, match="3 rows on dim 1, not a multiple of the 2 ranks"):
         plan_unit([(4, 3)], 2, 0, [1])
+
+
+@pytest.mark.parametrize("name", ["group", "group_chunked"])
+def test_a_group_is_gathered_once_for_its_modules(name: str) -> None:
+    # In one step: once in forward for norm and head together (resharded after
+    # the head, or at the end of the root's forward and once more for the
+    # chunked head calls, which keep it until backward), once in backward; a
+    # unit per module would gather three times.
+    for rank, r in enumerate(_results()):
+        assert r["cases"][name][3] == 2, (rank, r["cases"][name][3])
