@@ -178,6 +178,18 @@ def _checkpoint(rank: int, path: str) -> dict[str, tuple[list[float], dict[str, 
     return out
 
 
+def _full_load(rank: int) -> float:
+    """A full (single-process) state dict loaded into a model with dim-1 shards
+    and a group unit: the largest difference to the source."""
+    from tandem.fsdp import load_full_state_dict
+    torch.manual_seed(3)
+    source = Net().state_dict()
+    model, _ = _build(Case(placement=True, group=True))
+    result = load_full_state_dict(model, source)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    return _max_diff(_full(model), source)
+
+
 def _scalar_refusals(rank: int) -> dict[str, tuple[str, str]]:
     from torch.distributed.fsdp import fully_shard as torch_shard
     out = {}
@@ -227,6 +239,7 @@ def _worker(rank: int, world_size: int, path: str) -> dict:
         out["cases"]["torch_" + name] = _train(rank, Case(impl="torch", placement=case.placement,
                                                           group=case.group, chunked=case.chunked))
     out["checkpoint"] = _checkpoint(rank, path)
+    out["full_load"] = _full_load(rank)
     out["scalar"] = _scalar_refusals(rank)
     out["refusals"] = _refusals(rank)
     return out
@@ -339,3 +352,7 @@ def test_a_group_is_gathered_once_for_its_modules(name: str) -> None:
     # unit per module would gather three times.
     for rank, r in enumerate(_results()):
         assert r["cases"][name][3] == 2, (rank, r["cases"][name][3])
+
+
+def test_a_full_state_dict_loads_into_dim1_shards_and_a_group() -> None:
+    assert [r["full_load"] for r in _results()] == [0.0] * WORLD
