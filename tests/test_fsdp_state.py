@@ -188,14 +188,19 @@ def _all_used_accumulation(rank: int, world_size: int) -> tuple[dict, list]:
     return {k: v.full_tensor() for k, v in model.state_dict().items()}, states
 
 
+def _dim1(param: nn.Parameter) -> object:
+    from torch.distributed.tensor import Shard
+    return Shard(1) if param.dim() == 2 else None
+
+
 def _errors(model: nn.Module, world_size: int) -> dict:
     errors = {}
     for name, call in {
         "twice": lambda: fully_shard(model),
         "bad_reshard": lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=world_size + 1),
-        "placement": lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None),
+        "placement": lambda: fully_shard(nn.Linear(3, 2), shard_placement_fn=_dim1),  # 3 columns, 2 ranks
         "mixed_dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
-        "not_a_module": lambda: fully_shard([nn.Linear(2, 2)]),  # type: ignore[arg-type]
+        "not_a_module": lambda: fully_shard("linear"),  # type: ignore[arg-type]
     }.items():
         try:
             call()
@@ -243,7 +248,7 @@ def test_bad_arguments_raise_with_the_value() -> None:
     errors = _control()["errors"]
     assert errors["twice"][0] == "ValueError" and "already applied" in errors["twice"][1]
     assert errors["bad_reshard"][0] == "ValueError" and "reshard_after_forward=3" in errors["bad_reshard"][1]
-    assert errors["placement"][0] == "NotImplementedError"
+    assert errors["placement"][0] == "ValueError" and "3 rows on dim 1" in errors["placement"][1]
     assert errors["mixed_dtypes"][0] == "ValueError" and "torch.float64" in errors["mixed_dtypes"][1]
     assert errors["not_a_module"][0] == "TypeError"
 

@@ -272,3 +272,37 @@ def test_predicted_memory_is_what_ddp_and_zero_hold(name: str, stage: int) -> No
             assert got.reducing == p.reducing == flat, (rank, got.reducing, p.reducing)
         if stage == 2:   # the last gradient of a bucket lands while the others wait for it
             assert flat < got.reducing <= p.reducing, (rank, got.reducing, p.reducing)
+
+
+def test_hsdp_rows_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_model("wide", 0)
+    report = plan(model, world_size=8, hsdp=2, min_unit_bytes=0)
+    names = [s.name for s in report.strategies]
+    assert names == ["DDP", "ZeRO-1", "ZeRO-2", "fully_shard", "HSDP 2x4"]
+    hsdp, fsdp4 = report.strategies[4].estimate, estimate_memory(model, 4, fsdp=_spec(report))[3]
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (fsdp4.params, fsdp4.grads, fsdp4.optimizer)
+    traffic = dict(report.traffic)
+    # the same gathers and reduce-scatters as fully_shard over 4 ranks, plus an
+    # all-reduce of every reduced shard (and its flags) over the 2 replicas
+    flat = sum(4 * (u.layout.shard_numel + len(u.layout.params)) for u in fsdp4.units if any(u.trainable))
+    assert traffic["HSDP 2x4"].all_reduce == 2 * (2 - 1) * flat // 2 and traffic["fully_shard"].all_reduce == 0
+    assert traffic["HSDP 2x4"].reduce_scatter == 3 * flat
+    # the first that fits, HSDP preferred to fully_shard
+    peaks = {s.name: s.peak for s in report.strategies}
+    order = ["DDP", "ZeRO-1", "ZeRO-2", "HSDP 2x4", "fully_shard"]
+    for device in [*peaks.values(), min(peaks.values()) - 1]:
+        r = plan_report(model, world_size=8, hsdp=2, min_unit_bytes=0, device_memory=device)
+        first = next((n for n in order if peaks[n] <= device), None)
+        assert (None if r.choice is None else r.choice.name) == first, (device, peaks)
+    with pytest.raises(ValueError, match="hsdp=3 must be a number of replicas that divides world_size=8"):
+        plan(model, world_size=8, hsdp=3)
+    argv = ["--model", "tandem.examples.plan_digits:model", "--world-size", "8", "--hsdp", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "HSDP 2x4" in out and "traffic per rank per step" in out and "across the 2 replicas" in out
+    assert main([*argv[:-1], "3"]) == 2
+
+
+def _spec(report):  # the FullyShardSpec plan_report used
+    from tandem.zero.memory import FullyShardSpec
+    return FullyShardSpec(units=report.fsdp_units, min_unit_bytes=0)

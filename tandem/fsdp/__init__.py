@@ -2,7 +2,8 @@
 torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
 
 The pure layout of each unit's buffers (layout.py), which parameters a call
-takes (units.py), one unit's gather and reduction (unit.py), the order of a
+takes (units.py), a call's arguments checked and resolved (arguments.py:
+meshes for FSDP and HSDP, lists of modules, shard dims), one unit's gather and reduction (unit.py), the order of a
 root's units in an iteration (schedule.py), state dicts in and out
 (state_dict.py), and the public function and module methods (api.py).
 """

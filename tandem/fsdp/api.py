@@ -27,29 +27,30 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._compat import dtensor_api, fsdp_policies
 from tandem.comm.group import GroupComm
+from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_meshes, default_mesh, modules_of, \
+    move_to_device, shard_dims, tensor_parallel_layouts, unit_config
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
-from tandem.fsdp.tensor_parallel import TensorParallelParam, tensor_parallel_param
-from tandem.fsdp.unit import ShardState, ShardedUnit, UnitConfig
-from tandem.fsdp.units import ParamEntry, walk_unit
+from tandem.fsdp.unit import ShardState, ShardedUnit
 
 __all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard"]
 
 logger = logging.getLogger(__name__)
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
+ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
+
+
+def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Any = None, mp_policy: Any = None, offload_policy: Any = None,
-                ignored_params: set[nn.Parameter] | None = None,
-                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES) -> nn.Module:
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None,
+                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES) -> ModuleOrList:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (ZeRO-3), as
     ``torch.distributed.fsdp.fully_shard`` does, with the same arguments.
 
@@ -58,7 +59,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     ``module`` that no earlier call took; a unit is gathered with one
     all-gather before its forward, freed after it (``reshard_after_forward``),
     gathered again for its backward, and its gradients are reduce-scattered
-    into shards. Parameters become ``DTensor`` s sharded on dim 0, so a torch
+    into shards. Parameters become ``DTensor`` s sharded on dim 0 (or the dim
+    ``shard_placement_fn`` names), so a torch
     optimizer built afterwards over ``model.parameters()`` steps only this
     rank's shards, ``torch.nn.utils.clip_grad_norm_`` clips by the global norm,
     ``model.state_dict()`` is sharded, and ``torch.distributed.checkpoint``
@@ -73,17 +75,30 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 
     Args:
         module: the module to shard; it becomes an instance of
-            ``FSDP<its class>``, which adds :class:`FSDPModule`'s methods.
+            ``FSDP<its class>``, which adds :class:`FSDPModule`'s methods. A
+            list of modules makes one unit of all of them, gathered at the
+            first one's forward and resharded after the last one's (Note
+            [grouped modules] in schedule.py); it cannot be the root.
         mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: all
-            ranks, on ``cuda`` for nccl and ``cpu`` otherwise).
+            ranks, on ``cuda`` for nccl and ``cpu`` otherwise), over which
+            every parameter is sharded; or a 2-D one with named dimensions
+            ``(replicate, shard)``: HSDP, sharded within the shard dimension
+            and replicated across the other, the gradients reduce-scattered
+            over the first and all-reduced over the second (Note [hybrid
+            sharding] in unit.py). Parameters that torch's tensor
+            parallelism made DTensors take the 1-D data-parallel slice,
+            ``mesh["dp"]`` (Note [2-D parameters] in tensor_parallel.py).
         reshard_after_forward: True frees the parameters after forward and
             gathers them again in backward; False keeps them until after
             backward (no second gather: 1.0x DDP's traffic instead of 1.5x);
             None is True except for the root, whose backward starts at once;
             an int k keeps a 1/k slice after forward and gathers over the
             group of k neighbouring ranks in backward.
-        shard_placement_fn: not supported (every parameter is sharded on dim 0);
-            must be None.
+        shard_placement_fn: a callable ``param -> Shard(d) or None``: shard
+            that parameter on dim ``d`` (negative counts from the end; None:
+            dim 0), as torch's; a dim other than 0 must divide evenly among
+            the shard group's ranks. A ``ShardPlacementResult`` (a mesh of its
+            own) is refused.
         mp_policy: torch's ``MixedPrecisionPolicy``: gather and compute in
             ``param_dtype``, reduce in ``reduce_dtype``, cast the output to
             ``output_dtype``, cast floating inputs if ``cast_forward_inputs``.
@@ -93,61 +108,76 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
             for each gather); ``OffloadPolicy()`` or None keeps them on the device.
         ignored_params: parameters left as they are: not sharded, not moved,
             their gradients not reduced.
+        dp_mesh_dims: torch 2.13's SPMD mesh (a whole mesh and the names of
+            its data-parallel dimensions): not supported, must be None.
         min_unit_bytes: tandem only: a unit with fewer bytes of parameters
             joins the unit of a later ``fully_shard`` call on an enclosing
             module (0 keeps every call a unit of its own, as torch does).
 
     Returns:
-        ``module``, sharded in place.
+        ``module`` (the module, or the list), sharded in place.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: a bad ``reshard_after_forward`` or mesh, mixed dtypes in a
-            unit, or a parameter tied to one in another unit.
-        NotImplementedError: a 2-D mesh (HSDP) or a ``shard_placement_fn``.
+        TypeError: ``module`` is not an ``nn.Module`` or a list of them, or
+            ``shard_placement_fn`` returns something other than a ``Shard``.
+        ValueError: a bad ``reshard_after_forward`` or mesh (3-D, or 2-D
+            without dimension names), a placement dim out of range or uneven,
+            mixed dtypes in a unit, a parameter tied to one in another unit,
+            or a 0-dimensional parameter (torch's fully_shard refuses it too).
+        NotImplementedError: HSDP of tensor-parallel parameters, a
+            ``ShardPlacementResult``, a placement dim other than 0 for a
+            tensor-parallel parameter, or ``dp_mesh_dims``.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__} (groups of "
-                        "modules are not supported: call fully_shard on their common parent)")
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fully_shard: shard_placement_fn is not supported; tandem shards "
-                                  "every parameter on dim 0 (pass None)")
-    if unit_of(module) is not None and unit_of(module).module is module:  # type: ignore[union-attr]
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"fully_shard takes a 1-D mesh of data-parallel ranks, got a {mesh.ndim}-D "
-                                  "mesh; pass mesh['dp'] (hybrid sharding is not supported)")
-    comm = GroupComm(mesh.get_group())
-    reshard = _check_reshard(reshard_after_forward, comm.size)
-    config = _unit_config(mesh, mp_policy, offload_policy)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (an SPMD mesh) is not supported; pass the data-parallel "
+            "mesh itself: mesh=mesh['dp'] (1-D: FSDP, or DP x TP for tensor-parallel parameters), or "
+            "mesh=mesh['replicate', 'shard'] (2-D: HSDP)")
+    modules = modules_of(module)
+    for m in modules:
+        if unit_of(m) is not None and m in unit_of(m).modules:  # type: ignore[union-attr]
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    mesh = mesh if mesh is not None else default_mesh()
+    shard_mesh, replicate_mesh = data_parallel_meshes(mesh)
+    comm = GroupComm(shard_mesh.get_group())
+    replicate_comm = GroupComm(replicate_mesh.get_group()) if replicate_mesh is not None else None
+    reshard = check_reshard(reshard_after_forward, comm.size)
+    config = unit_config(mesh, mp_policy, offload_policy)
     ignored = {id(p) for p in (ignored_params or ())}
-    params, absorbed = _collect(module, ignored, mesh)
-    tp = _tensor_parallel(params, absorbed, mesh)
-    _move(module, params, config.device)
-    unit = ShardedUnit(type(module).__name__, params, mesh, comm, config, tp)
-    unit.module = module
+    params, absorbed = collect_params(modules, ignored, mesh)
+    tp = tensor_parallel_layouts(params, absorbed, mesh)
+    dims = shard_dims(params, absorbed, tp, shard_placement_fn, comm.size)
+    for m in modules:
+        move_to_device(m, params, config.device)
+    name = "+".join(type(m).__name__ for m in modules)
+    unit = ShardedUnit(name, params, mesh, comm, config, tp, replicate_comm, dims)
+    unit.modules = modules
     unit.reshard_after_forward = True if reshard is None else reshard
     unit.auto_reshard_after_forward = reshard is None
     unit.mergeable = unit.layout.numel * unit.orig_dtype.itemsize < min_unit_bytes
     for old in absorbed:
         for handle in old.hooks:
             handle.remove()
-        assert old.module is not None  # set when its own fully_shard built it
-        for m in old.module.modules():
-            if unit_of(m) is old:
-                setattr(m, UNIT_ATTR, unit)
+        for sub in (sub for top in old.modules for sub in top.modules()):
+            if unit_of(sub) is old:
+                setattr(sub, UNIT_ATTR, unit)
+    for member in modules:
+        _attach(member, unit)
+    logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
+                 name, len(unit.managed), unit.layout.numel, len(absorbed))
+    return module
+
+
+def _attach(module: nn.Module, unit: ShardedUnit) -> None:
+    """Make ``module`` one of ``unit``'s: its hooks, and the ``FSDP<class>``."""
     setattr(module, UNIT_ATTR, unit)
-    unit.hooks = [
+    unit.hooks += [
         module.register_forward_pre_hook(functools.partial(pre_forward, unit), prepend=True, with_kwargs=True),
         module.register_forward_hook(functools.partial(post_forward, unit)),
         *register_state_dict_hooks(module, unit),
     ]
     cls: type = type(module)  # as a plain type: mypy sees type[Module] as unhashable
     module.__class__ = _fsdp_class(cls)
-    logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
-                 type(module).__name__, len(unit.managed), unit.layout.numel, len(absorbed))
-    return module
 
 
 class UnshardHandle:
@@ -185,9 +215,17 @@ class FSDPModule:
         for unit in _units(self, recurse):
             unit.requires_grad_sync = bool(requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters the gradients in backward but keeps the
+        result as a partial sum instead of all-reducing it across the replicas;
+        the next backward with True all-reduces the sum (torch's method: Note
+        [hybrid sharding] in unit.py). No effect on a 1-D mesh."""
+        for unit in _units(self, recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in _units(self, recurse):
-            unit.reshard_after_forward = _check_reshard(reshard_after_forward, unit.comm.size) is not False
+            unit.reshard_after_forward = check_reshard(reshard_after_forward, unit.comm.size) is not False
             unit.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
@@ -285,101 +323,3 @@ def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-
-
-def _default_mesh() -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed: call tandem.init() (or "
-                           "torch.distributed.init_process_group) first, or pass a mesh")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def _check_reshard(value: Any, world_size: int) -> bool | int | None:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if value < 1 or world_size % value:
-            raise ValueError(f"reshard_after_forward={value} must divide the mesh size {world_size} "
-                             "(the size of the group to gather from in backward)")
-        if value == 1:
-            return True
-        if value == world_size:
-            return False
-        return value
-    raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
-
-
-def _unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
-    MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy = fsdp_policies()
-    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    if not isinstance(mp, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp!r}")
-    offload = offload_policy if offload_policy is not None else OffloadPolicy()
-    if not isinstance(offload, OffloadPolicy):
-        raise ValueError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {offload!r}")
-    if mesh.device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device(mesh.device_type, torch.cuda.current_device())
-    cpu_offload = isinstance(offload, CPUOffloadPolicy)
-    return UnitConfig(device=device, shard_device=torch.device("cpu") if cpu_offload else device,
-                      param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                      pin_memory=cpu_offload and bool(getattr(offload, "pin_memory", True)),
-                      cast_forward_inputs=bool(mp.cast_forward_inputs), output_dtype=mp.output_dtype)
-
-
-def _collect(module: nn.Module, ignored: set[int], mesh: Any) -> tuple[list[ParamEntry], list[ShardedUnit]]:
-    """The parameters under ``module`` that no other unit holds (units.py's walk),
-    checked: an absorbed tiny unit must not have run, and a parameter another
-    unit already shards (a tied weight) is an error."""
-    DTensor, _, _ = dtensor_api()
-    entries, absorbed = walk_unit(module, unit_of, lambda u: u.mergeable, ignored)
-    for unit in absorbed:
-        if unit.schedule is not None:
-            raise RuntimeError(f"fully_shard: '{unit.name}' already ran forward; apply fully_shard to every "
-                               "module before the first forward")
-    for fqn, _, p in entries:
-        if isinstance(p, DTensor) and not _held_by(p, absorbed) and _sharded_by_a_unit(p, mesh):
-            raise ValueError(f"fully_shard: parameter '{fqn}' is already sharded by another unit (tied "
-                             "weights?); call fully_shard on a module that contains every user of it")
-    return entries, absorbed
-
-
-def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
-    return any(param is m.sharded for u in units for m in u.managed)
-
-
-def _sharded_by_a_unit(param: Any, mesh: Any) -> bool:
-    """Whether a DTensor parameter is a unit's shard: over this data-parallel
-    mesh, or over a 2-D one (Note [2-D parameters] in tensor_parallel.py),
-    rather than a tensor-parallel parameter over a sibling of ``mesh``."""
-    return param.device_mesh.ndim == 2 or param.device_mesh == mesh
-
-
-def _tensor_parallel(params: list[ParamEntry], absorbed: list[ShardedUnit],
-                     mesh: Any) -> list[TensorParallelParam | None]:
-    """Each parameter's 2-D layout (None for a plain one); an absorbed unit's
-    parameters keep the layout that unit gave them."""
-    earlier = {id(m.sharded): m.tp for u in absorbed for m in u.managed}
-    return [earlier[id(p)] if id(p) in earlier else tensor_parallel_param(fqn, p, mesh)
-            for fqn, _, p in params]
-
-
-def _move(module: nn.Module, params: list[ParamEntry], device: torch.device) -> None:
-    """Move the unit's parameters and the module's buffers to ``device`` (as
-    torch's FSDP2 does); sharded parameters of absorbed units, and meta tensors
-    (Note [meta init]), are left where they are."""
-    if device.type == "cpu":
-        return
-    DTensor, _, _ = dtensor_api()
-    with torch.no_grad():
-        for _, _, p in params:
-            if not isinstance(p, DTensor) and not p.is_meta and p.device != device:
-                p.data = p.data.to(device)
-        for m in module.modules():
-            for name, b in m._buffers.items():
-                if b is not None and not b.is_meta and b.device != device:
-                    m._buffers[name] = b.to(device)

@@ -27,6 +27,14 @@ into the reduce-scatter input (``world`` blocks of ``shard_numel`` plus
 ``flag_numel`` control elements, Note [gradient flags] in unit.py), and rank r
 receives its block, whose layout is the shard buffer's.
 
+A parameter may be sharded on another dim (``shard_placement_fn`` returning
+``Shard(d)``, as torch's FSDP2 takes it): "rows" are then its slices along
+``d``, which must divide evenly among the ranks (as torch requires), and each
+rank's chunk is stored contiguously in its shard buffer, so that the buffers,
+the collectives and the gradient flags stay the same; only the copies between
+the full parameter and the rank-major blocks move dim ``d`` first
+(:attr:`ParamShard.shard_dim`).
+
 Why not one flat shard that cuts parameters at arbitrary offsets (FSDP1,
 Megatron-FSDP)? It would save the copy-out, but a rank's piece of a parameter
 would not be a ``Shard(0)`` DTensor, and torch's optimizers, gradient clipping
@@ -55,10 +63,11 @@ class ParamShard:
     shape: tuple[int, ...]
     rank: int                # whose chunk
     chunk_rows: int          # rows of a full chunk: ceil(rows / world)
-    row_numel: int           # elements per dim-0 row
+    row_numel: int           # elements per row (a slice along shard_dim)
     local_rows: int          # rows this rank holds (chunk_rows, fewer, or 0)
     shard_offset: int        # where this parameter's chunk starts in the shard buffer
     unsharded_offset: int    # where the full parameter starts in the unsharded buffer
+    shard_dim: int = 0       # the dim cut into rows (Shard(shard_dim))
 
     @property
     def numel(self) -> int:
@@ -75,12 +84,13 @@ class ParamShard:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return (self.local_rows, *self.shape[1:])
+        d = self.shard_dim
+        return (*self.shape[:d], self.local_rows, *self.shape[d + 1:])
 
     @property
     def row_start(self) -> int:
         """The first global row this rank holds."""
-        return min(self.rank * self.chunk_rows, self.shape[0])
+        return min(self.rank * self.chunk_rows, self.shape[self.shard_dim])
 
 
 @dataclass(frozen=True)
@@ -110,33 +120,45 @@ class UnitLayout:
         return [p.chunk_numel for p in self.params]
 
 
-def plan_unit(shapes: Sequence[tuple[int, ...]], world_size: int, rank: int) -> UnitLayout:
+def plan_unit(shapes: Sequence[tuple[int, ...]], world_size: int, rank: int,
+              shard_dims: Sequence[int] | None = None) -> UnitLayout:
     """Lay out the parameters of one unit for ``rank`` of ``world_size``.
 
     Args:
         shapes: the parameters' shapes, in the unit's order; each must have at
-            least one dimension (a 0-d tensor has no dim 0 to shard).
+            least one dimension (a 0-d tensor has no dim to shard).
+        shard_dims: the dim each parameter is sharded on (default: 0 for all);
+            a dim other than 0 must divide evenly among the ranks.
 
     Raises:
-        ValueError: a 0-d shape, or a rank outside ``[0, world_size)``.
+        ValueError: a 0-d shape, a shard dim out of range or uneven, or a rank
+            outside ``[0, world_size)``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    dims = list(shard_dims) if shard_dims is not None else [0] * len(shapes)
+    if len(dims) != len(shapes):
+        raise ValueError(f"shard_dims has {len(dims)} entries for {len(shapes)} shapes")
     params = []
     shard_offset = 0
-    for k, shape in enumerate(shapes):
+    for k, (shape, d) in enumerate(zip(shapes, dims)):
         shape = tuple(int(s) for s in shape)
         if not shape:
-            raise ValueError(f"parameter {k} is 0-dimensional: fully_shard shards dim 0; "
+            raise ValueError(f"parameter {k} is 0-dimensional: fully_shard shards a dim; "
                              "give it a dimension (e.g. shape (1,)) or pass it in ignored_params")
-        rows = shape[0]
-        row_numel = math.prod(shape[1:])
+        if not 0 <= d < len(shape):
+            raise ValueError(f"parameter {k} of shape {shape} cannot be sharded on dim {d}")
+        if d and shape[d] % world_size:
+            raise ValueError(f"parameter {k} of shape {shape} has {shape[d]} rows on dim {d}, not a multiple "
+                             f"of the {world_size} ranks: a dim other than 0 must shard evenly")
+        rows = shape[d]
+        row_numel = math.prod(shape[:d] + shape[d + 1:])
         chunk_rows = -(-rows // world_size)
         local_rows = max(0, min(chunk_rows, rows - rank * chunk_rows))
         p = ParamShard(shape=shape, rank=rank, chunk_rows=chunk_rows, row_numel=row_numel, local_rows=local_rows,
-                       shard_offset=shard_offset, unsharded_offset=shard_offset * world_size)
+                       shard_offset=shard_offset, unsharded_offset=shard_offset * world_size, shard_dim=d)
         params.append(p)
         shard_offset += p.chunk_numel
     return UnitLayout(params=tuple(params), world_size=world_size, rank=rank)

@@ -40,6 +40,18 @@ streams: a unit's pre-forward launches the gather of the unit that ran after it
 in the previous iteration, and its pre-backward the gather of the unit that
 finished forward before it, unless set_modules_to_*_prefetch names others.
 
+# Note [grouped modules]
+``fully_shard([norm, head])`` makes one unit of several modules (torch's
+FSDP2 takes a list so, for chunked losses: the model's forward runs ``norm``,
+the loss calls ``head`` per chunk). The unit is gathered at the first of its
+modules' pre-forwards in an iteration and resharded after the last of them
+has run forward (``pending_forward`` holds the others); a module of the group
+that the root's forward did not run is completed at the end of that forward.
+Unlike torch, every module's output gets the pre-backward hook, not only the
+last one's: backward may reach the modules in any order, and whichever comes
+first gathers the unit. A group cannot be the root (torch refuses it too):
+call fully_shard on a module that contains it.
+
 # Note [torch.compile]
 Blocks may be compiled one by one, as torchtitan does with torch's FSDP2:
 ``torch.compile(block)`` before ``fully_shard`` (the compiled wrapper becomes
@@ -106,6 +118,8 @@ class Schedule:
             self._begin_forward()
             if unit.config.device.type != "cpu":
                 args, kwargs = to_device(args, unit.config.device), to_device(kwargs, unit.config.device)
+        if not unit.pending_forward:  # Note [grouped modules]
+            unit.pending_forward = {id(m) for m in unit.modules}
         unit.training = TrainingState.FORWARD
         unit.unshard()
         if torch.is_grad_enabled():
@@ -120,10 +134,23 @@ class Schedule:
                 target.launch_gather()
         return _cast_inputs(unit, args, kwargs)
 
-    def post_forward(self, unit: ShardedUnit, output: Any) -> Any:
+    def post_forward(self, unit: ShardedUnit, module: nn.Module, output: Any) -> Any:
         if unit.training is TrainingState.PRE_BACKWARD:
             return _cast_output(unit, output)
         grad = torch.is_grad_enabled()
+        if grad:
+            hook = functools.partial(self._pre_backward, unit)
+            for t in iter_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+        unit.pending_forward.discard(id(module))
+        if not unit.pending_forward:  # Note [grouped modules]: the last of the group to run
+            self._finish_forward(unit, grad)
+        if unit is self.root:
+            self._end_forward()
+        return _cast_output(unit, output)
+
+    def _finish_forward(self, unit: ShardedUnit, grad: bool) -> None:
         reshard = unit.reshard_after_forward
         if not grad and unit.auto_reshard_after_forward:
             reshard = True  # no backward will follow to use the root's parameters
@@ -131,17 +158,9 @@ class Schedule:
             unit.reshard()
         elif reshard is not False:  # an int: keep a slice for the smaller group
             unit.reshard(keep_group_shard=True)
-        if grad:
-            hook = functools.partial(self._pre_backward, unit)
-            for t in iter_tensors(output):
-                if t.requires_grad:
-                    t.register_hook(hook)
         unit.training = TrainingState.IDLE
         if unit not in self.post_forward_order:
             self.post_forward_order.append(unit)
-        if unit is self.root:
-            self._end_forward()
-        return _cast_output(unit, output)
 
     def _track_inputs(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Route the inputs through _InputsDone (Note [unit completion])."""
@@ -161,9 +180,15 @@ class Schedule:
         self.post_forward_order = []
         for u in self.units:
             u.forward_calls = u.untracked_calls = u.inputs_done = 0
+            u.pending_forward.clear()  # Note [grouped modules]: modules called after the last forward
 
     def _end_forward(self) -> None:
         self.in_forward = False
+        grad = torch.is_grad_enabled()
+        for u in self.units:  # Note [grouped modules]: a group whose other modules did not run
+            if u.pending_forward and u is not self.root:
+                u.pending_forward.clear()
+                self._finish_forward(u, grad)
         self.last_pre_forward_order = list(self.pre_forward_order)
         for u in self.units:  # a prefetch the forward did not use: finish it, keep nothing
             if u.state is ShardState.GATHERING and u not in self.pre_forward_order:
@@ -241,11 +266,25 @@ class Schedule:
         one launched a unit earlier has not completed yet: waiting for the
         previous one at every launch stalled backward for a tenth of the step
         on 2 gloo ranks (BENCHMARKS.md).
+
+        Under HSDP a reduction has two stages (Note [hybrid sharding] in
+        unit.py): a completed reduce-scatter launches its all-reduce here, and
+        only in reduce order, so that every replicate group issues the same
+        all-reduces in the same order: a unit whose reduce-scatter is still
+        running holds back the all-reduces of the units after it.
         """
-        in_flight = [u for u in self.reduce_order[:self.next_reduce] if u.reduce_state is ReduceState.IN_FLIGHT]
+        in_flight = [u for u in self.reduce_order[:self.next_reduce] if u.reducing]
+        held_back = False
         for i, unit in enumerate(in_flight):
-            if unit.reduce_done or len(in_flight) - i > keep:
-                unit.finish_reduce(unit.divide_factor or unit.reduce_comm.size)
+            factor = unit.divide_factor or unit.dp_size
+            if len(in_flight) - i > keep:
+                unit.finish_reduce(factor)
+                continue
+            while unit.reducing and unit.reduce_done:
+                if unit.reduce_state is ReduceState.IN_FLIGHT and held_back:
+                    break
+                unit.advance_reduce(factor)
+            held_back = held_back or unit.reduce_state is ReduceState.IN_FLIGHT
 
     def _finish_backward(self) -> None:
         for unit in self.reduce_order[self.next_reduce:]:
@@ -292,11 +331,16 @@ def pre_forward(unit: ShardedUnit, module: nn.Module, args: tuple, kwargs: dict)
 def post_forward(unit: ShardedUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     """The forward hook of a unit's module."""
     assert unit.schedule is not None
-    return unit.schedule.post_forward(unit, output)
+    return unit.schedule.post_forward(unit, module, output)
 
 
 def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
     """Make ``root`` the root of every unit under ``root_module`` (its first forward)."""
+    if len(root.modules) > 1:
+        names = ", ".join(type(m).__name__ for m in root.modules)
+        raise RuntimeError(f"fully_shard: the unit of a list of modules ({names}) ran forward first, as the root; "
+                           "a group cannot be the root (Note [grouped modules]): call fully_shard on the model "
+                           "that contains them too, and run forward through it")
     units: list[ShardedUnit] = []
     for path, module in root_module.named_modules():
         unit = unit_of(module)

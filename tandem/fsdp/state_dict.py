@@ -42,7 +42,12 @@ def _shard_full_tensors(unit: Any, module: nn.Module, state_dict: dict[str, Any]
                         *args: Any) -> None:
     DTensor, _, _ = dtensor_api()
     unit.register_sharded()
+    # A unit of several modules (Note [grouped modules] in schedule.py) names each
+    # parameter under the module it was found in: this hook takes that module's.
+    inside = {id(sub) for sub in module.modules()} if len(unit.modules) > 1 else None
     for m in unit.managed:
+        if inside is not None and id(m.owners[0][0]) not in inside:
+            continue
         key = prefix + m.fqn
         value = state_dict.get(key)
         if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
@@ -53,7 +58,7 @@ def _shard_full_tensors(unit: Any, module: nn.Module, state_dict: dict[str, Any]
                              f"the model's parameter has {shape}")
         if m.tp is not None:  # Note [2-D parameters] in tensor_parallel.py: the tensor-parallel shard first
             value = m.tp.local_of_full(value)
-        rows = value.narrow(0, m.spec.row_start, m.spec.local_rows)
+        rows = value.narrow(m.spec.shard_dim, m.spec.row_start, m.spec.local_rows)
         local = rows.to(unit.config.shard_device, unit.orig_dtype, copy=True)
         state_dict[key] = unit.to_dtensor(local, m.spec, m.tp)
 

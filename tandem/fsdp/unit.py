@@ -9,7 +9,8 @@ Life of a unit in one step (with ``reshard_after_forward=True``)::
     SHARDED --...--> UNSHARDED                                        (pre-backward)
     gradients arrive; reduce: IDLE -> READY --launch_reduce--> IN_FLIGHT
     UNSHARDED --reshard--> SHARDED                                    (post-backward)
-    IN_FLIGHT --finish_reduce--> IDLE: sharded .grad set              (end of backward)
+    IN_FLIGHT --advance_reduce--> IDLE: sharded .grad set             (end of backward)
+    HSDP: IN_FLIGHT --advance_reduce--> ALL_REDUCING --advance_reduce--> IDLE
 
 # Note [gradient flags]
 Ranks may use different parameters of a unit in one step (rank-dependent
@@ -21,6 +22,25 @@ how many ranks did: none leaves the sharded ``.grad`` untouched (None stays
 None, as for an unused parameter in torch), any gives the average over all
 ranks with zeros for the ranks that did not use it, which is the gradient of
 the global batch's mean loss.
+
+# Note [hybrid sharding]
+With a 2-D mesh ``(replicate, shard)`` (HSDP, as torch's FSDP2 takes it) a
+unit is sharded within its row of the mesh, the shard group: the layout,
+gathers and reduce-scatters are the 1-D ones over that group, and each row
+holds a whole copy of the model. After a unit's reduce-scatter its output
+(the gradient shard and its flags) is all-reduced over the replicate group,
+the ranks holding the same shard in the other rows, and divided by the whole
+data-parallel size, so the gradient is the global batch's mean as with a 1-D
+mesh over every rank. The sharded parameters are DTensors over the 2-D mesh
+with placements ``(Replicate(), Shard(0))``, torch's, so optimizers, clipping
+by the global norm and distributed checkpoints see the same layout as under
+torch. The all-reduce starts once the reduce-scatter has completed, so it is a
+second stage of the unit's reduction, ``ALL_REDUCING``; the stages are issued
+in the schedule's reduce order on every rank (Note [reduce order] in
+schedule.py), so the all-reduces of every replicate group match. With
+``set_requires_all_reduce(False)`` (gradient accumulation over the slower
+link only once per step, as in torch) the reduce-scatter runs and its output
+is added to a partial sum kept on the unit, which the next all-reduce takes.
 """
 
 from __future__ import annotations
@@ -55,8 +75,9 @@ class ShardState(Enum):
 
 class ReduceState(Enum):
     IDLE = auto()        # no reduction pending in this backward
-    READY = auto()       # every gradient of this backward arrived (or backward ended)
-    IN_FLIGHT = auto()   # reduce-scatter launched, not yet finished
+    READY = auto()          # every gradient of this backward arrived (or backward ended)
+    IN_FLIGHT = auto()      # reduce-scatter launched, not yet finished
+    ALL_REDUCING = auto()   # HSDP: the shard's all-reduce over the replicate group launched
 
 
 class TrainingState(Enum):
@@ -107,13 +128,17 @@ class _Reduce:
 
 
 class ShardedUnit:
-    """The parameters of one ``fully_shard`` call, sharded on dim 0 across ``comm``."""
+    """The parameters of one ``fully_shard`` call, each sharded on its dim (0
+    unless ``shard_placement_fn`` said otherwise) across ``comm``, the shard
+    group (Note [hybrid sharding])."""
 
     def __init__(self, name: str, params: list[ParamEntry], mesh: Any, comm: GroupComm,
-                 config: UnitConfig, tp: list[TensorParallelParam | None] | None = None) -> None:
+                 config: UnitConfig, tp: list[TensorParallelParam | None] | None = None,
+                 replicate_comm: GroupComm | None = None, shard_dims: list[int] | None = None) -> None:
         self.name = name
-        self.mesh = mesh
-        self.comm = comm                      # all-gathers
+        self.mesh = mesh                      # 1-D, or 2-D (replicate, shard): Note [hybrid sharding]
+        self.comm = comm                      # all-gathers: the shard group
+        self.replicate_comm = replicate_comm  # HSDP: all-reduces of the reduced shards
         self.reduce_comm: GroupComm = comm    # reduce-scatters (a second group, set by the schedule)
         self.group_comm: GroupComm | None = None  # reshard_after_forward=k
         self.config = config
@@ -123,14 +148,16 @@ class ShardedUnit:
         # Note [2-D parameters]: a tensor-parallel parameter is sharded as its local tensor.
         tp = tp if tp is not None else [None] * len(params)
         shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
-        self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank)
+        self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank, shard_dims)
         self.shard_flat = self._new_shard_buffer()
         self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype,
                                           device=config.device)
         self.managed = [self._manage(fqn, owners, param, spec, t)
                         for (fqn, owners, param), spec, t in zip(params, self.layout.params, tp)]
         comm.ledger.describe_params(f"unit {name}", [fqn for fqn, _, _ in params])
-        self._copy_out_dst = [self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
+        self._copy_out_dst = [self._blocks(self.unsharded_flat.narrow(0, p.unsharded_offset, p.numel), p)
+                              if p.shard_dim else
+                              self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
                                                          p.chunk_numel).view(self.layout.world_size, -1)
                               for p in self.layout.params]
         self._free_unsharded()  # views are made first: a view of a freed storage fails its bounds check
@@ -151,11 +178,14 @@ class ShardedUnit:
         self.auto_reshard_after_forward = False  # None was given: the root keeps its parameters
         self.reshard_after_backward = True
         self.requires_grad_sync = True
+        self.requires_all_reduce = True   # Note [hybrid sharding]
+        self._partial: torch.Tensor | None = None
         self.forward_prefetch: list[ShardedUnit] | None = None
         self.backward_prefetch: list[ShardedUnit] | None = None
         self.divide_factor: float | None = None
         self.schedule: Any = None  # the root's Schedule, set at the root's first forward
-        self.module: nn.Module | None = None  # the module fully_shard was called on
+        self.modules: tuple[nn.Module, ...] = ()  # the module(s) fully_shard was called on
+        self.pending_forward: set[int] = set()    # ids of modules of the group yet to run forward
         self.mergeable = False                # below min_unit_bytes (Note [tiny units] in api.py)
         self.hooks: list[Any] = []            # its module hooks, removed if it is absorbed
         self._register(unsharded=False)
@@ -187,7 +217,7 @@ class ShardedUnit:
             full = param.detach() if tp is None else dtensor_local(param)
             if not full.is_meta:  # meta: values come later (Note [meta init] in api.py)
                 with torch.no_grad():
-                    local.copy_(full.narrow(0, spec.row_start, spec.local_rows))
+                    local.copy_(full.narrow(spec.shard_dim, spec.row_start, spec.local_rows))
             sharded = nn.Parameter(self.to_dtensor(local, spec, tp), requires_grad=param.requires_grad)
         view = self.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
         full = view if tp is None else tp.unsharded(view)
@@ -200,11 +230,27 @@ class ShardedUnit:
         DTensor (over the 2-D mesh for a tensor-parallel parameter)."""
         if tp is not None:
             return tp.sharded(local)
-        DTensor, Shard, _ = dtensor_api()
+        DTensor, Shard, Replicate = dtensor_api()
         shape = torch.Size(spec.shape)
+        placements: tuple[Any, ...] = (Shard(spec.shard_dim),)
+        if self.replicate_comm is not None:  # Note [hybrid sharding]
+            placements = (Replicate(), Shard(spec.shard_dim))
         with torch.no_grad():
-            return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False, shape=shape,
+            return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape,
                                       stride=_contiguous_strides(shape))
+
+    def _blocks(self, full: torch.Tensor, spec: ParamShard) -> torch.Tensor:
+        """The rank-major view ``(world, *local_shape)`` of a parameter (or its
+        gradient) sharded on a dim other than 0 (Note [unit buffers] in layout.py)."""
+        d, world = spec.shard_dim, self.layout.world_size
+        shape = (*spec.shape[:d], world, spec.chunk_rows, *spec.shape[d + 1:])
+        return full.reshape(shape).movedim(d, 0)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks whose gradients a reduction averages: the shard
+        group's, times the replicate group's under HSDP."""
+        return self.comm.size * (self.replicate_comm.size if self.replicate_comm is not None else 1)
 
     # ------------------------------------------------------------------ gather / release
     def launch_gather(self) -> None:
@@ -243,8 +289,10 @@ class ShardedUnit:
             if gather.direct:  # already parameter-major (a 1/k slice of this buffer per rank)
                 self.unsharded_flat.copy_(gather.output)
             else:
-                src = gather.output.view(self.layout.world_size, -1).split(self.layout.chunk_numels, dim=1)
-                foreach_copy_(self._copy_out_dst, list(src))
+                world = self.layout.world_size
+                src = gather.output.view(world, -1).split(self.layout.chunk_numels, dim=1)
+                foreach_copy_(self._copy_out_dst, [s.view(world, *p.local_shape) if p.shard_dim else s
+                                                   for s, p in zip(src, self.layout.params)])
         self._gather = None
         self._group_shard = None
         self.state = ShardState.UNSHARDED
@@ -332,8 +380,9 @@ class ShardedUnit:
         for m in self.managed:
             g = local_grad(m.unsharded)  # Note [2-D parameters]: the tensor-parallel shard's gradient
             flags.append(0.0 if g is None else 1.0)
-            grads.append(torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
-                         if g is None else g)
+            if g is None:
+                g = torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
+            grads.append(self._blocks(g, m.spec) if m.spec.shard_dim else g)
         flag_rows = torch.tensor(flags, dtype=self.param_dtype, device=self.config.device).expand(world, -1)
         inp = torch.empty(world, self.layout.shard_numel + len(flags), dtype=self.reduce_dtype,
                           device=self.config.device)
@@ -347,20 +396,51 @@ class ShardedUnit:
 
     @property
     def reduce_done(self) -> bool:
-        """The reduce-scatter in flight has completed (finish_reduce will not block)."""
+        """The collective of the reduction's current stage has completed
+        (:meth:`advance_reduce` will not block)."""
         return self._reduce is not None and self._reduce.work.is_completed()
 
-    def finish_reduce(self, divide_factor: float) -> None:
-        """Wait for the reduce-scatter and set (or accumulate into) the sharded ``.grad``."""
-        self._expect_reduce(ReduceState.IN_FLIGHT)
+    @property
+    def reducing(self) -> bool:
+        """A reduction is in flight (either stage)."""
+        return self.reduce_state in (ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
+
+    def advance_reduce(self, divide_factor: float) -> None:
+        """Finish the reduction's current stage (waiting for it): after the
+        reduce-scatter, launch the all-reduce over the replicate group under
+        HSDP (Note [hybrid sharding]); after the last stage set (or accumulate
+        into) the sharded ``.grad``."""
+        self._expect_reduce(ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
         reduce = self._reduce
         assert reduce is not None
         reduce.work.wait()
+        if self.reduce_state is ReduceState.IN_FLIGHT and self.replicate_comm is not None \
+                and self.replicate_comm.size > 1:
+            if self._partial is not None:
+                reduce.output.add_(self._partial)
+                self._partial = None
+            if not self.requires_all_reduce:  # keep the partial sum for the next all-reduce
+                self._partial = reduce.output
+                self._reduce = None
+                self.reduce_state = ReduceState.IDLE
+                return
+            work = self.replicate_comm.all_reduce(reduce.output, tag=f"unit {self.name}", async_op=True)
+            self._reduce = _Reduce(work, reduce.output, reduce.output)
+            self.reduce_state = ReduceState.ALL_REDUCING
+            return
         self._reduce = None
         self.reduce_state = ReduceState.IDLE
+        self._set_grads(reduce.output, divide_factor)
+
+    def finish_reduce(self, divide_factor: float) -> None:
+        """Finish every stage of the reduction in flight (waiting for them)."""
+        while self.reducing:
+            self.advance_reduce(divide_factor)
+
+    def _set_grads(self, output: torch.Tensor, divide_factor: float) -> None:
         n = self.layout.shard_numel
-        flags = reduce.output[n:].tolist()
-        grads = reduce.output[:n]
+        flags = output[n:].tolist()
+        grads = output[:n]
         if divide_factor != 1:
             grads.div_(divide_factor)
         grads = grads.to(self.config.shard_device, self.orig_dtype)

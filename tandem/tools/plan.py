@@ -4,8 +4,10 @@ anything is launched, from the model's shapes and one small forward on CPU.
 Two parts, as everywhere in tandem: :func:`plan_report` is pure (a
 :class:`PlanReport` from the model's parameters and buffers, what was
 measured, and the options: DDP's buckets, the memory per rank under DDP,
-ZeRO-1, ZeRO-2 and fully_shard from :func:`tandem.zero.estimate_memory`, which
-strategy fits, the batch arithmetic, the warnings; on a dp x tp mesh, per rank
+ZeRO-1, ZeRO-2 and fully_shard (and HSDP with ``hsdp`` replicas: fully_shard's
+at ``world_size // hsdp`` ranks) from :func:`tandem.zero.estimate_memory`, the
+bytes each rank sends per step (:mod:`tandem.zero.traffic`), which strategy
+fits, the batch arithmetic, the warnings; on a dp x tp mesh, per rank
 of the mesh from the local shapes :func:`tensor_parallel_shards` derives from a
 tensor-parallel plan); :func:`measure` runs the forward and backward that
 measure the activations and find the parameters the forward does not reach;
@@ -47,6 +49,7 @@ from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.tools.entry import load_entry
 from tandem.tools.tp_plan import TensorParallelShard, parse_mesh, tensor_parallel_shards
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
+from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "Measurement", "PlanReport", "StrategyMemory", "default_fsdp_units",
            "main", "measure", "parse_bytes", "plan", "plan_report"]
@@ -59,7 +62,9 @@ OPTIMIZER_STATE_BYTES = {
 """Optimizer state bytes per fp32 parameter element, by ``--optimizer`` name."""
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "fully_shard")
-"""In order of communication and complexity: the first that fits is chosen."""
+"""The strategies every report plans, in this order; with ``hsdp`` replicas an
+``HSDP RxS`` row follows, and is preferred to fully_shard when both fit (the
+first that fits in order of communication and complexity is chosen)."""
 
 
 # ---------------------------------------------------------------------- the report
@@ -137,6 +142,12 @@ class PlanReport:
     """Bytes of one device, to choose a strategy (None: no choice)."""
     fsdp_units: tuple[str, ...]
     """The modules fully_shard is planned on (besides the root)."""
+    hsdp: int = 1
+    """Replicas of an HSDP mesh ``(hsdp, world_size // hsdp)`` planned beside
+    fully_shard (1: none)."""
+    traffic: tuple[tuple[str, Traffic], ...] = ()
+    """Bytes one rank sends per step under DDP, fully_shard and HSDP (Note
+    [traffic per step] in tandem/zero/traffic.py)."""
     warnings: tuple[str, ...]
     """What to change before launching."""
 
@@ -160,7 +171,8 @@ class PlanReport:
         memory was given."""
         if self.device_memory is None:
             return None
-        return next((s for s in self.strategies if s.refused is None and s.peak <= self.device_memory), None)
+        preferred = sorted(self.strategies, key=lambda s: (s.name == "fully_shard", self.strategies.index(s)))
+        return next((s for s in preferred if s.refused is None and s.peak <= self.device_memory), None)
 
     def describe(self) -> str:
         """The report as text (what ``tandem plan`` prints)."""
@@ -171,7 +183,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                 optimizer: str | int = "adamw", device_memory: int | str | None = None, grad_accum: int = 1,
                 bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
                 min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True,
-                tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None) -> PlanReport:
+                tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None, hsdp: int = 1) -> PlanReport:
     """The plan, from the model's parameters and buffers (shapes, dtypes,
     ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
 
@@ -194,14 +206,23 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         tp_plan: what you pass to ``parallelize_module(model, mesh["tp"], ...)``:
             module-path patterns -> ``ColwiseParallel()``, ``RowwiseParallel()``
             (or ``"colwise"``, ``"rowwise"``), ``SequenceParallel()``, ...
+        hsdp: replicas of an HSDP mesh ``(hsdp, world_size // hsdp)``
+            (``fully_shard(model, mesh=...)`` with a 2-D mesh), planned as an
+            extra strategy (1: none).
 
     Raises:
         ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
-            ``device_memory``, ``tensor_parallel`` or ``tp_plan``, and what
-            :func:`tandem.zero.estimate_memory` rejects.
+            ``device_memory``, ``tensor_parallel``, ``tp_plan`` or ``hsdp``,
+            and what :func:`tandem.zero.estimate_memory` rejects.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(hsdp, int) or hsdp < 1 or world_size % hsdp:
+        raise ValueError(f"hsdp={hsdp!r} must be a number of replicas that divides world_size={world_size} "
+                         "(the HSDP mesh is replicas x shards)")
+    if hsdp > 1 and tensor_parallel > 1:
+        raise ValueError(f"hsdp={hsdp} with tensor_parallel={tensor_parallel}: fully_shard does not run HSDP of "
+                         "tensor-parallel parameters; plan one or the other")
     shards = tensor_parallel_shards(model, tp_plan, tensor_parallel)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
@@ -214,6 +235,9 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     local_shapes = {s.name: s.local_shape for s in shards}
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
                                 bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)
+    shard_size = world_size // hsdp
+    hybrid = (estimate_memory(model, shard_size, optimizer_bytes_per_param=opt_bytes, fsdp=spec)[3]
+              if hsdp > 1 else None)
     refused = (None if not shards else
                "tandem's DDP does not shard tensor-parallel (DTensor) parameters; use fully_shard")
     activations = 0 if measurement is None else measurement.activation_bytes
@@ -231,10 +255,22 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         param_bytes=estimates[0].params, buffers=buffers,
         buckets=_buckets_of(estimates[0]), param_names=trainable,
         strategies=tuple(StrategyMemory(name, e, activations, refused if name.startswith("ZeRO") else None)
-                         for name, e in zip(STRATEGIES, estimates)),
-        measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=())
+                         for name, e in zip(STRATEGIES, estimates))
+        + ((StrategyMemory(f"HSDP {hsdp}x{shard_size}", hybrid, activations),) if hybrid is not None else ()),
+        measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=(),
+        hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum))
     warnings = _warnings(report, model, spec, estimates[3])
     return PlanReport(**{**report.__dict__, "warnings": tuple(warnings)})
+
+
+def _traffic(estimates: list[MemoryEstimate], hybrid: MemoryEstimate | None, spec: FullyShardSpec,
+             world_size: int, hsdp: int, grad_accum: int) -> tuple[tuple[str, Traffic], ...]:
+    rows = [("DDP", ddp_traffic(_buckets_of(estimates[0]), world_size)),
+            ("fully_shard", fully_shard_traffic(estimates[3].units, spec, micro_batches=grad_accum))]
+    if hybrid is not None:
+        rows.append((f"HSDP {hsdp}x{world_size // hsdp}",
+                     fully_shard_traffic(hybrid.units, spec, replicate=hsdp, micro_batches=grad_accum)))
+    return tuple(rows)
 
 
 def default_fsdp_units(model: nn.Module) -> list[str]:
@@ -357,7 +393,7 @@ def _describe(r: PlanReport) -> list[str]:
                         if mesh else ")"))
     if mesh:
         lines += ["", *_mesh_lines(r)]
-    lines += ["", *_bucket_lines(r), "", *_memory_lines(r)]
+    lines += ["", *_bucket_lines(r), "", *_memory_lines(r), "", *_traffic_lines(r)]
     if r.device_memory is not None:
         lines.append("")
         choice = r.choice
@@ -427,6 +463,20 @@ def _memory_lines(r: PlanReport) -> list[str]:
                  + (", ".join(u.name or "<root>" for u in units[:4]) + (", ..." if len(units) > 4 else ""))
                  + (")" if r.strategies[1].refused else
                     "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer"))
+    return lines
+
+
+def _traffic_lines(r: PlanReport) -> list[str]:
+    lines = [f"traffic per rank per step (bytes sent, ring algorithms; {r.grad_accum} micro-batch(es))"]
+    for name, t in r.traffic:
+        hybrid = name.startswith("HSDP")
+        parts = [f"{what} {_size(n)}" for what, n in (("all-gather", t.all_gather),
+                                                        ("reduce-scatter", t.reduce_scatter)) if n]
+        text = ", ".join(parts) + (f" within shard groups of {r.world_size // r.hsdp}" if hybrid and parts else "")
+        if t.all_reduce:
+            text += ("; " if parts else "") + f"all-reduce {_size(t.all_reduce)}" + (
+                f" across the {r.hsdp} replicas" if hybrid else "")
+        lines.append(f"  {name:<12}{_size(t.total):>12}  {text}")
     return lines
 
 
@@ -519,7 +569,7 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
          loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None, bucket_cap_mb: float | None = None,
          fsdp_units: Sequence[str] | None = None, min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
          broadcast_buffers: bool = True, tensor_parallel: int = 1,
-         tp_plan: Mapping[str, Any] | str | None = None) -> PlanReport:
+         tp_plan: Mapping[str, Any] | str | None = None, hsdp: int = 1) -> PlanReport:
     """Will ``model`` fit on ``world_size`` ranks, and how should it be sharded?
 
     Args:
@@ -545,6 +595,8 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
             tp_plan)`` (or an entry point returning it): module-path patterns
             (``"blocks.*.up"``) -> ``ColwiseParallel()``, ``RowwiseParallel()``
             or ``"colwise"``, ``"rowwise"``, ...
+        hsdp: replicas of an HSDP mesh ``(hsdp, world_size // hsdp)``,
+            planned beside fully_shard (1: none).
 
     Returns:
         The :class:`PlanReport`; ``print(report.describe())`` shows it.
@@ -572,7 +624,7 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
     return plan_report(model, world_size=world_size, measurement=measurement, optimizer=optimizer,
                        device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
                        fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers,
-                       tensor_parallel=tensor_parallel, tp_plan=styles)
+                       tensor_parallel=tensor_parallel, tp_plan=styles, hsdp=hsdp)
 
 
 def _call(spec: str, what: str) -> Any:
@@ -604,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp-units", metavar="NAMES",
                    help="comma-separated modules to fully_shard (default: the items of every ModuleList)")
     p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP's broadcast_buffers=False")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="also plan HSDP: fully_shard over a 2-D mesh of R replicas x world-size/R shards")
     return p
 
 
@@ -618,7 +672,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = plan(args.model, world_size=dp, sample=args.sample, optimizer=args.optimizer,
                       device_memory=args.device_memory, grad_accum=args.grad_accum, loss_fn=args.loss,
                       bucket_cap_mb=args.bucket_cap_mb, fsdp_units=units,
-                      broadcast_buffers=not args.no_broadcast_buffers, tensor_parallel=tp, tp_plan=args.tp_plan)
+                      broadcast_buffers=not args.no_broadcast_buffers, tensor_parallel=tp, tp_plan=args.tp_plan,
+                      hsdp=args.hsdp)
     except ValueError as e:
         print(f"tandem plan: error: {e}", file=sys.stderr)
         return 2

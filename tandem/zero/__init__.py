@@ -1,7 +1,7 @@
 """ZeRO: sharding optimizer state, gradients and parameters across ranks.
 
 The pure shard layout over DDP's flat bucket buffers (layout.py), the memory
-planner (memory.py), the stages and overlap options (config.py), and the sharded
+planner (memory.py), the traffic planner (traffic.py), the stages and overlap options (config.py), and the sharded
 optimizer (optimizer.py), which steps the gradient shards that
 ``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters.
 """
@@ -10,6 +10,8 @@ from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 from tandem.zero.layout import BucketShard, ShardPiece, shard_bucket
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, UnitEstimate, estimate_memory, format_memory_table
 from tandem.zero.optimizer import ZeroOptimizer
+from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic
 
-__all__ = ["BucketShard", "FullyShardSpec", "MemoryEstimate", "ShardPiece", "UnitEstimate", "ZeroConfig",
-           "ZeroOptimizer", "ZeroStage", "estimate_memory", "format_memory_table", "shard_bucket"]
+__all__ = ["BucketShard", "FullyShardSpec", "MemoryEstimate", "ShardPiece", "Traffic", "UnitEstimate", "ZeroConfig",
+           "ZeroOptimizer", "ZeroStage", "ddp_traffic", "estimate_memory", "format_memory_table",
+           "fully_shard_traffic", "shard_bucket"]

@@ -1,0 +1,91 @@
+"""The traffic planner: bytes one rank sends per optimizer step under DDP,
+fully_shard and HSDP, from the planned buckets and units (nothing runs).
+
+# Note [traffic per step]
+Counted as ring algorithms send (NCCL's and gloo's for large messages), per
+rank: an all-gather of an ``n``-element input over ``g`` ranks sends
+``(g - 1) * n`` elements, a reduce-scatter of a ``g * m``-element input
+``(g - 1) * m``, an all-reduce of ``n`` elements ``2 * (g - 1) / g * n``.
+Per fully_shard unit (:class:`tandem.zero.UnitEstimate`, rank 0's layout:
+every rank's shard buffer has the same size) and step:
+
+- all-gathers over the shard group of its shard buffer, in ``param_dtype``:
+  one per micro-batch in forward, and one more in backward unless the unit
+  keeps its parameters (the root, or ``reshard_after_forward=False``);
+- if it has trainable parameters, one reduce-scatter over the shard group of
+  the gradients and their flags (Note [gradient flags] in
+  tandem/fsdp/unit.py), ``shard + n`` elements per rank, in ``reduce_dtype``;
+  accumulation micro-batches without gradient sync reduce nothing;
+- under HSDP (Note [hybrid sharding] in tandem/fsdp/unit.py), then one
+  all-reduce of that reduced shard over the replicate group.
+
+DDP, for comparison: one all-reduce of each bucket (padded) per step.
+Which link carries the bytes is what HSDP is for: its gathers and
+reduce-scatters stay within a shard group (a node), and only the all-reduce
+of ``1 / shards`` of the gradients crosses the replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.ddp.plan import BucketPlan
+from tandem.zero.memory import FullyShardSpec, UnitEstimate
+
+__all__ = ["Traffic", "ddp_traffic", "fully_shard_traffic"]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends per optimizer step, by collective (Note [traffic per step])."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.all_gather + self.reduce_scatter + self.all_reduce
+
+
+def ddp_traffic(plan: BucketPlan, world_size: int) -> Traffic:
+    """One ring all-reduce of every bucket of ``plan`` over ``world_size`` ranks."""
+    numel = sum(b.padded_numel * b.dtype.itemsize for b in plan.buckets)
+    return Traffic(all_reduce=_all_reduce(numel, world_size))
+
+
+def fully_shard_traffic(units: Sequence[UnitEstimate], spec: FullyShardSpec, *, replicate: int = 1,
+                        micro_batches: int = 1) -> Traffic:
+    """What fully_shard's ``units`` send per step (Note [traffic per step]).
+
+    Args:
+        units: the planned units (``estimate_memory(...)[3].units``), laid out
+            over the shard group: its size is their layout's world size.
+        spec: how fully_shard is applied (dtypes, ``reshard_after_forward``).
+        replicate: ranks of the replicate group under HSDP (1: plain fully_shard).
+        micro_batches: forwards and backwards per optimizer step, the last
+            one synchronising gradients.
+
+    Raises:
+        ValueError: ``replicate`` or ``micro_batches`` below 1.
+    """
+    if replicate < 1 or micro_batches < 1:
+        raise ValueError(f"replicate and micro_batches must be >= 1, got {replicate} and {micro_batches}")
+    gather = scatter = reduce = 0
+    for u in units:
+        shards = u.layout.world_size
+        param_dtype = spec.param_dtype or u.dtype
+        reduce_dtype = spec.reduce_dtype or param_dtype
+        keeps = u.name == "" or not spec.reshard_after_forward
+        gathers = micro_batches * (1 if keeps else 2)
+        gather += gathers * (shards - 1) * u.layout.shard_numel * param_dtype.itemsize
+        if any(u.trainable):
+            flagged = (u.layout.shard_numel + len(u.layout.params)) * reduce_dtype.itemsize
+            scatter += (shards - 1) * flagged
+            reduce += _all_reduce(flagged, replicate)
+    return Traffic(all_gather=gather, reduce_scatter=scatter, all_reduce=reduce)
+
+
+def _all_reduce(nbytes: int, ranks: int) -> int:
+    return 2 * (ranks - 1) * nbytes // ranks
