@@ -20,7 +20,13 @@ unit's shard buffer at once (1/N of the unit) and leaves it uninitialised for
 meta parameters. ``to_empty``, ``to`` and ``cuda`` go through
 ``nn.Module._apply``, which swaps each DTensor's contents for new tensors;
 ``FSDPModule._apply`` then copies them back into the shard buffer and points
-them at it again, so the buffer stays the all-gather's input.
+them at it again, so the buffer stays the all-gather's input. A conversion to
+another dtype (``model.to(torch.bfloat16)``) changes the unit's dtypes with it
+(Note [dtype after sharding] in unit.py). The values come last: the model's
+own ``init_weights()``, as torchtitan does, whose random ops draw what the
+unsharded model would under ``init_like_unsharded()`` (Note [random init of
+shards] in init.py), or a checkpoint. Nothing on the way allocates more than
+one unit at full size: the shards, then one unit's gather buffer at a time.
 """
 
 from __future__ import annotations

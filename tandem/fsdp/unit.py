@@ -125,14 +125,11 @@ class ShardedUnit:
         shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
         self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank)
         self.shard_flat = self._new_shard_buffer()
-        self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype,
-                                          device=config.device)
+        self.unsharded_flat = self._new_unsharded_buffer()
         self.managed = [self._manage(fqn, owners, param, spec, t)
                         for (fqn, owners, param), spec, t in zip(params, self.layout.params, tp)]
         comm.ledger.describe_params(f"unit {name}", [fqn for fqn, _, _ in params])
-        self._copy_out_dst = [self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
-                                                         p.chunk_numel).view(self.layout.world_size, -1)
-                              for p in self.layout.params]
+        self._copy_out_dst = self._copy_out_views()
         self._free_unsharded()  # views are made first: a view of a freed storage fails its bounds check
         self.state = ShardState.SHARDED
         self.reduce_state = ReduceState.IDLE
@@ -166,6 +163,15 @@ class ShardedUnit:
         if self.config.pin_memory and torch.cuda.is_available():
             buf = buf.pin_memory()
         return buf
+
+    def _new_unsharded_buffer(self) -> torch.Tensor:
+        return torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=self.config.device)
+
+    def _copy_out_views(self) -> list[torch.Tensor]:
+        """Each parameter's padded chunks in the unsharded buffer, one row per rank."""
+        world = self.layout.world_size
+        return [self.unsharded_flat.narrow(0, p.unsharded_offset, world * p.chunk_numel).view(world, -1)
+                for p in self.layout.params]
 
     def _manage(self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
                 spec: ParamShard, tp: TensorParallelParam | None) -> ManagedParam:
@@ -279,25 +285,58 @@ class ShardedUnit:
 
     def adopt_sharded_tensors(self) -> None:
         """Take the sharded parameters' local tensors back into the shard buffer
-        after ``nn.Module._apply`` replaced them (``to_empty``, ``to(device)``:
-        Note [meta init] in api.py)."""
+        after ``nn.Module._apply`` replaced them (``to_empty``, ``to(device)``,
+        ``to(dtype)``: Note [meta init] in api.py)."""
         locals_ = [dtensor_local(m.sharded) for m in self.managed]
         if not locals_:
             return
-        wrong = [f"{m.fqn}: {t.dtype}" for m, t in zip(self.managed, locals_) if t.dtype != self.orig_dtype]
-        if wrong:
-            raise NotImplementedError(f"fully_shard unit '{self.name}': parameters changed dtype after sharding "
-                                      f"({', '.join(wrong)}; the shards are {self.orig_dtype}); cast the model "
-                                      "before fully_shard, or use MixedPrecisionPolicy")
-        device = locals_[0].device
-        if device != self.shard_flat.device:
-            self.shard_flat = torch.zeros_like(self.shard_flat, device=device)
+        dtypes = {t.dtype for t in locals_}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{m.fqn}: {t.dtype}" for m, t in zip(self.managed, locals_))
+            raise ValueError(f"fully_shard unit '{self.name}': a conversion left its parameters with mixed "
+                             f"dtypes ({listing}); one collective gathers a unit, so its parameters need one "
+                             "dtype: convert them all (model.to(dtype))")
+        device, dtype = locals_[0].device, dtypes.pop()
+        if dtype != self.orig_dtype:
+            self._change_dtype(dtype)
+        if device != self.shard_flat.device or dtype != self.shard_flat.dtype:
+            self.shard_flat = torch.zeros(self.shard_flat.shape, dtype=dtype, device=device)
         with torch.no_grad():
             for m, t in zip(self.managed, locals_):
                 view = self.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
                 if t.data_ptr() != view.data_ptr() or t.device != view.device:
                     view.copy_(t)
                     t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+    def _change_dtype(self, dtype: torch.dtype) -> None:
+        """The parameters were converted to ``dtype`` (``model.to(torch.bfloat16)``
+        after fully_shard, as torch's FSDP2 allows before the first forward).
+
+        # Note [dtype after sharding]
+        The unit's dtypes follow: the shards (and so the optimizer's view and
+        the reduced gradients) are in ``dtype``, and so are the gathered
+        parameters unless a MixedPrecisionPolicy names ``param_dtype``. The
+        unsharded parameter objects stay (post-accumulate-grad hooks and
+        compiled graphs hold them); they are pointed at a new unsharded buffer
+        in the new compute dtype. Allowed between steps only: _apply reshards
+        first, and a reduction in flight would write the old dtype.
+        """
+        self._expect(ShardState.SHARDED)
+        self._expect_reduce(ReduceState.IDLE)
+        if any(m.tp is not None for m in self.managed):
+            raise NotImplementedError(f"fully_shard unit '{self.name}': changing the dtype of tensor-parallel "
+                                      "parameters after sharding; cast the model before parallelising it")
+        self.orig_dtype = dtype
+        param_dtype = self.config.param_dtype or dtype
+        self.reduce_dtype = self.config.reduce_dtype or param_dtype
+        if param_dtype == self.param_dtype:
+            return
+        self.param_dtype = param_dtype
+        self.unsharded_flat = self._new_unsharded_buffer()
+        for m in self.managed:
+            m.unsharded.data = self.unsharded_flat.narrow(0, m.spec.unsharded_offset, m.spec.numel).view(m.spec.shape)
+        self._copy_out_dst = self._copy_out_views()
+        self._free_unsharded()
 
     def register_sharded(self) -> None:
         """Register the sharded parameters (for ``state_dict``) without freeing anything."""
