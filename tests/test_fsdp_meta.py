@@ -12,7 +12,8 @@ No rank allocates the full model on the way (peak bytes measured with the
 profiler's allocation events, the eager build as the control). A dtype change
 after sharding (``model.to(torch.float64)``, ``model.bfloat16()``) trains as
 the eager model converted the same way, on the global batch, and as torch's
-FSDP2. All cases run in one spawned group per world size.
+FSDP2; so does a cast between training steps. All cases run in one spawned
+group per world size.
 """
 
 from __future__ import annotations
@@ -148,6 +149,14 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
             model = _meta(impl, world_size, "init_weights", dtype=dtype)
             out[f"train/{name}/{impl}/dtypes"] = {str(p.dtype) for p in model.parameters()}
             out[f"train/{name}/{impl}"] = _train(model, functools.partial(_batch, rank=rank))
+    # A cast between steps, after the units have run: train, .double(), train on.
+    def midway(model: nn.Module, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        _train(model, batches, steps=1)
+        model.double()
+        return _train(model, lambda step: batches(step + 1))
+
+    out["midway/eager"] = midway(_eager("init_weights"), functools.partial(_global_batch, world_size=world_size))
+    out["midway/tandem"] = midway(_meta("tandem", world_size, "init_weights"), functools.partial(_batch, rank=rank))
     return out
 
 
@@ -205,3 +214,11 @@ def test_dtype_change_after_sharding_trains_as_eager_and_torch(world_size: int, 
         if dtype == "float64":  # the global batch's mean in one process rounds differently
             eager = results[f"train/{dtype}/eager"]
             assert max_abs_diff(tandem_, eager) <= 1e-12, (rank, max_abs_diff(tandem_, eager))
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_dtype_change_between_steps(world_size: int) -> None:
+    for rank, results in enumerate(_results(world_size)):
+        got, eager = results["midway/tandem"], results["midway/eager"]
+        assert {t.dtype for t in got.values()} == {torch.float64}
+        assert max_abs_diff(got, eager) <= 1e-6, (rank, max_abs_diff(got, eager))  # one float32 step first
