@@ -149,6 +149,23 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
             model = _meta(impl, world_size, "init_weights", dtype=dtype)
             out[f"train/{name}/{impl}/dtypes"] = {str(p.dtype) for p in model.parameters()}
             out[f"train/{name}/{impl}"] = _train(model, functools.partial(_batch, rank=rank))
+    # Forgetting to_empty: the parameters stay meta, as in torch's FSDP2, and the first forward says what to do.
+    for impl in ("tandem", "torch"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        with torch.device("meta"):
+            model = _build()
+        shard = fully_shard if impl == "tandem" else torch_fully_shard
+        for block in model.blocks:
+            shard(block, mesh=init_device_mesh("cpu", (world_size,)))
+        shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+        out[f"forgot/{impl}/meta"] = all(p.is_meta for p in model.parameters())
+        try:
+            model(_batch(0, rank)[0])
+            out[f"forgot/{impl}/error"] = ""
+        except RuntimeError as e:
+            out[f"forgot/{impl}/error"] = str(e)
     # A cast between steps, after the units have run: train, .double(), train on.
     def midway(model: nn.Module, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Any:
         _train(model, batches, steps=1)
@@ -222,3 +239,13 @@ def test_dtype_change_between_steps(world_size: int) -> None:
         got, eager = results["midway/tandem"], results["midway/eager"]
         assert {t.dtype for t in got.values()} == {torch.float64}
         assert max_abs_diff(got, eager) <= 1e-6, (rank, max_abs_diff(got, eager))  # one float32 step first
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_a_forward_before_to_empty_is_an_error_naming_what_to_do(world_size: int) -> None:
+    for rank, results in enumerate(_results(world_size)):
+        assert results["forgot/tandem/meta"] and results["forgot/torch/meta"]
+        assert "meta device" in results["forgot/torch/error"]  # torch refuses too
+        error = results["forgot/tandem/error"]
+        assert error.startswith(f"rank {rank}: fully_shard parameters are still on the meta device"), error
+        assert "emb.weight" in error and "model.to_empty(device=...)" in error, error

@@ -15,9 +15,10 @@ ranks. A tiny unit that nothing encloses stays a unit of its own.
 # Note [meta init]
 A model too large for one device is built on the meta device, sharded, then
 given memory and values: ``model.to_empty(device=...)`` and an initialisation
-or a checkpoint (``load_full_state_dict``). ``fully_shard`` allocates each
-unit's shard buffer at once (1/N of the unit) and leaves it uninitialised for
-meta parameters. ``to_empty``, ``to`` and ``cuda`` go through
+or a checkpoint (``load_full_state_dict``). ``fully_shard`` keeps a unit of
+meta parameters on the meta device, buffers included, as torch's FSDP2 does
+(a forward before ``to_empty`` is an error naming them); ``to_empty`` gives
+it its buffers. ``to_empty``, ``to`` and ``cuda`` go through
 ``nn.Module._apply``, which swaps each DTensor's contents for new tensors;
 ``FSDPModule._apply`` then copies them back into the shard buffer and points
 them at it again, so the buffer stays the all-gather's input. A conversion to

@@ -317,6 +317,14 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
         unit = unit_of(module)
         if unit is None or unit in units:
             continue
+        if unit.on_meta:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            names = [f"{path}.{m.fqn}" if path else m.fqn for m in unit.managed]
+            raise RuntimeError(
+                f"rank {rank}: fully_shard parameters are still on the meta device ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}): call model.to_empty(device=...) and initialise them "
+                "(the model's init_weights() under tandem.fsdp.init_like_unsharded(), or load a state dict) "
+                "before the first forward")
         if unit.schedule is not None:
             raise RuntimeError(
                 f"fully_shard: '{path}' already ran forward as a root of its own; run forward through "

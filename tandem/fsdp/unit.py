@@ -124,8 +124,10 @@ class ShardedUnit:
         tp = tp if tp is not None else [None] * len(params)
         shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
         self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank)
-        self.shard_flat = self._new_shard_buffer()
-        self.unsharded_flat = self._new_unsharded_buffer()
+        # Note [meta init] in api.py: a unit of meta parameters gets its memory in to_empty.
+        meta = bool(params) and all(p.is_meta for _, _, p in params) and all(t is None for t in tp)
+        self.shard_flat = self._new_shard_buffer(meta)
+        self.unsharded_flat = self._new_unsharded_buffer(meta)
         self.managed = [self._manage(fqn, owners, param, spec, t)
                         for (fqn, owners, param), spec, t in zip(params, self.layout.params, tp)]
         comm.ledger.describe_params(f"unit {name}", [fqn for fqn, _, _ in params])
@@ -158,14 +160,21 @@ class ShardedUnit:
         self._register(unsharded=False)
 
     # ------------------------------------------------------------------ set-up
-    def _new_shard_buffer(self) -> torch.Tensor:
-        buf = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.config.shard_device)
-        if self.config.pin_memory and torch.cuda.is_available():
+    def _new_shard_buffer(self, meta: bool = False) -> torch.Tensor:
+        device = torch.device("meta") if meta else self.config.shard_device
+        buf = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        if self.config.pin_memory and torch.cuda.is_available() and not meta:
             buf = buf.pin_memory()
         return buf
 
-    def _new_unsharded_buffer(self) -> torch.Tensor:
-        return torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=self.config.device)
+    def _new_unsharded_buffer(self, meta: bool = False) -> torch.Tensor:
+        device = torch.device("meta") if meta else self.config.device
+        return torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=device)
+
+    @property
+    def on_meta(self) -> bool:
+        """Built from meta parameters and not given memory yet (``to_empty``)."""
+        return self.shard_flat.is_meta
 
     def _copy_out_views(self) -> list[torch.Tensor]:
         """Each parameter's padded chunks in the unsharded buffer, one row per rank."""
@@ -307,6 +316,8 @@ class ShardedUnit:
                 if t.data_ptr() != view.data_ptr() or t.device != view.device:
                     view.copy_(t)
                     t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+        if self.unsharded_flat.is_meta and device.type != "meta":  # after the copies freed the old shards
+            self._rebuild_unsharded()
 
     def _change_dtype(self, dtype: torch.dtype) -> None:
         """The parameters were converted to ``dtype`` (``model.to(torch.bfloat16)``
@@ -332,9 +343,20 @@ class ShardedUnit:
         if param_dtype == self.param_dtype:
             return
         self.param_dtype = param_dtype
+        self._rebuild_unsharded()
+
+    def _rebuild_unsharded(self) -> None:
+        """A new unsharded buffer (on the device, in ``param_dtype``), with the
+        same unsharded parameter objects pointing into it; new ones for a unit
+        leaving the meta device, which has never run (no hooks hold them)."""
+        leaving_meta = self.unsharded_flat.is_meta
         self.unsharded_flat = self._new_unsharded_buffer()
         for m in self.managed:
-            m.unsharded.data = self.unsharded_flat.narrow(0, m.spec.unsharded_offset, m.spec.numel).view(m.spec.shape)
+            view = self.unsharded_flat.narrow(0, m.spec.unsharded_offset, m.spec.numel).view(m.spec.shape)
+            if leaving_meta:
+                m.unsharded = nn.Parameter(view, requires_grad=m.requires_grad)
+            else:
+                m.unsharded.data = view
         self._copy_out_dst = self._copy_out_views()
         self._free_unsharded()
 
