@@ -3,9 +3,10 @@ torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
 
 The pure layout of each unit's buffers (layout.py), which parameters a call
 takes (units.py), one unit's gather and reduction (unit.py), the order of a
-root's units in an iteration (schedule.py), state dicts in and out
-(state_dict.py), random init of sharded parameters (init.py), and the
-public function and module methods (api.py).
+root's units in an iteration (schedule.py), what ``to_empty``/``to`` do to a
+unit (convert.py), state dicts in and out (state_dict.py), random init of
+sharded parameters (init.py), and the public function and module methods
+(api.py).
 """
 
 from tandem._compat import fsdp_policies

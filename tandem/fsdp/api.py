@@ -23,7 +23,7 @@ it its buffers. ``to_empty``, ``to`` and ``cuda`` go through
 ``FSDPModule._apply`` then copies them back into the shard buffer and points
 them at it again, so the buffer stays the all-gather's input. A conversion to
 another dtype (``model.to(torch.bfloat16)``) changes the unit's dtypes with it
-(Note [dtype after sharding] in unit.py). The values come last: the model's
+(Note [dtype after sharding] in convert.py). The values come last: the model's
 own ``init_weights()``, as torchtitan does, whose random ops draw what the
 unsharded model would under ``init_like_unsharded()`` (Note [random init of
 shards] in init.py), or a checkpoint. Nothing on the way allocates more than
@@ -42,6 +42,7 @@ from torch import nn
 
 from tandem._compat import dtensor_api, fsdp_policies
 from tandem.comm.group import GroupComm
+from tandem.fsdp.convert import adopt_sharded_tensors
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
@@ -252,7 +253,7 @@ class FSDPModule:
             unit.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         for unit in units:
-            unit.adopt_sharded_tensors()
+            adopt_sharded_tensors(unit)
         return result
 
 

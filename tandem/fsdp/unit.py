@@ -292,60 +292,7 @@ class ShardedUnit:
             self._group_shard = None
             self.state = ShardState.SHARDED
 
-    def adopt_sharded_tensors(self) -> None:
-        """Take the sharded parameters' local tensors back into the shard buffer
-        after ``nn.Module._apply`` replaced them (``to_empty``, ``to(device)``,
-        ``to(dtype)``: Note [meta init] in api.py)."""
-        locals_ = [dtensor_local(m.sharded) for m in self.managed]
-        if not locals_:
-            return
-        dtypes = {t.dtype for t in locals_}
-        if len(dtypes) > 1:
-            listing = ", ".join(f"{m.fqn}: {t.dtype}" for m, t in zip(self.managed, locals_))
-            raise ValueError(f"fully_shard unit '{self.name}': a conversion left its parameters with mixed "
-                             f"dtypes ({listing}); one collective gathers a unit, so its parameters need one "
-                             "dtype: convert them all (model.to(dtype))")
-        device, dtype = locals_[0].device, dtypes.pop()
-        if dtype != self.orig_dtype:
-            self._change_dtype(dtype)
-        if device != self.shard_flat.device or dtype != self.shard_flat.dtype:
-            self.shard_flat = torch.zeros(self.shard_flat.shape, dtype=dtype, device=device)
-        with torch.no_grad():
-            for m, t in zip(self.managed, locals_):
-                view = self.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
-                if t.data_ptr() != view.data_ptr() or t.device != view.device:
-                    view.copy_(t)
-                    t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-        if self.unsharded_flat.is_meta and device.type != "meta":  # after the copies freed the old shards
-            self._rebuild_unsharded()
-
-    def _change_dtype(self, dtype: torch.dtype) -> None:
-        """The parameters were converted to ``dtype`` (``model.to(torch.bfloat16)``
-        after fully_shard, as torch's FSDP2 allows before the first forward).
-
-        # Note [dtype after sharding]
-        The unit's dtypes follow: the shards (and so the optimizer's view and
-        the reduced gradients) are in ``dtype``, and so are the gathered
-        parameters unless a MixedPrecisionPolicy names ``param_dtype``. The
-        unsharded parameter objects stay (post-accumulate-grad hooks and
-        compiled graphs hold them); they are pointed at a new unsharded buffer
-        in the new compute dtype. Allowed between steps only: _apply reshards
-        first, and a reduction in flight would write the old dtype.
-        """
-        self._expect(ShardState.SHARDED)
-        self._expect_reduce(ReduceState.IDLE)
-        if any(m.tp is not None for m in self.managed):
-            raise NotImplementedError(f"fully_shard unit '{self.name}': changing the dtype of tensor-parallel "
-                                      "parameters after sharding; cast the model before parallelising it")
-        self.orig_dtype = dtype
-        param_dtype = self.config.param_dtype or dtype
-        self.reduce_dtype = self.config.reduce_dtype or param_dtype
-        if param_dtype == self.param_dtype:
-            return
-        self.param_dtype = param_dtype
-        self._rebuild_unsharded()
-
-    def _rebuild_unsharded(self) -> None:
+    def rebuild_unsharded(self) -> None:
         """A new unsharded buffer (on the device, in ``param_dtype``), with the
         same unsharded parameter objects pointing into it; new ones for a unit
         leaving the meta device, which has never run (no hooks hold them)."""
