@@ -166,6 +166,17 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
             out[f"forgot/{impl}/error"] = ""
         except RuntimeError as e:
             out[f"forgot/{impl}/error"] = str(e)
+    # A placement it cannot split: refused, naming it (the same on every rank).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.zeros(4, 2), init_device_mesh("cpu", (world_size,)), [Partial()])
+    try:
+        with init_like_unsharded():
+            nn.init.normal_(partial)
+        out["partial/error"] = ""
+    except NotImplementedError as e:
+        out["partial/error"] = str(e)
     # A cast between steps, after the units have run: train, .double(), train on.
     def midway(model: nn.Module, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> Any:
         _train(model, batches, steps=1)
@@ -249,3 +260,10 @@ def test_a_forward_before_to_empty_is_an_error_naming_what_to_do(world_size: int
         error = results["forgot/tandem/error"]
         assert error.startswith(f"rank {rank}: fully_shard parameters are still on the meta device"), error
         assert "emb.weight" in error and "model.to_empty(device=...)" in error, error
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_init_like_unsharded_refuses_a_placement_it_cannot_split(world_size: int) -> None:
+    for results in _results(world_size):
+        error = results["partial/error"]
+        assert "shape (4, 2)" in error and "Partial" in error and "only Shard and Replicate" in error, error
