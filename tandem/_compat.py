@@ -379,3 +379,39 @@ def enter_ddp_forward(hint: Any) -> Any:
 def exit_ddp_forward(previous: Any) -> None:
     """Undo :func:`enter_ddp_forward` (nested DDP forwards restore the outer one)."""
     _TorchDDP._active_ddp_module = previous  # type: ignore[attr-defined]
+
+
+__all__ += ["TorchDispatchMode", "allocation_events"]
+
+# Why: init_like_unsharded (tandem/fsdp/init.py) intercepts the random ops of
+# nn.init on DTensors before DTensor's dispatch does; a dispatch mode is the
+# only scoped hook below autograd. Public in spirit (documented as "Python
+# dispatch" and used by torch's own FlopCounterMode), private in module name.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def allocation_events(prof: Any) -> list[tuple[int, int, int]]:
+    """``(time_ns, address, bytes)`` of every allocation (positive) and free
+    (negative) that a ``torch.profiler.profile(profile_memory=True)`` session
+    recorded, in time order. The size of a free of a block allocated before
+    the session may be wrong (the profiler's table of sizes keeps stale
+    entries); match frees to the session's own allocations by address.
+
+    Why: tandem.testing.memory measures the peak bytes a piece of code holds
+    on CPU, where torch has no allocator statistics (``torch.cuda`` has); the
+    profiler's allocation events, one per allocation and free of the CPU
+    allocator (``storage.resize_`` included, which a dispatch mode never sees),
+    are only exposed through this experimental event tree.
+    """
+    from torch._C._profiler import _EventType
+
+    out: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            out.append((node.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
+        stack.extend(node.children)
+    out.sort()
+    return out

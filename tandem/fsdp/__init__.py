@@ -3,17 +3,21 @@ torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
 
 The pure layout of each unit's buffers (layout.py), which parameters a call
 takes (units.py), a call's arguments checked and resolved (arguments.py:
-meshes for FSDP and HSDP, lists of modules, shard dims), one unit's gather and reduction (unit.py), the order of a
-root's units in an iteration (schedule.py), state dicts in and out
-(state_dict.py), and the public function and module methods (api.py).
+meshes for FSDP and HSDP, lists of modules, shard dims), one unit's gather and
+reduction (unit.py), the order of a root's units in an iteration
+(schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
+in and out (state_dict.py), random init of sharded parameters (init.py), and
+the public function and module methods (api.py).
 """
 
 from tandem._compat import fsdp_policies
 from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, FSDPModule, UnshardHandle, fully_shard
+from tandem.fsdp.init import init_like_unsharded
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 from tandem.fsdp.state_dict import load_full_state_dict
 
 MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy = fsdp_policies()
 
 __all__ = ["CPUOffloadPolicy", "DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "ParamShard", "UnitLayout", "UnshardHandle", "fully_shard", "load_full_state_dict", "plan_unit"]
+           "ParamShard", "UnitLayout", "UnshardHandle", "fully_shard", "init_like_unsharded", "load_full_state_dict",
+           "plan_unit"]

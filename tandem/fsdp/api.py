@@ -15,12 +15,19 @@ ranks. A tiny unit that nothing encloses stays a unit of its own.
 # Note [meta init]
 A model too large for one device is built on the meta device, sharded, then
 given memory and values: ``model.to_empty(device=...)`` and an initialisation
-or a checkpoint (``load_full_state_dict``). ``fully_shard`` allocates each
-unit's shard buffer at once (1/N of the unit) and leaves it uninitialised for
-meta parameters. ``to_empty``, ``to`` and ``cuda`` go through
+or a checkpoint (``load_full_state_dict``). ``fully_shard`` keeps a unit of
+meta parameters on the meta device, buffers included, as torch's FSDP2 does
+(a forward before ``to_empty`` is an error naming them); ``to_empty`` gives
+it its buffers. ``to_empty``, ``to`` and ``cuda`` go through
 ``nn.Module._apply``, which swaps each DTensor's contents for new tensors;
 ``FSDPModule._apply`` then copies them back into the shard buffer and points
-them at it again, so the buffer stays the all-gather's input.
+them at it again, so the buffer stays the all-gather's input. A conversion to
+another dtype (``model.to(torch.bfloat16)``) changes the unit's dtypes with it
+(Note [dtype after sharding] in convert.py). The values come last: the model's
+own ``init_weights()``, as torchtitan does, whose random ops draw what the
+unsharded model would under ``init_like_unsharded()`` (Note [random init of
+shards] in init.py), or a checkpoint. Nothing on the way allocates more than
+one unit at full size: the shards, then one unit's gather buffer at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch import nn
 from tandem.comm.group import GroupComm
 from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_meshes, default_mesh, modules_of, \
     move_to_device, shard_dims, tensor_parallel_layouts, unit_config
+from tandem.fsdp.convert import adopt_sharded_tensors
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
@@ -283,7 +291,7 @@ class FSDPModule:
             unit.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         for unit in units:
-            unit.adopt_sharded_tensors()
+            adopt_sharded_tensors(unit)
         return result
 
 

@@ -66,6 +66,21 @@ bypass it. The backward hooks are run by the autograd engine, outside compiled
 code. The graph reads the unit's ``unsharded`` parameters, the same objects at
 every step (their storage is freed and allocated again), so one graph serves
 every step and every block of a class.
+
+# Note [recomputed forward]
+Activation checkpointing (torch's non-reentrant ``checkpoint``) runs part of
+a forward again inside backward. When the checkpointed code is inside a unit
+(``checkpoint`` in a block's forward, or ``checkpoint_wrapper`` applied to
+each block before ``fully_shard``, as torchtitan does), the unit's hooks do
+not run again: the pre-backward hook on the unit's outputs gathered it when
+backward reached them, before the engine gets to the checkpointed node, so the
+recomputation finds the full parameters registered, and the unit completes
+(reshards, reduces) only when their gradients are in, after it. When the
+wrapper is outside the unit (checkpointing after ``fully_shard``), the
+recomputation calls the unit's forward hooks in its backward: the unit is
+gathered already (PRE_BACKWARD), and the hooks neither gather, track inputs,
+reshard nor add backward hooks. Either way a unit is gathered once for its
+backward (tests/test_activation_checkpointing.py counts the all-gathers).
 """
 
 from __future__ import annotations
@@ -111,7 +126,7 @@ class Schedule:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if unit.training is TrainingState.PRE_BACKWARD:  # recomputation inside backward
+        if unit.training is TrainingState.PRE_BACKWARD:  # Note [recomputed forward]
             unit.unshard()
             return _cast_inputs(unit, args, kwargs)
         if unit is self.root and not self.in_forward:
@@ -135,7 +150,7 @@ class Schedule:
         return _cast_inputs(unit, args, kwargs)
 
     def post_forward(self, unit: ShardedUnit, module: nn.Module, output: Any) -> Any:
-        if unit.training is TrainingState.PRE_BACKWARD:
+        if unit.training is TrainingState.PRE_BACKWARD:  # Note [recomputed forward]
             return _cast_output(unit, output)
         grad = torch.is_grad_enabled()
         if grad:
@@ -346,6 +361,14 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
         unit = unit_of(module)
         if unit is None or unit in units:
             continue
+        if unit.on_meta:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            fqns = [f"{path}.{m.fqn}" if path else m.fqn for m in unit.managed]
+            raise RuntimeError(
+                f"rank {rank}: fully_shard parameters are still on the meta device ({', '.join(fqns[:4])}"
+                f"{', ...' if len(fqns) > 4 else ''}): call model.to_empty(device=...) and initialise them "
+                "(the model's init_weights() under tandem.fsdp.init_like_unsharded(), or load a state dict) "
+                "before the first forward")
         if unit.schedule is not None:
             raise RuntimeError(
                 f"fully_shard: '{path}' already ran forward as a root of its own; run forward through "

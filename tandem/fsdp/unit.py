@@ -149,17 +149,14 @@ class ShardedUnit:
         tp = tp if tp is not None else [None] * len(params)
         shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
         self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank, shard_dims)
-        self.shard_flat = self._new_shard_buffer()
-        self.unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype,
-                                          device=config.device)
+        # Note [meta init] in api.py: a unit of meta parameters gets its memory in to_empty.
+        meta = bool(params) and all(p.is_meta for _, _, p in params) and all(t is None for t in tp)
+        self.shard_flat = self._new_shard_buffer(meta)
+        self.unsharded_flat = self._new_unsharded_buffer(meta)
         self.managed = [self._manage(fqn, owners, param, spec, t)
                         for (fqn, owners, param), spec, t in zip(params, self.layout.params, tp)]
         comm.ledger.describe_params(f"unit {name}", [fqn for fqn, _, _ in params])
-        self._copy_out_dst = [self._blocks(self.unsharded_flat.narrow(0, p.unsharded_offset, p.numel), p)
-                              if p.shard_dim else
-                              self.unsharded_flat.narrow(0, p.unsharded_offset, self.layout.world_size *
-                                                         p.chunk_numel).view(self.layout.world_size, -1)
-                              for p in self.layout.params]
+        self._copy_out_dst = self._copy_out_views()
         self._free_unsharded()  # views are made first: a view of a freed storage fails its bounds check
         self.state = ShardState.SHARDED
         self.reduce_state = ReduceState.IDLE
@@ -191,11 +188,29 @@ class ShardedUnit:
         self._register(unsharded=False)
 
     # ------------------------------------------------------------------ set-up
-    def _new_shard_buffer(self) -> torch.Tensor:
-        buf = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=self.config.shard_device)
-        if self.config.pin_memory and torch.cuda.is_available():
+    def _new_shard_buffer(self, meta: bool = False) -> torch.Tensor:
+        device = torch.device("meta") if meta else self.config.shard_device
+        buf = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        if self.config.pin_memory and torch.cuda.is_available() and not meta:
             buf = buf.pin_memory()
         return buf
+
+    def _new_unsharded_buffer(self, meta: bool = False) -> torch.Tensor:
+        device = torch.device("meta") if meta else self.config.device
+        return torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=device)
+
+    @property
+    def on_meta(self) -> bool:
+        """Built from meta parameters and not given memory yet (``to_empty``)."""
+        return self.shard_flat.is_meta
+
+    def _copy_out_views(self) -> list[torch.Tensor]:
+        """Each parameter's padded chunks in the unsharded buffer, one row per rank
+        (rank-major blocks for a parameter sharded on another dim than 0)."""
+        world = self.layout.world_size
+        return [self._blocks(self.unsharded_flat.narrow(0, p.unsharded_offset, p.numel), p) if p.shard_dim
+                else self.unsharded_flat.narrow(0, p.unsharded_offset, world * p.chunk_numel).view(world, -1)
+                for p in self.layout.params]
 
     def _manage(self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
                 spec: ParamShard, tp: TensorParallelParam | None) -> ManagedParam:
@@ -325,27 +340,20 @@ class ShardedUnit:
             self._group_shard = None
             self.state = ShardState.SHARDED
 
-    def adopt_sharded_tensors(self) -> None:
-        """Take the sharded parameters' local tensors back into the shard buffer
-        after ``nn.Module._apply`` replaced them (``to_empty``, ``to(device)``:
-        Note [meta init] in api.py)."""
-        locals_ = [dtensor_local(m.sharded) for m in self.managed]
-        if not locals_:
-            return
-        wrong = [f"{m.fqn}: {t.dtype}" for m, t in zip(self.managed, locals_) if t.dtype != self.orig_dtype]
-        if wrong:
-            raise NotImplementedError(f"fully_shard unit '{self.name}': parameters changed dtype after sharding "
-                                      f"({', '.join(wrong)}; the shards are {self.orig_dtype}); cast the model "
-                                      "before fully_shard, or use MixedPrecisionPolicy")
-        device = locals_[0].device
-        if device != self.shard_flat.device:
-            self.shard_flat = torch.zeros_like(self.shard_flat, device=device)
-        with torch.no_grad():
-            for m, t in zip(self.managed, locals_):
-                view = self.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
-                if t.data_ptr() != view.data_ptr() or t.device != view.device:
-                    view.copy_(t)
-                    t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    def rebuild_unsharded(self) -> None:
+        """A new unsharded buffer (on the device, in ``param_dtype``), with the
+        same unsharded parameter objects pointing into it; new ones for a unit
+        leaving the meta device, which has never run (no hooks hold them)."""
+        leaving_meta = self.unsharded_flat.is_meta
+        self.unsharded_flat = self._new_unsharded_buffer()
+        for m in self.managed:
+            view = self.unsharded_flat.narrow(0, m.spec.unsharded_offset, m.spec.numel).view(m.spec.shape)
+            if leaving_meta:
+                m.unsharded = nn.Parameter(view, requires_grad=m.requires_grad)
+            else:
+                m.unsharded.data = view
+        self._copy_out_dst = self._copy_out_views()
+        self._free_unsharded()
 
     def register_sharded(self) -> None:
         """Register the sharded parameters (for ``state_dict``) without freeing anything."""

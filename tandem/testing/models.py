@@ -4,10 +4,11 @@ models whose used parameters change from step to step can do so deterministicall
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODELS", "TinyLM", "make_model"]
+__all__ = ["GPT", "GPTBlock", "MODELS", "TinyLM", "make_model"]
 
 IN, OUT = 8, 4
 
@@ -133,6 +134,62 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class GPTBlock(nn.Module):
+    """A GPT block: causal self-attention and an MLP, each residual after a
+    LayerNorm. ``checkpoint_mlp`` recomputes the MLP in backward (torch's
+    non-reentrant ``checkpoint`` inside the block's forward). No bias on the
+    query/key/value projection: the key bias gets no gradient in exact
+    arithmetic, only rounding noise."""
+
+    def __init__(self, dim: int, heads: int, checkpoint_mlp: bool = False) -> None:
+        super().__init__()
+        self.heads = heads
+        self.checkpoint_mlp = checkpoint_mlp
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        if self.checkpoint_mlp:
+            return x + checkpoint(self.mlp, x, use_reentrant=False)
+        return x + self.mlp(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(self.ln2(x))))
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """torchtitan's scheme: truncated normal weights, zero biases, unit norms."""
+        for linear in (self.qkv, self.proj, self.up, self.down):
+            nn.init.trunc_normal_(linear.weight, std=std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.ln1.reset_parameters()
+        self.ln2.reset_parameters()
+
+
+class GPT(TinyLM):
+    """:class:`TinyLM` with ``depth`` :class:`GPTBlock` s and ``init_weights()``,
+    the initialisation to run after ``to_empty`` on a model built on the meta
+    device (torchtitan's recipe)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, depth: int = 2, heads: int = 2,
+                 checkpoint_mlp: bool = False) -> None:
+        super().__init__(vocab, dim, [GPTBlock(dim, heads, checkpoint_mlp) for _ in range(depth)])
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.emb.weight)
+        for block in self.blocks:
+            block.init_weights()  # type: ignore[operator]
+        nn.init.trunc_normal_(self.head.weight, std=self.head.in_features ** -0.5)
+        nn.init.zeros_(self.head.bias)
 
 
 MODELS = {

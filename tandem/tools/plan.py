@@ -25,6 +25,9 @@ changed by the forward (BatchNorm's running statistics) are restored.
 Measured on the device the model is on, in its dtype, without autocast: a
 model trained under autocast saves some half-precision tensors instead.
 Activations grow with the batch: measure with the per-rank batch you will train.
+With ``activation_checkpointing`` each block's share is measured too, and the
+activations are what checkpointing every block holds at most (Note
+[checkpointed activations] in tandem/tools/activations.py).
 
 On a dp x tp mesh: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py.
 """
@@ -46,6 +49,7 @@ from tandem._tree import iter_tensors
 from tandem.ddp.graph import reachable_params
 from tandem.ddp.plan import BucketPlan
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
+from tandem.tools.activations import ActivationRecorder, BlockActivations, checkpointed_bytes
 from tandem.tools.entry import load_entry
 from tandem.tools.tp_plan import TensorParallelShard, parse_mesh, tensor_parallel_shards
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
@@ -98,6 +102,14 @@ class Measurement:
     """Trainable parameters the outputs do not reach in the autograd graph."""
     opaque: bool = False
     """The graph hides what it reaches (reentrant checkpointing): ``unused`` is unknown."""
+    blocks: tuple[BlockActivations, ...] = ()
+    """Each measured block's share (Note [checkpointed activations]); empty unless asked for."""
+
+    @property
+    def checkpointed_bytes(self) -> int:
+        """The activations held at most with every block in :attr:`blocks`
+        checkpointed (``activation_bytes`` when there are none)."""
+        return checkpointed_bytes(self.activation_bytes, self.blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +160,9 @@ class PlanReport:
     traffic: tuple[tuple[str, Traffic], ...] = ()
     """Bytes one rank sends per step under DDP, fully_shard and HSDP (Note
     [traffic per step] in tandem/zero/traffic.py)."""
+    activation_checkpointing: bool = False
+    """Every block in ``measurement.blocks`` is checkpointed: the strategies'
+    activations are :attr:`Measurement.checkpointed_bytes`."""
     warnings: tuple[str, ...]
     """What to change before launching."""
 
@@ -183,7 +198,8 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                 optimizer: str | int = "adamw", device_memory: int | str | None = None, grad_accum: int = 1,
                 bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
                 min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True,
-                tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None, hsdp: int = 1) -> PlanReport:
+                tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None, hsdp: int = 1,
+                activation_checkpointing: bool = False) -> PlanReport:
     """The plan, from the model's parameters and buffers (shapes, dtypes,
     ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
 
@@ -209,6 +225,8 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         hsdp: replicas of an HSDP mesh ``(hsdp, world_size // hsdp)``
             (``fully_shard(model, mesh=...)`` with a 2-D mesh), planned as an
             extra strategy (1: none).
+        activation_checkpointing: plan with the blocks of ``measurement``
+            checkpointed (it must have measured them: :func:`measure` with ``blocks``).
 
     Raises:
         ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
@@ -240,7 +258,11 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
               if hsdp > 1 else None)
     refused = (None if not shards else
                "tandem's DDP does not shard tensor-parallel (DTensor) parameters; use fully_shard")
-    activations = 0 if measurement is None else measurement.activation_bytes
+    if activation_checkpointing and (measurement is None or not measurement.blocks):
+        raise ValueError("activation_checkpointing=True needs a measurement of the blocks: give a sample "
+                         "(--sample), and blocks to checkpoint (the fully_shard units, or --fsdp-units)")
+    activations = (0 if measurement is None else
+                   measurement.checkpointed_bytes if activation_checkpointing else measurement.activation_bytes)
     ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     params = dict(model.named_parameters())
     buffers = tuple((n, b.numel() * b.element_size()) for n, b in model.named_buffers()
@@ -258,7 +280,8 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                          for name, e in zip(STRATEGIES, estimates))
         + ((StrategyMemory(f"HSDP {hsdp}x{shard_size}", hybrid, activations),) if hybrid is not None else ()),
         measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=(),
-        hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum))
+        hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum),
+        activation_checkpointing=activation_checkpointing)
     warnings = _warnings(report, model, spec, estimates[3])
     return PlanReport(**{**report.__dict__, "warnings": tuple(warnings)})
 
@@ -391,6 +414,8 @@ def _describe(r: PlanReport) -> list[str]:
                      "(measured: tensors saved for backward in one forward"
                      + ("; unsharded, in one process: an overestimate for the tensor-parallel layers)"
                         if mesh else ")"))
+        if m.blocks:
+            lines += _checkpoint_lines(r, m)
     if mesh:
         lines += ["", *_mesh_lines(r)]
     lines += ["", *_bucket_lines(r), "", *_memory_lines(r), "", *_traffic_lines(r)]
@@ -408,6 +433,18 @@ def _describe(r: PlanReport) -> list[str]:
                          f"margin {_size(margin)} ({margin / r.device_memory:.0%})")
     if r.warnings:
         lines += ["", "warnings:", *(f"  - {w}" for w in r.warnings)]
+    return lines
+
+
+def _checkpoint_lines(r: PlanReport, m: Measurement, limit: int = 8) -> list[str]:
+    used = "used below" if r.activation_checkpointing else "not used below: pass --activation-checkpointing"
+    lines = [f"  with activation checkpointing of {len(m.blocks)} block(s): {_size(m.checkpointed_bytes)} "
+             f"({used}); per block: saved without, kept with (its inputs)"]
+    width = max(len(b.name) for b in m.blocks)
+    for b in m.blocks[:limit]:
+        lines.append(f"    {b.name:<{width}}  {_size(b.saved):>10}  {_size(b.inputs):>10}")
+    if len(m.blocks) > limit:
+        lines.append(f"    ... and {len(m.blocks) - limit} more")
     return lines
 
 
@@ -489,8 +526,8 @@ def _size(n: int) -> str:
 
 # ---------------------------------------------------------------------- measuring
 
-def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-            ) -> Measurement:
+def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+            blocks: Sequence[str] = ()) -> Measurement:
     """One forward with ``sample`` and the gradients of its loss, measuring the
     activations (Note [measured activations]) and the parameters the outputs
     do not reach. The model's ``.grad`` and buffers are left as they were.
@@ -502,31 +539,22 @@ def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torc
             or the inputs alone; the model is called as ``model(inputs)``.
         loss_fn: ``loss_fn(outputs, targets)``; None (or no targets): the sum
             of the outputs' floating tensors stands in for the loss.
+        blocks: module paths whose share of the activations to measure, for
+            activation checkpointing (Note [checkpointed activations]).
 
     Raises:
-        ValueError: the forward produces no tensor that requires grad.
+        ValueError: the forward produces no tensor that requires grad, or a
+            block that is not a module of ``model``.
     """
     inputs, targets = _split(sample)
     ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
     params = [p for _, p in named]
     names = {id(p): n for n, p in named}
-    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # no plain storage (sparse, nested)
-            saved.setdefault(id(t), t.numel() * t.element_size())
-            return t
-        if storage.data_ptr() not in held:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    recorder = ActivationRecorder(model, blocks)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), recorder:
             outputs = model(inputs)
             loss = _loss(outputs, targets, loss_fn)
         reach = reachable_params([t for t in iter_tensors(outputs) if t.requires_grad],
@@ -540,9 +568,9 @@ def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torc
                 b.copy_(value)
     unused = () if reach.opaque else tuple(names[id(p)] for i, p in enumerate(params) if i not in reach.params)
     first = next(iter_tensors(inputs), None)
-    return Measurement(activation_bytes=sum(saved.values()),
+    return Measurement(activation_bytes=recorder.total,
                        batch_size=int(first.shape[0]) if first is not None and first.dim() else None,
-                       unused=unused, opaque=reach.opaque)
+                       unused=unused, opaque=reach.opaque, blocks=recorder.blocks())
 
 
 def _split(sample: Any) -> tuple[Any, Any]:
@@ -569,7 +597,8 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
          loss_fn: Callable[[Any, Any], torch.Tensor] | str | None = None, bucket_cap_mb: float | None = None,
          fsdp_units: Sequence[str] | None = None, min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
          broadcast_buffers: bool = True, tensor_parallel: int = 1,
-         tp_plan: Mapping[str, Any] | str | None = None, hsdp: int = 1) -> PlanReport:
+         tp_plan: Mapping[str, Any] | str | None = None, hsdp: int = 1,
+         activation_checkpointing: bool = False) -> PlanReport:
     """Will ``model`` fit on ``world_size`` ranks, and how should it be sharded?
 
     Args:
@@ -597,6 +626,10 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
             or ``"colwise"``, ``"rowwise"``, ...
         hsdp: replicas of an HSDP mesh ``(hsdp, world_size // hsdp)``,
             planned beside fully_shard (1: none).
+        activation_checkpointing: plan with each fully_shard unit's module
+            (``fsdp_units``: every block) checkpointed, as torchtitan applies
+            ``checkpoint_wrapper``; the report shows each block's activations
+            with and without (Note [checkpointed activations]).
 
     Returns:
         The :class:`PlanReport`; ``print(report.describe())`` shows it.
@@ -620,11 +653,15 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         loss_fn = load_entry(loss_fn, what="--loss")
     styles: Mapping[str, Any] | None = _call(tp_plan, "--tp-plan") if isinstance(tp_plan, str) else tp_plan
     tensor_parallel_shards(model, styles, tensor_parallel)   # a bad plan fails before the forward runs
-    measurement = None if sample is None else measure(model, sample, loss_fn=loss_fn)
+    blocks: Sequence[str] = ()
+    if activation_checkpointing:
+        blocks = default_fsdp_units(model) if fsdp_units is None else fsdp_units
+    measurement = None if sample is None else measure(model, sample, loss_fn=loss_fn, blocks=blocks)
     return plan_report(model, world_size=world_size, measurement=measurement, optimizer=optimizer,
                        device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
                        fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers,
-                       tensor_parallel=tensor_parallel, tp_plan=styles, hsdp=hsdp)
+                       tensor_parallel=tensor_parallel, tp_plan=styles, hsdp=hsdp,
+                       activation_checkpointing=activation_checkpointing)
 
 
 def _call(spec: str, what: str) -> Any:
@@ -658,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP's broadcast_buffers=False")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="also plan HSDP: fully_shard over a 2-D mesh of R replicas x world-size/R shards")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="plan with each block (the fully_shard units) checkpointed; shows each block's "
+                        "activations with and without (needs --sample)")
     return p
 
 
@@ -673,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       device_memory=args.device_memory, grad_accum=args.grad_accum, loss_fn=args.loss,
                       bucket_cap_mb=args.bucket_cap_mb, fsdp_units=units,
                       broadcast_buffers=not args.no_broadcast_buffers, tensor_parallel=tp, tp_plan=args.tp_plan,
-                      hsdp=args.hsdp)
+                      hsdp=args.hsdp, activation_checkpointing=args.activation_checkpointing)
     except ValueError as e:
         print(f"tandem plan: error: {e}", file=sys.stderr)
         return 2
