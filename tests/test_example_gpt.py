@@ -3,8 +3,9 @@ shortened configuration: it runs end to end under `tandem run` (meta-device
 build, fully_shard per block and at the root, activation checkpointing, bf16
 autocast, the Trainer's checkpoints) and beats the unigram baseline it prints;
 stopped mid-epoch and resumed, it continues the uninterrupted run's loss curve
-exactly; and two fully-sharded ranks train like one unsharded process on the
-global batch (fp32, where only summation order differs).
+exactly; two fully-sharded ranks train like one unsharded process on the
+global batch (fp32, where only summation order differs); and activation
+checkpointing recomputes each block in backward without changing a bit.
 
 One `tandem run` launch is the uninterrupted run; the stopped and resumed runs
 and the sharded half of the comparison run in one spawned group of two ranks
@@ -56,29 +57,42 @@ def _main(argv: list[str]) -> str:
     return out.getvalue()
 
 
-def _short_run(batch_size: int, out: str) -> tuple[list[float], dict]:
-    """SHORT_FP32 on this rank: the loss of each step, and the full final model."""
+def _short_run(batch_size: int, out: str, *flags: str) -> tuple[list[float], dict, int]:
+    """SHORT_FP32 on this rank: the loss of each step, the full final model, and
+    how often a block's layers ran (twice per step with activation checkpointing)."""
     from torch.distributed.tensor import DTensor
 
     import tandem
-    from tandem.examples import gpt
+    from tandem.examples import gpt, gpt_model
 
-    args = gpt.parse_args(SHORT_FP32 + ["--batch-size", str(batch_size), "--output-dir", out])
+    args = gpt.parse_args(SHORT_FP32 + ["--batch-size", str(batch_size), "--output-dir", out, *flags])
     world = tandem.init()  # adopts the harness's group
     trainer = gpt.build_trainer(args, world, *gpt.split_text(gpt.load_text(args.max_chars)))
-    result = trainer.fit()
+    calls = [0]
+    block_forward = gpt_model.Block._forward
+
+    def counted(self, x):
+        calls[0] += 1
+        return block_forward(self, x)
+
+    gpt_model.Block._forward = counted  # type: ignore[method-assign]
+    try:
+        result = trainer.fit()
+    finally:
+        gpt_model.Block._forward = block_forward  # type: ignore[method-assign]
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in trainer.model.state_dict().items()}
-    return [r["loss"] for r in result.history if r["kind"] == "train"], full
+    return [r["loss"] for r in result.history if r["kind"] == "train"], full, calls[0]
 
 
 def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:
     parted = ["--output-dir", f"{tmp}/parted"]
     return {"stopped": _main(TWO_EPOCHS + parted + ["--max-steps", "50"]),
             "resumed": _main(TWO_EPOCHS + parted),
-            "short": _short_run(16, f"{tmp}/short-two")}
+            "short": _short_run(16, f"{tmp}/short-two"),
+            "short-no-ac": _short_run(16, f"{tmp}/short-no-ac", "--no-activation-checkpointing")}
 
 
-def _one_rank(rank: int, world_size: int, tmp: str) -> tuple[list[float], dict]:
+def _one_rank(rank: int, world_size: int, tmp: str) -> tuple[list[float], dict, int]:
     return _short_run(32, f"{tmp}/short-one")
 
 
@@ -133,10 +147,18 @@ def test_the_gpt_job_resumed_mid_epoch_continues_the_same_loss_curve(results):
 
 def test_two_fully_sharded_ranks_train_like_one_process_on_the_global_batch(results):
     _, runs = results
-    (two, sharded), (one, single) = runs["short"], runs["short-one"]
+    (two, sharded, _), (one, single, _) = runs["short"], runs["short-one"]
     assert len(two) == len(one) == 20
     # Step 1's loss checks the initial model (meta init at any world size), the
     # rest the sharded gradients and optimizer; only summation order differs.
     assert max(abs(a - b) for a, b in zip(two, one)) < 1e-5, (two, one)
     assert max_abs_diff(sharded, single) < 1e-5
     assert one[0] - one[-1] > 0.5, one  # it did learn: the comparison is not of constants
+
+
+def test_activation_checkpointing_recomputes_each_block_and_changes_nothing(results):
+    _, runs = results
+    (losses, params, calls), (plain_losses, plain_params, plain_calls) = runs["short"], runs["short-no-ac"]
+    assert (calls, plain_calls) == (20 * 2 * 2, 20 * 2)  # 20 steps, 2 blocks, forward (+ recomputation)
+    assert losses == plain_losses
+    assert max_abs_diff(params, plain_params) == 0.0
