@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.fsdp import fully_shard, init_like_unsharded
+from tandem.fsdp import DEFAULT_MIN_UNIT_BYTES, fully_shard, init_like_unsharded
+from tandem.fsdp.schedule import unit_of
 from tandem.testing import max_abs_diff, run_distributed
 from tandem.testing.memory import PeakMemory
 from tandem.testing.models import GPT
@@ -69,13 +70,14 @@ def _eager(init: str) -> nn.Module:
 
 
 def _meta(impl: str, world_size: int, init: str, like_unsharded: bool = True,
-          dtype: torch.dtype | None = None) -> nn.Module:
-    """The recipe: meta build, fully_shard per block and root, to_empty, init."""
+          dtype: torch.dtype | None = None, min_unit_bytes: int = 0) -> nn.Module:
+    """The recipe: meta build, fully_shard per block and root, to_empty, init
+    (tandem: blocks under ``min_unit_bytes`` merge into the root's unit)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
-    shard: Any = (functools.partial(fully_shard, mesh=mesh, min_unit_bytes=0) if impl == "tandem"
+    shard: Any = (functools.partial(fully_shard, mesh=mesh, min_unit_bytes=min_unit_bytes) if impl == "tandem"
                   else functools.partial(torch_fully_shard, mesh=mesh))
     with torch.device("meta"):
         model = _build()
@@ -131,6 +133,11 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
         for impl in ("tandem", "torch"):
             out[f"{impl}/{init}"] = _full(_meta(impl, world_size, init))
             out[f"{impl}/{init}/dtensor_rules"] = _full(_meta(impl, world_size, init, like_unsharded=False))
+    # tandem's default merges these tiny blocks into the root's unit (Note [tiny
+    # units]): to_empty reaches a block's module before the unit's own module.
+    merged = _meta("tandem", world_size, "init_weights", min_unit_bytes=DEFAULT_MIN_UNIT_BYTES)
+    out["merged/units"] = len({id(u) for m in merged.modules() if (u := unit_of(m)) is not None})
+    out["merged/init_weights"] = _full(merged)
     # Peaks: the recipe against the eager build (the control: it must see the whole model).
     with PeakMemory() as mem:
         model = _meta("tandem", world_size, "init_weights")
@@ -203,6 +210,13 @@ def test_meta_init_equals_eager_init(world_size: int, impl: str, init: str) -> N
     for rank, results in enumerate(_results(world_size)):
         got, eager = results[f"{impl}/{init}"], results[f"eager/{init}"]
         assert max_abs_diff(got, eager) == 0, (rank, {n: max_abs_diff({n: got[n]}, {n: eager[n]}) for n in got})
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_meta_init_of_tiny_units_merged_into_the_root_equals_eager_init(world_size: int) -> None:
+    for rank, results in enumerate(_results(world_size)):
+        assert results["merged/units"] == 1, results["merged/units"]  # the case: every block absorbed
+        assert max_abs_diff(results["merged/init_weights"], results["eager/init_weights"]) == 0, rank
 
 
 @pytest.mark.parametrize("world_size", WORLDS)

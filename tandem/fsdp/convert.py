@@ -36,6 +36,12 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
     locals_ = [dtensor_local(m.sharded) for m in unit.managed]
     if not locals_:
         return
+    if len({t.is_meta for t in locals_}) > 1:
+        # Only part of the unit was given memory: the module of an absorbed tiny
+        # unit (Note [tiny units] in api.py), whose _apply runs before that of
+        # the module owning the unit. That one converts the rest and adopts all;
+        # until it does, the unit stays on meta (its first forward says so).
+        return
     dtypes = {t.dtype for t in locals_}
     if len(dtypes) > 1:
         listing = ", ".join(f"{m.fqn}: {t.dtype}" for m, t in zip(unit.managed, locals_))
