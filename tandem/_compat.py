@@ -379,3 +379,23 @@ def enter_ddp_forward(hint: Any) -> Any:
 def exit_ddp_forward(previous: Any) -> None:
     """Undo :func:`enter_ddp_forward` (nested DDP forwards restore the outer one)."""
     _TorchDDP._active_ddp_module = previous  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- checkpoints (tandem.checkpoint.flat)
+
+__all__ += ["flatten_state_dict"]
+
+
+def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A nested state dict as torch.distributed.checkpoint flattens it: dotted keys
+    to leaves, and the mapping from each key back to its path.
+
+    Why: tandem's DCP load planner (Note [flat shards in DCP] in
+    tandem/checkpoint/flat.py) sets itself up as the default planner does, minus
+    its re-allocation of meta tensors, which drops the values it does not know;
+    the flattening must be DCP's own so that keys match what DCP saved
+    (``torch.distributed.checkpoint._nested_dict``, torch 2.2 to 2.13 at least).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state_dict)
