@@ -1,13 +1,14 @@
 """The Trainer's sharded checkpoints (Note [sharded trainer checkpoints] in
-tandem/train/sharded_checkpoint.py), for a fully-sharded model and for ZeRO-2.
+tandem/train/sharded_checkpoint.py), for a fully-sharded model and for ZeRO-2
+(sharded by default), and for plain DDP with checkpoint_format="sharded".
 
 One story per model, in four spawned groups:
 - world 2: an uninterrupted run (the reference), a run stopped at step 5 (a
   sharded checkpoint, the default), and the same run saving the old full format;
-- world 2: the stopped run resumed to step 7, whose save is SIGKILLed between
-  DCP files (one rank waits for the other's file, then dies): the survivor
-  raises, step 7 has no commit marker;
-- world 3: both stopped runs resumed (the sharded one past its unfinished step 7,
+- world 2, fully_shard and ZeRO: the stopped run resumed to step 7, whose save
+  is SIGKILLed between DCP files (one rank waits for the other's file, then
+  dies): the survivor raises, step 7 has no commit marker;
+- world 3: the stopped runs resumed (the sharded one past its unfinished step 7,
   the full one from its .pt file) to the end: equal to the uninterrupted world-2
   run. The global batch stays 12 (6 x 2 ranks, 4 x 3 ranks), so by Note [equal
   to one process] every world size trains like one process on it; without
@@ -49,7 +50,8 @@ NUM_FEATURES, HIDDEN, NUM_CLASSES = 6, 17, 3  # 17 rows: uneven shards on 2 and 
 N_TRAIN, GLOBAL_BATCH = 96, 12
 STOP, KILLED, TOTAL = 5, 7, 16  # 8 steps per epoch, 2 epochs
 TOL = 1e-5  # world 3 after world 2: another order of summation
-KINDS = ("fsdp", "zero")
+KINDS = ("fsdp", "zero", "ddp")  # ddp: a plain model, checkpoint_format="sharded" asked for
+SHARDED_KINDS = ("fsdp", "zero")  # sharded by default
 TIMEOUT = 120
 
 
@@ -66,6 +68,8 @@ def _model(kind: str, init_seed: int) -> tuple[nn.Module, torch.optim.Optimizer]
     if kind == "zero":  # tiny buckets: shards cut across parameters and buckets
         ddp = tandem.DistributedDataParallel(model, zero_stage=2, bucket_cap_mb=0.0005)
         return ddp, tandem.ZeroOptimizer(ddp, torch.optim.Adam, lr=0.05)
+    if kind == "ddp":  # the Trainer wraps it
+        return model, torch.optim.Adam(model.parameters(), lr=0.05)
     for layer in model:
         if isinstance(layer, nn.Linear):
             tandem.fully_shard(layer, min_unit_bytes=0)
@@ -95,6 +99,8 @@ class _Shapes(TorchDispatchMode):
 def _train(rank: int, world_size: int, output_dir: str, kind: str, *, init_seed: int = 0,
            watch_save: bool = False, export: str | None = None, **options: Any) -> dict[str, Any]:
     model, optimizer = _model(kind, init_seed)
+    if kind == "ddp":
+        options.setdefault("checkpoint_format", "sharded")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     config = tandem.TrainerConfig(output_dir=output_dir, epochs=2, batch_size=GLOBAL_BATCH // world_size,
                                   max_grad_norm=0.5, log_every=1, plot=False, progress=False, **options)
@@ -190,7 +196,7 @@ def _results(base: str) -> dict[str, Any]:
                                     may_die={victim})
               for kind, victim in (("fsdp", 1), ("zero", 0))}
     partial = {kind: sorted(p.name for p in Path(f"{base}/{kind}-parted/checkpoints/step-{KILLED:08d}").iterdir())
-               for kind in KINDS}
+               for kind in SHARDED_KINDS}
     three = run_distributed(_at_world_3, 3, args=(base,), timeout=TIMEOUT)
     return {"two": two, "killed": killed, "partial": partial, "three": three}
 
@@ -237,7 +243,7 @@ def test_an_old_full_state_checkpoint_resumes_and_the_run_continues_sharded(resu
 
 
 # ---------------------------------------------------------------- a save killed between files
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SHARDED_KINDS)
 def test_a_save_killed_between_files_leaves_the_previous_checkpoint_loadable(results, kind):
     base, r = results
     victim = {"fsdp": 1, "zero": 0}[kind]
@@ -312,6 +318,9 @@ def test_each_rank_writes_only_its_own_shard(results, kind):
     for name, shape in shapes.items():
         width = math.prod(shape[1:])
         for key in ("exp_avg", "exp_avg_sq"):
+            if kind == "ddp":  # replicated: written once, by one rank
+                assert len(found[f"optim.state.{name}.{key}"]) == 1
+                continue
             if kind == "fsdp":
                 expected = {rank: _rows(shape[0], width, rank, 2) for rank in range(2)}
             else:
@@ -326,7 +335,7 @@ def test_each_rank_writes_only_its_own_shard(results, kind):
             assert len(found[f"model.{name}"]) == 1
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SHARDED_KINDS)
 def test_rank_0_never_holds_the_full_state_during_a_sharded_save(results, kind):
     _, r = results
     first, old = r["two"][0][kind]["first"], r["two"][0][kind]["old"]
