@@ -415,3 +415,23 @@ def allocation_events(prof: Any) -> list[tuple[int, int, int]]:
         stack.extend(node.children)
     out.sort()
     return out
+
+
+# ---------------------------------------------------------------- checkpoints (tandem.checkpoint.flat)
+
+__all__ += ["flatten_state_dict"]
+
+
+def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A nested state dict as torch.distributed.checkpoint flattens it: dotted keys
+    to leaves, and the mapping from each key back to its path.
+
+    Why: tandem's DCP load planner (Note [flat shards in DCP] in
+    tandem/checkpoint/flat.py) sets itself up as the default planner does, minus
+    its re-allocation of meta tensors, which drops the values it does not know;
+    the flattening must be DCP's own so that keys match what DCP saved
+    (``torch.distributed.checkpoint._nested_dict``, torch 2.2 to 2.13 at least).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state_dict)

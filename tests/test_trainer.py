@@ -124,9 +124,10 @@ def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, world_size, 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_zero_wrapped_model_trains_like_plain_ddp(tmp_path, stage):
-    # Clipping goes through ZeroOptimizer.clip_grad_norm_, the checkpoint through its
-    # consolidating state_dict(), which the resume test below relies on too.
-    options = dict(epochs=2, batch_size=8, max_grad_norm=0.5, checkpoint_every=5, plot=False)
+    # Clipping goes through ZeroOptimizer.clip_grad_norm_, the full-format checkpoint
+    # through its consolidating state_dict() (sharded checkpoints: test_trainer_sharded.py).
+    options = dict(epochs=2, batch_size=8, max_grad_norm=0.5, checkpoint_every=5, plot=False,
+                   checkpoint_format="full")
     zero = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "zero"),
                                                          dict(options, zero_stage=stage)))
     plain = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "plain"), dict(options)))
@@ -186,7 +187,8 @@ SHARDED_STOP = 8  # 6 steps per epoch: in the middle of the second
 
 def _sharded_runs(rank: int, world_size: int, base: str) -> dict:
     options = dict(SHARDED, fully_sharded=True)
-    return {"full": train(rank, world_size, f"{base}/sharded", dict(options)),
+    # The uninterrupted run writes the full format; the parted one the default, sharded.
+    return {"full": train(rank, world_size, f"{base}/sharded", dict(options, checkpoint_format="full")),
             "first": train(rank, world_size, f"{base}/parted", dict(options, max_steps=SHARDED_STOP)),
             # From a different initialisation: everything must come from the checkpoint.
             "second": train(rank, world_size, f"{base}/parted", dict(options), init_seed=1)}
@@ -196,7 +198,7 @@ def _one_process_runs(rank: int, world_size: int, base: str, sharded_checkpoint:
     options = dict(SHARDED, batch_size=16, grad_accum=1)
     resumed = Path(base) / "one-resumed" / "checkpoints"
     resumed.mkdir(parents=True)
-    shutil.copy(sharded_checkpoint, resumed)
+    shutil.copytree(sharded_checkpoint, resumed / Path(sharded_checkpoint).name)
     return {"full": train(rank, world_size, f"{base}/one", dict(options)),
             "resumed": train(rank, world_size, str(resumed.parent), dict(options), init_seed=1)}
 
@@ -243,14 +245,14 @@ def test_a_fully_sharded_model_trains_like_one_process_on_the_global_batch(shard
 def test_a_fully_sharded_run_resumes_exactly_at_any_world_size(sharded_runs):
     sharded, one = sharded_runs
     assert sharded[0]["first"]["steps"] == SHARDED_STOP and sharded[0]["first"]["epochs"] == 1
-    assert Path(sharded[0]["first"]["checkpoint"]).name == f"step-{SHARDED_STOP:08d}.pt"
+    assert Path(sharded[0]["first"]["checkpoint"]).name == f"step-{SHARDED_STOP:08d}"  # sharded, a directory
     for rank in range(2):
         assert max_param_diff(sharded[rank]["second"]["params"], sharded[rank]["full"]["params"]) <= 1e-6
     resumed = train_losses(sharded[0]["second"]["history"])
     uninterrupted = train_losses(sharded[0]["full"]["history"])
     assert [s for s, _ in resumed] == [s for s, _ in uninterrupted]
     assert [l for _, l in resumed] == pytest.approx([l for _, l in uninterrupted], abs=1e-6)
-    # The same checkpoint resumed by one process without fully_shard.
+    # The same sharded checkpoint resumed by one process without fully_shard.
     assert one["resumed"]["steps"] == 12
     assert max_param_diff(one["resumed"]["params"], one["full"]["params"]) <= 1e-6
 

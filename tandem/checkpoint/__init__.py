@@ -2,7 +2,8 @@
 (atomic.py), and checkpoints of several files, written by several ranks, in
 step directories committed by a marker written last (commit.py; agree.py makes
 a failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
-sharded state of fully_shard models into the same directories.
+sharded state of fully_shard models into the same directories; flat.py lets DCP
+save and reshard tensors that ranks hold as flat ranges (ZeRO's shards).
 
 Below zero/ and train/: it uses only comm/.
 """

@@ -66,7 +66,7 @@ from tandem.checkpoint.agree import attempt, describe, gather, group_comm, raise
 from tandem.checkpoint.atomic import atomic_write_bytes, file_crc32, fsync_directory, remove_quietly
 
 __all__ = ["MARKER", "CheckpointError", "CommittedCheckpoint", "FileRecord", "Writer", "committed_steps",
-           "load_committed", "save_committed", "step_directory"]
+           "load_committed", "remove_step_directory", "save_committed", "step_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _prepare(directory: Path) -> None:
     if directory.exists():
         if (directory / MARKER).exists():
             logger.warning("replacing the committed checkpoint %s", directory)
-        _remove_step_directory(directory)
+        remove_step_directory(directory)
     directory.mkdir(parents=True)
     fsync_directory(directory.parent)
 
@@ -318,7 +318,7 @@ def _clean_up(root: Path, step: int, keep: int | None) -> None:
         if keep is not None:
             for s in committed_steps(root)[:-keep]:
                 if s != step:  # the step just saved stays, even below newer ones
-                    _remove_step_directory(step_directory(root, s))
+                    remove_step_directory(step_directory(root, s))
         newer = [s for s in committed_steps(root) if s > step]
         if newer:
             logger.warning("committed step %d under %s, but steps %s are newer and load first",
@@ -327,9 +327,9 @@ def _clean_up(root: Path, step: int, keep: int | None) -> None:
         logger.warning("could not clean up old checkpoints in %s: %s", root, e)
 
 
-def _remove_step_directory(directory: Path) -> None:
-    """Uncommit first, so that a removal cut short never leaves a committed checkpoint
-    with files missing."""
+def remove_step_directory(directory: Path) -> None:
+    """Remove a step directory, committed or not. Uncommit first, so that a removal
+    cut short never leaves a committed checkpoint with files missing."""
     marker = directory / MARKER
     if marker.exists():
         remove_quietly(marker)

@@ -1,6 +1,9 @@
 """Sharded model (and optimizer) state through torch.distributed.checkpoint, in
 committed step directories: for ``tandem.fully_shard`` models, whose state
-dicts hold DTensors, and any model DCP can save.
+dicts hold DTensors, and any model DCP can save. The writer and the loader are
+also the Trainer's (tandem/train/sharded_checkpoint.py), whose state dicts may
+hold a ZeroOptimizer's flat shards (Note [flat shards in DCP] in flat.py): the
+planners here are DCP's default ones, extended to those.
 
 DCP writes its own files (``__{rank}_{i}.distcp`` per rank, ``.metadata`` from
 the coordinator) and runs its own collectives; tandem adds the commit around
@@ -19,6 +22,7 @@ state in the checkpoint and keeps the fresh state that ``get_state_dict`` makes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, \
     set_state_dict
 
 from tandem.checkpoint.agree import agree, group_comm
-from tandem.checkpoint.commit import CheckpointError, load_committed, save_committed
+from tandem.checkpoint.commit import CheckpointError, CommittedCheckpoint, Writer, load_committed, save_committed
+from tandem.checkpoint.flat import FlatLoadPlanner, FlatSavePlanner
 
-__all__ = ["KIND", "load_sharded_checkpoint", "save_sharded_checkpoint"]
+__all__ = ["KIND", "dcp_state_dicts", "dcp_writer", "load_dcp_files", "load_sharded_checkpoint", "read_dcp_metadata",
+           "save_sharded_checkpoint"]
 
 KIND = "dcp"
 """The ``kind`` recorded in the commit marker of these checkpoints."""
@@ -61,19 +67,30 @@ def save_sharded_checkpoint(root: str | os.PathLike[str], model: nn.Module,
         CheckpointError: on every rank, when a rank failed to write or the ranks
             passed different steps (see :func:`tandem.checkpoint.save_committed`).
     """
-    state = _state_dicts(model, optimizer)
+    write = dcp_writer(dcp_state_dicts(model, optimizer), group)
+    return save_committed(root, step, write, kind=KIND, keep=keep, group=group)
+
+
+def dcp_writer(state: dict[str, Any], group: dist.ProcessGroup | None,
+               before: Callable[[Path], None] | None = None) -> Writer:
+    """The writer, for :func:`tandem.checkpoint.save_committed`, of ``state`` through
+    ``dcp.save`` (DTensors, plain tensors, :class:`~tandem.checkpoint.flat.FlatShard` values and other
+    objects); ``before(directory)`` writes this rank's own further files first.
+    Every rank vouches for an equal share of the directory's files."""
     comm = group_comm(group)
     rank, world = (comm.rank, comm.size) if comm else (0, 1)
 
     def write(directory: Path) -> list[str]:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), process_group=group,
-                 no_dist=comm is None)
+        if before is not None:
+            before(directory)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), planner=FlatSavePlanner(),
+                 process_group=group, no_dist=comm is None)
         # DCP's last collective follows the coordinator's .metadata: every rank
         # now lists the same files, and vouches for every world-th of them.
         names = sorted(p.name for p in directory.iterdir() if p.is_file())
         return names[rank::world]
 
-    return save_committed(root, step, write, kind=KIND, keep=keep, group=group)
+    return write
 
 
 def load_sharded_checkpoint(root: str | os.PathLike[str], model: nn.Module,
@@ -94,8 +111,31 @@ def load_sharded_checkpoint(root: str | os.PathLike[str], model: nn.Module,
             ranks that would load different steps.
     """
     ckpt = load_committed(root, step=step, kind=KIND, group=group)
+    state = dcp_state_dicts(model, optimizer)
+    load_dcp_files(ckpt, state, group)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return ckpt.step
+
+
+def read_dcp_metadata(ckpt: CommittedCheckpoint) -> Metadata:
+    """The DCP metadata of a committed checkpoint (its keys, shapes and dtypes)."""
+    return dcp.FileSystemReader(ckpt.directory).read_metadata()
+
+
+def load_dcp_files(ckpt: CommittedCheckpoint, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Load the DCP files of the checked checkpoint ``ckpt`` into ``state`` (in
+    place where its values are tensors or :class:`~tandem.checkpoint.flat.FlatShard`), once the keys and
+    shapes of ``state["model"]`` and ``state["optim"]`` are found to fit. A
+    collective.
+
+    Raises:
+        CheckpointError: on every rank, naming the keys that do not fit, or the
+            failure of any rank's read.
+    """
     comm = group_comm(group)
-    state = _state_dicts(model, optimizer)
     reader = dcp.FileSystemReader(ckpt.directory)
     where = f"the checkpoint {ckpt.directory} (step {ckpt.step})"
 
@@ -108,16 +148,13 @@ def load_sharded_checkpoint(root: str | os.PathLike[str], model: nn.Module,
     agree(check, what="checking the keys and shapes", error_type=CheckpointError, group=group)
     # The model's keys are checked above; partial only for optimizer state.
     agree(lambda: dcp.load(state, storage_reader=reader, process_group=group, no_dist=comm is None,
-                           planner=DefaultLoadPlanner(allow_partial_load=True)),
+                           planner=FlatLoadPlanner(allow_partial_load=True)),
           what=f"loading {where}", error_type=CheckpointError, group=group)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return ckpt.step
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def dcp_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` from torch's ``get_state_dict`` (sharded
+    where the model is: DTensors), the state dict that DCP saves and loads."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -141,7 +178,8 @@ def _mismatches(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
                         for k, v in values.items()})
     for key, (label, value) in sorted(tensors.items()):
         size = getattr(saved.get(key), "size", None)
-        if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
+        shape = getattr(value, "shape", None)  # a tensor's, a DTensor's or a FlatShard's whole shape
+        if shape is not None and size is not None and tuple(size) != tuple(shape):
             problems.append(f"{label} has shape {tuple(size)} in the checkpoint, "
                             f"{tuple(value.shape)} in the model")
     return problems

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from tandem.checkpoint.atomic import atomic_save
+from tandem.checkpoint.commit import committed_steps, remove_step_directory, step_directory
 from tandem.comm.group import GroupComm
 
-__all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+__all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "remove_checkpoint",
            "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -94,19 +95,33 @@ def checkpoint_name(step: int) -> str:
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """The complete ``step-N.pt`` checkpoints in ``directory``, oldest step first
-    (temporary files of an unfinished save are not listed)."""
+    """The complete checkpoints in ``directory``, oldest step first: ``step-N.pt``
+    files (full state) and committed ``step-N/`` directories (sharded: Note
+    [sharded trainer checkpoints] in sharded_checkpoint.py). Temporary files and
+    directories of an unfinished save are not listed; of a file and a directory
+    of the same step, the directory comes last."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = [(int(m.group(1)), 0, p) for p in directory.iterdir() if (m := _STEP_NAME.match(p.name))]
+    found += [(s, 1, step_directory(directory, s)) for s in committed_steps(directory)]
+    return [p for _, _, p in sorted(found)]
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     """The checkpoint with the highest step in ``directory``, or None."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint file, or a sharded checkpoint's step directory (its
+    commit marker first, so that a removal cut short leaves nothing loadable)."""
+    path = Path(path)
+    if path.is_dir():
+        remove_step_directory(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _distributed(group: dist.ProcessGroup | None) -> bool:

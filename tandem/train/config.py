@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.ddp.checks import NonFinite
 
-__all__ = ["Precision", "TrainerConfig"]
+__all__ = ["CheckpointFormat", "Precision", "TrainerConfig"]
 
 
 class Precision(str, Enum):
@@ -26,6 +26,23 @@ class Precision(str, Enum):
             return cls(value)
         except ValueError:
             raise ValueError(f"precision must be one of {[p.value for p in cls]}, got {value!r}") from None
+
+
+class CheckpointFormat(str, Enum):
+    """How the Trainer writes checkpoints (it resumes from either)."""
+
+    FULL = "full"          # one file, the whole state gathered onto rank 0, in torch's format
+    SHARDED = "sharded"    # every rank writes its shard with torch.distributed.checkpoint
+
+    @classmethod
+    def parse(cls, value: str | CheckpointFormat | None) -> CheckpointFormat | None:
+        if value is None:
+            return None
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"checkpoint_format must be one of {[f.value for f in cls]} or None, "
+                             f"got {value!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +79,12 @@ class TrainerConfig:
     of each epoch and of the run)."""
     keep_checkpoints: int = 2
     """Checkpoints kept in ``output_dir/checkpoints``; older ones are deleted."""
+    checkpoint_format: CheckpointFormat | str | None = None
+    """"sharded": each rank writes its shard of the model and optimizer in parallel
+    (torch.distributed.checkpoint, in a committed step directory); "full": rank 0
+    writes one file holding the whole state in torch's format. None: "sharded"
+    for a fully-sharded model or a ZeroOptimizer, "full" otherwise. Resuming reads
+    either; ``Trainer.export`` writes the full format on demand."""
     resume: bool = True
     """Continue from the latest checkpoint in ``output_dir`` when there is one."""
     max_steps: int | None = None
@@ -87,6 +110,7 @@ class TrainerConfig:
         nonfinite = NonFinite.parse(self.nonfinite, "nonfinite")
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "nonfinite", nonfinite)
+        object.__setattr__(self, "checkpoint_format", CheckpointFormat.parse(self.checkpoint_format))
         if nonfinite is NonFinite.RAISE and precision is Precision.FP16:
             raise ValueError("nonfinite='raise' does not go with precision='fp16', whose GradScaler "
                              "expects occasional overflow and skips those steps itself; use "

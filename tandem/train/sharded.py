@@ -3,8 +3,10 @@ full state out to a checkpoint and back in.
 
 # Note [full checkpoints of a sharded model]
 Under fully_shard each rank holds one dim-0 slice of every parameter and of its
-optimizer state. The Trainer's checkpoints hold the *full* state nevertheless,
-in the format an unsharded run writes: plain tensors from ``model.state_dict()``,
+optimizer state. The Trainer saves that sharded, every rank its slice (Note
+[sharded trainer checkpoints] in sharded_checkpoint.py); the full format is
+what ``checkpoint_format="full"`` and ``Trainer.export`` write: the *full*
+state, in the format an unsharded run writes: plain tensors from ``model.state_dict()``,
 and ``optimizer.state_dict()``'s layout, keyed by each parameter's position in
 the param groups. One file thus resumes at any world size, sharded or not, and
 a single process loads it with plain ``load_state_dict``. torch's

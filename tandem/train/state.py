@@ -13,7 +13,10 @@ parameters an uninterrupted run reaches. That takes more than the model:
 Under ZeRO the optimizer state is sharded; its state_dict() consolidates it in
 torch's format, which is also what makes the file loadable at another world size.
 A fully-sharded model's parameters and optimizer state are gathered into the
-same format (Note [full checkpoints of a sharded model] in sharded.py).
+same format (Note [full checkpoints of a sharded model] in sharded.py). That is
+the full format; the Trainer saves sharded models without gathering, the loop's
+part of this state (loop_state_dict) beside DCP's shards (Note [sharded trainer
+checkpoints] in sharded_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = ["TrainingState"]
 logger = logging.getLogger(__name__)
 
 FORMAT = "tandem.training_state/1"
+LOOP_FORMAT = "tandem.training_loop/1"  # the loop's part alone, beside a sharded checkpoint
 
 
 @dataclass
@@ -66,19 +70,30 @@ class TrainingState:
     """Anything else to keep (tensors, numbers, strings, containers of them)."""
 
     def state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
-        rng = _gather(capture_rng_state(), group)
         model: dict[str, Any] | None = None
         optimizer = None
         if is_fully_sharded(self.model):
             model, optimizer = full_state_dicts(self.model, self.optimizer)
         elif self.optimizer is not None:
             optimizer = self.optimizer.state_dict()  # a collective for ZeroOptimizer
+        loop = self.loop_state_dict(group)
+        if loop is None:
+            return None
+        return {**loop, "format": FORMAT,
+                "model": unwrap_model(self.model).state_dict() if model is None else model,
+                "optimizer": optimizer}
+
+    def loop_state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
+        """Everything but the model and the optimizer: the scheduler, the scaler,
+        the counters, every rank's RNG state and ``extra``. A collective (it
+        gathers the RNG states); the dict on rank 0, None elsewhere. What goes
+        beside a sharded checkpoint's DCP files (Note [sharded trainer
+        checkpoints] in sharded_checkpoint.py)."""
+        rng = _gather(capture_rng_state(), group)
         if _rank(group) != 0:
             return None
         return {
-            "format": FORMAT,
-            "model": unwrap_model(self.model).state_dict() if model is None else model,
-            "optimizer": optimizer,
+            "format": LOOP_FORMAT,
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "step": self.step,
@@ -89,24 +104,35 @@ class TrainingState:
         }
 
     def load_state_dict(self, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
-        if not isinstance(state, dict):
-            raise ValueError(f"not a tandem training state but {type(state).__name__}; state_dict() "
-                             "returns it on rank 0 only: load the checkpoint file on every rank")
-        if state.get("format") != FORMAT:
-            raise ValueError(f"not a tandem training state (format {state.get('format')!r}, "
-                             f"expected {FORMAT!r})")
-        # Checked before anything is loaded, so that a rejected state changes nothing.
-        given = [name for name in ("optimizer", "scheduler", "scaler") if getattr(self, name) is not None]
-        for name in given:
-            if state[name] is None:
-                raise ValueError(f"the checkpoint holds no {name} state, but a {name} was given; "
-                                 f"resume with the same set-up as the saved run")
+        self.check_loop_state(state, FORMAT)
+        if self.optimizer is not None and state["optimizer"] is None:
+            raise ValueError("the checkpoint holds no optimizer state, but a optimizer was given; "
+                             "resume with the same set-up as the saved run")
         if is_fully_sharded(self.model):  # a collective; each rank keeps its slice
             load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
         else:
             unwrap_model(self.model).load_state_dict(state["model"])
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
+        self.load_loop_state_dict(state, group)
+
+    def check_loop_state(self, state: Any, expected: str = LOOP_FORMAT) -> None:
+        """Raise ValueError, before anything is loaded, when ``state`` is not a
+        training state of format ``expected`` that fits this run's scheduler and scaler."""
+        if not isinstance(state, dict):
+            raise ValueError(f"not a tandem training state but {type(state).__name__}; state_dict() "
+                             "returns it on rank 0 only: load the checkpoint file on every rank")
+        if state.get("format") != expected:
+            raise ValueError(f"not a tandem training state (format {state.get('format')!r}, "
+                             f"expected {expected!r})")
+        for name in ("scheduler", "scaler"):
+            if getattr(self, name) is not None and state[name] is None:
+                raise ValueError(f"the checkpoint holds no {name} state, but a {name} was given; "
+                                 f"resume with the same set-up as the saved run")
+
+    def load_loop_state_dict(self, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+        """Load what :meth:`loop_state_dict` returned (or a whole :meth:`state_dict`)
+        on every rank: each rank continues its saved RNG stream."""
         for name in ("scheduler", "scaler"):
             if getattr(self, name) is not None:
                 getattr(self, name).load_state_dict(state[name])

@@ -5,8 +5,8 @@ It puts tandem's pieces together, each of which works alone: DistributedDataPara
 built is taken as it is), DistributedSampler with set_epoch and mid-epoch resume,
 gradient accumulation without gradient sync, autocast and a gradient scaler,
 clipping, a guard against NaN/Inf gradients, evaluation with every sample counted
-once, atomic checkpoints and exact resume, a progress bar on rank 0, a JSONL
-record and a loss plot.
+once, atomic checkpoints (sharded for sharded models) and exact resume at any
+world size, a progress bar on rank 0, a JSONL record and a loss plot.
 
 The contract with the data: a dataset item is ``(inputs, target)``; the loader
 collates them into batches; ``loss_fn(model(inputs), targets)`` is the mean loss
@@ -45,14 +45,15 @@ from tandem.data import DistributedSampler, RunningMean, gather_samples
 from tandem._tree import to_device
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
-    load_checkpoint, save_checkpoint
-from tandem.train.config import Precision, TrainerConfig
+    load_checkpoint, remove_checkpoint, save_checkpoint
+from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
 from tandem.train.history import History
 from tandem.train.plot import plot_losses
 from tandem.train.precision import ShardedGradients, autocast_for, scaler_for
 from tandem.train.progress import Progress
 from tandem.train.rng import rank_seed
 from tandem.train.sharded import check_optimizer, is_fully_sharded
+from tandem.train.sharded_checkpoint import load_sharded_state, save_sharded_state
 from tandem.train.state import TrainingState, unwrap_model
 
 __all__ = ["FitResult", "Trainer"]
@@ -87,8 +88,9 @@ class Trainer:
         model: the model, on this rank's device. Wrapped in
             tandem.DistributedDataParallel when the world has more than one rank,
             unless it already is a DDP model (pass your own wrapper for ZeRO) or
-            went through tandem.fully_shard (its checkpoints still hold the
-            full model and optimizer state).
+            went through tandem.fully_shard. Such sharded models are saved
+            sharded by default (``TrainerConfig.checkpoint_format``), every rank
+            its own shard; :meth:`export` writes the full state to one file.
         optimizer: built on the model's parameters (a torch optimizer, also over
             a fully-sharded model's, or a tandem.ZeroOptimizer over an already
             wrapped model).
@@ -142,6 +144,10 @@ class Trainer:
         self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
                                    scaler=self.scaler)
         self.checkpoint_dir = self._output_dir / "checkpoints"
+        # Note [sharded trainer checkpoints] in sharded_checkpoint.py
+        chosen = cast("CheckpointFormat | None", self.config.checkpoint_format)
+        self.checkpoint_format = chosen or (CheckpointFormat.SHARDED if zero or is_fully_sharded(model)
+                                            else CheckpointFormat.FULL)
 
     # ------------------------------------------------------------------ set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -418,12 +424,27 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _save(self, history: History) -> Path:
         self.state.extra = {"history": history.records}
-        path = self.checkpoint_dir / checkpoint_name(self.state.step)
-        save_checkpoint(self.state.state_dict(), path)
+        if self.checkpoint_format is CheckpointFormat.SHARDED:
+            path = save_sharded_state(self.state, self.checkpoint_dir)
+        else:
+            path = save_checkpoint(self.state.state_dict(), self.checkpoint_dir / checkpoint_name(self.state.step))
         if self.rank == 0:
             for old in list_checkpoints(self.checkpoint_dir)[:-self.config.keep_checkpoints]:
-                old.unlink(missing_ok=True)
+                if old != path:  # the step just saved stays, even below newer ones
+                    remove_checkpoint(old)
         return path
+
+    def export(self, path: str | Path) -> Path:
+        """Write the whole training state to one file at ``path``, in the format of
+        ``checkpoint_format="full"``: the full model and optimizer state in torch's
+        own format (``torch.load(path)["model"]`` loads into the plain model with
+        ``load_state_dict``), whatever the sharding. A collective: a sharded
+        model's state is gathered onto rank 0, which writes the file.
+
+        Returns:
+            The path written.
+        """
+        return save_checkpoint(self.state.state_dict(), path)
 
     def _resume(self) -> Path | None:
         latest = latest_checkpoint(self.checkpoint_dir)
@@ -435,7 +456,10 @@ class Trainer:
                 "resume=False")
         if latest is None:
             return None
-        self.state.load_state_dict(load_checkpoint(latest, map_location=self.device))
+        if latest.is_dir():
+            load_sharded_state(self.state, latest, map_location=self.device)
+        else:
+            self.state.load_state_dict(load_checkpoint(latest, map_location=self.device))
         return latest
 
     # ------------------------------------------------------------------ small collectives
