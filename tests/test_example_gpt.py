@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tandem.testing import max_abs_diff, run_distributed
+from tandem.train import list_checkpoints
 
 TANDEM_RUN = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", "2"]
 # 36k training characters in windows of 32: 1124 windows, 36 steps of 2 x 16 per epoch.
@@ -127,7 +128,9 @@ def test_the_gpt_job_runs_end_to_end_and_beats_the_unigram_baseline(results):
     assert loss < baseline - 0.3, (loss, baseline)
     assert len(stdout.split(RULE)[1].strip("\n")) >= 50  # 60 characters, some of them spaces
     out = tmp / "whole"
-    assert [p.name for p in sorted((out / "checkpoints").glob("*.pt"))] == ["step-00000036.pt", "step-00000072.pt"]
+    # A fully-sharded model's checkpoints are sharded: committed directories of DCP files.
+    saved = list_checkpoints(out / "checkpoints")
+    assert [(p.name, p.is_dir()) for p in saved] == [("step-00000036", True), ("step-00000072", True)]
     assert (out / "loss.png").stat().st_size > 0
     assert [step for step, _ in _records(out, "eval")] == [36, 72]
 
@@ -135,7 +138,7 @@ def test_the_gpt_job_runs_end_to_end_and_beats_the_unigram_baseline(results):
 def test_the_gpt_job_resumed_mid_epoch_continues_the_same_loss_curve(results):
     tmp, runs = results
     assert "trained 1 epoch(s), 50 steps" in runs["stopped"]
-    assert f"resumed from {tmp}/parted/checkpoints/step-00000050.pt (epoch 1, step 50)" in runs["resumed"]
+    assert f"resumed from {tmp}/parted/checkpoints/step-00000050 (epoch 1, step 50)" in runs["resumed"]
     # The same training records (the resumed run's file keeps the stopped run's,
     # from the checkpoint) and evaluations, the same model: the same sample.
     assert _records(tmp / "parted", "train") == _records(tmp / "whole", "train")

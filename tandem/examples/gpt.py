@@ -28,7 +28,8 @@ text's character frequencies (what a model that ignores context reaches, about
 reached, and in what time). At the end rank 0 prints a sample drawn from the
 model at temperature 0.8 with a fixed seed.
 
-The run writes to ``tandem-gpt/``: ``checkpoints/step-*.pt`` (after every epoch),
+The run writes to ``tandem-gpt/``: ``checkpoints/step-*/`` (after every epoch;
+sharded: each rank writes its own shards with torch.distributed.checkpoint),
 ``metrics.jsonl`` and ``loss.png``. Run the same command again and it resumes
 from the latest checkpoint (interrupted: exactly where it stopped; finished: it
 only prints the result and a sample). ``--fresh`` starts over, ``--max-steps N`` stops
