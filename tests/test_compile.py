@@ -37,38 +37,15 @@ from torch import nn
 import tandem
 from tandem.fsdp import fully_shard
 from tandem.testing import max_abs_diff, run_distributed
-from tandem.testing.models import TinyLM
+from tandem.testing.models import GPTBlock, TinyLM
 
 TOL = 1e-6
 VOCAB, SEQ, BATCH = 64, 8, 2  # BATCH sequences per rank
 
 
-class Block(nn.Module):
-    """A GPT block: causal self-attention and an MLP, each residual after a LayerNorm.
-    No bias on the query/key/value projection: the key bias gets no gradient
-    in exact arithmetic (softmax ignores a constant added to every score), only
-    rounding noise, which AdamW would scale up to a full step."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(d, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 def gpt(dim: int, depth: int, heads: int = 2) -> TinyLM:
     torch.manual_seed(0)
-    return TinyLM(VOCAB, dim, [Block(dim, heads) for _ in range(depth)])
+    return TinyLM(VOCAB, dim, [GPTBlock(dim, heads) for _ in range(depth)])
 
 
 # DDP: 3.2 MB of parameters, so that 1 MiB buckets (the smallest cap torch's
