@@ -4,6 +4,7 @@ decision, and the launcher flags, in one process."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -131,3 +132,22 @@ def test_hang_flags_reach_the_config_and_the_workers():
     assert debug_flags({"TANDEM_DEBUG": " Collectives, other"}) == {"collectives", "other"}
     with pytest.raises(ValueError, match="--hang-timeout 0 is invalid"):
         LaunchConfig(nproc_per_node=1, hang_timeout_s=0)
+
+
+def test_a_dump_read_halfway_is_waited_for_until_the_main_thread_is_in_it(tmp_path):
+    # Note [whole dumps]: faulthandler writes thread by thread; the watchdog must
+    # not take the monitor thread's block alone for the rank's dump.
+    from tandem.launch.watchdog import _await_stacks
+
+    attempt = _attempt(tmp_path, 0, 1)
+    main = 0x7F707626DB80
+    monitor = "Thread 0x00007f7051d666c0 (most recent call first):\n  File \"m.py\", line 1 in _run\n\n"
+    whole = monitor + f"Current thread 0x{main:016x} (most recent call first):\n  File \"train.py\", line 20 in forward\n"
+    attempt.ranks[0].stacks.write_text(monitor)
+    finish = threading.Timer(0.3, attempt.ranks[0].stacks.write_text, args=(whole,))
+    finish.start()
+    try:
+        stacks = _await_stacks(attempt, {0: main})
+    finally:
+        finish.join()
+    assert main_thread_stack(stacks[0], main)[0].func == "forward"

@@ -13,6 +13,14 @@ that wrote a file (their ``faulthandler`` dumps every thread's stack; a worker
 that wrote none has no handler, and SIGUSR1 would kill it), reads the files
 and builds the report (:mod:`tandem.launch.hang`).
 
+# Note [whole dumps]
+``faulthandler`` writes a dump thread by thread, line by line, from the signal
+handler, while the watchdog polls the file. A dump read halfway (the monitor
+thread's block written, the main thread's not yet) would report no stack for
+that rank. So a dump counts once it holds the block of the rank's main thread
+(whose ident the progress file gives) and has not changed for one poll; after
+STACKS_WAIT_S whatever is there is used.
+
 The launcher on each node watches its own workers. In a job on several nodes,
 the ranks waiting on a stuck rank elsewhere stop progressing too, so every
 node's watchdog fires; each reports its own ranks.
@@ -85,23 +93,35 @@ class Watchdog:
                     asked.append(rank)
                 except OSError as e:
                     logger.debug("rank %d: cannot signal pid %d: %s", rank, pid, e)
-        stacks = _await_stacks(attempt, asked)
+        main_threads = {rank: (snapshots[rank] or {}).get("main_thread") for rank in asked}
+        stacks = _await_stacks(attempt, main_threads)
         return format_hang_report(snapshots, stacks, now=time.time(), stalled_s=stalled_s,
                                   timeout_s=self.timeout_s, library_paths=_library_paths())
 
 
-def _await_stacks(attempt: Attempt, ranks: list[int]) -> dict[int, str]:
+def _await_stacks(attempt: Attempt, main_threads: Mapping[int, int | None]) -> dict[int, str]:
+    """Each asked rank's dump, once it is whole (Note [whole dumps]), or what
+    there is of it after STACKS_WAIT_S."""
     deadline = time.monotonic() + STACKS_WAIT_S
     stacks: dict[int, str] = {}
+    seen: dict[int, str] = {}
     while True:
-        for rank in ranks:
-            if rank not in stacks:
-                text = _read_text(attempt.ranks[rank].stacks)
-                if "most recent call first" in text:
-                    stacks[rank] = text
-        if len(stacks) == len(ranks) or time.monotonic() > deadline:
+        late = time.monotonic() > deadline
+        for rank, main in main_threads.items():
+            if rank in stacks:
+                continue
+            text = _read_text(attempt.ranks[rank].stacks)
+            if "most recent call first" in text and (late or (text == seen.get(rank) and _has_thread(text, main))):
+                stacks[rank] = text
+            seen[rank] = text
+        if len(stacks) == len(main_threads) or late:
             return stacks
         time.sleep(0.05)
+
+
+def _has_thread(dump: str, ident: int | None) -> bool:
+    """Whether ``dump`` has the block of thread ``ident`` (any block when unknown)."""
+    return ident is None or f"hread 0x{ident:016x} (most recent call first)" in dump
 
 
 def _library_paths() -> tuple[str, ...]:
