@@ -38,8 +38,8 @@ from tandem.checkpoint.agree import agree, group_comm
 from tandem.checkpoint.commit import CheckpointError, CommittedCheckpoint, Writer, load_committed, save_committed
 from tandem.checkpoint.flat import FlatLoadPlanner, FlatSavePlanner
 
-__all__ = ["KIND", "dcp_state_dicts", "dcp_writer", "load_dcp_files", "load_sharded_checkpoint", "read_dcp_metadata",
-           "save_sharded_checkpoint"]
+__all__ = ["KIND", "dcp_state_dicts", "dcp_writer", "load_dcp_files", "load_dcp_into", "load_sharded_checkpoint",
+           "read_dcp_metadata", "save_sharded_checkpoint"]
 
 KIND = "dcp"
 """The ``kind`` recorded in the commit marker of these checkpoints."""
@@ -111,13 +111,20 @@ def load_sharded_checkpoint(root: str | os.PathLike[str], model: nn.Module,
             ranks that would load different steps.
     """
     ckpt = load_committed(root, step=step, kind=KIND, group=group)
+    load_dcp_into(ckpt, model, optimizer, group)
+    return ckpt.step
+
+
+def load_dcp_into(ckpt: CommittedCheckpoint, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  group: dist.ProcessGroup | None) -> None:
+    """Load ``ckpt``'s DCP files into ``model`` (and ``optimizer``) through torch's
+    state-dict API, which reshards them to this model's layout."""
     state = dcp_state_dicts(model, optimizer)
     load_dcp_files(ckpt, state, group)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return ckpt.step
 
 
 def read_dcp_metadata(ckpt: CommittedCheckpoint) -> Metadata:

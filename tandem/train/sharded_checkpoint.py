@@ -40,11 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
 from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import load_committed, save_committed
-from tandem.checkpoint.dcp import dcp_state_dicts, dcp_writer, load_dcp_files, read_dcp_metadata
+from tandem.checkpoint.dcp import dcp_state_dicts, dcp_writer, load_dcp_files, load_dcp_into, read_dcp_metadata
 from tandem.train.state import TrainingState, unwrap_model
 from tandem.zero.dcp_state import zero_dcp_state, zero_load_target
 from tandem.zero.optimizer import ZeroOptimizer
@@ -103,13 +102,7 @@ def load_sharded_state(state: TrainingState, directory: str | Path, *,
         unwrap_model(model).load_state_dict(shards["model"])
         target.install()
     else:
-        module = unwrap_model(model)
-        shards = dcp_state_dicts(module, optimizer)
-        load_dcp_files(ckpt, shards, group)
-        if optimizer is None:
-            set_model_state_dict(module, shards["model"])
-        else:
-            set_state_dict(module, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
+        load_dcp_into(ckpt, unwrap_model(model), optimizer, group)
     state.load_loop_state_dict(loop, group)
     logger.info("resumed from the sharded checkpoint %s (saved by %d ranks)", ckpt.directory, ckpt.world_size)
 
