@@ -435,3 +435,45 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state_dict)
+
+
+__all__ += ["forget_default_group"]
+
+# Groups left behind by forget_default_group, never destroyed (see there).
+_FORGOTTEN: list[Any] = []
+
+
+def forget_default_group() -> None:
+    """Unset the default process group without shutting it down.
+
+    Why: an elastic job (Note [elastic default group] in tandem.comm.bootstrap)
+    replaces the default group after a peer died. ``destroy_process_group`` and
+    ``ProcessGroup.abort`` join gloo's worker threads, and a worker can be
+    blocked in a collective with a peer that is alive but has left the group
+    (it started the next bucket's all-reduce, the peer did not), until the
+    group's timeout (10 minutes). So the old group is kept, unreachable, in
+    ``_FORGOTTEN`` (its threads end at its own timeout) and torch's registry is
+    cleared as ``destroy_process_group`` clears it for the default group. The
+    bookkeeping is torch's private ``_world`` (torch 2.4 to 2.13).
+    """
+    import ctypes
+
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    pg = c10d.GroupMember.WORLD
+    forgotten_before = len(_FORGOTTEN)
+    _FORGOTTEN.extend(world.pg_map)
+    c10d._update_default_pg(None)
+    for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+                 "pg_coalesce_state"):
+        getattr(world, name).clear()
+    if hasattr(c10d, "_unregister_all_process_groups"):
+        c10d._unregister_all_process_groups()
+    world.group_count = 0
+    if pg is not None and pg not in _FORGOTTEN:
+        _FORGOTTEN.append(pg)
+    # Never destroyed, not even as the interpreter exits: its destructor would wait
+    # for the blocked workers (up to the group's timeout) and hold up the exit.
+    for group in _FORGOTTEN[forgotten_before:]:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

@@ -14,9 +14,11 @@ this module's one piece of state (Note [who owns the default group]).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
+import socket
 import weakref
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -24,13 +26,19 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from tandem._compat import bind_group_defaults_before_init, default_store
+from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group
 from tandem.comm.exit import install_clean_exit, uninstall_clean_exit
+from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership
 from tandem.comm.monitor import start_monitor, stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
 
-__all__ = ["DEFAULT_TIMEOUT", "init", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "JOIN_ENV", "elastic_membership", "enter_generation", "init", "job_store",
+           "shutdown"]
+
+JOIN_ENV = "TANDEM_ELASTIC_JOIN"
+"""Set to ``1`` for a replacement worker: :func:`init` then joins the running
+elastic job at its next step boundary instead of starting a new one."""
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,8 @@ class _Membership:
     """What :func:`init` returned."""
     timeout: datetime.timedelta | None
     """The timeout the group was created with; None for an adopted group (unknown)."""
+    elastic: Membership | None = None
+    """This process's place in an elastic job (Note [elastic membership]), once it has one."""
 
     def is_current(self) -> bool:
         """Whether this is still this process's default group."""
@@ -147,6 +157,8 @@ def init(
     _check_rank_args(rank, world_size, scheme, init_method)
     if dist.is_initialized():
         return _join_existing(backend, init_method, scheme, timeout, timeout_td, rank, world_size)
+    if os.environ.get(JOIN_ENV) == "1":
+        return _join_elastic(backend, init_method, timeout_td)
 
     launch = world_from_env(os.environ, require_master=scheme in (None, "env"))
     if scheme == "env" and launch is None:
@@ -226,7 +238,7 @@ def shutdown() -> None:
 
 
 def _start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
-                 timeout: datetime.timedelta | None) -> None:
+                 timeout: datetime.timedelta | None, elastic: Membership | None = None) -> None:
     """What :func:`init` adds to a group it created or adopted, and the record of it."""
     global _membership
     start_monitor(timeout_s=timeout_td.total_seconds())
@@ -234,7 +246,92 @@ def _start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool
     group = dist.group.WORLD
     assert group is not None, "the default group is initialised"
     _membership = _Membership(pid=os.getpid(), group=weakref.ref(group), owned=owned,
-                              info=info, timeout=timeout)
+                              info=info, timeout=timeout, elastic=elastic)
+
+
+# ---------------------------------------------------------------------- elastic jobs
+# Note [elastic default group]
+# An elastic job (Note [elastic membership] in membership.py) changes its world
+# in place: the members of a new generation destroy the default group and build
+# another over the job's store, under a prefix of the generation's own, so no
+# key of the old group is read again. The job's store is the one below the
+# default group's "default_pg" prefix: the launcher's, which outlives any
+# worker. Everything tandem added to the old group (monitor, exit hook, this
+# module's record) moves to the new one, and tandem owns the new group.
+
+def job_store() -> dist.Store:
+    """The store the job's processes met in, below every prefix (the default
+    group's, torch's per-group ones), as a replacement's rendezvous reaches it."""
+    return _below_prefixes(default_store())
+
+
+def _below_prefixes(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def elastic_membership(config: ElasticConfig) -> Membership:
+    """This process's :class:`Membership`: the one it joined with, or, for a rank
+    of the job's first world, a founding one (a collective in effect: every rank
+    calls it). Its config becomes ``config``."""
+    global _membership
+    if not dist.is_initialized():
+        raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
+    member = _membership if _membership is not None and _membership.is_current() else None
+    if member is not None and member.elastic is not None:
+        member.elastic.config = config
+        return member.elastic
+    elastic = Membership.founding(job_store(), dist.get_rank(), dist.get_world_size(), config)
+    if member is not None:
+        _membership = dataclasses.replace(member, elastic=elastic)
+    return elastic
+
+
+def enter_generation(membership: Membership, generation: Generation, *,
+                     timeout: datetime.timedelta | None = None) -> WorldInfo:
+    """Replace the default group by one of ``generation``'s members (Note [elastic
+    default group]); a collective of the generation's members. Returns this
+    process's new :class:`WorldInfo`."""
+    previous = _membership.info if _membership is not None else None
+    backend = str(dist.get_backend()) if dist.is_initialized() else (
+        previous.backend if previous is not None else _default_backend())
+    timeout_td = timeout or (_membership.timeout if _membership is not None else None) or DEFAULT_TIMEOUT
+    stop_monitor(left=False)
+    if dist.is_initialized():
+        forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
+    rank = generation.rank_of(membership.member)
+    bind_group_defaults_before_init()
+    store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
+                            timeout=timeout_td)
+    # The device stays the one the launcher gave this process; the local rank and
+    # size are this process's place among the generation's members on its host.
+    device = previous.device if previous is not None else _bind_device(
+        backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
+    hosts: list[str] = [""] * generation.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    local_rank, local_size = here.index(rank), len(here)
+    info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,
+                     local_world_size=local_size, device=device, backend=backend)
+    _start_watch(info, timeout_td, owned=True, timeout=timeout_td, elastic=membership)
+    logger.info("tandem: elastic generation %d: member %s is rank %d of %d", generation.number,
+                membership.member, rank, generation.world_size)
+    return info
+
+
+def _join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:
+    """:func:`init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
+    running job in its store and wait to be admitted (Note [elastic membership])."""
+    url = init_method or "env://"
+    world_size = int(os.environ.get("WORLD_SIZE", "2"))
+    # Rendezvous as a client: the store exists; rank 0 would try to host it.
+    store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
+    membership = Membership.joining(_below_prefixes(store), ElasticConfig())
+    global _membership
+    _membership = None
+    return enter_generation(membership, membership.generation, timeout=timeout_td)
 
 
 def _join_existing(backend: str | None, init_method: str | None, scheme: str | None,
@@ -296,9 +393,7 @@ def _store_conflict(scheme: str | None, init_method: str | None) -> str | None:
     machine has many names)."""
     if scheme is None or init_method is None:
         return None
-    store: object = default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
+    store: object = _below_prefixes(default_store())
     asked = f"init_method={init_method!r}"
     if isinstance(store, dist.HashStore):
         return f"{asked}, but the group was created with an in-memory store (a world of one)"

@@ -199,13 +199,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by the join hook
 
-        if init_sync and self._comm.size > 1:
-            sync_buffers = self._named_buffers if init_sync_buffers else []
-            # check_finite changes a step's collectives (Note [check_finite] in finite.py): it must agree too.
-            options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
-            check_same_model_on_all_ranks(model_signature(named_params, sync_buffers, options), self._comm)
-            broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
-                                   self._comm, src=0)
+        self._init_sync_buffers = init_sync_buffers
+        if init_sync:
+            self._sync_initial_state()
 
         self._trainable = trainable
         self._reducer_options = ReducerOptions(
@@ -227,6 +223,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
 
+    def _sync_initial_state(self) -> None:
+        """Check that every rank wraps the same model, then give all of them rank 0's
+        parameters (and buffers, when they are synced)."""
+        if self._comm.size == 1:
+            return
+        named_params = [(n, p) for n, p in self.module.named_parameters() if n not in self._ignored]
+        sync_buffers = self._named_buffers if self._init_sync_buffers else []
+        # check_finite changes a step's collectives (Note [check_finite] in finite.py): it must agree too.
+        options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
+        check_same_model_on_all_ranks(model_signature(named_params, sync_buffers, options), self._comm)
+        broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
+                               self._comm, src=0)
+
     def _needs_reducer(self) -> bool:
         # A world of one needs no reducer, unless ZeRO's optimizer reads its
         # shards, the gradients are checked, or an optimizer is fused.
@@ -236,6 +245,36 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._reducer is None:
             self._reducer = GradReducer(self._trainable, self._comm, self._reducer_options)
         return self._reducer
+
+    def reset_process_group(self, process_group: dist.ProcessGroup | None = None) -> None:
+        """Go on over another process group: after an elastic job's world changed
+        (the default group was rebuilt), or to move the model to a new group.
+
+        The step in progress is dropped (its gradients and pending reductions),
+        the buckets are planned again for the new world, and the parameters and
+        buffers are broadcast from the new group's rank 0 after checking that
+        every rank holds the same model. A collective of the new group. A
+        communication hook is kept when its state is this model's own
+        communicator; any other hook must be registered again.
+        """
+        if self._reducer is not None:
+            self._reducer.close()
+        self._reducer = None
+        hook = self._comm_hook
+        self._comm_hook = None
+        own_hook = hook is not None and hook[0] is self._comm
+        self.process_group = process_group
+        self._comm = GroupComm(process_group)
+        self._sync_initial_state()
+        if self._needs_reducer():
+            self._make_reducer()
+        if self._fused is not None:
+            fused, self._fused = self._fused, None
+            self.fuse_optimizer(fused)
+        if own_hook and hook is not None:
+            self.register_comm_hook(self._comm, hook[1])
+        self._split_hint = split_hint(self._reducer_options.caps, self._reducer_options.overlap,
+                                      self._comm.size)
 
     # ------------------------------------------------------------------ properties
     @property

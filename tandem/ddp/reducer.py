@@ -838,6 +838,20 @@ class GradReducer:
         if tag.startswith("bucket") or tag.startswith("hook"):
             self._bytes += event.numel * (event.dtype.itemsize if event.dtype is not None else 0)
 
+    def close(self) -> None:
+        """Detach from the parameters for good: remove every hook, drop the step in
+        progress (its reductions are abandoned, not waited for) and the gradients'
+        views of the buckets. For a model that gets a new reducer over another
+        group (an elastic job's next generation, Note [elastic membership])."""
+        for handle in [*self._hooks, *self._context_hooks]:
+            handle.remove()  # type: ignore[attr-defined]
+        self._hooks, self._context_hooks = [], []
+        if self._count_bytes in self.comm.observers:
+            self.comm.observers.remove(self._count_bytes)
+        for p in self.params:
+            p.grad = None
+        self.state = StepState.IDLE
+
     # ------------------------------------------------------------------ join
     def shadow_backward(self) -> None:
         """On a rank that has joined: issue the collectives of one synchronised

@@ -70,6 +70,7 @@ def run_distributed(
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
     may_die: Collection[int] = (),
+    replace: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return
     the list of their return values (which must be picklable by ``torch.save``).
@@ -87,6 +88,15 @@ def run_distributed(
         env: extra environment variables for the ranks.
         may_die: ranks a fault-injection test kills on purpose: their death is
             not a failure, and their result is None.
+        replace: ranks among ``may_die`` whose death starts a replacement: a
+            new process running ``fn(rank, world_size, *args)`` with
+            ``TANDEM_ELASTIC_JOIN=1`` that joins the elastic job through
+            ``tandem.init`` (Note [elastic membership] in tandem.comm.membership)
+            instead of the first process group; with ``init_process_group=False``
+            ``fn`` calls ``tandem.init`` itself (``init_method`` from
+            ``TANDEM_TEST_STORE``). Its result follows the ranks' in the returned
+            list, in the order the replacements started; its slot number
+            (``world_size``, then up) in ``may_die`` lets it die too.
 
     Raises:
         RankFailure: a rank raised; carries its rank and traceback.
@@ -97,19 +107,29 @@ def run_distributed(
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     workdir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
-    procs = []
+    procs: list[Any] = []
+    unknown = set(replace) - set(may_die)
+    if unknown:
+        raise ValueError(f"replace={sorted(replace)}: ranks {sorted(unknown)} are not in may_die")
+
+    def start(slot: int, rank: int, joining: bool) -> None:
+        rank_env = dict(env or {})
+        if joining:
+            rank_env["TANDEM_ELASTIC_JOIN"] = "1"
+        p = ctx.Process(
+            target=_rank_main,
+            args=(fn, slot, rank, world_size, tuple(args), str(workdir), backend,
+                  init_process_group, rank_env, timeout, joining),
+            name=f"tandem-rank-{slot}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+
     try:
         for rank in range(world_size):
-            p = ctx.Process(
-                target=_rank_main,
-                args=(fn, rank, world_size, tuple(args), str(workdir), backend,
-                      init_process_group, dict(env or {}), timeout),
-                name=f"tandem-rank-{rank}",
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-        return _collect(procs, workdir, timeout, frozenset(may_die))
+            start(rank, rank, False)
+        return _collect(procs, workdir, timeout, frozenset(may_die), frozenset(replace), start)
     finally:
         for p in procs:
             if p.is_alive():
@@ -119,12 +139,14 @@ def run_distributed(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(procs: list[Any], workdir: Path, timeout: float, may_die: frozenset[int]) -> list[Any]:
-    world_size = len(procs)
+def _collect(procs: list[Any], workdir: Path, timeout: float, may_die: frozenset[int],
+             replace: frozenset[int], start: Callable[[int, int, bool], None]) -> list[Any]:
     deadline = time.monotonic() + timeout
     first_failure: int | None = None
     failure_deadline = float("inf")
+    replaced: set[int] = set()
     while True:
+        world_size = len(procs)
         errors = {r: (workdir / f"{r}.err").read_text() for r in range(world_size)
                   if (workdir / f"{r}.err").exists()}
         done = [r for r in range(world_size) if (workdir / f"{r}.ok").exists()]
@@ -134,6 +156,10 @@ def _collect(procs: list[Any], workdir: Path, timeout: float, may_die: frozenset
         dead = [r for r, p in enumerate(procs)
                 if not p.is_alive() and r not in errors and r not in done]
         done += [r for r in dead if r in may_die]
+        for r in dead:
+            if r in replace and r not in replaced:
+                replaced.add(r)
+                start(len(procs), r, True)
         dead = [r for r in dead if r not in may_die]
         for r in dead:
             # Died without writing a report: killed by a signal, os._exit, segfault.
@@ -143,10 +169,10 @@ def _collect(procs: list[Any], workdir: Path, timeout: float, may_die: frozenset
                 first_failure = r
                 failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE_S
         if first_failure is not None and (
-            len(errors) + len(done) == world_size or time.monotonic() > failure_deadline
+            len(errors) + len(done) == len(procs) or time.monotonic() > failure_deadline
         ):
             raise RankFailure(first_failure, errors)
-        if len(done) == world_size:
+        if len(done) == len(procs):
             return [_load((workdir / f"{r}.ok").read_bytes()) if (workdir / f"{r}.ok").exists()
                     else None for r in range(world_size)]
         if time.monotonic() > deadline:
@@ -167,9 +193,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
+def _rank_main(fn: Callable[..., Any], slot: int, rank: int, world_size: int, args: tuple,
                workdir: str, backend: str, init_pg: bool, env: dict[str, str],
-               timeout: float) -> None:
+               timeout: float, joining: bool) -> None:
     import torch.distributed as dist
 
     from tandem._compat import bind_group_defaults_before_init
@@ -184,16 +210,20 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, args: tuple,
     })
     torch.set_num_threads(1)
     try:
-        if init_pg:
+        if joining and init_pg:
+            import tandem
+            tandem.init(backend, init_method=f"file://{out / 'store'}",
+                        timeout=datetime.timedelta(seconds=timeout))
+        elif init_pg:
             dist.init_process_group(
                 backend, init_method=f"file://{out / 'store'}", rank=rank,
                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
-        _write_atomic(out / f"{rank}.ok", buf.getvalue())
+        _write_atomic(out / f"{slot}.ok", buf.getvalue())
     except BaseException:
-        _write_atomic(out / f"{rank}.err", traceback.format_exc().encode())
+        _write_atomic(out / f"{slot}.err", traceback.format_exc().encode())
     finally:
         if dist.is_initialized():
             try:

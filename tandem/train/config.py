@@ -8,6 +8,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from tandem.comm.membership import ElasticConfig
 from tandem.ddp.checks import NonFinite
 
 __all__ = ["CheckpointFormat", "Precision", "TrainerConfig"]
@@ -104,6 +105,12 @@ class TrainerConfig:
     parameters, or "skip" the optimizer step on every rank (DDP's ``check_finite``,
     agreed across ranks; records count skipped steps). None: no check. With fp16
     the GradScaler already skips such steps: only "skip" applies, and counts them."""
+    elastic: bool | ElasticConfig = False
+    """Keep training when a rank dies (DDP): the survivors drop the step in flight,
+    agree on who is left, and go on as a smaller world; a replacement started
+    with ``TANDEM_ELASTIC_JOIN=1`` joins at the next step boundary and gets the
+    state from a live peer (Note [elastic trainer] in elastic.py). True uses
+    :class:`~tandem.comm.membership.ElasticConfig`'s defaults."""
 
     def __post_init__(self) -> None:
         precision = Precision.parse(self.precision)
@@ -123,6 +130,10 @@ class TrainerConfig:
         if nonfinite is not None and ddp_check not in (None, nonfinite):
             raise ValueError(f"nonfinite={nonfinite.value!r} but ddp_options has "
                              f"check_finite={self.ddp_options['check_finite']!r}; set one of them")
+        if self.elastic is True:
+            object.__setattr__(self, "elastic", ElasticConfig())
+        elif not isinstance(self.elastic, (bool, ElasticConfig)):
+            raise TypeError(f"elastic must be a bool or an ElasticConfig, got {self.elastic!r}")
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             _check_positive(name, getattr(self, name))

@@ -46,7 +46,10 @@ from tandem._tree import to_device
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, remove_checkpoint, save_checkpoint
+from tandem.comm.bootstrap import elastic_membership
+from tandem.comm.membership import ElasticConfig, Generation
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
+from tandem.train.elastic import ElasticRun, WorldChange, is_peer_failure
 from tandem.train.history import History
 from tandem.train.plot import plot_losses
 from tandem.train.precision import ShardedGradients, autocast_for, scaler_for
@@ -113,6 +116,8 @@ class Trainer:
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.config = config or TrainerConfig()
         self.rank, self.world_size = _rank_and_size()
+        self._elastic = self._elastic_run(model)
+        self._in_step = False
         self.device = _device_of(model)
         self.model = self._wrap(model)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
@@ -129,18 +134,8 @@ class Trainer:
                              if zero and self.scaler is not None else optimizer)
         self._guard = self._nonfinite_guard()
         self._autocast = autocast_for(self._precision, self.device)
-        self.sampler = DistributedSampler(cast(Sized, train_data), num_replicas=self.world_size, rank=self.rank,
-                                          shuffle=self.config.shuffle, seed=self.config.seed,
-                                          drop_last=self.config.drop_last)
-        self.train_loader = self._loader(train_data, self.sampler, self.config.batch_size, collate_fn)
-        self.eval_data = eval_data
-        self.eval_loader = None
-        if eval_data is not None:
-            eval_sampler = DistributedSampler(cast(Sized, eval_data), num_replicas=self.world_size, rank=self.rank,
-                                              shuffle=False)
-            self.eval_loader = self._loader(eval_data, eval_sampler,
-                                            self.config.eval_batch_size or self.config.batch_size,
-                                            collate_fn)
+        self.train_data, self.eval_data, self._collate_fn = train_data, eval_data, collate_fn
+        self._build_loaders()
         self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
                                    scaler=self.scaler)
         self.checkpoint_dir = self._output_dir / "checkpoints"
@@ -150,8 +145,35 @@ class Trainer:
                                             else CheckpointFormat.FULL)
 
     # ------------------------------------------------------------------ set-up
+    def _elastic_run(self, model: nn.Module) -> ElasticRun | None:
+        if not isinstance(self.config.elastic, ElasticConfig):
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
+        if is_fully_sharded(model) or bool(getattr(model, "zero_stage", 0)):
+            raise ValueError(f"rank {self.rank}: elastic training supports DistributedDataParallel models "
+                             "so far, not fully_shard or ZeRO (a dead rank takes its shard with it); "
+                             "pass the plain model, or leave elastic unset")
+        return ElasticRun(elastic_membership(self.config.elastic))
+
+    def _build_loaders(self) -> None:
+        """The samplers and loaders of this world (built again when an elastic world changes)."""
+        self.sampler = DistributedSampler(cast(Sized, self.train_data), num_replicas=self.world_size,
+                                          rank=self.rank, shuffle=self.config.shuffle, seed=self.config.seed,
+                                          drop_last=self.config.drop_last)
+        self.train_loader = self._loader(self.train_data, self.sampler, self.config.batch_size,
+                                         self._collate_fn)
+        self.eval_loader = None
+        if self.eval_data is not None:
+            eval_sampler = DistributedSampler(cast(Sized, self.eval_data), num_replicas=self.world_size,
+                                              rank=self.rank, shuffle=False)
+            self.eval_loader = self._loader(self.eval_data, eval_sampler,
+                                            self.config.eval_batch_size or self.config.batch_size,
+                                            self._collate_fn)
+
     def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.world_size == 1 or _is_ddp(model) or is_fully_sharded(model):
+        alone = self.world_size == 1 and self._elastic is None  # an elastic world may grow
+        if alone or _is_ddp(model) or is_fully_sharded(model):
             return model
         from tandem.ddp import DistributedDataParallel
         options = dict(self.config.ddp_options)
@@ -215,12 +237,18 @@ class Trainer:
         from the latest checkpoint in ``config.output_dir`` when ``config.resume``.
         A collective: call it on every rank."""
         cfg = self.config
-        if not cfg.resume and (latest := latest_checkpoint(self.checkpoint_dir)) is not None:
+        joining = self._elastic is not None and self._elastic.needs_state
+        if not cfg.resume and not joining and (latest := latest_checkpoint(self.checkpoint_dir)) is not None:
             # Pruning keeps the highest steps: the old run's checkpoints would outlive ours.
             raise ValueError(f"rank {self.rank}: resume=False, but {self.checkpoint_dir} holds "
                              f"checkpoints of an earlier run (latest {latest.name}); resume it with "
                              "resume=True, or give this run an empty output_dir")
-        resumed_from = self._resume() if cfg.resume else None
+        if self._elastic is not None and self._elastic.needs_state:
+            resumed_from = None  # a replacement: the state comes from a live peer
+            self._share_state()
+            self._elastic.needs_state = False
+        else:
+            resumed_from = self._resume() if cfg.resume else None
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"))
         total_steps = self._steps_per_epoch() * cfg.epochs
@@ -236,12 +264,20 @@ class Trainer:
         checkpoint = resumed_from
         try:
             while self.state.epoch < cfg.epochs and not self._reached_max_steps():
-                self._train_epoch(history, progress)
-                if self._epoch_done():
-                    self.state.epoch += 1
-                    self.state.consumed = 0
-                    self._evaluate_into(history, progress)
-                checkpoint = self._save(history)
+                try:
+                    self._train_epoch(history, progress)
+                    if self._elastic is not None and self._elastic.grow_pending:
+                        self._change_world(None, history, progress)
+                        continue
+                    if self._epoch_done():
+                        self.state.epoch += 1
+                        self.state.consumed = 0
+                        self._evaluate_into(history, progress)
+                    checkpoint = self._save(history)
+                except Exception as e:
+                    if self._elastic is None or not is_peer_failure(e):
+                        raise
+                    self._change_world(e, history, progress)
             if self.state.epoch < cfg.epochs:
                 progress.say(f"stopped at step {self.state.step} (max_steps {cfg.max_steps}); "
                              "run again with resume to continue")
@@ -293,6 +329,8 @@ class Trainer:
                 return
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and not self._epoch_done():
                 self._save(history)
+            if self._elastic is not None and self._elastic.grow_pending:
+                return  # fit() admits the replacements before the next step
 
     def _epoch_done(self) -> bool:
         return self.state.consumed >= self._samples_per_rank() * self.world_size
@@ -309,6 +347,9 @@ class Trainer:
         global gradient norm before clipping (None without clipping), and whether
         the step was skipped for non-finite gradients (the same on every rank)."""
         samples = 0
+        self._in_step = True
+        if self._elastic is not None:
+            self._elastic.step_started()
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
             with self._grad_sync(enabled=i == len(micro_batches) - 1):
@@ -320,6 +361,9 @@ class Trainer:
                 scaled = loss / len(micro_batches)
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             samples += n
+        if self._elastic is not None:
+            self._elastic.decide(self.state.step)  # every rank steps, or none (Note [elastic trainer])
+        self._in_step = False
         stats = getattr(self.model, "comm_stats", None)
         comm_wait = None if stats is None else stats.wait_s
         if self._guard is not None and self._found_nonfinite():
@@ -461,6 +505,52 @@ class Trainer:
         else:
             self.state.load_state_dict(load_checkpoint(latest, map_location=self.device))
         return latest
+
+    # ------------------------------------------------------------------ elastic
+    @property
+    def world_changes(self) -> list[WorldChange]:
+        """Every change of an elastic job's world this Trainer went through (also
+        in the history, as records of kind ``"elastic"``)."""
+        return [] if self._elastic is None else list(self._elastic.changes)
+
+    def _change_world(self, cause: BaseException | None, history: History, progress: Progress) -> None:
+        """Note [elastic trainer]: regroup, rebuild what depends on the world, go on."""
+        assert self._elastic is not None
+        in_step, self._in_step = self._in_step, False
+
+        def rebuild(before: Generation, after: Generation) -> None:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.reset_process_group()  # type: ignore[operator]
+            self._build_loaders()
+            if after.joined_since(before):
+                self._share_state()
+
+        while True:
+            try:
+                change = self._elastic.change_world(cause, self.state.step, in_step=in_step,
+                                                    rebuild=rebuild)
+            except Exception as e:
+                if not is_peer_failure(e):
+                    raise
+                # Lost another member while rebuilding (a replacement that died as it
+                # joined, say): the change happened, and the next one starts now.
+                self._report(self._elastic.changes[-1], history, progress)
+                cause = e
+                continue
+            self._report(change, history, progress)
+            return
+
+    def _report(self, change: WorldChange, history: History, progress: Progress) -> None:
+        logger.warning("rank %d: %s", self.rank, change.describe())
+        progress.say(change.describe())
+        history.append(change.record())
+
+    def _share_state(self) -> None:
+        """Rank 0's whole training state, on every rank (a replacement joined)."""
+        box: list[Any] = [self.state.state_dict()]  # a collective: every rank's RNG state is gathered
+        dist.broadcast_object_list(box, src=0)
+        self.state.load_state_dict(box[0])
 
     # ------------------------------------------------------------------ small collectives
     def _share_all(self, obj: Any) -> list[Any]:

@@ -1,0 +1,349 @@
+"""Who is in an elastic job, agreed through the job's store: :class:`Membership`.
+
+# Note [elastic membership]
+An elastic job outlives its ranks: when one dies the others agree on who is
+left, build a new process group and go on; a replacement joins at a step
+boundary. The agreement goes through the job's c10d store, never through a
+collective (a collective with a dead peer cannot complete). The store is the
+launcher's (``tandem run``, torchrun) or the harness's file, so it outlives any
+worker, rank 0 included.
+
+Members have ids that survive a change of rank: the founding ranks are ``"0"``,
+``"1"``, ...; a replacement draws ``"j1"``, ``"j2"``, ... from a counter. Each
+membership is a *generation* ``g`` with its members in rank order; generation 0
+is the founding world. Keys, under ``tandem/elastic/``:
+
+====================  ==========================================================
+``beat/<id>``         the member's heartbeat: the wall-clock time of its last
+                      beat, written every ``beat_s`` by a daemon thread
+``gen/<g>/members``   the generation's members (JSON), written once, by
+                      ``compare_set``: the first proposal wins, every rank reads it
+``latest``            the newest generation number
+``gen/<g>/cand/<id>`` a member of ``g - 1`` that is alive and wants in ``g``
+``gen/<g>/step/<s>``  ``.../done`` counts the members that finished step ``s``'s
+                      reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``
+``joiners``           how many replacements ever asked to join (ids ``j1..jN``)
+``join/<id>``         a replacement's request
+====================  ==========================================================
+
+Why a step needs a decision: a dead peer can fail a ring all-reduce on one rank
+after another rank already has its result. If the one stepped its optimizer and
+the other did not, the replicas would differ from then on. So a rank steps only
+once every member has finished the step's reduction: each adds to ``done``, the
+one that brings it to the world size writes ``commit`` (or ``grow`` when a
+replacement waits); a rank that sees a member dead (or fails a collective)
+writes ``abort``. ``compare_set`` keeps the first, so every member reads the
+same decision: all step, or none does (a member that died after counting itself
+has delivered its gradients; the survivors step and notice the loss in the next
+step's collectives).
+
+A member is dead when its beat is older than ``stale_after_s``. Beats carry
+wall-clock times so that any rank can judge any beat at once, without watching
+it for a while first; the hosts of a job must therefore keep their clocks within
+a fraction of ``stale_after_s`` of each other (NTP does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch.distributed as dist
+
+__all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "tandem/elastic"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """How an elastic job notices a loss and regroups.
+
+    Raises:
+        ValueError: a field is out of range.
+    """
+
+    min_world_size: int = 1
+    """The fewest ranks worth going on with; below it the survivors stop with an error."""
+    beat_s: float = 0.25
+    """How often each member writes its heartbeat."""
+    stale_after_s: float = 5.0
+    """A heartbeat this old means its member is dead."""
+    regroup_timeout_s: float = 300.0
+    """How long the survivors wait for every member to be accounted for (arrived
+    or dead) before giving up."""
+
+    def __post_init__(self) -> None:
+        if self.min_world_size < 1:
+            raise ValueError(f"ElasticConfig: min_world_size must be >= 1, got {self.min_world_size}")
+        for name in ("beat_s", "stale_after_s", "regroup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ElasticConfig: {name} must be > 0, got {getattr(self, name)}")
+        if self.stale_after_s < 4 * self.beat_s:
+            raise ValueError(f"ElasticConfig: stale_after_s={self.stale_after_s} must be at least four "
+                             f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
+
+
+class Decision(Enum):
+    """What every member does with a step whose reduction it finished."""
+
+    COMMIT = "commit"    # step the optimizer
+    GROW = "grow"        # step, then admit the replacements that wait
+    ABORT = "abort"      # a member is gone: drop the gradients, regroup, redo the step
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the job: its number and its members in rank order."""
+
+    number: int
+    members: tuple[str, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member: str) -> int:
+        return self.members.index(member)
+
+    def joined_since(self, previous: Generation) -> tuple[str, ...]:
+        return tuple(m for m in self.members if m not in previous.members)
+
+    def lost_since(self, previous: Generation) -> tuple[str, ...]:
+        return tuple(m for m in previous.members if m not in self.members)
+
+
+class MembershipError(RuntimeError):
+    """The job cannot go on elastically: too few members left, this member was
+    judged dead by the others, or the regroup timed out."""
+
+
+class Membership:
+    """This process's place in an elastic job (see Note [elastic membership]).
+
+    Build it with :meth:`founding` (a rank of the job's first world) or
+    :meth:`joining` (a replacement); both start the heartbeat.
+
+    Args:
+        store: the job's store, one that outlives every worker.
+        member: this process's id.
+        generation: the generation it is a member of.
+        config: timings and limits.
+        clock: wall-clock time in seconds (a test passes its own).
+    """
+
+    def __init__(self, store: dist.Store, member: str, generation: Generation, config: ElasticConfig,
+                 *, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.member = member
+        self.generation = generation
+        self.config = config
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def founding(cls, store: dist.Store, rank: int, world_size: int, config: ElasticConfig,
+                 **kwargs: Callable[[], float]) -> Membership:
+        """Rank ``rank`` of the job's first world: generation 0 is ``"0".."W-1"``."""
+        generation = Generation(0, tuple(str(r) for r in range(world_size)))
+        self = cls(store, str(rank), generation, config, **kwargs)
+        self.start()
+        self._propose(generation)
+        return self
+
+    @classmethod
+    def joining(cls, store: dist.Store, config: ElasticConfig, *,
+                timeout: datetime.timedelta | None = None, **kwargs: Callable[[], float]) -> Membership:
+        """A replacement: ask to join and wait until a generation admits it
+        (the members admit it at their next step boundary).
+
+        Raises:
+            MembershipError: no generation admitted it within ``timeout``
+                (default: ``config.regroup_timeout_s``).
+        """
+        number = store.add(f"{PREFIX}/joiners", 1)
+        member = f"j{number}"
+        self = cls(store, member, Generation(-1, ()), config, **kwargs)
+        self.start()
+        store.set(f"{PREFIX}/join/{member}", "waiting")
+        limit = timeout.total_seconds() if timeout is not None else config.regroup_timeout_s
+        deadline = time.monotonic() + limit
+        logger.info("elastic: %s asks to join", member)
+        while time.monotonic() < deadline:
+            generation = self.latest()
+            if generation is not None and member in generation.members:
+                self.generation = generation
+                return self
+            time.sleep(config.beat_s)
+        self.stop()
+        raise MembershipError(
+            f"elastic: replacement {member} was not admitted within {limit:.0f} s; the job's members "
+            "admit replacements at a step boundary, so check that they are still training")
+
+    # ------------------------------------------------------------------ heartbeat
+    def start(self) -> None:
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name=f"tandem-elastic-beat-{self.member}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.beat_s):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def _beat(self) -> None:
+        self.store.set(f"{PREFIX}/beat/{self.member}", repr(self._clock()))
+
+    def dead(self, members: Sequence[str]) -> dict[str, str]:
+        """The members among ``members`` whose beat is stale (or missing), with why."""
+        now = self._clock()
+        out: dict[str, str] = {}
+        for m in members:
+            if m == self.member:
+                continue
+            key = f"{PREFIX}/beat/{m}"
+            if not self.store.check([key]):
+                out[m] = "has never beaten"
+                continue
+            age = now - float(self.store.get(key).decode())
+            if age > self.config.stale_after_s:
+                out[m] = f"stopped beating {age:.1f} s ago"
+        return out
+
+    # ------------------------------------------------------------------ generations
+    def latest(self) -> Generation | None:
+        key = f"{PREFIX}/latest"
+        if not self.store.check([key]):
+            return None
+        return self._read(int(self.store.get(key).decode()))
+
+    def _read(self, number: int) -> Generation:
+        members = json.loads(self.store.get(f"{PREFIX}/gen/{number}/members").decode())
+        return Generation(number, tuple(members))
+
+    def _propose(self, generation: Generation) -> Generation:
+        """Write ``generation`` unless one with its number exists; returns the one that won."""
+        won = self.store.compare_set(f"{PREFIX}/gen/{generation.number}/members", "",
+                                     json.dumps(list(generation.members)))
+        winner = Generation(generation.number, tuple(json.loads(won.decode())))
+        self.store.set(f"{PREFIX}/latest", str(generation.number))
+        return winner
+
+    def waiting_joiners(self) -> list[str]:
+        """Replacements that asked to join, are alive, and no generation admitted yet."""
+        count = self.store.add(f"{PREFIX}/joiners", 0)
+        asked = [f"j{n}" for n in range(1, count + 1) if self.store.check([f"{PREFIX}/join/{f'j{n}'}"])]
+        admitted = self._admitted()
+        candidates = [j for j in asked if j not in admitted]
+        stale = self.dead(candidates)
+        return [j for j in candidates if j not in stale]
+
+    def _admitted(self) -> set[str]:
+        out: set[str] = set()
+        for number in range(self.generation.number + 1):
+            key = f"{PREFIX}/gen/{number}/members"
+            if self.store.check([key]):
+                out.update(json.loads(self.store.get(key).decode()))
+        return out
+
+    # ------------------------------------------------------------------ a step
+    def decide_step(self, step: int) -> Decision:
+        """Count this member done with ``step``'s reduction and wait for the
+        decision every member reads (Note [elastic membership])."""
+        base = f"{PREFIX}/gen/{self.generation.number}/step/{step}"
+        done = self.store.add(f"{base}/done", 1)
+        if done == self.generation.world_size:
+            wanted = Decision.GROW if self.waiting_joiners() else Decision.COMMIT
+            self.store.compare_set(f"{base}/decision", "", wanted.value)
+        return self._await_decision(base)
+
+    def abort_step(self, step: int) -> Decision:
+        """Propose that ``step`` be dropped (this member saw a collective fail);
+        returns the decision that stands, which is ``commit`` when every member
+        had finished the step already."""
+        base = f"{PREFIX}/gen/{self.generation.number}/step/{step}"
+        won = self.store.compare_set(f"{base}/decision", "", Decision.ABORT.value)
+        return Decision(won.decode())
+
+    def _await_decision(self, base: str) -> Decision:
+        key = f"{base}/decision"
+        others = [m for m in self.generation.members if m != self.member]
+        slice_ = datetime.timedelta(seconds=self.config.beat_s)
+        while True:
+            try:
+                self.store.wait([key], slice_)
+                return Decision(self.store.get(key).decode())
+            except RuntimeError as e:
+                if "timeout" not in str(e).lower():
+                    raise
+            lost = self.dead(others)
+            if lost:
+                logger.warning("elastic: %s", ", ".join(f"member {m} {why}" for m, why in lost.items()))
+                won = self.store.compare_set(key, "", Decision.ABORT.value)
+                return Decision(won.decode())
+
+    # ------------------------------------------------------------------ regroup
+    def next_generation(self) -> Generation:
+        """Agree with the live members (and the replacements that wait) on the
+        next generation; returns it, and makes it this member's.
+
+        Every live member of the current generation calls this. It returns once
+        every member has arrived or is dead; the first to see that proposes the
+        members, and all read the proposal that won.
+
+        Raises:
+            MembershipError: this member is not in the generation that won (the
+                others judged it dead), it has fewer than ``min_world_size``
+                members, or the members were not all accounted for in time.
+        """
+        current = self.generation
+        number = current.number + 1
+        base = f"{PREFIX}/gen/{number}"
+        self.store.set(f"{base}/cand/{self.member}", "alive")
+        deadline = time.monotonic() + self.config.regroup_timeout_s
+        while True:
+            if self.store.check([f"{base}/members"]):
+                chosen = self._read(number)
+                break
+            arrived = [m for m in current.members if self.store.check([f"{base}/cand/{m}"])]
+            missing = [m for m in current.members if m not in arrived]
+            lost = self.dead(missing)
+            if len(lost) == len(missing):
+                joiners = [j for j in self.waiting_joiners() if j not in arrived]
+                chosen = self._propose(Generation(number, tuple(arrived) + tuple(joiners)))
+                break
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for "
+                    f"members {sorted(set(missing) - set(lost))} of generation {current.number} to "
+                    "arrive or be seen dead; raise ElasticConfig.regroup_timeout_s if they are slow")
+            time.sleep(min(self.config.beat_s, 0.05))
+        if self.member not in chosen.members:
+            raise MembershipError(
+                f"elastic: member {self.member} is not in generation {number} ({list(chosen.members)}): "
+                "the others judged it dead (its heartbeat was late); it leaves the job")
+        if chosen.world_size < self.config.min_world_size:
+            raise MembershipError(
+                f"elastic: generation {number} has {chosen.world_size} members {list(chosen.members)}, "
+                f"fewer than min_world_size={self.config.min_world_size}; the job stops. Resume it "
+                "from its last checkpoint with more ranks")
+        self.generation = chosen
+        return chosen

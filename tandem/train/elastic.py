@@ -1,0 +1,159 @@
+"""The Trainer's side of an elastic job: :class:`ElasticRun` and the
+:class:`WorldChange` it reports.
+
+# Note [elastic trainer]
+With ``TrainerConfig(elastic=True)`` a dead rank costs at most the step in
+flight, and nothing is read from disk:
+
+1. The step decides before the optimizer moves (Note [elastic membership] in
+   tandem.comm.membership): every member steps, or none does. A collective that
+   fails, or a member seen dead, makes it ``abort``.
+2. The survivors catch the failure (:func:`is_peer_failure`), agree on the next
+   generation, rebuild the default group (tandem.comm.enter_generation), and
+   the Trainer rebuilds what depends on the world: the DDP reducer
+   (``reset_process_group``, which checks that every rank holds the same model
+   and broadcasts rank 0's), the sampler and the loaders.
+3. The epoch goes on from ``state.consumed``, the positions of the epoch's
+   global order that committed steps used: the sampler splits the rest over the
+   new world (Note [resume position] in tandem.data.sampler), so no sample is
+   lost or seen twice. The dropped step is redone by the new world.
+4. A replacement asks to join; the member that completes a step's count sees
+   it and decides ``grow``. After that step every member, and the replacement,
+   enter the next generation; rank 0 (a member that trained all along) sends
+   the whole training state (model, optimizer, scheduler, scaler, counters,
+   RNG) to every rank over the new group.
+
+Only failures of peers are caught: an exception of this rank's own (a bug, bad
+data) ends this rank as before, and the others go on without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from tandem.comm.bootstrap import enter_generation
+from tandem.comm.membership import Decision, Generation, Membership, MembershipError
+from tandem.comm.peers import PeerLostError
+
+__all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "is_peer_failure"]
+
+logger = logging.getLogger(__name__)
+
+
+class StepAbandoned(RuntimeError):
+    """A member was seen dead before this step's decision: no rank steps."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` says a peer is gone (rather than this rank's own fault)."""
+    if isinstance(error, MembershipError):
+        return False
+    if isinstance(error, (PeerLostError, StepAbandoned, dist.DistNetworkError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "gloo" in text.lower() or "Connection closed by peer" in text or "Connection reset" in text)
+
+
+@dataclass(frozen=True)
+class WorldChange:
+    """One change of an elastic job's world, as the log and the Trainer's history show it."""
+
+    generation: int
+    """The new generation's number."""
+    step: int
+    """The step training goes on from."""
+    lost: dict[int, str]
+    """The ranks that are gone (their rank in the old world) and their member ids."""
+    joined: tuple[str, ...]
+    """Member ids of the replacements admitted."""
+    world_size: int
+    """The new world size."""
+    previous_world_size: int
+    cause: str
+    """What was seen: the failed collective, or "replacement waiting"."""
+    detect_s: float
+    """From the start of the failed step to the failure being seen."""
+    regroup_s: float
+    """From then to the new group being ready, the state shared."""
+    steps_lost: int
+    """Steps whose work was dropped: at most the one in flight."""
+
+    def describe(self) -> str:
+        what = []
+        if self.lost:
+            what.append("lost " + ", ".join(f"rank {r} (member {m})" for r, m in sorted(self.lost.items())))
+        if self.joined:
+            what.append("admitted " + ", ".join(self.joined))
+        return (f"elastic: {'; '.join(what) or 'regrouped'} -> world {self.previous_world_size} -> "
+                f"{self.world_size} (generation {self.generation}), going on from step {self.step}; "
+                f"failure seen after {self.detect_s:.2f} s, regroup took {self.regroup_s:.2f} s, "
+                f"{self.steps_lost} step(s) redone. Cause: {self.cause}")
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": "elastic", "step": self.step, "generation": self.generation,
+                "lost_ranks": sorted(self.lost), "joined": list(self.joined),
+                "world_size": self.world_size, "previous_world_size": self.previous_world_size,
+                "detect_s": self.detect_s, "regroup_s": self.regroup_s, "steps_lost": self.steps_lost,
+                "cause": self.cause}
+
+
+class ElasticRun:
+    """Decides each step with the other members and changes the world when
+    members die or replacements wait (Note [elastic trainer]).
+
+    Args:
+        membership: this process's membership of the job.
+    """
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.changes: list[WorldChange] = []
+        self.grow_pending = False
+        # A replacement (ids j1, j2, ...) gets the training state from a live peer.
+        self.needs_state = membership.member.startswith("j")
+        self._step_started = time.monotonic()
+
+    def step_started(self) -> None:
+        self._step_started = time.monotonic()
+
+    def decide(self, step: int) -> None:
+        """Wait for ``step``'s decision; raises :class:`StepAbandoned` on abort."""
+        decision = self.membership.decide_step(step)
+        if decision is Decision.ABORT:
+            raise StepAbandoned(f"member {self.membership.member}: step {step} was abandoned: a member "
+                                "of the group is gone")
+        self.grow_pending = decision is Decision.GROW
+
+    def change_world(self, cause: BaseException | None, step: int, *, in_step: bool,
+                     rebuild: Callable[[Generation, Generation], None]) -> WorldChange:
+        """Agree on the next generation, enter it (the default group is rebuilt) and
+        call ``rebuild(before, after)`` for what depends on the world. ``cause`` is
+        the failure (None for a planned grow); ``step`` the step to go on from."""
+        seen = time.monotonic()
+        before = self.membership.generation
+        if cause is not None:
+            self.membership.abort_step(step)
+        generation = self.membership.next_generation()
+        enter_generation(self.membership, generation)
+        text = "replacement waiting" if cause is None else str(cause).splitlines()[0]
+        change = WorldChange(
+            generation=generation.number, step=step,
+            lost={before.rank_of(m): m for m in generation.lost_since(before)},
+            joined=generation.joined_since(before), world_size=generation.world_size,
+            previous_world_size=before.world_size, cause=text,
+            detect_s=seen - self._step_started if cause is not None else 0.0,
+            regroup_s=time.monotonic() - seen, steps_lost=int(in_step and cause is not None))
+        self.changes.append(change)  # recorded even if a peer is lost again while rebuilding
+        rebuild(before, generation)
+        self.grow_pending = False
+        change = dataclasses.replace(change, regroup_s=time.monotonic() - seen)
+        self.changes[-1] = change
+        return change
