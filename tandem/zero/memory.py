@@ -6,7 +6,7 @@ rank), stage 1 shards the optimizer state (:class:`tandem.ZeroOptimizer`),
 stage 2 also the gradients (both over DDP's buckets, Note [stages 0 to 2
 memory]), stage 3 also the parameters (Rajbhandari et al., 2020): that is
 ``tandem.fully_shard``, planned from the units it would build (Note [stage 3
-memory]). ``tandem plan`` (tandem/tools/plan.py) adds the activations, measured.
+memory]). ``tandem plan`` (tandem/tools/plan/) adds the activations, measured.
 
 # Note [stages 0 to 2 memory]
 The buckets are the ones DDP plans at construction (:func:`ddp_bucket_plan`);
@@ -94,7 +94,7 @@ elements, fully_shard chunks its rows across the data-parallel ranks (Note
 therefore takes the shapes one rank holds (``local_shapes``, tensor-parallel
 rank 0's, the largest chunks) in place of the parameters' own, with
 ``world_size`` the data-parallel size, and every formula above applies to
-them unchanged. ``tandem plan`` (tandem/tools/plan.py) derives them from a
+them unchanged. ``tandem plan`` (tandem/tools/plan/) derives them from a
 tensor-parallel plan. ``total`` adds the peaks of
 ``gathered`` and ``reducing`` to the steady state: an upper bound on what
 fully_shard holds at once.
