@@ -69,7 +69,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.fsdp import fully_shard as tandem_fully_shard
-from tandem.fsdp.schedule import unit_of
+from tandem.fsdp.unit import unit_of
 from tandem.testing import run_distributed
 
 CONTENDERS = ("tandem-fsdp", "torch-fsdp", "tandem-fsdp-noreshard", "torch-fsdp-noreshard",
@@ -129,7 +129,7 @@ def wrap(name: str, model: Net, mesh: Any) -> nn.Module:
     if name == "torch-ddp":
         return TorchDDP(model)
     reshard = not name.endswith("-noreshard")
-    if name.endswith("+compile"):  # each block, before it is sharded (Note [torch.compile] in tandem/fsdp/schedule.py)
+    if name.endswith("+compile"):  # each block, before it is sharded (Note [torch.compile] in tandem/fsdp/hooks.py)
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block)
     if name.startswith("tandem"):

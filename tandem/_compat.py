@@ -1,3 +1,4 @@
+# Over 400 lines on purpose: the one place that touches private torch APIs (STYLE.md), read whole when torch moves one.
 """The one place where tandem touches private torch APIs, each with why.
 
 Everything here exists in torch 2.4 and later; if a future torch moves one, this
@@ -112,7 +113,7 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
     where this torch cannot tell.
 
     Why: DDP lets ``param.grad`` be a view of its bucket between steps (Note
-    [gradients born in their bucket] in tandem/ddp/reducer.py) only while nothing
+    [gradients born in their bucket] in tandem/ddp/write_back.py) only while nothing
     outside the reducer holds a tensor on that memory, which would otherwise see
     the next step's gradients; one count per buffer per step tells, where a
     Python reference count would miss views derived from ``.grad``. torch's

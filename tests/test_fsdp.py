@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, plan_unit
-from tandem.fsdp.unit import ShardState
+from tandem.fsdp.unit_state import ShardState
 from tandem.testing import run_distributed
 
 D, V, SEQ, GLOBAL_BATCH = 20, 37, 5, 12   # odd sizes: shards of 3 ranks are uneven

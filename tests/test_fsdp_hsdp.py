@@ -1,6 +1,6 @@
 """HSDP: tandem.fully_shard over a 2-D mesh (replicate, shard), against torch's
 fully_shard on the same mesh and against one process training on the global
-batch (Note [hybrid sharding] in tandem/fsdp/unit.py).
+batch (Note [hybrid sharding] in tandem/fsdp/unit_reduce.py).
 
 One spawned group of 4 gloo ranks runs every case: the 2 x 2 mesh of
 ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.fsdp import DEFAULT_MIN_UNIT_BYTES, fully_shard, init_like_unsharded
-from tandem.fsdp.schedule import unit_of
+from tandem.fsdp.unit import unit_of
 from tandem.testing import max_abs_diff, run_distributed
 from tandem.testing.memory import PeakMemory
 from tandem.testing.models import GPT

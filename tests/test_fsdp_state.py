@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tandem.fsdp import fully_shard, load_full_state_dict
-from tandem.fsdp.unit import ShardState
+from tandem.fsdp.unit_state import ShardState
 from tandem.testing import run_distributed
 
 TOL = 1e-5

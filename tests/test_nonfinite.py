@@ -1,5 +1,5 @@
 """Bad numbers: ``DistributedDataParallel(check_finite=...)`` (Note [check_finite] in
-tandem/ddp/reducer.py), the Trainer's ``nonfinite`` option, and fp16's GradScaler
+tandem/ddp/finite.py), the Trainer's ``nonfinite`` option, and fp16's GradScaler
 under sharded gradients (Note [agreed found-inf] in tandem/train/precision.py).
 
 The bar: with a NaN or Inf injected on one rank only, every rank takes the same

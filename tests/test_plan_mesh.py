@@ -1,5 +1,5 @@
 """``tandem plan`` on a 2-D mesh (dp x tp) with torch's tensor parallelism
-(Note [planning a tensor-parallel mesh] in tandem/tools/plan.py): the local
+(Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py): the local
 shapes it derives from a ``tp_plan``, the report and the command line, and its
 prediction against the bytes rank 0 of a 2 x 2 gloo mesh really holds after
 training steps under tandem's DDP and fully_shard over ``mesh["dp"]``."""

@@ -1,4 +1,4 @@
-"""``tandem plan`` (tandem/tools/plan.py): the pure report, the measured
+"""``tandem plan`` (tandem/tools/plan/): the pure report, the measured
 activations, the command line, and the memory it predicts for DDP, ZeRO-1 and
 ZeRO-2 against the bytes two gloo ranks really hold after training steps."""
 
@@ -100,7 +100,7 @@ def test_batch_arithmetic_and_the_strategy_that_fits() -> None:
 
 
 def _fmt(n: int) -> str:
-    from tandem.tools.plan import _size
+    from tandem.tools.plan.report import _size
     return _size(n)
 
 

@@ -1,7 +1,7 @@
 """Checkpoints that are complete or absent: single files written atomically
 (atomic.py), and checkpoints of several files, written by several ranks, in
-step directories committed by a marker written last (commit.py; agree.py makes
-a failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
+step directories (steps.py) committed by a marker written last (commit.py;
+agree.py makes a failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
 sharded state of fully_shard models into the same directories; flat.py lets DCP
 save and reshard tensors that ranks hold as flat ranges (ZeRO's shards).
 
@@ -9,9 +9,10 @@ Below zero/ and train/: it uses only comm/.
 """
 
 from tandem.checkpoint.atomic import atomic_save, atomic_write_bytes
-from tandem.checkpoint.commit import MARKER, CheckpointError, CommittedCheckpoint, FileRecord, committed_steps, \
-    load_committed, save_committed, step_directory
+from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.dcp import load_sharded_checkpoint, save_sharded_checkpoint
+from tandem.checkpoint.steps import MARKER, CheckpointError, CommittedCheckpoint, FileRecord, committed_steps, \
+    step_directory
 
 __all__ = ["MARKER", "CheckpointError", "CommittedCheckpoint", "FileRecord", "atomic_save", "atomic_write_bytes",
            "committed_steps", "load_committed", "load_sharded_checkpoint", "save_committed",

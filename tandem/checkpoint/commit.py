@@ -53,88 +53,28 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from tandem.checkpoint.agree import attempt, describe, gather, group_comm, raise_failures
-from tandem.checkpoint.atomic import atomic_write_bytes, file_crc32, fsync_directory, remove_quietly
+from tandem.checkpoint.atomic import atomic_write_bytes, file_crc32, fsync_directory
+# tandem/zero/optimizer.py imports CheckpointError and committed_steps from here.
+from tandem.checkpoint.steps import MARKER, MARKER_FORMAT, CheckpointError, CommittedCheckpoint, FileRecord, \
+    committed_steps, describe_root, read_marker, remove_step_directory, step_directories, step_directory
 
-__all__ = ["MARKER", "CheckpointError", "CommittedCheckpoint", "FileRecord", "Writer", "committed_steps",
-           "load_committed", "remove_step_directory", "save_committed", "step_directory"]
+__all__ = ["Writer", "load_committed", "save_committed"]
 
 logger = logging.getLogger(__name__)
-
-MARKER = "COMMITTED.json"
-"""The commit marker's file name, inside each committed step directory."""
-
-_FORMAT = "tandem.checkpoint/1"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 Writer = Callable[[Path], Iterable[str]]
 """Writes this rank's files into the step directory it is given and returns their
 names (relative to it). Each file must be named by exactly one rank."""
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded as asked: a failed write on some
-    rank, ranks at different steps, missing, truncated or corrupt files. Raised
-    on every rank with the same explanation."""
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """One file of a committed checkpoint, as its writer measured it."""
-
-    size: int
-    """Bytes."""
-    crc32: int
-    """CRC-32 of the contents."""
-    rank: int
-    """The rank that wrote it."""
-
-
-@dataclass(frozen=True)
-class CommittedCheckpoint:
-    """A committed step directory, as its marker describes it."""
-
-    directory: Path
-    """The step directory."""
-    step: int
-    """The step it was saved at."""
-    world_size: int
-    """How many ranks saved it."""
-    kind: str
-    """What wrote it ("zero-shards", "dcp", or a caller's own name)."""
-    files: Mapping[str, FileRecord]
-    """Every file of the checkpoint, by name within ``directory``."""
-
-    def path(self, name: str) -> Path:
-        """The path of one of its files."""
-        return self.directory / name
-
-
-def step_directory(root: str | os.PathLike[str], step: int) -> Path:
-    """Where the checkpoint of ``step`` goes under ``root``."""
-    return Path(root) / f"step-{step:08d}"
-
-
-def committed_steps(root: str | os.PathLike[str]) -> list[int]:
-    """The steps under ``root`` with a readable commit marker, oldest first
-    (unfinished saves are not listed). Reads only markers: no communication."""
-    found = []
-    for step, directory in _step_directories(Path(root)):
-        try:
-            if _read_marker(directory, step) is not None:
-                found.append(step)
-        except CheckpointError as e:
-            logger.warning("skipping %s: %s", directory, e)
-    return found
 
 
 def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, kind: str,
@@ -191,7 +131,7 @@ def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, ki
     raise_failures(rank, outcomes, error, f"could not write its files of {directory}", CheckpointError)
     records = _merge_files(rank, directory, [o["files"] for o in outcomes])
 
-    manifest = {"format": _FORMAT, "step": step, "world_size": world, "kind": kind,
+    manifest = {"format": MARKER_FORMAT, "step": step, "world_size": world, "kind": kind,
                 "files": {name: asdict(r) for name, r in sorted(records.items())}}
     error = attempt(lambda: _write_marker(directory, manifest)) if rank == 0 else None
     outcomes = gather(comm, {"error": describe(error)}, "checkpoint commit")
@@ -255,7 +195,7 @@ def load_committed(root: str | os.PathLike[str], *, step: int | None = None, kin
     if found is None:
         asked = "" if step is None else f" for step {step}"
         raise FileNotFoundError(f"rank {rank}: no committed checkpoint{asked} in {root} "
-                                f"({_describe_root(root)})")
+                                f"({describe_root(root)})")
     seen_by: dict[str, list[int]] = {}
     for r, o in enumerate(outcomes):
         for p in o["problems"]:
@@ -311,7 +251,7 @@ def _write_marker(directory: Path, manifest: dict[str, Any]) -> None:
 def _clean_up(root: Path, step: int, keep: int | None) -> None:
     """Best effort: a failure here is logged, the save has committed."""
     try:
-        for s, directory in _step_directories(root):
+        for s, directory in step_directories(root):
             if s != step and not (directory / MARKER).exists():
                 logger.info("removing the unfinished checkpoint %s", directory)
                 shutil.rmtree(directory)
@@ -327,49 +267,12 @@ def _clean_up(root: Path, step: int, keep: int | None) -> None:
         logger.warning("could not clean up old checkpoints in %s: %s", root, e)
 
 
-def remove_step_directory(directory: Path) -> None:
-    """Remove a step directory, committed or not. Uncommit first, so that a removal
-    cut short never leaves a committed checkpoint with files missing."""
-    marker = directory / MARKER
-    if marker.exists():
-        remove_quietly(marker)
-        fsync_directory(directory)
-    shutil.rmtree(directory)
-
-
-# ---------------------------------------------------------------- loading
-def _step_directories(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
-def _read_marker(directory: Path, step: int) -> CommittedCheckpoint | None:
-    """None when there is no marker (an unfinished save)."""
-    path = directory / MARKER
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    try:
-        m = json.loads(text)
-        if m.get("format") != _FORMAT:
-            raise ValueError(f"format {m.get('format')!r}, expected {_FORMAT!r}")
-        if m["step"] != step:
-            raise ValueError(f"it records step {m['step']}")
-        files = {name: FileRecord(**r) for name, r in m["files"].items()}
-        return CommittedCheckpoint(directory, int(m["step"]), int(m["world_size"]), str(m["kind"]), files)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"the commit marker {path} is unreadable ({e})") from e
-
-
 def _choose(root: Path, step: int | None) -> CommittedCheckpoint | None:
     if step is not None:
-        return _read_marker(step_directory(root, step), step)
-    for s, directory in reversed(_step_directories(root)):
+        return read_marker(step_directory(root, step), step)
+    for s, directory in reversed(step_directories(root)):
         try:
-            found = _read_marker(directory, s)
+            found = read_marker(directory, s)
         except CheckpointError as e:
             logger.warning("skipping %s: %s", directory, e)
             continue
@@ -396,16 +299,6 @@ def _check_files(ckpt: CommittedCheckpoint, rank: int, world: int) -> list[str]:
             if crc != record.crc32:
                 problems.append(f"{path}: corrupt: CRC-32 {crc:08x}, but {record.crc32:08x} was written")
     return problems
-
-
-def _describe_root(root: Path) -> str:
-    if not root.is_dir():
-        return "the directory does not exist"
-    entries = []
-    for _step, directory in _step_directories(root):
-        entries.append(directory.name + ("" if (directory / MARKER).exists()
-                                         else f" (no {MARKER}: an unfinished save)"))
-    return f"it holds: {', '.join(entries)}" if entries else "it holds no step-N directories"
 
 
 def _per_rank(values: list[Any], none: str = "none") -> str:

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
     set_state_dict
 
 from tandem.checkpoint.agree import agree, group_comm
-from tandem.checkpoint.commit import CheckpointError, CommittedCheckpoint, Writer, load_committed, save_committed
+from tandem.checkpoint.commit import Writer, load_committed, save_committed
+from tandem.checkpoint.steps import CheckpointError, CommittedCheckpoint
 from tandem.checkpoint.flat import FlatLoadPlanner, FlatSavePlanner
 
 __all__ = ["KIND", "dcp_state_dicts", "dcp_writer", "load_dcp_files", "load_dcp_into", "load_sharded_checkpoint",

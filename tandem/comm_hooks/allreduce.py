@@ -36,5 +36,5 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 # One collective per bucket, issued from the caller's thread (Note [hook order]
-# in tandem/ddp/reducer.py): buckets may be in flight together.
+# in tandem/ddp/grad_bucket.py): buckets may be in flight together.
 allreduce_hook.tandem_single_collective = True  # type: ignore[attr-defined]

@@ -72,6 +72,6 @@ def _cast_reduce(dtype: torch.dtype, state: Any,
 
 
 # One collective per bucket, from the caller's thread; the callback only copies
-# (Note [hook order] in tandem/ddp/reducer.py).
+# (Note [hook order] in tandem/ddp/grad_bucket.py).
 fp16_compress_hook.tandem_single_collective = True  # type: ignore[attr-defined]
 bf16_compress_hook.tandem_single_collective = True  # type: ignore[attr-defined]

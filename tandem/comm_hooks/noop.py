@@ -67,7 +67,7 @@ class NoopWhen:
         """Whether the current (or last) backward skips communication."""
         self.__qualname__ = self.__name__ = f"noop_when({getattr(hook, '__name__', repr(hook))})"
         # Skipping issues no collective, which is as safe for buckets in flight
-        # together as one (Note [hook order] in tandem/ddp/reducer.py).
+        # together as one (Note [hook order] in tandem/ddp/grad_bucket.py).
         self.tandem_single_collective = getattr(hook, "tandem_single_collective", False)
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -1,5 +1,7 @@
 """tandem's DistributedDataParallel: planning (plan.py), buckets (bucket.py), the
-reducer (reducer.py) and the module wrapper (module.py)."""
+reducer (reducer.py, built from one file per stage of a gradient's way: the
+autograd hooks, readiness, launch, finish and write-back; reducer.py lists them)
+and the module wrapper (module.py)."""
 
 from tandem.ddp.join import join
 from tandem.ddp.module import DistributedDataParallel

@@ -57,7 +57,7 @@ class GradBuffer:
 
     def settle(self) -> None:
         """Remember how many tensors share each flat buffer now, when only the
-        reducer's own views do (Note [gradients born in their bucket] in reducer.py)."""
+        reducer's own views do (Note [gradients born in their bucket] in write_back.py)."""
         self._settled = {key: storage_use_count(t) for key, t in self.flat.items()}
 
     def escaped(self) -> bool:
@@ -131,9 +131,9 @@ class Bucket:
                       for off, local in zip(spec.offsets, map(local_tensor, params))]
         self.tensor_parallel = any(map(is_distributed, params))  # else .grad is the local gradient
         # param.grad may stay bound to its view between steps (Note [gradients born in
-        # their bucket] in reducer.py): not a solo bucket's staging, not tensor-parallel shards.
+        # their bucket] in write_back.py): not a solo bucket's staging, not tensor-parallel shards.
         self.bindable = not spec.solo and not self.tensor_parallel
-        # Note [in-place reduction] in reducer.py: one parameter and no flag slot (a
+        # Note [in-place reduction] in launch.py: one parameter and no flag slot (a
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0
         self.in_place = False  # this step's reduction runs on param.grad itself
@@ -209,7 +209,7 @@ class Bucket:
         views = self.views
         if all(g is v for g, v in zip(grads, views)):
             # Every gradient was born in its view (Note [gradients born in their
-            # bucket] in reducer.py): nothing to copy.
+            # bucket] in write_back.py): nothing to copy.
             self.grads.mul_(scale)
             return
         if not rebind and all(g is not None for g in grads) and not any(g is v for g, v in zip(grads, views)):
@@ -259,7 +259,7 @@ class Bucket:
     def views_held_elsewhere(self) -> bool:
         """Whether a view that its parameter no longer holds as .grad is referenced
         outside this bucket (an old ``p.grad`` the user kept: Note [gradients born
-        in their bucket] in reducer.py)."""
+        in their bucket] in write_back.py)."""
         views, params = self.views, self.params
         for k in range(len(views)):  # by index: a loop variable would be a reference too
             if params[k].grad is not views[k] and sys.getrefcount(views[k]) > _VIEW_REFS:

@@ -6,7 +6,7 @@ __all__ = ["gradient_twice", "missing_gradients", "unfinished_backward"]
 
 
 def missing_gradients(rank: int, per_rank: list[list[str]] | None, mine: list[str] | None = None) -> str:
-    """Parameters that received no gradient, per rank (Note [missing-gradient flag]);
+    """Parameters that received no gradient, per rank (Note [missing-gradient flag] in finish.py);
     ``per_rank`` None: only this rank's (``mine``) are known (inside tandem.join)."""
     if per_rank is None:
         lines = [f"  rank {rank}: {', '.join(repr(n) for n in mine)}" if mine else

@@ -33,7 +33,7 @@ Under distributed autograd, gradients do not land in ``param.grad``: the engine
 keeps them in the autograd context (``dist_autograd.get_gradients(context_id)``),
 and ``DistributedOptimizer`` steps from there. DDP must therefore average the
 context's gradients, not ``param.grad`` (torch's reducer does this in C++; see
-Note [distributed autograd] in tandem/ddp/reducer.py). ``--optimizer local``
+Note [distributed autograd] in tandem/ddp/dist_autograd.py). ``--optimizer local``
 steps the dense part with a plain ``torch.optim.SGD`` fed from the context, and
 the table with a ``DistributedOptimizer`` over its RRefs alone.
 

@@ -3,9 +3,11 @@ torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
 
 The pure layout of each unit's buffers (layout.py), which parameters a call
 takes (units.py), a call's arguments checked and resolved (arguments.py:
-meshes for FSDP and HSDP, lists of modules, shard dims), one unit's gather and
-reduction (unit.py), the order of a root's units in an iteration
-(schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
+meshes for FSDP and HSDP, lists of modules, shard dims), one unit at run time
+(unit.py: its state and buffers in unit_state.py, its gather and release in
+unit_gather.py, its gradients' reduction in unit_reduce.py), the forward hooks
+and the root's lazy init (hooks.py), the order of a root's units in an
+iteration (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
 in and out (state_dict.py), random init of sharded parameters (init.py), and
 the public function and module methods (api.py).
 """

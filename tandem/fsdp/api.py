@@ -44,9 +44,10 @@ from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_m
     move_to_device, shard_dims, tensor_parallel_layouts, unit_config
 from tandem.fsdp.convert import adopt_sharded_tensors
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
-from tandem.fsdp.schedule import UNIT_ATTR, post_forward, pre_forward, unit_of
+from tandem.fsdp.hooks import post_forward, pre_forward
 from tandem.fsdp.state_dict import register_state_dict_hooks
-from tandem.fsdp.unit import ShardState, ShardedUnit
+from tandem.fsdp.unit import UNIT_ATTR, ShardedUnit, unit_of
+from tandem.fsdp.unit_state import ShardState
 
 __all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -76,7 +77,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
 
     Beyond torch's FSDP2: gathers are prefetched and reduce-scatters run async
     on every backend, CPU/gloo included (Note [prefetch] in schedule.py); ranks
-    may use different parameters in a step (Note [gradient flags] in unit.py);
+    may use different parameters in a step (Note [gradient flags] in unit_reduce.py);
     units under ``min_unit_bytes`` merge into the enclosing unit (Note [tiny
     units]); a full, unsharded state dict loads straight into the sharded
     model (:func:`tandem.fsdp.load_full_state_dict`).
@@ -93,7 +94,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
             ``(replicate, shard)``: HSDP, sharded within the shard dimension
             and replicated across the other, the gradients reduce-scattered
             over the first and all-reduced over the second (Note [hybrid
-            sharding] in unit.py). Parameters that torch's tensor
+            sharding] in unit_reduce.py). Parameters that torch's tensor
             parallelism made DTensors take the 1-D data-parallel slice,
             ``mesh["dp"]`` (Note [2-D parameters] in tensor_parallel.py).
         reshard_after_forward: True frees the parameters after forward and
@@ -227,7 +228,7 @@ class FSDPModule:
         """HSDP: False reduce-scatters the gradients in backward but keeps the
         result as a partial sum instead of all-reducing it across the replicas;
         the next backward with True all-reduces the sum (torch's method: Note
-        [hybrid sharding] in unit.py). No effect on a 1-D mesh."""
+        [hybrid sharding] in unit_reduce.py). No effect on a 1-D mesh."""
         for unit in _units(self, recurse):
             unit.requires_all_reduce = bool(requires_all_reduce)
 

@@ -1,5 +1,5 @@
 """fully_shard's arguments, checked and resolved before a unit is built: the
-mesh (1-D: FSDP; 2-D: HSDP, Note [hybrid sharding] in unit.py), the module or
+mesh (1-D: FSDP; 2-D: HSDP, Note [hybrid sharding] in unit_reduce.py), the module or
 modules of one call (Note [grouped modules] in schedule.py), the parameters
 it takes, their tensor-parallel layouts and the dim each is sharded on
 (``shard_placement_fn``), the policies, and ``reshard_after_forward``.
@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem._compat import dtensor_api, fsdp_policies
-from tandem.fsdp.schedule import unit_of
 from tandem.fsdp.tensor_parallel import TensorParallelParam, tensor_parallel_param
-from tandem.fsdp.unit import ShardedUnit, UnitConfig
+from tandem.fsdp.unit import ShardedUnit, unit_of
+from tandem.fsdp.unit_state import UnitConfig
 from tandem.fsdp.units import ParamEntry, walk_unit
 
 __all__ = ["check_reshard", "collect_params", "data_parallel_meshes", "default_mesh", "modules_of", "move_to_device",
@@ -39,7 +39,7 @@ def default_mesh() -> Any:
 def data_parallel_meshes(mesh: Any) -> tuple[Any, Any]:
     """``(shard mesh, replicate mesh or None)`` of fully_shard's ``mesh``: a 1-D
     mesh shards over all of it; a 2-D one is HSDP, ``(replicate, shard)`` as
-    torch's FSDP2 reads it (Note [hybrid sharding] in unit.py)."""
+    torch's FSDP2 reads it (Note [hybrid sharding] in unit_reduce.py)."""
     if not hasattr(mesh, "ndim") or not hasattr(mesh, "get_group"):
         raise TypeError(f"fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim == 1:

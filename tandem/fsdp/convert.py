@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from tandem._compat import dtensor_local
-from tandem.fsdp.unit import ReduceState, ShardState, ShardedUnit
+from tandem.fsdp.unit import ShardedUnit
+from tandem.fsdp.unit_state import ReduceState, ShardState
 
 __all__ = ["adopt_sharded_tensors"]
 

@@ -1,17 +1,8 @@
 """When each unit of one root gathers, reshards and reduces: the forward and
 backward hooks, prefetching, and one launch order for every rank.
 
-The first unit to run forward becomes the root (as in torch's FSDP2); its
-:class:`Schedule` then drives every unit under it.
-
-# Note [two groups]
-All-gathers and reduce-scatters go to two process groups over the same ranks.
-Collectives are matched by their order of issue within a group, and the two
-kinds interleave differently on different ranks as soon as one rank's
-gradients arrive at another moment (a parameter it did not use, say). Within
-each group the order is the same everywhere: gathers follow the units' forward
-and backward order, which all ranks share, and reduce-scatters follow
-:attr:`Schedule.reduce_order` (below).
+The first unit to run forward becomes the root (as in torch's FSDP2; hooks.py);
+its :class:`Schedule` then drives every unit under it.
 
 # Note [reduce order]
 A unit's reduce-scatter is launched as soon as its gradients are in *and*
@@ -52,21 +43,6 @@ last one's: backward may reach the modules in any order, and whichever comes
 first gathers the unit. A group cannot be the root (torch refuses it too):
 call fully_shard on a module that contains it.
 
-# Note [torch.compile]
-Blocks may be compiled one by one, as torchtitan does with torch's FSDP2:
-``torch.compile(block)`` before ``fully_shard`` (the compiled wrapper becomes
-the unit's module), or after it (``torch.compile(sharded)`` or
-``sharded.compile()``). Each block's forward is one graph, and a unit's
-gathers and reductions run between graphs, where the hooks are: before
-``fully_shard`` they are the compiled wrapper's hooks, which run outside its
-graph; after it, dynamo meets them while tracing ``Module._call_impl``, so the
-forward hooks are disabled for dynamo (torch's FSDP2 disables its own): they
-gather through tandem's comm layer, and a collective traced into a graph would
-bypass it. The backward hooks are run by the autograd engine, outside compiled
-code. The graph reads the unit's ``unsharded`` parameters, the same objects at
-every step (their storage is freed and allocated again), so one graph serves
-every step and every block of a class.
-
 # Note [recomputed forward]
 Activation checkpointing (torch's non-reentrant ``checkpoint``) runs part of
 a forward again inside backward. When the checkpointed code is inside a unit
@@ -86,27 +62,17 @@ backward (tests/test_activation_checkpointing.py counts the all-gathers).
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tandem._compat import queue_backward_callback
-from tandem.comm.group import GroupComm
 from tandem._tree import iter_tensors, map_tensors, to_device
-from tandem.fsdp.unit import ReduceState, ShardState, ShardedUnit, TrainingState
+from tandem.fsdp.unit import ShardedUnit
+from tandem.fsdp.unit_state import ReduceState, ShardState, TrainingState
 
-__all__ = ["Schedule", "lazy_init", "post_forward", "pre_forward"]
-
-logger = logging.getLogger(__name__)
-
-UNIT_ATTR = "_tandem_fsdp_unit"  # the attribute a fully_shard module holds its unit in
-
-
-def unit_of(module: nn.Module) -> ShardedUnit | None:
-    return getattr(module, UNIT_ATTR, None)
+__all__ = ["Schedule"]
 
 
 class Schedule:
@@ -283,7 +249,7 @@ class Schedule:
         on 2 gloo ranks (BENCHMARKS.md).
 
         Under HSDP a reduction has two stages (Note [hybrid sharding] in
-        unit.py): a completed reduce-scatter launches its all-reduce here, and
+        unit_reduce.py): a completed reduce-scatter launches its all-reduce here, and
         only in reduce order, so that every replicate group issues the same
         all-reduces in the same order: a unit whose reduce-scatter is still
         running holds back the all-reduces of the units after it.
@@ -303,7 +269,7 @@ class Schedule:
 
     def _finish_backward(self) -> None:
         for unit in self.reduce_order[self.next_reduce:]:
-            unit.mark_ready()  # not complete yet: zeros (Note [gradient flags] in unit.py)
+            unit.mark_ready()  # not complete yet: zeros (Note [gradient flags] in unit_reduce.py)
         self._launch_ready()
         self._finish_reductions()
         for unit in self.units:
@@ -331,87 +297,6 @@ class _InputsDone(torch.autograd.Function):
 
 def _swap(replaced: dict[int, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
     return replaced.get(id(t), t)
-
-
-# ---------------------------------------------------------------------- hooks
-
-@torch.compiler.disable  # Note [torch.compile]
-def pre_forward(unit: ShardedUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The forward pre-hook of a unit's module."""
-    schedule = unit.schedule if unit.schedule is not None else lazy_init(unit, module)
-    return schedule.pre_forward(unit, args, kwargs)
-
-
-@torch.compiler.disable  # Note [torch.compile]
-def post_forward(unit: ShardedUnit, module: nn.Module, args: tuple, output: Any) -> Any:
-    """The forward hook of a unit's module."""
-    assert unit.schedule is not None
-    return unit.schedule.post_forward(unit, module, output)
-
-
-def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
-    """Make ``root`` the root of every unit under ``root_module`` (its first forward)."""
-    if len(root.modules) > 1:
-        names = ", ".join(type(m).__name__ for m in root.modules)
-        raise RuntimeError(f"fully_shard: the unit of a list of modules ({names}) ran forward first, as the root; "
-                           "a group cannot be the root (Note [grouped modules]): call fully_shard on the model "
-                           "that contains them too, and run forward through it")
-    units: list[ShardedUnit] = []
-    for path, module in root_module.named_modules():
-        unit = unit_of(module)
-        if unit is None or unit in units:
-            continue
-        if unit.on_meta:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            fqns = [f"{path}.{m.fqn}" if path else m.fqn for m in unit.managed]
-            raise RuntimeError(
-                f"rank {rank}: fully_shard parameters are still on the meta device ({', '.join(fqns[:4])}"
-                f"{', ...' if len(fqns) > 4 else ''}): call model.to_empty(device=...) and initialise them "
-                "(the model's init_weights() under tandem.fsdp.init_like_unsharded(), or load a state dict) "
-                "before the first forward")
-        if unit.schedule is not None:
-            raise RuntimeError(
-                f"fully_shard: '{path}' already ran forward as a root of its own; run forward through "
-                "the outermost fully_shard module first (it becomes the root of the units inside it)")
-        unit.name = path or "<root>"
-        units.append(unit)
-    schedule = Schedule(root, units)
-    if root.auto_reshard_after_forward:
-        root.reshard_after_forward = False
-    reduce_comms: dict[tuple[int, ...], GroupComm] = {}
-    group_comms: dict[tuple[tuple[int, ...], int], GroupComm] = {}
-    for unit in units:
-        unit.schedule = schedule
-        ranks = tuple(dist.get_process_group_ranks(unit.comm.group or dist.group.WORLD))
-        if ranks not in reduce_comms:
-            reduce_comms[ranks] = _second_group(ranks, unit.comm)
-        unit.reduce_comm = reduce_comms[ranks]
-        k = unit.reshard_after_forward
-        if not isinstance(k, bool):
-            key = (ranks, k)
-            if key not in group_comms:
-                group_comms[key] = _subgroup(ranks, k, unit.comm.rank)
-            unit.group_comm = group_comms[key]
-        for m in unit.managed:
-            if m.requires_grad:
-                m.unsharded.register_post_accumulate_grad_hook(functools.partial(schedule.on_grad, unit))
-    logger.info("fully_shard: root with %d units, %d parameters, %d elements, world %d",
-                len(units), sum(len(u.managed) for u in units), sum(u.layout.numel for u in units),
-                root.comm.size)
-    return schedule
-
-
-def _second_group(ranks: tuple[int, ...], comm: GroupComm) -> GroupComm:
-    """The reduce-scatter group (Note [two groups])."""
-    if comm.size == 1:
-        return comm
-    return GroupComm(dist.new_group(list(ranks), use_local_synchronization=True))
-
-
-def _subgroup(ranks: tuple[int, ...], k: int, rank: int) -> GroupComm:
-    """The group of ``k`` consecutive ranks holding this rank, for reshard_after_forward=k."""
-    start = rank // k * k
-    return GroupComm(dist.new_group(list(ranks[start:start + k]), use_local_synchronization=True))
 
 
 def _reshards_after_backward(unit: ShardedUnit) -> bool:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.checkpoint.atomic import atomic_save
-from tandem.checkpoint.commit import committed_steps, remove_step_directory, step_directory
+from tandem.checkpoint.steps import committed_steps, remove_step_directory, step_directory
 from tandem.comm.group import GroupComm
 
 __all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "remove_checkpoint",

@@ -1,7 +1,7 @@
 """ZeRO: sharding optimizer state, gradients and parameters across ranks.
 
 The pure shard layout over DDP's flat bucket buffers (layout.py), the memory
-planner (memory.py), the traffic planner (traffic.py), the stages and overlap options (config.py), and the sharded
+planner (memory/), the traffic planner (traffic.py), the stages and overlap options (config.py), and the sharded
 optimizer (optimizer.py), which steps the gradient shards that
 ``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters.
 """

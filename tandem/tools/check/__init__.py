@@ -14,9 +14,13 @@ ranks with :func:`tandem.spawn`, and :func:`main` is the command line.
 
 The files, one concept each:
 
-- ``report.py`` (pure): tolerances, the snapshot comparison, the first
-  divergence and the :class:`CheckReport` (Notes [what is compared], [first
-  divergence], [rounding-noise gradients]).
+- ``compare.py`` (pure): tolerances, the snapshot comparison and the first
+  divergence (Notes [what is compared], [first divergence]).
+- ``records.py``: what the two runs observed, the report's inputs.
+- ``diagnose.py`` (pure): what the numbers cannot say alone: rounding-noise
+  gradients (Note [rounding-noise gradients]), batches that do not split the
+  global batch, the first module whose output differs.
+- ``report.py`` (pure): the :class:`CheckReport`, built from the records.
 - ``inputs.py``: the user's model, data, loss and optimizer, from objects or
   entry points, and the global batch split into the ranks' shards (Note [what
   the factories are]).
@@ -36,18 +40,16 @@ from tandem.tools.check.cli import EXIT_USAGE as EXIT_USAGE
 from tandem.tools.check.cli import build_parser, main
 from tandem.tools.check.inputs import _Batches as _Batches
 from tandem.tools.check.inputs import sample_keys, shard_batch
-from tandem.tools.check.report import (
+from tandem.tools.check.compare import (
     DEFAULT_TOLERANCES,
-    CheckReport,
     Comparison,
     Divergence,
-    RankRecord,
-    ReferenceRun,
     Tolerance,
-    build_report,
     compare_snapshots,
     default_tolerance,
 )
+from tandem.tools.check.records import RankRecord, ReferenceRun
+from tandem.tools.check.report import CheckReport, build_report
 from tandem.tools.check.run import STRATEGIES
 
 __all__ = ["DEFAULT_TOLERANCES", "STRATEGIES", "CheckReport", "Comparison", "Divergence", "RankRecord",

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from tandem.tools.check.inputs import _LOSSES, _optimizer_class, _Spec
-from tandem.tools.check.report import CheckReport, Tolerance, build_report
+from tandem.tools.check.compare import Tolerance
+from tandem.tools.check.report import CheckReport, build_report
 from tandem.tools.check.run import STRATEGIES, _rank_main, _reference
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tandem._tree import iter_tensors, map_tensors
-from tandem.tools.check.report import Tolerance
+from tandem.tools.check.compare import Tolerance
 from tandem.tools.entry import load_entry
 
 __all__ = ["sample_keys", "shard_batch"]

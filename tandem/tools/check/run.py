@@ -41,7 +41,7 @@ from tandem.tools.check.inputs import (
     _Spec,
     sample_keys,
 )
-from tandem.tools.check.report import RankRecord, ReferenceRun
+from tandem.tools.check.records import RankRecord, ReferenceRun
 
 __all__ = ["STRATEGIES"]
 

@@ -1,0 +1,151 @@
+"""A unit's gradients reduced: the reduce-scatter that shards them, with one
+flag per parameter (Note [gradient flags]), then under HSDP the all-reduce over
+the replicate group (Note [hybrid sharding]), each stage a launch and a wait
+with an explicit :class:`ReduceState`; at the end the sharded ``.grad`` is set.
+
+# Note [gradient flags]
+Ranks may use different parameters of a unit in one step (rank-dependent
+control flow). Every rank therefore reduce-scatters every parameter of the
+unit, with zeros where it has no gradient, so that all ranks issue the same
+collectives; and each rank's block carries one extra element per parameter,
+1 if this rank produced a gradient for it. After the reduce-scatter the sums say
+how many ranks did: none leaves the sharded ``.grad`` untouched (None stays
+None, as for an unused parameter in torch), any gives the average over all
+ranks with zeros for the ranks that did not use it, which is the gradient of
+the global batch's mean loss.
+
+# Note [hybrid sharding]
+With a 2-D mesh ``(replicate, shard)`` (HSDP, as torch's FSDP2 takes it) a
+unit is sharded within its row of the mesh, the shard group: the layout,
+gathers and reduce-scatters are the 1-D ones over that group, and each row
+holds a whole copy of the model. After a unit's reduce-scatter its output
+(the gradient shard and its flags) is all-reduced over the replicate group,
+the ranks holding the same shard in the other rows, and divided by the whole
+data-parallel size, so the gradient is the global batch's mean as with a 1-D
+mesh over every rank. The sharded parameters are DTensors over the 2-D mesh
+with placements ``(Replicate(), Shard(0))``, torch's, so optimizers, clipping
+by the global norm and distributed checkpoints see the same layout as under
+torch. The all-reduce starts once the reduce-scatter has completed, so it is a
+second stage of the unit's reduction, ``ALL_REDUCING``; the stages are issued
+in the schedule's reduce order on every rank (Note [reduce order] in
+schedule.py), so the all-reduces of every replicate group match. With
+``set_requires_all_reduce(False)`` (gradient accumulation over the slower
+link only once per step, as in torch) the reduce-scatter runs and its output
+is added to a partial sum kept on the unit, which the next all-reduce takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem._compat import chunk_cat, dtensor_like, dtensor_local
+from tandem.dtensor import local_grad
+from tandem.fsdp.unit_state import PendingReduce, ReduceState, UnitState
+
+__all__ = ["UnitReduce"]
+
+
+class UnitReduce(UnitState):
+    """The reduction of a unit's gradients."""
+
+    def grad_ready(self) -> bool:
+        """Count one arrived gradient; True when all trainable ones have."""
+        self.num_ready += 1
+        return self.num_ready == self.num_trainable
+
+    def launch_reduce(self) -> None:
+        """Reduce-scatter the unsharded gradients (Note [gradient flags]) and free them."""
+        self._expect_reduce(ReduceState.READY)
+        world = self.layout.world_size
+        grads, flags = [], []
+        for m in self.managed:
+            g = local_grad(m.unsharded)  # Note [2-D parameters] in tensor_parallel.py: the shard's gradient
+            flags.append(0.0 if g is None else 1.0)
+            if g is None:
+                g = torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
+            grads.append(self._blocks(g, m.spec) if m.spec.shard_dim else g)
+        flag_rows = torch.tensor(flags, dtype=self.param_dtype, device=self.config.device).expand(world, -1)
+        inp = torch.empty(world, self.layout.shard_numel + len(flags), dtype=self.reduce_dtype,
+                          device=self.config.device)
+        chunk_cat(grads + [flag_rows], world, inp)
+        for m in self.managed:
+            m.unsharded.grad = None
+        out = torch.empty(inp.shape[1], dtype=self.reduce_dtype, device=self.config.device)
+        work = self.reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {self.name}", async_op=True)
+        self._reduce = PendingReduce(work, out, inp)
+        self.reduce_state = ReduceState.IN_FLIGHT
+
+    @property
+    def reduce_done(self) -> bool:
+        """The collective of the reduction's current stage has completed
+        (:meth:`advance_reduce` will not block)."""
+        return self._reduce is not None and self._reduce.work.is_completed()
+
+    @property
+    def reducing(self) -> bool:
+        """A reduction is in flight (either stage)."""
+        return self.reduce_state in (ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
+
+    def advance_reduce(self, divide_factor: float) -> None:
+        """Finish the reduction's current stage (waiting for it): after the
+        reduce-scatter, launch the all-reduce over the replicate group under
+        HSDP (Note [hybrid sharding]); after the last stage set (or accumulate
+        into) the sharded ``.grad``."""
+        self._expect_reduce(ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
+        reduce = self._reduce
+        assert reduce is not None
+        reduce.work.wait()
+        if self.reduce_state is ReduceState.IN_FLIGHT and self.replicate_comm is not None \
+                and self.replicate_comm.size > 1:
+            if self._partial is not None:
+                reduce.output.add_(self._partial)
+                self._partial = None
+            if not self.requires_all_reduce:  # keep the partial sum for the next all-reduce
+                self._partial = reduce.output
+                self._reduce = None
+                self.reduce_state = ReduceState.IDLE
+                return
+            work = self.replicate_comm.all_reduce(reduce.output, tag=f"unit {self.name}", async_op=True)
+            self._reduce = PendingReduce(work, reduce.output, reduce.output)
+            self.reduce_state = ReduceState.ALL_REDUCING
+            return
+        self._reduce = None
+        self.reduce_state = ReduceState.IDLE
+        self._set_grads(reduce.output, divide_factor)
+
+    def finish_reduce(self, divide_factor: float) -> None:
+        """Finish every stage of the reduction in flight (waiting for them)."""
+        while self.reducing:
+            self.advance_reduce(divide_factor)
+
+    def _set_grads(self, output: torch.Tensor, divide_factor: float) -> None:
+        n = self.layout.shard_numel
+        flags = output[n:].tolist()
+        grads = output[:n]
+        if divide_factor != 1:
+            grads.div_(divide_factor)
+        grads = grads.to(self.config.shard_device, self.orig_dtype)
+        for m, flag in zip(self.managed, flags):
+            if flag == 0 or not m.requires_grad:
+                continue
+            local = grads.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
+            if m.sharded.grad is None:
+                m.sharded.grad = dtensor_like(local, m.sharded)
+            else:
+                dtensor_local(m.sharded.grad).add_(local)
+
+    def skip_reduce(self) -> None:
+        """Gradient sync is off: keep accumulating the unsharded gradients."""
+        self._expect_reduce(ReduceState.READY)
+        self.reduce_state = ReduceState.IDLE
+
+    def mark_ready(self) -> None:
+        """This backward is over for the unit: queue its reduction (once per backward)."""
+        if not self.completed:
+            self.completed = True
+            self._expect_reduce(ReduceState.IDLE)
+            self.reduce_state = ReduceState.READY
+
+    def reset_step(self) -> None:
+        self.num_ready = 0
+        self.completed = False

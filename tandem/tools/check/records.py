@@ -1,0 +1,53 @@
+"""What the two runs of ``tandem check`` observed: each rank's
+:class:`RankRecord` and the one-process :class:`ReferenceRun`, the inputs of
+:func:`tandem.tools.check.report.build_report`. Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["RankRecord", "ReferenceRun"]
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank saw in one strategy's run (the runner's output, input to :func:`build_report`)."""
+
+    rank: int
+    losses: tuple[float, ...]
+    """Its loss on its own batch, per step."""
+    sample_keys: tuple[tuple[bytes, ...], ...]
+    """Per step, a fingerprint of each sample of its batch."""
+    rng_state: bytes
+    """A fingerprint of torch's generator after the model factory returned."""
+    outputs: tuple[tuple[str, torch.Tensor], ...] = ()
+    """Module outputs of step 1's forward, in the order they finished (Note [first divergence] in
+    compare.py)."""
+    snapshots: tuple[dict[str, torch.Tensor], ...] = ()
+    """Rank 0 only: the full tensors after each step (0: initial)."""
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """The one-process run (:func:`build_report`'s other input)."""
+
+    snapshots: tuple[dict[str, torch.Tensor], ...]
+    buffers: tuple[str, ...]
+    losses: tuple[float, ...]
+    sample_keys: tuple[tuple[bytes, ...], ...]
+    outputs: tuple[tuple[str, torch.Tensor], ...]
+    param_dtypes: tuple[torch.dtype, ...]
+    random_layers: tuple[str, ...]
+    """Dropout modules turned off for the comparison (Note [dropout] in run.py)."""
+    draws_random: bool
+    """The forward drew random numbers in training mode, dropout on."""
+    draws_random_without_dropout: bool
+    """... and still did with the dropout modules off."""
+    module_types: dict[str, str] = field(default_factory=dict)
+    loss_name: str = ""
+    grad_max: tuple[dict[str, float], ...] = ()
+    """Per step: each parameter's largest ``|grad|`` (Note [rounding-noise gradients] in diagnose.py)."""
+    adaptive: bool = False
+    """The optimizer divides by a running gradient scale (anything but SGD and ASGD)."""

@@ -1,0 +1,97 @@
+"""What the memory planner is asked and what it answers: how ``fully_shard``
+is applied (:class:`FullyShardSpec`), each unit it would build
+(:class:`UnitEstimate`), and the bytes one rank holds at a stage
+(:class:`MemoryEstimate`). Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.ddp.plan import BucketPlan
+from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES, UnitLayout
+
+__all__ = ["FullyShardSpec", "MemoryEstimate", "UnitEstimate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullyShardSpec:
+    """How ``tandem.fully_shard`` will be applied, for :func:`estimate_memory`'s stage 3."""
+
+    units: tuple[str, ...] = ()
+    """Submodules fully_shard is called on, by their names in ``named_modules()``
+    (``("layers.0", "layers.1")``); the root ``""`` is always a unit, and the
+    calls are taken bottom-up, as fully_shard requires."""
+    param_dtype: torch.dtype | None = None
+    """``MixedPrecisionPolicy.param_dtype``: the dtype units are gathered and
+    computed in (None: the parameters' own)."""
+    reduce_dtype: torch.dtype | None = None
+    """``MixedPrecisionPolicy.reduce_dtype`` (None: ``param_dtype``)."""
+    reshard_after_forward: bool = True
+    """fully_shard's argument for the units in ``units``; the root keeps its
+    parameters from forward to backward either way."""
+    min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES
+    """fully_shard's ``min_unit_bytes``: smaller units join the unit of an
+    enclosing call (Note [tiny units] in tandem/fsdp/api.py)."""
+
+    def __post_init__(self) -> None:
+        units = (self.units,) if isinstance(self.units, str) else self.units
+        if not all(isinstance(u, str) for u in units):
+            raise ValueError(f"FullyShardSpec.units must be module names (str), got {self.units!r}")
+        object.__setattr__(self, "units", tuple(units))
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"FullyShardSpec.{name} must be a floating torch.dtype or None, got {value!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"FullyShardSpec.reshard_after_forward must be a bool, got "
+                             f"{self.reshard_after_forward!r} (partial resharding to k ranks is not planned)")
+        if not isinstance(self.min_unit_bytes, int) or self.min_unit_bytes < 0:
+            raise ValueError(f"FullyShardSpec.min_unit_bytes must be an int >= 0, got {self.min_unit_bytes!r}")
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """One unit fully_shard would build (stage 3 of :func:`estimate_memory`)."""
+
+    name: str                     # the module fully_shard is called on ("": the root)
+    merged: tuple[str, ...]       # tiny units that joined it (Note [tiny units] in tandem/fsdp/api.py)
+    layout: UnitLayout            # rank 0's buffers
+    dtype: torch.dtype            # the parameters' dtype: shards, sharded gradients
+    trainable: tuple[bool, ...]   # requires_grad of each parameter, in layout order
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at ZeRO ``stage`` (Notes [stages 0 to 2 memory] in
+    buckets.py and [stage 3 memory] in fully_shard.py); activations are not included."""
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int = 0                                       # parameters gathered (stages 1-3)
+    reducing: int = 0                                       # gradients being reduced in backward
+    units: tuple[UnitEstimate, ...] = field(default=(), repr=False)   # stage 3: the units planned
+    buckets: BucketPlan | None = field(default=None, repr=False)      # stages 0-2: DDP's buckets
+
+    @property
+    def steady(self) -> int:
+        """What is held between steps: parameters, gradients, optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """The steady state plus the transient peaks: at stage 3 both (an upper
+        bound), at stages 0-2 the larger (they are never alive together)."""
+        if self.stage == 3:
+            return self.steady + self.gathered + self.reducing
+        return self.steady + max(self.gathered, self.reducing)
+
+    def peak(self, activations: int) -> int:
+        """:attr:`total` with ``activations`` bytes alive from forward through
+        backward (with backward's transients; at stage 3 with everything)."""
+        if self.stage == 3:
+            return self.total + activations
+        return self.steady + max(self.gathered, self.reducing + activations)
