@@ -39,6 +39,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from tandem.launch.config import LaunchConfig
+from tandem.launch.elastic_agent import ElasticAgent
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.watchdog import Watchdog
@@ -99,7 +100,8 @@ class _WatchedAgent(LocalElasticAgent):
 
 
 def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: Sequence[Any],
-                logs: WorkerLogs, *, on_hang: Callable[[str], None] | None = None) -> RunResult:
+                logs: WorkerLogs, *, on_hang: Callable[[str], None] | None = None,
+                on_event: Callable[[str], None] | None = None) -> RunResult:
     """Run this node's workers until they all finish, one fails for good, or a
     signal stops the launcher.
 
@@ -112,6 +114,8 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
             with ``config.hang_timeout_s`` it must have been built with
             ``progress=True``.
         on_hang: called with the hang report when the watchdog fires.
+        on_event: called with a line at each death and replacement of an
+            elastic job (``config.elastic``).
 
     Returns:
         The agent's result: ``failures`` by global rank, empty when the workers
@@ -132,11 +136,17 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         handler = FreshWorkerStore(get_rendezvous_handler(params), timeout=timeout)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler,
-        entrypoint=entrypoint, args=tuple(args), max_restarts=config.max_restarts,
+        entrypoint=entrypoint, args=tuple(args),
+        # An elastic job is never restarted as a group: its restarts are replacements.
+        max_restarts=0 if config.elastic else config.max_restarts,
         monitor_interval=config.monitor_interval_s, master_addr=None, master_port=None,
         local_addr=config.local_addr)
-    if config.hang_timeout_s is not None:
-        agent: LocalElasticAgent = _WatchedAgent(
+    if config.elastic:
+        agent: LocalElasticAgent = ElasticAgent(
+            spec, logs, replacements=config.max_restarts, on_event=on_event,
+            start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
+    elif config.hang_timeout_s is not None:
+        agent = _WatchedAgent(
             spec, logs, Watchdog(config.hang_timeout_s), on_hang or (lambda _: None),
             start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
     else:

@@ -120,7 +120,12 @@ def build_parser() -> _Parser:
         help="this node's address as the others should see it")
     g = p.add_argument_group("failures")
     opt(g, "--max-restarts", type=int, default=0, metavar="K",
-        help="restart the whole group up to K times after a worker fails (default 0)")
+        help="restart the whole group up to K times after a worker fails (default 0); with "
+             "--elastic, start up to K replacement workers instead")
+    opt(g, "--elastic", action="store_true",
+        help="keep going when a worker dies: a script training with tandem.Trainer drops the "
+             "step in flight and goes on with the survivors, and replacements (--max-restarts) "
+             "join at a step boundary with the state of a live worker (TANDEM_ELASTIC=1)")
     opt(g, "--monitor-interval", type=float, default=0.1, metavar="SECONDS",
         help="how often the agent checks the workers (default 0.1)")
     opt(g, "--hang-timeout", type=float, default=None, metavar="SECONDS",
@@ -176,7 +181,7 @@ def config_from_args(args: argparse.Namespace, *, cpus: int, gpus: int,
         rdzv_id=rdzv.run_id, rdzv_timeout_s=args.rdzv_timeout,
         rdzv_options=parse_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, hang_timeout_s=args.hang_timeout,
-        debug_collectives=args.debug_collectives,
+        elastic=args.elastic, debug_collectives=args.debug_collectives,
         omp_num_threads=threads_per_worker(choice.nproc, cpus=cpus, environ=environ),
         output_ranks=None if args.ranks is None else parse_rank_list(args.ranks, flag="--ranks"),
         output_local_ranks=(None if args.local_ranks_filter is None else
@@ -216,7 +221,8 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     start = time.monotonic()
     output.start()
     try:
-        result = run_workers(config, command.program, command.args, logs, on_hang=on_hang)
+        result = run_workers(config, command.program, command.args, logs, on_hang=on_hang,
+                             on_event=lambda line: _say(stderr, line))
     except LaunchError as e:
         output.stop()
         _say(stderr, f"error: {e}")

@@ -265,6 +265,11 @@ class LaunchConfig:
     """When no worker completes a collective or starts a step for this long, the
     launcher reports where each rank is, stops them and counts a failure
     (``--hang-timeout``); None: no watchdog."""
+    elastic: bool = False
+    """A dead worker does not stop the others (``--elastic``): a script training with
+    tandem.Trainer shrinks and goes on, and up to ``max_restarts`` replacements
+    join it (Note [elastic launch] in elastic_agent.py); the workers get
+    ``TANDEM_ELASTIC=1``."""
     debug_collectives: bool = False
     """The workers compare every collective before issuing it (``--debug-collectives``,
     ``TANDEM_DEBUG=collectives``): a mismatch raises on every rank at once."""
@@ -303,6 +308,8 @@ class LaunchConfig:
                "a positive number of seconds")
         _check(self.hang_timeout_s is None or self.hang_timeout_s > 0, "--hang-timeout",
                self.hang_timeout_s, "a positive number of seconds")
+        _check(not (self.elastic and self.hang_timeout_s is not None), "--hang-timeout",
+               self.hang_timeout_s, "left out with --elastic (the two do not combine yet)")
         _check(self.exit_barrier_timeout_s > 0, "exit_barrier_timeout_s",
                self.exit_barrier_timeout_s, "a positive number of seconds")
         _check(self.omp_num_threads is None or self.omp_num_threads >= 1, "omp_num_threads",
@@ -336,6 +343,8 @@ class LaunchConfig:
         env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", _FORWARDED_SIGNALS)
         if self.debug_collectives:
             env["TANDEM_DEBUG"] = "collectives"
+        if self.elastic:
+            env["TANDEM_ELASTIC"] = "1"
         return env
 
     def rendezvous_options(self) -> dict[str, object]:

@@ -105,12 +105,13 @@ class TrainerConfig:
     parameters, or "skip" the optimizer step on every rank (DDP's ``check_finite``,
     agreed across ranks; records count skipped steps). None: no check. With fp16
     the GradScaler already skips such steps: only "skip" applies, and counts them."""
-    elastic: bool | ElasticConfig = False
+    elastic: bool | ElasticConfig | None = None
     """Keep training when a rank dies (DDP): the survivors drop the step in flight,
     agree on who is left, and go on as a smaller world; a replacement started
     with ``TANDEM_ELASTIC_JOIN=1`` joins at the next step boundary and gets the
     state from a live peer (Note [elastic trainer] in elastic.py). True uses
-    :class:`~tandem.comm.membership.ElasticConfig`'s defaults."""
+    :class:`~tandem.comm.membership.ElasticConfig`'s defaults; None: on when the
+    job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 
     def __post_init__(self) -> None:
         precision = Precision.parse(self.precision)
@@ -132,7 +133,7 @@ class TrainerConfig:
                              f"check_finite={self.ddp_options['check_finite']!r}; set one of them")
         if self.elastic is True:
             object.__setattr__(self, "elastic", ElasticConfig())
-        elif not isinstance(self.elastic, (bool, ElasticConfig)):
+        elif self.elastic is not None and not isinstance(self.elastic, (bool, ElasticConfig)):
             raise TypeError(f"elastic must be a bool or an ElasticConfig, got {self.elastic!r}")
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
@@ -146,7 +147,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _elastic_run(self, model: nn.Module) -> ElasticRun | None:
-        if not isinstance(self.config.elastic, ElasticConfig):
+        elastic = self.config.elastic
+        if elastic is None:  # `tandem run --elastic` asks for it
+            elastic = ElasticConfig() if os.environ.get("TANDEM_ELASTIC") == "1" else False
+        if not isinstance(elastic, ElasticConfig):
             return None
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
@@ -154,7 +158,7 @@ class Trainer:
             raise ValueError(f"rank {self.rank}: elastic training supports DistributedDataParallel models "
                              "so far, not fully_shard or ZeRO (a dead rank takes its shard with it); "
                              "pass the plain model, or leave elastic unset")
-        return ElasticRun(elastic_membership(self.config.elastic))
+        return ElasticRun(elastic_membership(elastic))
 
     def _build_loaders(self) -> None:
         """The samplers and loaders of this world (built again when an elastic world changes)."""

@@ -1,0 +1,112 @@
+"""``tandem run --elastic``: torch's local agent, told not to stop the group when
+one worker dies: :class:`ElasticAgent`.
+
+# Note [elastic launch]
+torch's agent treats any worker's failure as the group's: it stops every worker
+and, under ``--max-restarts``, starts them all again, and they reload the last
+checkpoint. An elastic job (Note [elastic trainer] in tandem.train.elastic)
+needs the survivors left running, so this agent changes two things in its
+health check (``_monitor_workers``, the extension point tandem's hang watchdog
+uses too), and nothing else:
+
+- it reads the workers' exit codes itself, before torch's process context
+  would see a failure and close the others;
+- a worker that died is replaced, up to ``--max-restarts`` times: a new process
+  with the same command and environment plus ``TANDEM_ELASTIC_JOIN=1`` (its
+  ``tandem.init()`` then asks to join, and the members admit it at their next
+  step boundary). It is started through torch's own subprocess handler and put
+  in the dead worker's place, so torch's process context watches it, forwards
+  signals to it and stops it as it does the others. Its output goes to
+  ``stdout.join<k>.log`` / ``stderr.join<k>.log`` beside the dead worker's logs.
+
+The group has succeeded when every worker has exited and at least one exited
+with 0 (the job finished on the survivors); it has failed when none did.
+The workers' store is the agent's (Note [one store per attempt] in
+rendezvous.py): it outlives every worker, rank 0 included.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+__all__ = ["ElasticAgent"]
+
+logger = logging.getLogger(__name__)
+
+JOIN_ENV = "TANDEM_ELASTIC_JOIN"
+
+
+class ElasticAgent(LocalElasticAgent):
+    """torch's local agent, which lets the survivors of a dead worker go on and
+    starts replacements (see Note [elastic launch]).
+
+    Args:
+        replacements: how many replacement workers this node may start.
+        on_event: called with a line for the launcher's output at each death
+            and replacement.
+    """
+
+    def __init__(self, *args: Any, replacements: int, on_event: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._replacements_left = replacements
+        self._started = 0
+        self._dead: dict[int, int] = {}   # local rank -> exit code of a death already handled
+        self._on_event = on_event or (lambda line: None)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        context = self._pcontext
+        handlers = getattr(context, "subprocess_handlers", None)
+        if handlers is None:  # function workers (tandem.spawn): torch's behaviour
+            return super()._monitor_workers(worker_group)
+        codes = {local: h.proc.poll() for local, h in handlers.items()}
+        for local, code in codes.items():
+            if code not in (None, 0) and self._dead.get(local) != handlers[local].proc.pid:
+                self._dead[local] = handlers[local].proc.pid
+                worker = worker_group.workers[local]
+                self._on_event(f"tandem run --elastic: worker {worker.global_rank} (local {local}, "
+                               f"pid {handlers[local].proc.pid}) exited with {code}; the others go on")
+                if self._replacements_left > 0:
+                    self._replace(local, worker_group)
+                    codes[local] = None
+        if any(code is None for code in codes.values()):
+            return RunResult(state=WorkerState.HEALTHY)
+        if any(code == 0 for code in codes.values()):
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={w.global_rank: None for w in worker_group.workers})
+        failures = {worker_group.workers[local].global_rank: ProcessFailure(
+            local_rank=local, pid=handlers[local].proc.pid, exitcode=int(code or 1),
+            error_file=context.error_files[local])  # type: ignore[union-attr]
+            for local, code in codes.items()}
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _replace(self, local: int, worker_group: WorkerGroup) -> None:
+        """Start a replacement in the place of local rank ``local`` (Note [elastic launch])."""
+        context: Any = self._pcontext
+        self._replacements_left -= 1
+        self._started += 1
+        env = dict(context.envs[local])
+        env[JOIN_ENV] = "1"
+        stdout, stderr = (_beside(path, f"join{self._started}") for path in
+                          (context.stdouts[local], context.stderrs[local]))
+        handler = get_subprocess_handler(entrypoint=context.entrypoint, args=context.args[local],
+                                         env=env, stdout=stdout, stderr=stderr, local_rank_id=local)
+        context.subprocess_handlers[local] = handler
+        worker_group.workers[local].id = handler.proc.pid
+        self._on_event(f"tandem run --elastic: started replacement {self._started} (pid "
+                       f"{handler.proc.pid}) for local rank {local}; it joins at the next step "
+                       f"boundary ({self._replacements_left} replacement(s) left); its output: "
+                       f"{stdout or 'the console'}")
+
+
+def _beside(path: str | None, tag: str) -> str:
+    if not path:
+        return ""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{tag}{p.suffix}"))

@@ -1,0 +1,63 @@
+"""``tandem run --elastic`` (Note [elastic launch]): a worker SIGKILLed mid-training
+leaves the others running; they shrink, a replacement started by the agent joins
+at a step boundary with a live worker's state, and the job ends at full size
+with equal replicas and exit status 0, leaving no process behind."""
+
+from __future__ import annotations
+
+from test_launch_support import clean_env, lines_with, script, tandem
+
+TRAIN = """
+    import hashlib, os, signal, time
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import tandem
+
+    tandem.init()
+    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(120, 8, generator=g), torch.randn(120, 2, generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = None
+
+    def loss_fn(out, y):
+        step = trainer.state.step
+        if os.environ["RANK"] == "1" and not joining and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 6 and not joining:  # hold until the replacement asks to join
+            deadline = time.monotonic() + 60
+            while not trainer._elastic.membership.waiting_joiners() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return ((out - y) ** 2).mean()
+
+    config = tandem.TrainerConfig(batch_size=4, epochs=1, progress=False, plot=False, log_every=1,
+                                  resume=False, output_dir=os.environ["OUT"])
+    trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), data, loss_fn,
+                             config=config)
+    trainer.fit()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    print(f"done world={trainer.world_size} rank={trainer.rank} params={digest.hexdigest()[:16]}",
+          flush=True)
+    tandem.shutdown()
+"""
+
+
+def test_a_killed_worker_is_replaced_and_the_job_finishes(tmp_path):
+    path = script(tmp_path, "train.py", TRAIN)
+    r = tandem(["--nproc-per-node", "3", "--elastic", "--max-restarts", "1", "--log-dir",
+                str(tmp_path / "logs"), str(path)], cwd=tmp_path, timeout=150,
+               env=clean_env(OUT=str(tmp_path / "out")))
+    assert r.returncode == 0, r
+    assert "worker 1 (local 1" in r.stderr and "exited with -9" in r.stderr, r
+    assert "started replacement 1" in r.stderr, r
+    assert lines_with(r.stdout, "elastic: lost rank 1"), r
+    assert lines_with(r.stdout, "admitted j1"), r
+    done = [line.split("] ", 1)[1] for line in lines_with(r.stdout, "done world=")]
+    replacement = (tmp_path / "logs").glob("**/stdout.join1.log")
+    done += [line for p in replacement for line in p.read_text().splitlines() if "done world=" in line]
+    assert len(done) == 3, (done, r)
+    assert all("world=3" in line for line in done), done
+    assert len({line.split("params=")[1] for line in done}) == 1, done  # equal replicas
+    assert r.orphans == []
