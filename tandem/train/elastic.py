@@ -143,7 +143,9 @@ class ElasticRun:
             self.membership.abort_step(step)
         generation = self.membership.next_generation()
         enter_generation(self.membership, generation)
-        text = "replacement waiting" if cause is None else str(cause).splitlines()[0]
+        # The cause's first sentence (a PeerLostError goes on about restarts, which this is not).
+        text = ("replacement waiting" if cause is None else
+                str(cause).splitlines()[0].split(". The collective cannot complete")[0])
         change = WorldChange(
             generation=generation.number, step=step,
             lost={before.rank_of(m): m for m in generation.lost_since(before)},
