@@ -58,8 +58,11 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+ADAM = {"lr": 0.01}  # ZeRO runs: Adam, whose moments are what a lost shard would take away
+
+
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: bool,
-          join_at: int | None) -> dict:
+          join_at: int | None, zero: bool = False, checkpoint_every: int = 0) -> dict:
     """One rank: train one epoch elastically; ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
     hold step ``join_at`` until a replacement asks to join, so that it joins
@@ -105,10 +108,18 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
                 os.kill(os.getpid(), signal.SIGKILL)
             return grad
         model[0].weight.register_hook(die)
-    trainer = Trainer(model, make_optimizer(model), Indexed(), loss_fn,
+    wrapped: nn.Module = model
+    if zero:  # ZeRO-2 over small buckets: every rank owns a part of every bucket's state
+        from tandem import DistributedDataParallel, ZeroOptimizer
+        wrapped = DistributedDataParallel(model, zero_stage=2, bucket_cap_mb=0.0001)
+        optimizer: torch.optim.Optimizer = ZeroOptimizer(wrapped, torch.optim.Adam, **ADAM)
+    else:
+        optimizer = make_optimizer(model)
+    trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
                       config=TrainerConfig(batch_size=BATCH, epochs=1, elastic=CONFIG, progress=False,
                                            plot=False, log_every=1, output_dir=Path(out) / "run",
-                                           resume=False, ddp_options={"bucket_cap_mb": 0.0001}))
+                                           resume=False, ddp_options={"bucket_cap_mb": 0.0001},
+                                           checkpoint_every=checkpoint_every))
     result = trainer.fit()
     return {"params": [p.detach().clone() for p in model.parameters()],
             "changes": [c.record() for c in trainer.world_changes],
@@ -116,14 +127,14 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             "steps": result.steps}
 
 
-def _reference(schedule: list[int]) -> list[torch.Tensor]:
+def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
     """One process trains on the global batches of ``schedule`` (world size per step)."""
     from tandem.data.sampler import _epoch_order
 
     data = Indexed()
     order = _epoch_order(N, shuffle=True, seed=0, epoch=0)
     model = make_model()
-    opt = make_optimizer(model)
+    opt = torch.optim.Adam(model.parameters(), **ADAM) if zero else make_optimizer(model)
     consumed = 0
     for world in schedule:
         idx = order[consumed:consumed + world * BATCH]
@@ -168,9 +179,11 @@ def _used_samples(out: Path, died_at: dict[str, int]) -> list[int]:
 
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
-         join_dies: bool = False, join_at: int | None = None) -> list[dict]:
+         join_dies: bool = False, join_at: int | None = None, zero: bool = False,
+         checkpoint_every: int = 0) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else [])
-    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at), timeout=TIMEOUT,
+    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every),
+                              timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
     assert still_running(pids) == []
@@ -183,8 +196,8 @@ def _check_equal_replicas(live: list[dict]) -> None:
             assert torch.equal(a, b), "the replicas differ"
 
 
-def _check_reference(live: list[dict], schedule: list[int]) -> None:
-    for a, b in zip(live[0]["params"], _reference(schedule)):
+def _check_reference(live: list[dict], schedule: list[int], zero: bool = False) -> None:
+    for a, b in zip(live[0]["params"], _reference(schedule, zero)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
@@ -243,6 +256,43 @@ def test_a_replacement_lost_while_joining(tmp_path: Path) -> None:
     assert changes[1]["joined"] == ["j1"] and changes[2]["lost_ranks"] == [2]
     _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_zero2_shrink_recovers_the_lost_shard_from_its_buddy(tmp_path: Path) -> None:
+    results = _run(tmp_path, {1: 2}, zero=True)
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0", "2"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(2, [1], 2)]
+    schedule = [3, 3] + [2] * ((N - 12) // 4)
+    _check_reference(live, schedule, zero=True)
+    # Without rank 1's Adam moments (say, fresh ones) the parameters would differ.
+    assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6), zero=True)[0], atol=1e-6)
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_zero2_replacement_joins_with_its_shard(tmp_path: Path) -> None:
+    results = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, zero=True)
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"]
+    assert all(r["world_size"] == 3 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [c["world_size"] for c in changes] == [2, 3]
+    _check_reference(live, _schedule(changes), zero=True)
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_zero2_shard_and_its_buddy_lost_together_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+    # Ranks 1 and 2 die in the same step: rank 1's shard and rank 2's copy of it are
+    # both gone. Rank 0 goes on alone from the checkpoint of step 2, saying so.
+    results = _run(tmp_path, {1: 3, 2: 3}, zero=True, checkpoint_every=2)
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
+    assert live[0]["steps"] == 2 + (N - 12) // 2  # trained from step 2 again, at world 1
+    _check_reference(live, [3, 3] + [1] * ((N - 12) // 2), zero=True)
+    assert _used_samples(tmp_path, {"1": 2, "2": 2}) == list(range(N))
 
 
 @pytest.mark.parametrize("bad", [{"min_world_size": 0}, {"beat_s": 0}, {"beat_s": 1.0, "stale_after_s": 2.0}])

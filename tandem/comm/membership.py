@@ -301,13 +301,15 @@ class Membership:
                 return Decision(won.decode())
 
     # ------------------------------------------------------------------ regroup
-    def next_generation(self) -> Generation:
+    def next_generation(self, known_dead: Sequence[str] = ()) -> Generation:
         """Agree with the live members (and the replacements that wait) on the
         next generation; returns it, and makes it this member's.
 
         Every live member of the current generation calls this. It returns once
         every member has arrived or is dead; the first to see that proposes the
-        members, and all read the proposal that won.
+        members, and all read the proposal that won. ``known_dead``: members this
+        process already knows are gone (its collective's heartbeat watch named
+        them), which it need not see go stale again.
 
         Raises:
             MembershipError: this member is not in the generation that won (the
@@ -325,7 +327,7 @@ class Membership:
                 break
             arrived = [m for m in current.members if self.store.check([f"{base}/cand/{m}"])]
             missing = [m for m in current.members if m not in arrived]
-            lost = self.dead(missing)
+            lost = {**self.dead(missing), **{m: "known dead" for m in known_dead if m in missing}}
             if len(lost) == len(missing):
                 joiners = [j for j in self.waiting_joiners() if j not in arrived]
                 chosen = self._propose(Generation(number, tuple(arrived) + tuple(joiners)))

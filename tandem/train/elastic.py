@@ -141,7 +141,10 @@ class ElasticRun:
         before = self.membership.generation
         if cause is not None:
             self.membership.abort_step(step)
-        generation = self.membership.next_generation()
+        # The heartbeat watch of a failed collective has seen these go stale already.
+        known = ([before.members[r] for r in cause.lost if 0 <= r < before.world_size]
+                 if isinstance(cause, PeerLostError) else [])
+        generation = self.membership.next_generation(known_dead=known)
         enter_generation(self.membership, generation)
         # The cause's first sentence (a PeerLostError goes on about restarts, which this is not).
         text = ("replacement waiting" if cause is None else

@@ -48,7 +48,8 @@ from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
 from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, remove_checkpoint, save_checkpoint
 from tandem.comm.bootstrap import elastic_membership
-from tandem.comm.membership import ElasticConfig, Generation
+from tandem.comm.membership import ElasticConfig, Generation, MembershipError
+from tandem.train.buddy import BuddyCopies, ShardsLost
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
 from tandem.train.elastic import ElasticRun, WorldChange, is_peer_failure
 from tandem.train.history import History
@@ -119,6 +120,9 @@ class Trainer:
         self.rank, self.world_size = _rank_and_size()
         self._elastic = self._elastic_run(model)
         self._in_step = False
+        # Note [buddy copies]: under ZeRO each rank also holds the previous rank's shard.
+        self._buddy = BuddyCopies() if self._elastic is not None and hasattr(
+            optimizer, "sharded_state_dict") else None
         self.device = _device_of(model)
         self.model = self._wrap(model)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
@@ -154,10 +158,10 @@ class Trainer:
             return None
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
-        if is_fully_sharded(model) or bool(getattr(model, "zero_stage", 0)):
-            raise ValueError(f"rank {self.rank}: elastic training supports DistributedDataParallel models "
-                             "so far, not fully_shard or ZeRO (a dead rank takes its shard with it); "
-                             "pass the plain model, or leave elastic unset")
+        if is_fully_sharded(model):
+            raise ValueError(f"rank {self.rank}: elastic training supports DistributedDataParallel "
+                             "models, also under ZeRO-1/2, but not fully_shard yet (a dead rank takes "
+                             "its parameter shard with it); leave elastic unset for a fully-sharded model")
         return ElasticRun(elastic_membership(elastic))
 
     def _build_loaders(self) -> None:
@@ -249,6 +253,8 @@ class Trainer:
                              "resume=True, or give this run an empty output_dir")
         if self._elastic is not None and self._elastic.needs_state:
             resumed_from = None  # a replacement: the state comes from a live peer
+            if self._buddy is not None:
+                self._restore_shards(None)
             self._share_state()
             self._elastic.needs_state = False
         else:
@@ -266,6 +272,7 @@ class Trainer:
                      f"global batch {self.global_batch_size}, {cfg.epochs} epoch(s), "
                      f"precision {self._precision.value}")
         checkpoint = resumed_from
+        self._refresh_buddy()
         try:
             while self.state.epoch < cfg.epochs and not self._reached_max_steps():
                 try:
@@ -323,6 +330,7 @@ class Trainer:
                        skipped if self._counts_skips else None)
             state.step += 1
             state.consumed += samples * self.world_size
+            self._refresh_buddy()
             progress.advance()
             if state.step % cfg.log_every == 0:
                 record = window.record(state, self._lr())
@@ -523,12 +531,18 @@ class Trainer:
         in_step, self._in_step = self._in_step, False
 
         def rebuild(before: Generation, after: Generation) -> None:
+            own = (self._buddy.own_shard(self.optimizer.sharded_state_dict)  # type: ignore[attr-defined]
+                   if self._buddy is not None else None)
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.optimizer.zero_grad(set_to_none=True)
             self.model.reset_process_group()  # type: ignore[operator]
+            if self._buddy is not None:
+                self.optimizer.reset_process_group()  # type: ignore[attr-defined]
+                self._restore_shards(own)
             self._build_loaders()
             if after.joined_since(before):
                 self._share_state()
+            self._refresh_buddy()  # copies for the new world, before its first step
 
         while True:
             try:
@@ -549,6 +563,30 @@ class Trainer:
         logger.warning("rank %d: %s", self.rank, change.describe())
         progress.say(change.describe())
         history.append(change.record())
+
+    def _refresh_buddy(self) -> None:
+        """Note [buddy copies]: send this rank's shard to the next rank after a step."""
+        if self._buddy is not None and self._elastic is not None:
+            generation = self._elastic.membership.generation
+            self._buddy.refresh(self.optimizer.sharded_state_dict(), self.state.step,  # type: ignore[attr-defined]
+                                generation.members, self.rank)
+
+    def _restore_shards(self, own: dict[str, Any] | None) -> None:
+        """Every rank's shard of a ZeRO optimizer's state, laid out for the new world:
+        from the survivors and their buddy copies, else from the last checkpoint."""
+        assert self._buddy is not None and self._elastic is not None
+        try:
+            shards = self._buddy.recover(own, self.state.step, self._elastic.membership.generation.members)
+        except ShardsLost as e:
+            if latest_checkpoint(self.checkpoint_dir) is None:
+                raise MembershipError(f"rank {self.rank}: {e}, and {self.checkpoint_dir} holds no "
+                                      "checkpoint to fall back to; the job cannot go on") from e
+            logger.warning("rank %d: %s; falling back to the last checkpoint", self.rank, e)
+            self._resume()
+            return
+        self.optimizer.load_sharded_state_dicts(shards)  # type: ignore[attr-defined]
+        if self.scaler is not None:
+            self._scaled = ShardedGradients(self.optimizer, cast(Any, self.model).reducer.grad_shards)
 
     def _share_state(self) -> None:
         """Rank 0's whole training state, on every rank (a replacement joined)."""

@@ -170,6 +170,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 master.copy_(saved)
         self._optim.load_state_dict(state["inner"])
 
+    def reset_process_group(self) -> None:
+        """Lay the shards out again after the model moved to another process group
+        (``DistributedDataParallel.reset_process_group``, an elastic job's new
+        world): this rank's runs are planned for the new world size, and the
+        parameter groups (with their current hyper-parameters) are kept. The
+        optimizer state is dropped: load it afterwards, from every old rank's
+        :meth:`sharded_state_dict` (:meth:`load_sharded_state_dicts`) or from a
+        checkpoint. No communication."""
+        for handle in self._gather_hooks:
+            handle.remove()
+        self._pending.clear()  # gathers of the old group are abandoned, not waited for
+        self._groups_fixed = False  # the same groups, laid out again
+        self.__init__(self._ddp, self._optimizer_class, self.param_groups,  # type: ignore[misc]
+                      **self._optimizer_kwargs)
+
     @property
     def optim(self) -> torch.optim.Optimizer:
         """The wrapped optimizer, over this rank's shard runs only (as torch's
