@@ -83,11 +83,12 @@ class BuddyCopies:
 
     @property
     def nbytes(self) -> int:
-        """Memory the held copy takes."""
+        """Memory the held copy's per-element state takes (per-tensor scalars, such
+        as Adam's step, are left out, as ``tandem plan`` leaves them out)."""
         if self.held is None:
             return 0
         return sum(v.numel() * v.element_size() for e in self.held.shard["entries"]
-                   for v in e[3].values() if torch.is_tensor(v))
+                   for v in e[3].values() if torch.is_tensor(v) and v.dim() > 0)
 
     def recover(self, own: dict[str, Any] | None, step: int, survivors: tuple[str, ...]) -> list[dict[str, Any]]:
         """Every shard of the old world, in old rank order, from the survivors'

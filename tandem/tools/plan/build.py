@@ -6,6 +6,8 @@ strategy and what to change before launching; with the options it takes
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -36,7 +38,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                 bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
                 min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True,
                 tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None, hsdp: int = 1,
-                activation_checkpointing: bool = False) -> PlanReport:
+                activation_checkpointing: bool = False, elastic: bool = False) -> PlanReport:
     """The plan, from the model's parameters and buffers (shapes, dtypes,
     ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
 
@@ -62,6 +64,9 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         hsdp: replicas of an HSDP mesh ``(hsdp, world_size // hsdp)``
             (``fully_shard(model, mesh=...)`` with a 2-D mesh), planned as an
             extra strategy (1: none).
+        elastic: an elastic job (``tandem run --elastic``): ZeRO-1/2 ranks also
+            hold a copy of the previous rank's optimizer-state shard (Note
+            [buddy copies] in tandem/train/buddy.py).
         activation_checkpointing: plan with the blocks of ``measurement``
             checkpointed (it must have measured them: :func:`measure` with ``blocks``).
 
@@ -90,6 +95,8 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     local_shapes = {s.name: s.local_shape for s in shards}
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
                                 bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)
+    if elastic:
+        estimates = [dataclasses.replace(e, buddy=e.state) if e.stage in (1, 2) else e for e in estimates]
     shard_size = world_size // hsdp
     hybrid = (estimate_memory(model, shard_size, optimizer_bytes_per_param=opt_bytes, fsdp=spec)[3]
               if hsdp > 1 else None)
@@ -118,7 +125,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         + ((StrategyMemory(f"HSDP {hsdp}x{shard_size}", hybrid, activations),) if hybrid is not None else ()),
         measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=(),
         hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum),
-        activation_checkpointing=activation_checkpointing)
+        activation_checkpointing=activation_checkpointing, elastic=elastic)
     warnings = _warnings(report, model, spec, estimates[3])
     return PlanReport(**{**report.__dict__, "warnings": tuple(warnings)})
 

@@ -52,6 +52,8 @@ class PlanReport:
     """The parameters ``tp_plan`` makes DTensors, with their local shapes."""
     optimizer: str
     """The optimizer's name."""
+    elastic: bool = False
+    """Planned for an elastic job: ZeRO-1/2 hold a buddy copy of a state shard."""
     optimizer_bytes_per_param: int
     """Its state per parameter element."""
     num_params: int
@@ -225,13 +227,17 @@ def _memory_lines(r: PlanReport) -> list[str]:
         if s.refused is not None:
             lines.append(f"  {s.name:<12}" + f"{'n/a':>12}  {s.refused}")
             continue
-        values = (e.params, e.grads, e.optimizer, e.steady, s.activations, s.peak)
+        values = (e.params, e.grads, e.optimizer + e.buddy, e.steady, s.activations, s.peak)
         lines.append(f"  {s.name:<12}" + "".join(f"{_size(v):>12}" for v in values))
     units = r.strategies[3].estimate.units
     lines.append(f"  fully_shard: {len(units)} unit(s) ("
                  + (", ".join(u.name or "<root>" for u in units[:4]) + (", ..." if len(units) > 4 else ""))
                  + (")" if r.strategies[1].refused else
                     "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer"))
+    if r.elastic:
+        buddy = r.strategies[1].estimate.buddy
+        lines.append(f"  elastic: ZeRO-1/2 also hold a copy of the previous rank's optimizer-state shard "
+                     f"({_size(buddy)} at ZeRO-1), counted as optimizer; sent to the next rank after every step")
     return lines
 
 

@@ -95,13 +95,14 @@ def zero_stage_estimate(stage: int, plan: BucketPlan, infos: list[ParamInfo], pa
     shards = sum(n // world_size * _itemsize(dtype) for (_, dtype), n in plan.buffer_numel.items())
     owned = [(min(b.padded_numel // world_size, b.numel), b.dtype) for b in plan.buckets]  # rank 0's
     masters = sum(n * torch.promote_types(dtype, torch.float32).itemsize for n, dtype in owned)
-    optimizer = masters + sum(n for n, _ in owned) * optimizer_bytes_per_param
+    state = sum(n for n, _ in owned) * optimizer_bytes_per_param
+    optimizer = masters + state
     trainable = sum(p.nbytes for p in infos)
     if stage == 1:
         grads, reducing = trainable + shards, flat
     else:
         grads, reducing = shards, flat + max(b.numel * _itemsize(b.dtype) for b in plan.buckets)
-    return MemoryEstimate(stage, params=params, grads=grads, optimizer=optimizer,
+    return MemoryEstimate(stage, params=params, grads=grads, optimizer=optimizer, state=state,
                           gathered=flat + shards, reducing=reducing, buckets=plan)
 
 

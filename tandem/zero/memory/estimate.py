@@ -71,6 +71,8 @@ class MemoryEstimate:
     params: int
     grads: int
     optimizer: int
+    state: int = 0                                          # optimizer state alone, without master copies
+    buddy: int = 0                                          # elastic: a copy of the previous rank's state shard
     gathered: int = 0                                       # parameters gathered (stages 1-3)
     reducing: int = 0                                       # gradients being reduced in backward
     units: tuple[UnitEstimate, ...] = field(default=(), repr=False)   # stage 3: the units planned
@@ -78,8 +80,10 @@ class MemoryEstimate:
 
     @property
     def steady(self) -> int:
-        """What is held between steps: parameters, gradients, optimizer state."""
-        return self.params + self.grads + self.optimizer
+        """What is held between steps: parameters, gradients, optimizer state (and,
+        in an elastic job under ZeRO, the buddy copy: Note [buddy copies] in
+        tandem/train/buddy.py)."""
+        return self.params + self.grads + self.optimizer + self.buddy
 
     @property
     def total(self) -> int:
