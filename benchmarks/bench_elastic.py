@@ -19,8 +19,11 @@ the baseline. Per run:
   printed twice was trained twice, once before the failure and once after the
   restart from the checkpoint).
 
-The elastic run keeps going on 2 workers (no replacement), so it also trains
-the steps after the failure more slowly; with a replacement it would grow back.
+"elastic" keeps going on 2 workers (no replacement), so it trains the rest of
+the epoch in more, smaller steps; "elastic+replacement" (``--max-restarts 1``
+with ``--elastic``) grows back to 3 when the replacement has started. For the
+elastic runs, the Trainer's own report gives the time from the start of the
+failed step to the failure being seen, and the regroup.
 Medians and min..max are printed as a Markdown table.
 """
 
@@ -73,7 +76,8 @@ JOB = """
 def run(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     out = workdir / f"out-{mode}-{time.monotonic_ns()}"
     script = workdir / "job.py"
-    flags = {"baseline": [], "restart": ["--max-restarts", "1"], "elastic": ["--elastic"]}[mode]
+    flags = {"baseline": [], "restart": ["--max-restarts", "1"], "elastic": ["--elastic"],
+             "elastic+replacement": ["--elastic", "--max-restarts", "1"]}[mode]
     env = dict(os.environ, STEPS=str(args.steps), KILL_AT=str(-1 if mode == "baseline" else args.kill_at),
                EVERY=str(args.checkpoint_every), OUT=str(out))
     start = time.perf_counter()
@@ -83,12 +87,17 @@ def run(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     if r.returncode != 0:
         raise SystemExit(f"{mode} run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     seen: dict[int, int] = {}
+    noticed = regrouped = 0.0
     for line in r.stdout.splitlines():
+        if line.startswith("[rank 0] elastic: lost"):
+            noticed = float(line.split("failure seen after ")[1].split(" s")[0])
+            regrouped = float(line.split("regroup took ")[1].split(" s")[0])
         if line.startswith("[rank 0]") and "  step " in line:
             step = int(line.split("  step ")[1].split()[0])
             seen[step] = seen.get(step, 0) + 1
     redone = sum(count - 1 for count in seen.values())
-    return {"wall": wall, "lost_steps": redone + (0 if mode == "baseline" else 1)}
+    return {"wall": wall, "lost_steps": redone + (0 if mode == "baseline" else 1),
+            "noticed": noticed, "regrouped": regrouped}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,24 +107,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-at", type=int, default=55)
     p.add_argument("--checkpoint-every", type=int, default=25)
     args = p.parse_args(argv)
-    results: dict[str, list[dict[str, float]]] = {"baseline": [], "restart": [], "elastic": []}
+    modes = ("baseline", "restart", "elastic", "elastic+replacement")
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         (workdir / "job.py").write_text(textwrap.dedent(JOB))
         for i in range(args.rounds):
-            for mode in (("baseline", "restart", "elastic") if i % 2 == 0 else ("elastic", "restart", "baseline")):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
                 results[mode].append(run(mode, args, workdir))
                 print(f"round {i} {mode}: {results[mode][-1]}", flush=True)
     base = statistics.median(r["wall"] for r in results["baseline"])
     print(f"\n{args.steps} steps at 3 workers, worker 1 killed in step {args.kill_at}, "
           f"checkpoint every {args.checkpoint_every}; {args.rounds} rounds\n")
-    print("| run | wall s, median (min..max) | lost s, median | steps lost |")
-    print("|---|---|---|---|")
+    print("| run | wall s, median (min..max) | lost s, median | steps lost | failure seen after s | regroup s |")
+    print("|---|---|---|---|---|---|")
     for mode, rows in results.items():
         walls = [r["wall"] for r in rows]
         redone = sorted({int(r["lost_steps"]) for r in rows})
+        elastic = mode.startswith("elastic")
+        seen = f"{statistics.median(r['noticed'] for r in rows):.2f}" if elastic else "-"
+        regroup = f"{statistics.median(r['regrouped'] for r in rows):.2f}" if elastic else "-"
         print(f"| {mode} | {statistics.median(walls):.1f} ({min(walls):.1f}..{max(walls):.1f}) | "
-              f"{statistics.median(walls) - base:+.1f} | {', '.join(map(str, redone))} |")
+              f"{statistics.median(walls) - base:+.1f} | {', '.join(map(str, redone))} | {seen} | {regroup} |")
 
 
 if __name__ == "__main__":
