@@ -329,8 +329,6 @@ def _join_elastic(backend: str | None, init_method: str | None, timeout_td: date
     # Rendezvous as a client: the store exists; rank 0 would try to host it.
     store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
     membership = Membership.joining(_below_prefixes(store), ElasticConfig())
-    global _membership
-    _membership = None
     return enter_generation(membership, membership.generation, timeout=timeout_td)
 
 
