@@ -289,13 +289,14 @@ def elastic_membership(config: ElasticConfig) -> Membership:
 
 
 def enter_generation(membership: Membership, generation: Generation, *,
-                     timeout: datetime.timedelta | None = None) -> WorldInfo:
+                     timeout: datetime.timedelta | None = None, backend: str | None = None) -> WorldInfo:
     """Replace the default group by one of ``generation``'s members (Note [elastic
     default group]); a collective of the generation's members. Returns this
     process's new :class:`WorldInfo`."""
     previous = _membership.info if _membership is not None else None
-    backend = str(dist.get_backend()) if dist.is_initialized() else (
-        previous.backend if previous is not None else _default_backend())
+    if backend is None:
+        backend = str(dist.get_backend()) if dist.is_initialized() else (
+            previous.backend if previous is not None else _default_backend())
     timeout_td = timeout or (_membership.timeout if _membership is not None else None) or DEFAULT_TIMEOUT
     stop_monitor(left=False)
     if dist.is_initialized():
@@ -329,7 +330,7 @@ def _join_elastic(backend: str | None, init_method: str | None, timeout_td: date
     # Rendezvous as a client: the store exists; rank 0 would try to host it.
     store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
     membership = Membership.joining(_below_prefixes(store), ElasticConfig())
-    return enter_generation(membership, membership.generation, timeout=timeout_td)
+    return enter_generation(membership, membership.generation, timeout=timeout_td, backend=backend)
 
 
 def _join_existing(backend: str | None, init_method: str | None, scheme: str | None,
