@@ -447,7 +447,7 @@ _FORGOTTEN: list[Any] = []
 def forget_default_group() -> None:
     """Unset the default process group without shutting it down.
 
-    Why: an elastic job (Note [elastic default group] in tandem.comm.bootstrap)
+    Why: an elastic job (Note [elastic default group] in tandem.comm.elastic_group)
     replaces the default group after a peer died. ``destroy_process_group`` and
     ``ProcessGroup.abort`` join gloo's worker threads, and a worker can be
     blocked in a collective with a peer that is alive but has left the group

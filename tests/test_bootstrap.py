@@ -25,6 +25,7 @@ from torch import nn
 
 from tandem.comm import WorldInfo, init, shutdown, world_from_env
 from tandem.comm import bootstrap
+from tandem.comm.device import bind_device, default_backend
 from tandem.comm.exit import _CleanExitHook
 from tandem.comm.world import LaunchVars
 from tandem.ddp import DistributedDataParallel
@@ -250,14 +251,14 @@ def test_cuda_device_binding(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
-    assert bootstrap._default_backend() == "nccl"
-    assert bootstrap._bind_device("nccl", 1, rank=5) == torch.device("cuda", 1)
+    assert default_backend() == "nccl"
+    assert bind_device("nccl", 1, rank=5) == torch.device("cuda", 1)
     assert bound == [1]
-    assert bootstrap._bind_device("gloo", 1, rank=5) == torch.device("cpu")
+    assert bind_device("gloo", 1, rank=5) == torch.device("cpu")
     with pytest.raises(ValueError, match="rank 6: LOCAL_RANK=2 but this node has 2 CUDA"):
-        bootstrap._bind_device("cpu:gloo,cuda:nccl", 2, rank=6)
+        bind_device("cpu:gloo,cuda:nccl", 2, rank=6)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert bootstrap._default_backend() == "gloo"
+    assert default_backend() == "gloo"
 
 
 # ------------------------------------------------------------ two ranks, three rendezvous

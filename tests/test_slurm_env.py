@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.comm import WorldInfo, bootstrap, init, shutdown, world_from_env
+from tandem.comm import WorldInfo, init, shutdown, world_from_env
+from tandem.comm.device import bind_device
 from tandem.comm.world import (
     Launcher,
     LaunchVars,
@@ -306,17 +307,17 @@ def test_init_under_srun_n1_is_a_world_of_one(no_launcher):
 
 
 def test_a_task_given_its_own_gpu_binds_cuda_0(monkeypatch):
-    """Note [a Slurm task's own GPUs]: `srun --ntasks-per-node 4 --gpus-per-task 1`
-    shows each task one GPU; torchrun's LOCAL_RANK beyond the GPUs stays an error."""
+    """Note [a Slurm task's own GPUs] in tandem/comm/device.py: `srun --ntasks-per-node 4
+    --gpus-per-task 1` shows each task one GPU; torchrun's LOCAL_RANK beyond the GPUs stays an error."""
     bound = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
-    assert bootstrap._bind_device("nccl", 3, 7, local_world_size=4, slurm_task=True) == torch.device("cuda", 0)
+    assert bind_device("nccl", 3, 7, local_world_size=4, slurm_task=True) == torch.device("cuda", 0)
     with pytest.raises(ValueError, match="rank 7: LOCAL_RANK=3 but this node has 1 CUDA"):
-        bootstrap._bind_device("nccl", 3, 7, local_world_size=4, slurm_task=False)
+        bind_device("nccl", 3, 7, local_world_size=4, slurm_task=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # --gpus-per-node 4: all visible
-    assert bootstrap._bind_device("nccl", 3, 7, local_world_size=4, slurm_task=True) == torch.device("cuda", 3)
+    assert bind_device("nccl", 3, 7, local_world_size=4, slurm_task=True) == torch.device("cuda", 3)
     assert bound == [0, 3]
 
 

@@ -9,76 +9,34 @@ adopts it instead of creating one.
 
 The default process group is torch's, and ``torch.distributed.is_initialized()``
 says whether there is one. What torch does not record is who created it: that is
-this module's one piece of state (Note [who owns the default group]).
+tandem.comm's one piece of state (Note [who owns the default group] in
+group_record.py). Elastic jobs' groups are made in elastic_group.py, which
+:func:`init` calls for a replacement worker; its public names are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
-import socket
-import weakref
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import torch
 import torch.distributed as dist
 
-from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group
-from tandem.comm.exit import install_clean_exit, uninstall_clean_exit
-from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership
-from tandem.comm.monitor import start_monitor, stop_monitor
+from tandem._compat import bind_group_defaults_before_init, default_store
+from tandem.comm import group_record
+from tandem.comm.device import bind_device, default_backend
+from tandem.comm.elastic_group import JOIN_ENV, below_prefixes, elastic_membership, enter_generation, \
+    join_elastic, job_store
+from tandem.comm.exit import uninstall_clean_exit
+from tandem.comm.monitor import stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
 
 __all__ = ["DEFAULT_TIMEOUT", "JOIN_ENV", "elastic_membership", "enter_generation", "init", "job_store",
            "shutdown"]
 
-JOIN_ENV = "TANDEM_ELASTIC_JOIN"
-"""Set to ``1`` for a replacement worker: :func:`init` then joins the running
-elastic job at its next step boundary instead of starting a new one."""
-
 logger = logging.getLogger(__name__)
-
-
-# Note [who owns the default group]
-# tandem.init() either creates the default process group or adopts one that
-# exists already; tandem.shutdown() destroys only a group tandem created, and
-# leaves an adopted one as it found it (initialised, for its creator to destroy),
-# taking away only what init() added: the monitor and the exit hook. torch
-# records neither who created the group nor with which timeout, so init()
-# records it in _membership, this module's one module-level holder: which group
-# (a weak reference, so that a group destroyed behind tandem's back is not
-# mistaken for a later one), in which process (a forked child inherits the
-# parent's memory, not its group), whether tandem created it, and the WorldInfo
-# that init() returned, which a second init() returns again.
-
-@dataclass(frozen=True)
-class _Membership:
-    """What :func:`init` did about this process's default group."""
-
-    pid: int
-    """The process that called :func:`init`."""
-    group: weakref.ref[dist.ProcessGroup]
-    """The default group it created or adopted."""
-    owned: bool
-    """Whether :func:`init` created the group (and :func:`shutdown` destroys it)."""
-    info: WorldInfo
-    """What :func:`init` returned."""
-    timeout: datetime.timedelta | None
-    """The timeout the group was created with; None for an adopted group (unknown)."""
-    elastic: Membership | None = None
-    """This process's place in an elastic job (Note [elastic membership]), once it has one."""
-
-    def is_current(self) -> bool:
-        """Whether this is still this process's default group."""
-        return (self.pid == os.getpid() and dist.is_initialized()
-                and self.group() is dist.group.WORLD)
-
-
-_membership: _Membership | None = None
 
 
 def init(
@@ -158,7 +116,7 @@ def init(
     if dist.is_initialized():
         return _join_existing(backend, init_method, scheme, timeout, timeout_td, rank, world_size)
     if os.environ.get(JOIN_ENV) == "1":
-        return _join_elastic(backend, init_method, timeout_td)
+        return join_elastic(backend, init_method, timeout_td)
 
     launch = world_from_env(os.environ, require_master=scheme in (None, "env"))
     if scheme == "env" and launch is None:
@@ -188,8 +146,8 @@ def init(
             f"init_method={init_method!r} needs this process's rank and the world size; "
             "pass rank= and world_size=, or set RANK and WORLD_SIZE")
 
-    backend = backend if backend is not None else _default_backend()
-    device = _bind_device(backend, local_rank, rank, local_world_size=local_world_size,
+    backend = backend if backend is not None else default_backend()
+    device = bind_device(backend, local_rank, rank, local_world_size=local_world_size,
                           slurm_task=launch is not None and launch.launcher is Launcher.SLURM)
     bind_group_defaults_before_init()
 
@@ -210,7 +168,7 @@ def init(
 
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
-    _start_watch(info, timeout_td, owned=True, timeout=timeout_td)
+    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td)
     logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s", info.rank,
                 info.world_size, info.local_rank, info.local_world_size, info.backend,
                 info.device)
@@ -225,8 +183,7 @@ def shutdown() -> None:
     added are removed. A no-op when there is no group. After it, :func:`init` may
     be called again (with a fresh ``file://`` path).
     """
-    global _membership
-    member, _membership = _membership, None
+    member = group_record.forget()
     stop_monitor()
     uninstall_clean_exit()
     if not dist.is_initialized():
@@ -237,108 +194,12 @@ def shutdown() -> None:
         logger.debug("tandem: rank %d leaves the process group to its creator", dist.get_rank())
 
 
-def _start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
-                 timeout: datetime.timedelta | None, elastic: Membership | None = None) -> None:
-    """What :func:`init` adds to a group it created or adopted, and the record of it."""
-    global _membership
-    start_monitor(timeout_s=timeout_td.total_seconds())
-    install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
-    group = dist.group.WORLD
-    assert group is not None, "the default group is initialised"
-    _membership = _Membership(pid=os.getpid(), group=weakref.ref(group), owned=owned,
-                              info=info, timeout=timeout, elastic=elastic)
-
-
-# ---------------------------------------------------------------------- elastic jobs
-# Note [elastic default group]
-# An elastic job (Note [elastic membership] in membership.py) changes its world
-# in place: the members of a new generation destroy the default group and build
-# another over the job's store, under a prefix of the generation's own, so no
-# key of the old group is read again. The job's store is the one below the
-# default group's "default_pg" prefix: the launcher's, which outlives any
-# worker. Everything tandem added to the old group (monitor, exit hook, this
-# module's record) moves to the new one, and tandem owns the new group.
-
-def job_store() -> dist.Store:
-    """The store the job's processes met in, below every prefix (the default
-    group's, torch's per-group ones), as a replacement's rendezvous reaches it."""
-    return _below_prefixes(default_store())
-
-
-def _below_prefixes(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
-
-
-def elastic_membership(config: ElasticConfig) -> Membership:
-    """This process's :class:`Membership`: the one it joined with, or, for a rank
-    of the job's first world, a founding one (a collective in effect: every rank
-    calls it). Its config becomes ``config``."""
-    global _membership
-    if not dist.is_initialized():
-        raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
-    member = _membership if _membership is not None and _membership.is_current() else None
-    if member is not None and member.elastic is not None:
-        member.elastic.config = config
-        return member.elastic
-    elastic = Membership.founding(job_store(), dist.get_rank(), dist.get_world_size(), config)
-    if member is not None:
-        _membership = dataclasses.replace(member, elastic=elastic)
-    return elastic
-
-
-def enter_generation(membership: Membership, generation: Generation, *,
-                     timeout: datetime.timedelta | None = None, backend: str | None = None) -> WorldInfo:
-    """Replace the default group by one of ``generation``'s members (Note [elastic
-    default group]); a collective of the generation's members. Returns this
-    process's new :class:`WorldInfo`."""
-    previous = _membership.info if _membership is not None else None
-    if backend is None:
-        backend = str(dist.get_backend()) if dist.is_initialized() else (
-            previous.backend if previous is not None else _default_backend())
-    timeout_td = timeout or (_membership.timeout if _membership is not None else None) or DEFAULT_TIMEOUT
-    stop_monitor(left=False)
-    if dist.is_initialized():
-        forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
-    rank = generation.rank_of(membership.member)
-    bind_group_defaults_before_init()
-    store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
-                            timeout=timeout_td)
-    # The device stays the one the launcher gave this process; the local rank and
-    # size are this process's place among the generation's members on its host.
-    device = previous.device if previous is not None else _bind_device(
-        backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
-    hosts: list[str] = [""] * generation.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
-    here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-    local_rank, local_size = here.index(rank), len(here)
-    info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,
-                     local_world_size=local_size, device=device, backend=backend)
-    _start_watch(info, timeout_td, owned=True, timeout=timeout_td, elastic=membership)
-    logger.info("tandem: elastic generation %d: member %s is rank %d of %d", generation.number,
-                membership.member, rank, generation.world_size)
-    return info
-
-
-def _join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:
-    """:func:`init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
-    running job in its store and wait to be admitted (Note [elastic membership])."""
-    url = init_method or "env://"
-    world_size = int(os.environ.get("WORLD_SIZE", "2"))
-    # Rendezvous as a client: the store exists; rank 0 would try to host it.
-    store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
-    membership = Membership.joining(_below_prefixes(store), ElasticConfig())
-    return enter_generation(membership, membership.generation, timeout=timeout_td, backend=backend)
-
-
 def _join_existing(backend: str | None, init_method: str | None, scheme: str | None,
                    timeout: datetime.timedelta | float | None, timeout_td: datetime.timedelta,
                    rank: int | None, world_size: int | None) -> WorldInfo:
     """:func:`init` with a default group in place: check the arguments against it,
     then return what an earlier :func:`init` returned, or adopt the group."""
-    member = _membership if _membership is not None and _membership.is_current() else None
+    member = group_record.current()
     group_rank, group_size, group_backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     conflicts = []
     if backend is not None and backend.replace(" ", "").lower() != str(group_backend).lower():
@@ -367,17 +228,17 @@ def _join_existing(backend: str | None, init_method: str | None, scheme: str | N
 
 def _adopt(timeout_td: datetime.timedelta, *, timeout_given: bool) -> WorldInfo:
     """Take the default group someone else created as this job's (Note [who owns the
-    default group]); the environment gives only the local placement (Note [local
+    default group] in group_record.py); the environment gives only the local placement (Note [local
     rank of an adopted group] in tandem.comm.world)."""
     rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     local_rank, local_world_size = local_from_env(os.environ, rank=rank, world_size=world_size)
-    device = _bind_device(backend, local_rank, rank)
+    device = bind_device(backend, local_rank, rank)
     if timeout_given:
         logger.warning("tandem: rank %d: timeout=%s is not applied to the existing process group, "
                        "which keeps the timeout it was created with", rank, timeout_td)
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
-    _start_watch(info, timeout_td, owned=False, timeout=None)
+    group_record.start_watch(info, timeout_td, owned=False, timeout=None)
     logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s; adopted the existing "
                 "process group (tandem.shutdown() leaves it to its creator)", info.rank,
                 info.world_size, info.local_rank, info.local_world_size, info.backend, info.device)
@@ -392,7 +253,7 @@ def _store_conflict(scheme: str | None, init_method: str | None) -> str | None:
     machine has many names)."""
     if scheme is None or init_method is None:
         return None
-    store: object = _below_prefixes(default_store())
+    store: object = below_prefixes(default_store())
     asked = f"init_method={init_method!r}"
     if isinstance(store, dist.HashStore):
         return f"{asked}, but the group was created with an in-memory store (a world of one)"
@@ -480,35 +341,3 @@ def _check_rank_args(rank: int | None, world_size: int | None, scheme: str | Non
         raise ValueError(f"world_size={world_size} must be at least 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in 0..{world_size - 1} for world_size={world_size}")
-
-
-def _default_backend() -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return "nccl"
-    return "gloo"
-
-
-def _bind_device(backend: str, local_rank: int, rank: int, *, local_world_size: int | None = None,
-                 slurm_task: bool = False) -> torch.device:
-    # "nccl" or a per-device spec such as "cpu:gloo,cuda:nccl": the job computes on GPUs.
-    if "nccl" not in backend:
-        return torch.device("cpu")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise ValueError(f"rank {rank}: backend {backend!r} needs CUDA, but "
-                         "torch.cuda.is_available() is False; pass backend='gloo' or None")
-    index = local_rank
-    if slurm_task and local_world_size is not None and count < local_world_size:
-        # Note [a Slurm task's own GPUs]
-        # srun --gpus-per-task (or --gpu-bind) gives each task its own GPUs and
-        # hides the node's others: the task sees fewer GPUs than the node has
-        # tasks, and its GPU is cuda:0 whatever its SLURM_LOCALID. torchrun never
-        # hides GPUs, so elsewhere a LOCAL_RANK beyond the GPUs is an error.
-        index = 0
-    elif local_rank >= count:
-        raise ValueError(
-            f"rank {rank}: LOCAL_RANK={local_rank} but this node has {count} CUDA device(s); "
-            f"start at most {count} processes per node (torchrun --nproc-per-node {count}), "
-            "or set LOCAL_RANK and LOCAL_WORLD_SIZE if the launcher did not")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)

@@ -184,6 +184,12 @@ class Membership:
             if generation is not None and member in generation.members:
                 self.generation = generation
                 return self
+            if generation is not None and len(self.dead(generation.members)) == generation.world_size:
+                self.stop()
+                raise MembershipError(
+                    f"elastic: replacement {member} found no live member of generation "
+                    f"{generation.number} ({list(generation.members)}): the job has ended (or died) "
+                    "before admitting it; nothing to join")
             time.sleep(config.beat_s)
         self.stop()
         raise MembershipError(

@@ -32,7 +32,7 @@ __all__ = ["DDPJoinHook", "MirroredDDP", "join"]
 class MirroredDDP(Protocol):
     """What the join hook needs from a DDP model: the steps of one iteration that
     a joined rank mirrors (Note [join mirror]). ``tandem.ddp.module``'s wrapper
-    provides them; this module depends on the protocol, not on the wrapper,
+    provides them (module_join.py); this module depends on the protocol, not on the wrapper,
     which imports this module."""
 
     require_forward_param_sync: bool

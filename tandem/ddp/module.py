@@ -1,10 +1,18 @@
-"""``tandem.DistributedDataParallel``: torch's DDP interface over tandem's reducer."""
+"""``tandem.DistributedDataParallel``: torch's DDP interface over tandem's reducer.
+
+The wrapper is built in layers, one concept a file, each class on the one
+before: ``DDPState`` (module_state.py: what it holds, its reducer, its
+properties and communication hook) <- ``JoinSupport`` (module_join.py: uneven
+inputs) <- ``FusedStep`` (module_fuse.py: an optimizer stepped inside backward)
+<- ``Copyable`` (module_copy.py: deepcopy and pickling) <-
+``DistributedDataParallel`` (here: construction, forward, ``no_sync``). Its
+arguments are checked in module_args.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,18 +20,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._compat import enter_ddp_forward, exit_ddp_forward, preserve_version_counters
+from tandem._compat import enter_ddp_forward, exit_ddp_forward
 from tandem.comm.group import GroupComm
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 
 from tandem.ddp.compile import split_hint
-from tandem.ddp.checks import NonFinite, NonFiniteReport, broadcast_module_state, \
+from tandem.ddp.checks import NonFinite, broadcast_module_state, \
     check_same_model_on_all_ranks, check_tensor_parallel, model_signature
 from tandem._tree import to_device
-from tandem.ddp.fused import ShardedStepSource
-from tandem.ddp.join import DDPJoinHook, join
+from tandem.ddp.module_args import check_zero_config, reject_unsupported, resolve_device_ids, \
+    resolve_group, single_device
+from tandem.ddp.module_copy import Copyable
 from tandem.ddp.plan import cap_bytes_from_mb
-from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions
+from tandem.ddp.reducer import ReducerOptions
 from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 
 __all__ = ["DistributedDataParallel"]
@@ -31,7 +40,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(Copyable):
     """Data parallelism across processes: a drop-in for
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -53,7 +62,8 @@ class DistributedDataParallel(nn.Module, Joinable):
       checkpointing.
     * A copy (``copy.deepcopy``, ``torch.save``/``torch.load``) keeps the
       communication hook, and a static-graph copy reduces its first step (torch's
-      copy drops the hook, and skips that reduction). Note [copying a DDP model].
+      copy drops the hook, and skips that reduction). Note [copying a DDP model]
+      in module_copy.py.
 
     Args:
         module: the model to replicate; its parameters must all be on one device.
@@ -149,16 +159,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        _reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+        reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                             param_to_hook_all_reduce=param_to_hook_all_reduce,
                             mixed_precision=mixed_precision,
                             skip_all_reduce_unused_params=skip_all_reduce_unused_params or None)
         self.module = module
         self.zero_stage = ZeroStage.parse(zero_stage)
-        self.zero_config = _check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view,
+        self.zero_config = check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view,
                                               find_unused_parameters)
         self.check_finite = NonFinite.parse(check_finite)
-        self.process_group = _resolve_group(process_group, device_mesh)
+        self.process_group = resolve_group(process_group, device_mesh)
         self._comm = GroupComm(self.process_group)
 
         self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -178,8 +188,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             check_tensor_parallel(named_params, dist.get_process_group_ranks(group), dist.get_rank(),
                                   int(self.zero_stage))
-        self.device, self.device_type = _single_device(named_params)
-        self.device_ids, self.output_device = _resolve_device_ids(
+        self.device, self.device_type = single_device(named_params)
+        self.device_ids, self.output_device = resolve_device_ids(
             device_ids, output_device, self.device, self.device_type)
         self.dim = dim
 
@@ -213,12 +223,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             zero_stage=int(self.zero_stage),
             overlap=self.zero_config.overlap_grad_reduce,
             check_finite=self.check_finite)
-        self._reducer: GradReducer | None = None
-        self._fused: torch.optim.Optimizer | None = None
-        self._comm_hook: tuple[object, Any] | None = None  # (state, hook), for copies
-        # The ZeroOptimizer built on this model, whose parameter all-gathers a copy
-        # must wait for (Note [copying a DDP model]); set by ZeroOptimizer.
-        self._zero_optimizer: weakref.ref[ShardedStepSource] | None = None
+        self._reducer = None
+        self._fused = None
+        self._comm_hook = None
+        self._zero_optimizer = None  # set by the ZeroOptimizer built on this model
         if self._needs_reducer():
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
@@ -235,16 +243,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_same_model_on_all_ranks(model_signature(named_params, sync_buffers, options), self._comm)
         broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
                                self._comm, src=0)
-
-    def _needs_reducer(self) -> bool:
-        # A world of one needs no reducer, unless ZeRO's optimizer reads its
-        # shards, the gradients are checked, or an optimizer is fused.
-        return self._comm.size > 1 or bool(self.zero_stage) or self.check_finite is not None
-
-    def _make_reducer(self) -> GradReducer:
-        if self._reducer is None:
-            self._reducer = GradReducer(self._trainable, self._comm, self._reducer_options)
-        return self._reducer
 
     def reset_process_group(self, process_group: dist.ProcessGroup | None = None) -> None:
         """Go on over another process group: after an elastic job's world changed
@@ -275,43 +273,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.register_comm_hook(self._comm, hook[1])
         self._split_hint = split_hint(self._reducer_options.caps, self._reducer_options.overlap,
                                       self._comm.size)
-
-    # ------------------------------------------------------------------ properties
-    @property
-    def broadcast_buffers(self) -> bool:
-        return self.forward_sync_buffers
-
-    @property
-    def comm(self) -> GroupComm:
-        """The collectives layer this DDP issues through (observers see every collective)."""
-        return self._comm
-
-    @property
-    def reducer(self) -> GradReducer | None:
-        """The gradient reducer (None in a world of one)."""
-        return self._reducer
-
-    @property
-    def comm_stats(self) -> CommStats | None:
-        """This rank's gradient communication in the last synchronised backward:
-        ``bytes`` sent (payload of the bucket all-reduces, or of the collectives a
-        communication hook issued through ``bucket.comm``) and ``wait_s``, the
-        seconds the end of backward waited for them. None before the first
-        synchronised backward, and in a world of one."""
-        return None if self._reducer is None else self._reducer.last_stats
-
-    @property
-    def found_nonfinite(self) -> bool:
-        """Whether the last synchronised backward found NaN or Inf in the gradients
-        (with ``check_finite="skip"``: its gradients were dropped, skip
-        ``optimizer.step()``). The same on every rank; False without the check."""
-        return self._reducer is not None and self._reducer.nonfinite is not None
-
-    @property
-    def nonfinite_report(self) -> NonFiniteReport | None:
-        """Where the last synchronised backward's non-finite gradients were (the
-        ranks and parameters), or None when they were finite or not checked."""
-        return None if self._reducer is None else self._reducer.nonfinite
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable(recursive=False)  # Note [torch.compile] in compile.py
@@ -359,16 +320,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.require_forward_param_sync = False
         return output
 
-    def _will_sync_buffers(self) -> bool:
-        return (self._comm.size > 1 and self.require_forward_param_sync
-                and self.forward_sync_buffers and bool(self._named_buffers))
-
-    def _sync_buffers(self, src: int) -> None:
-        # Buffers may have been reassigned (module.running_mean = ...): look them up again.
-        buffers = [b for n, b in self.module.named_buffers() if n not in self._ignored]
-        with torch.no_grad(), preserve_version_counters(buffers):
-            self._comm.broadcast_coalesced(buffers, src, tag="buffers")
-
     def _grad_divisor(self, join_work: Any) -> int:
         """How many ranks' gradients the average is over: the world, or under
         join with divide_by_initial_world_size=False, the ranks still training."""
@@ -376,52 +327,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._comm.size
         join_work.wait()
         return int(join_work.result()[0].item())
-
-    # ------------------------------------------------------------------ join
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """A context manager for uneven inputs over this model alone; see :func:`tandem.join`."""
-        return join([self], enable=enable, throw_on_early_termination=throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        if self.zero_stage:
-            # A joined rank would also have to mirror ZeroOptimizer's all-gathers.
-            raise NotImplementedError(
-                f"tandem.join is not supported with zero_stage={int(self.zero_stage)} yet")
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._comm.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group if self.process_group is not None else dist.group.WORLD
-
-    def _common_rank(self, *, candidate: bool) -> int:
-        """The highest group rank among the candidates (Note [join mirror])."""
-        t = torch.tensor([self._comm.rank if candidate else -1], device=self._comm.device)
-        self._comm.all_reduce(t, op=dist.ReduceOp.MAX, tag="join: common rank")
-        rank = int(t.item())
-        assert rank >= 0, "at least one rank is a candidate"
-        return rank
-
-    def _agree_on_grad_sync(self, *, joined: bool) -> bool:
-        """Tell joined ranks whether this iteration's backward synchronises."""
-        t = torch.tensor([0.0 if joined or not self.require_backward_grad_sync else 1.0],
-                         device=self._comm.device)
-        work = self._comm.all_reduce(t, tag="join: grad sync", async_op=True)
-        if not joined:
-            return self.require_backward_grad_sync
-        work.wait()
-        return bool(t.item() != 0)
-
-    def _sync_final_model(self, src: int) -> None:
-        tensors: list[torch.Tensor] = [p for n, p in self.module.named_parameters() if n not in self._ignored]
-        if self.forward_sync_buffers:
-            tensors += [b for n, b in self.module.named_buffers() if n not in self._ignored]
-        broadcast_module_state(tensors, self._comm, src=src)
 
     # ------------------------------------------------------------------ toggles
     @contextlib.contextmanager
@@ -454,232 +359,3 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         if self._reducer is not None:
             self._reducer.arm(output, divisor=self._comm.size, name_ranks=not self._join_config.enable)
-
-    # ------------------------------------------------------------------ fused step
-    def fuse_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer`` inside backward, bucket by bucket, as soon as each
-        bucket's averaged gradients have landed (Note [fused step] in fused.py).
-
-        The training loop stays as it is: ``optimizer.step()`` becomes a no-op
-        (the step already ran in the synchronised ``loss.backward()``), and
-        ``zero_grad()``, ``state_dict()``, param groups and LR schedulers work on
-        ``optimizer`` as before. After a fused step ``param.grad`` is None: the
-        averaged gradients are not kept. Backwards under ``no_sync()`` accumulate
-        as usual; the synchronised one that follows steps. Results equal the
-        unfused ``optimizer.step()`` after backward.
-
-        Args:
-            optimizer: a ``torch.optim.Optimizer`` over this model's trainable
-                parameters (any param groups), or, with ``zero_stage`` 1 or 2,
-                the :class:`tandem.ZeroOptimizer` built on this model, whose
-                shards then step as their reduce-scatters land.
-
-        Raises:
-            ValueError: the optimizer holds a tensor that is not a trainable
-                parameter of this model, is LBFGS (it needs a closure), or, under
-                ZeRO, is not the ZeroOptimizer of this model.
-            TypeError: not a torch optimizer.
-
-        .. warning:: what needs every gradient before the first update cannot
-            run in a fused step: clipping by global norm, and fp16 loss scaling
-            (``GradScaler`` unscales and checks all gradients before it steps).
-            Use the unfused optimizer for those; with ``check_finite`` the fused
-            step waits for every bucket and is dropped on every rank together.
-        """
-        from tandem.ddp.fused import FusedOptimizer, check_fusable, patch_step
-
-        optimizer = check_fusable(optimizer)
-        if self._fused is not None:
-            raise RuntimeError(f"an optimizer ({type(self._fused).__name__}) is already fused into this "
-                               "DistributedDataParallel; call unfuse_optimizer() first")
-        reducer = self._make_reducer()
-        stepper: Any
-        if self.zero_stage:
-            # The ZeroOptimizer built on this model registered itself (tandem.zero
-            # builds on this module, not the other way round) and makes its stepper.
-            zero = self._zero_optimizer() if self._zero_optimizer is not None else None
-            if zero is None or zero is not optimizer:
-                raise ValueError(
-                    f"fuse_optimizer under zero_stage={int(self.zero_stage)} needs the tandem.ZeroOptimizer "
-                    f"built on this DistributedDataParallel, got {type(optimizer).__name__}: "
-                    "ddp.fuse_optimizer(tandem.ZeroOptimizer(ddp, torch.optim.AdamW, lr=...))")
-            stepper = zero.fused_stepper(reducer)
-        else:
-            stepper = FusedOptimizer(optimizer, reducer.params)
-        reducer.set_stepper(stepper)
-        patch_step(optimizer, "DistributedDataParallel.fuse_optimizer")
-        self._fused = optimizer
-
-    def unfuse_optimizer(self) -> None:
-        """Undo :meth:`fuse_optimizer`: ``optimizer.step()`` steps again, after backward."""
-        from tandem.ddp.fused import unpatch_step
-
-        if self._fused is None:
-            return
-        assert self._reducer is not None
-        self._reducer.set_stepper(None)
-        unpatch_step(self._fused)
-        self._fused = None
-
-    @property
-    def fused_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer that steps inside backward, or None."""
-        return self._fused
-
-    # ------------------------------------------------------------------ hooks
-    def register_comm_hook(self, state: object, hook: Any) -> None:
-        """Reduce gradient buckets with ``hook(state, bucket) -> Future[Tensor]``.
-
-        Torch's contract: the hook is called once per bucket when it is ready, with
-        a :class:`~tandem.ddp.grad_bucket.GradBucket` whose buffer holds the sum of
-        this rank's gradients (not divided by the world size: the hook averages);
-        the future's value becomes the bucket's reduced gradients. Hooks written
-        for torch's DDP (``torch.distributed.algorithms.ddp_comm_hooks``) work
-        unchanged. Register once, before the first backward.
-
-        Raises:
-            RuntimeError: a hook is already registered, or backward already ran.
-        """
-        if self.zero_stage:
-            raise NotImplementedError(
-                f"register_comm_hook is not supported with zero_stage={int(self.zero_stage)}: "
-                "ZeRO reduce-scatters each bucket itself")
-        if self._reducer is None:
-            return  # a world of one: nothing to reduce
-        self._reducer.register_comm_hook(state, hook)
-        self._comm_hook = (state, hook)
-
-    # ------------------------------------------------------------------ copies
-    # Note [copying a DDP model]
-    # copy.deepcopy and torch.save/torch.load go through __getstate__ and
-    # __setstate__, as in torch's DDP: the copy holds copies of the module (its
-    # own parameters and buffers) and of the options, and rebuilds what is bound
-    # to this process and its group (the reducer with its hooks on the
-    # parameters, the GroupComm with the ledger and monitors) over the default
-    # process group. So, as torch does, a model over any other group is refused,
-    # and neither copying nor loading issues a collective: one rank alone may
-    # copy (an EMA or evaluation copy on rank 0) or load.
-    # What a copy does not carry: the reducer's learned state (it re-plans
-    # buckets and re-learns a static graph in its first step, like a new DDP:
-    # the arithmetic is the same; torch's copy carries its "first static
-    # iteration done" flag to its new reducer, skips that step's all-reduce
-    # and its replicas part), the gradients (torch does not copy
-    # param.grad either: copy between steps, after optimizer.step()), and a
-    # fused optimizer (the copied optimizer steps as usual; fuse it again if
-    # wanted). A communication hook is carried, with a copy of its state (torch's
-    # copy silently drops it and all-reduces). Under ZeRO with
-    # overlap_param_gather, the all-gathers still in flight are waited for first,
-    # so that the copy holds the stepped parameters; a ZeroOptimizer copied
-    # together with the model binds to the copy (Note [copying a ZeroOptimizer]).
-    def __getstate__(self) -> dict[str, Any]:
-        if self.process_group is not None and self.process_group is not dist.group.WORLD:
-            raise RuntimeError(
-                f"rank {self._comm.rank}: a DistributedDataParallel over a process group other than the "
-                "default one cannot be deep-copied or pickled (the copy rebuilds its reducer over the "
-                "default group, and torch's DDP refuses it likewise); copy the wrapped module instead, "
-                "copy.deepcopy(ddp.module) or torch.save(ddp.module.state_dict()), and wrap the copy "
-                "in DistributedDataParallel with the same process_group")
-        zero = self._zero_optimizer() if self._zero_optimizer is not None else None
-        if zero is not None:
-            zero.finish_param_gather()  # waits only: no collective
-        state: dict[str, Any] = super().__getstate__()  # nn.Module's: __dict__ less compiled calls
-        for name in ("_comm", "_reducer", "_fused", "_zero_optimizer", "process_group"):
-            del state[name]
-        if self._comm_hook is not None and self._comm_hook[0] is self._comm:
-            state["_comm_hook"] = (_OwnComm(), self._comm_hook[1])
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        hook = state.pop("_comm_hook", None)
-        super().__setstate__(state)
-        self.process_group = None
-        self._reducer = None
-        self._fused = None
-        self._comm_hook = None
-        self._zero_optimizer = None
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "loading a pickled tandem.DistributedDataParallel rebuilds it over the default process "
-                "group, which is not initialised: call tandem.init() (or "
-                "torch.distributed.init_process_group) before torch.load, or save and load "
-                "ddp.module (or its state_dict()) instead of the wrapper")
-        self._comm = GroupComm(None)
-        if self._needs_reducer():
-            self._make_reducer()
-        if hook is not None:
-            hook_state, fn = hook
-            self.register_comm_hook(self._comm if isinstance(hook_state, _OwnComm) else hook_state, fn)
-
-
-class _OwnComm:
-    """Stands for the copied DDP's own GroupComm as a communication hook's state."""
-
-
-def _check_zero_config(config: ZeroConfig | None, stage: ZeroStage, gradient_as_bucket_view: bool,
-                       find_unused_parameters: bool) -> ZeroConfig:
-    if config is not None and not isinstance(config, ZeroConfig):
-        raise TypeError(f"zero_config must be a tandem.zero.ZeroConfig, got {config!r}")
-    if config is not None and not stage:
-        raise ValueError("zero_config is given but zero_stage=0; pass zero_stage=1 or 2")
-    if stage and gradient_as_bucket_view:
-        raise ValueError(f"gradient_as_bucket_view=True is not supported with zero_stage={int(stage)}: "
-                         "param.grad does not hold the reduced gradients under ZeRO")
-    if stage and find_unused_parameters:
-        # The shard holds zeros for a parameter no rank used, and the optimizer would
-        # step it (torch's optimizers skip a parameter whose .grad is None).
-        raise NotImplementedError(
-            f"find_unused_parameters=True is not supported with zero_stage={int(stage)} yet")
-    return config or ZeroConfig()
-
-
-def _reject_unsupported(**given: Any) -> None:
-    for name, value in given.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"tandem.DistributedDataParallel does not support {name} yet (got {value!r}); "
-                "leave it unset, or use torch.nn.parallel.DistributedDataParallel for this feature")
-
-
-def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup | None:
-    if process_group is not None and device_mesh is not None:
-        raise ValueError("pass either process_group or device_mesh to DistributedDataParallel, not both")
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise ValueError(f"only a 1-D device_mesh is supported, got {device_mesh.ndim}-D: {device_mesh}")
-        return device_mesh.get_group(mesh_dim=0)
-    return process_group
-
-
-def _single_device(named_params: list[tuple[str, nn.Parameter]]) -> tuple[torch.device, str]:
-    devices = {p.device for _, p in named_params}
-    types = {d.type for d in devices}
-    if len(types) != 1:
-        raise ValueError(
-            "DistributedDataParallel's module must be on one type of device, but its parameters "
-            f"are on {sorted(str(d) for d in devices)}; move the module with module.to(device)")
-    if len(devices) > 1:
-        raise ValueError(
-            f"DistributedDataParallel's module spans several devices {sorted(str(d) for d in devices)}; "
-            "tandem supports single-device modules: move the module to one device")
-    device = next(iter(devices))
-    return device, device.type
-
-
-def _resolve_device_ids(device_ids: Any, output_device: Any, device: torch.device,
-                        device_type: str) -> tuple[list[int] | None, int | None]:
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"device_ids can only be None or contain a single element, got {device_ids}")
-    if not device_ids or device_type == "cpu":
-        if device_ids or output_device is not None:
-            raise ValueError(
-                "DistributedDataParallel device_ids and output_device only work with a module "
-                f"on one GPU, but got device_ids={device_ids}, output_device={output_device} and "
-                f"a module on {device}; leave both unset for CPU modules")
-        return None, None
-    ids = [torch.device(d).index if isinstance(d, (str, torch.device)) else int(d) for d in device_ids]
-    if ids[0] != device.index:
-        raise ValueError(f"device_ids={device_ids} but the module is on {device}; they must agree")
-    out = ids[0] if output_device is None else (
-        torch.device(output_device).index if isinstance(output_device, (str, torch.device))
-        else int(output_device))
-    return ids, out

@@ -28,7 +28,7 @@ param_groups, so the copy's first step() raises AttributeError. A ZeroOptimizer
 is bound to its DDP model's reducer (it steps the reducer's gradient shards), so
 its copy carries the model instead and rebuilds itself over the model's copy
 (which has rebuilt its reducer, Note [copying a DDP model] in
-tandem/ddp/module.py), then restores its shard of the state: the wrapped
+tandem/ddp/module_copy.py), then restores its shard of the state: the wrapped
 optimizer's state and the master values (wider than the parameters under
 low-precision training). Copied together, ``copy.deepcopy((model, optimizer))``
 or one ``torch.save`` of both, the two copies belong together and train as the
@@ -39,37 +39,37 @@ size, use state_dict() or save_sharded()). The forward pre-hooks of
 overlap_param_gather, which the module's copy would otherwise carry and call
 on the original optimizer, copy as no-ops and are removed when the optimizer's
 copy registers its own.
+
+ZeroOptimizer is built in layers, one concept a file, each class on the one
+before: ``ZeroBase`` (optimizer_base.py: what it holds, master values, param
+groups) <- ``ParamGather`` (param_gather.py: the parameter all-gathers and
+their forward pre-hooks) <- ``ZeroCheckpoints`` (optimizer_checkpoint.py:
+state dicts and sharded saves) <- ``ZeroOptimizer`` (here: construction,
+copies, step, gradients).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tandem._compat import foreach_copy_
-from tandem.checkpoint.agree import agree
-from tandem.checkpoint.atomic import atomic_save
-from tandem.checkpoint.commit import CheckpointError, committed_steps, load_committed, save_committed
-from tandem.comm.group import Work
 from tandem.zero.fused import ZeroFusedStep
 from tandem.zero.layout import ShardRun, plan_runs, shard_bucket
-from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, check_shards, entries_of_run, \
-    run_state_from
+from tandem.zero.optimizer_base import group_of_params, normalise_groups
+from tandem.zero.optimizer_checkpoint import ZeroCheckpoints
+from tandem.zero.param_gather import register_gather_hooks
 
 __all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-_SHARDS_KIND = "zero-shards"  # the kind of save_sharded's committed checkpoints
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(ZeroCheckpoints):
     """A distributed optimizer that shards optimizer state (ZeRO stage 1) and works
     with sharded gradients (stage 2) of a :class:`tandem.DistributedDataParallel`
     built with ``zero_stage=1`` or ``2``.
@@ -110,11 +110,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer = reducer
         self._comm = reducer.comm
         self.zero_stage = stage
-        groups = _normalise_groups(reducer.params if params is None else params)
-        group_of = _group_of(groups, reducer)
+        groups = normalise_groups(reducer.params if params is None else params)
+        group_of = group_of_params(groups, reducer)
         self._runs = plan_runs(reducer.plan.buckets, self._comm.size, self._comm.rank, group_of)
         self._masters = [self._new_master(run) for run in self._runs]
-        self._by_bucket: list[list[tuple[ShardRun, torch.Tensor]]] = [[] for _ in reducer.plan.buckets]
+        self._by_bucket = [[] for _ in reducer.plan.buckets]
         for run, master in zip(self._runs, self._masters):
             self._by_bucket[run.bucket].append((run, master))
         # Per bucket, the pieces of this rank's shard that no run steps: they are
@@ -128,10 +128,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._groups_fixed = True  # the shards are laid out for these groups
         self._sync_hyperparams()
         self._seen_steps = reducer.steps
-        self._pending: dict[int, tuple[Work, torch.Tensor]] = {}  # bucket -> gather in flight
+        self._pending = {}  # bucket -> gather in flight
         ddp: Any = ddp_model  # a tandem DDP (checked above), whose attributes nn.Module's typing hides
         self._overlap_gather = bool(ddp.zero_config.overlap_param_gather)
-        self._gather_hooks = (_register_gather_hooks(ddp.module, reducer, self._finish_gather)
+        self._gather_hooks = (register_gather_hooks(ddp.module, reducer, self._finish_gather)
                               if self._overlap_gather else [])
         ddp._zero_optimizer = weakref.ref(self)  # a copy of the model first waits for our gathers
         owned = self.owned_numel
@@ -184,58 +184,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._groups_fixed = False  # the same groups, laid out again
         self.__init__(self._ddp, self._optimizer_class, self.param_groups,  # type: ignore[misc]
                       **self._optimizer_kwargs)
-
-    @property
-    def optim(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer, over this rank's shard runs only (as torch's
-        ``ZeroRedundancyOptimizer.optim``)."""
-        return self._optim
-
-    @property
-    def owned_numel(self) -> int:
-        """How many parameter elements this rank steps."""
-        return sum(run.length for run in self._runs)
-
-    # ------------------------------------------------------------------ set-up
-    def _new_master(self, run: ShardRun) -> torch.Tensor:
-        spec = self._reducer.plan.buckets[run.bucket]
-        dtype = torch.promote_types(spec.dtype, torch.float32)
-        master = torch.empty(run.length, dtype=dtype, device=spec.device)
-        self._copy_params_into(run, master)
-        return master.requires_grad_(True)
-
-    def _copy_params_into(self, run: ShardRun, master: torch.Tensor) -> None:
-        params = self._reducer.params
-        with torch.no_grad():
-            for piece in run.pieces:
-                src = params[piece.param].detach().reshape(-1).narrow(0, piece.param_start, piece.length)
-                master.narrow(0, piece.shard_offset - run.start, piece.length).copy_(src)
-
-    def _inner_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        inner = []
-        for g, group in enumerate(groups):
-            masters = [m for run, m in zip(self._runs, self._masters) if run.group == g]
-            if not masters:
-                # This rank owns no element of the group: a placeholder keeps group
-                # indices aligned (it never gets a gradient, so it is never stepped).
-                device = self._reducer.params[0].device
-                masters = [torch.zeros(0, device=device, requires_grad=True)]
-            inner.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
-        return inner
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_groups_fixed", False):
-            raise NotImplementedError(
-                "ZeroOptimizer cannot add param groups after construction (each rank's shards "
-                "are laid out over the groups given then); pass every group to the constructor")
-        super().add_param_group(param_group)
-
-    def _sync_hyperparams(self) -> None:
-        """Copy hyper-parameters (a scheduler may have changed them) to the wrapped optimizer."""
-        for outer, inner in zip(self.param_groups, self._optim.param_groups):
-            for k, v in outer.items():
-                if k != "params":
-                    inner[k] = v
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -291,52 +239,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if master.dtype == self._reducer.plan.buckets[run.bucket].dtype:
                 # Lossless, and parameters may have been loaded since the last step.
                 self._copy_params_into(run, master)
-
-    @torch.no_grad()
-    def launch_gather(self, bucket: int) -> None:
-        """Start the all-gather of this rank's updated shard of ``bucket`` (every
-        rank launches them in bucket order)."""
-        reducer, comm = self._reducer, self._comm
-        spec = reducer.plan.buckets[bucket]
-        size = spec.padded_numel // comm.size
-        shard = torch.zeros(size, dtype=spec.dtype, device=spec.device)
-        for piece in self._unstepped[spec.index]:
-            src = reducer.params[piece.param].detach().reshape(-1)
-            shard.narrow(0, piece.shard_offset, piece.length).copy_(
-                src.narrow(0, piece.param_start, piece.length))
-        for run, master in self._by_bucket[bucket]:
-            shard.narrow(0, run.start, run.length).copy_(master)
-        full = torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device)
-        work = comm.all_gather_into(full, shard, tag=f"params {spec.index}", async_op=True)
-        self._pending[spec.index] = (work, full)
-
-    @property
-    def overlap_gather(self) -> bool:
-        return self._overlap_gather
-
-    def _finish_gather(self, bucket: int) -> None:
-        pending = self._pending.pop(bucket, None)
-        if pending is None:
-            return
-        work, full = pending
-        work.wait()
-        spec = self._reducer.plan.buckets[bucket]
-        params = [self._reducer.params[i] for i in spec.params]
-        views = [full.narrow(0, off, p.numel()).view_as(p) for off, p in zip(spec.offsets, params)]
-        with torch.no_grad():
-            foreach_copy_(params, views)
-
-    @property
-    def gathers_in_flight(self) -> int:
-        """Buckets whose updated parameters are not written yet (overlap_param_gather)."""
-        return len(self._pending)
-
-    def finish_param_gather(self) -> None:
-        """Wait for every parameter all-gather still in flight and write the
-        parameters (a no-op unless ``overlap_param_gather`` left some)."""
-        for bucket in sorted(self._pending):
-            self._finish_gather(bucket)
-
     # ------------------------------------------------------------------ gradients
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the model's parameters and of this rank's shards."""
@@ -384,228 +286,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for s in shards:
             s.mul_(coef.to(s.dtype))
         return total
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, *, to: int | None = 0) -> dict[str, Any] | None:  # type: ignore[override]
-        """The whole optimizer state in the wrapped torch optimizer's format
-        (per-parameter full state tensors keyed by parameter index), consolidated
-        from every rank's shard. A collective: call it on every rank.
-
-        Args:
-            to: the group rank that receives it; None: every rank.
-
-        Returns:
-            The state dict on rank ``to`` (every rank when None), None elsewhere.
-        """
-        shards = self._comm.all_gather_object(self._local_entries(), tag="optimizer state")
-        if to is not None and self._comm.rank != to:
-            return None
-        return assemble_state(shards, self._groups_for_save(), self._shapes())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load a state dict in torch's format (from :meth:`state_dict`, from the
-        wrapped torch optimizer, or from a run at another world size): each rank
-        keeps its own shard of it. Every rank must pass the whole state dict."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError(
-                "the state dict's param groups do not match this optimizer's: "
-                f"{[len(s['params']) for s in saved_groups]} vs "
-                f"{[len(g['params']) for g in self.param_groups]} parameters per group")
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self._sync_hyperparams()
-        index = self._param_index()
-        state = {int(k): v for k, v in state_dict["state"].items()}
-        numels = [p.numel() for p in self._reducer.params]
-        self._optim.state.clear()
-        for run, master in zip(self._runs, self._masters):
-            self._copy_params_into(run, master)
-            run_state = run_state_from(run, state, index, numels, master.device)
-            if run_state is not None:
-                self._optim.state[master] = run_state
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state, without communication: save
-        one per rank, in parallel (see :meth:`save_sharded`)."""
-        return {"format": SHARD_FORMAT, "rank": self._comm.rank, "world_size": self._comm.size,
-                "param_groups": self._groups_for_save(), "shapes": self._shapes(),
-                "entries": self._local_entries()}
-
-    def load_sharded_state_dicts(self, shards: list[dict[str, Any]], *,
-                                 sources: list[str] | None = None) -> None:
-        """Load the :meth:`sharded_state_dict` of every rank of a run, at any world
-        size (the shards are reassembled per parameter, then resharded).
-
-        Args:
-            sources: where each shard came from (file names), for the errors.
-
-        Raises:
-            ValueError: naming the shard and the parameter or state key, when the
-                shards are not one complete save that fits this optimizer.
-        """
-        sources = sources or [f"shard {i}" for i in range(len(shards))]
-        check_shards(shards, sources, self._shapes(), self._param_names(),
-                     [len(g["params"]) for g in self.param_groups])
-        self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
-                                            shards[0]["shapes"]))
-
-    def save_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None,
-                     keep: int | None = None) -> Path:
-        """Save every rank's shard, each rank its own file, into the committed step
-        directory ``directory/step-{step:08d}/`` (Note [committed step directories]
-        in tandem/checkpoint/commit.py): a save killed midway is never loaded. A
-        collective: call it on every rank.
-
-        Args:
-            directory: the directory of step directories.
-            step: the step saved (default: one more than the newest committed step,
-                or 0); every rank must pass the same.
-            keep: keep the newest ``keep`` committed steps (None: all).
-
-        Returns:
-            The committed step directory.
-
-        Raises:
-            tandem.checkpoint.CheckpointError: on every rank, when a rank failed to
-                write or the ranks passed different steps.
-        """
-        if step is None:
-            steps = committed_steps(directory)
-            step = steps[-1] + 1 if steps else 0
-
-        def write(step_dir: Path) -> list[str]:
-            name = f"zero-shard-{self._comm.rank}-of-{self._comm.size}.pt"
-            atomic_save(self.sharded_state_dict(), step_dir / name)
-            return [name]
-
-        return save_committed(directory, step, write, kind=_SHARDS_KIND, keep=keep, group=self._comm.group)
-
-    def load_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
-        """Load the newest committed shards :meth:`save_sharded` wrote under
-        ``directory`` (or ``step``'s), from a run at any world size. A collective.
-
-        Returns:
-            The step loaded.
-
-        Raises:
-            FileNotFoundError: on every rank, when ``directory`` holds no committed step.
-            tandem.checkpoint.CheckpointError: on every rank, naming the file: a
-                shard missing, truncated or corrupt.
-            ValueError: on every rank, naming the file and the parameter or state
-                key: shards that do not fit this optimizer.
-        """
-        ckpt = load_committed(directory, step=step, kind=_SHARDS_KIND, group=self._comm.group)
-        names = sorted(ckpt.files)
-        shards: list[dict[str, Any]] = []
-
-        def read_and_check() -> None:
-            for name in names:
-                shards.append(torch.load(ckpt.path(name), map_location="cpu", weights_only=True))
-            try:
-                check_shards(shards, [str(ckpt.path(n)) for n in names], self._shapes(), self._param_names(),
-                             [len(g["params"]) for g in self.param_groups])
-            except ValueError as e:
-                raise ValueError(f"rank {self._comm.rank}: {e}") from None
-
-        agree(read_and_check, what=f"reading the shards of {ckpt.directory}", error_type=CheckpointError,
-              group=self._comm.group)
-        self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
-                                            shards[0]["shapes"]))
-        return ckpt.step
-
-    def _param_index(self) -> dict[int, int]:
-        """Reducer parameter index -> the torch state-dict index (order of param_groups)."""
-        position = {id(p): i for i, p in enumerate(self._reducer.params)}
-        flat = [p for g in self.param_groups for p in g["params"]]
-        return {position[id(p)]: k for k, p in enumerate(flat)}
-
-    def _param_names(self) -> dict[int, str]:
-        """The torch state-dict index -> the parameter's name."""
-        return {k: self._reducer.names[i] for i, k in self._param_index().items()}
-
-    def _shapes(self) -> dict[int, tuple[int, ...]]:
-        flat = [p for g in self.param_groups for p in g["params"]]
-        return {k: tuple(p.shape) for k, p in enumerate(flat)}
-
-    def _groups_for_save(self) -> list[dict[str, Any]]:
-        groups, k = [], 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            groups.append({**{key: v for key, v in g.items() if key != "params"},
-                           "params": list(range(k, k + n))})
-            k += n
-        return groups
-
-    def _local_entries(self) -> list[Entry]:
-        index = self._param_index()
-        return [entry for run, master in zip(self._runs, self._masters)
-                if self._optim.state.get(master)
-                for entry in entries_of_run(run, self._optim.state[master], index)]
-
-
-def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    params = list(params)
-    if not params:
-        raise ValueError("ZeroOptimizer got an empty parameter list")
-    if not isinstance(params[0], dict):
-        params = [{"params": params}]
-    groups = []
-    for g in params:
-        members = g["params"]
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
-        groups.append({**g, "params": members})
-    return groups
-
-
-def _group_of(groups: list[dict[str, Any]], reducer: Any) -> dict[int, int]:
-    position = {id(p): i for i, p in enumerate(reducer.params)}
-    group_of: dict[int, int] = {}
-    for g, group in enumerate(groups):
-        for p in group["params"]:
-            i = position.get(id(p))
-            if i is None:
-                raise ValueError(
-                    f"param group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "trainable parameter of the DistributedDataParallel model; pass the "
-                    "parameters of ddp_model (with requires_grad=True)")
-            if i in group_of:
-                raise ValueError(f"parameter '{reducer.names[i]}' appears in more than one param group")
-            group_of[i] = g
-    return group_of
-
-
-def _register_gather_hooks(module: torch.nn.Module, reducer: Any,
-                           finish: Callable[[int], None]) -> list[Any]:
-    """Forward pre-hooks: a module waits only for the buckets of its own parameters."""
-    bucket_of = {id(reducer.params[i]): b.index for b in reducer.plan.buckets for i in b.params}
-    handles = []
-    for sub in module.modules():
-        buckets = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in bucket_of})
-        if buckets:
-            handles.append(sub.register_forward_pre_hook(_GatherHook(finish, buckets)))
-    return handles
-
-
-class _GatherHook:
-    """Wait for the all-gathers of ``buckets`` before the module's forward. Copies
-    as a no-op (Note [copying a ZeroOptimizer]): the copy belongs to another model."""
-
-    def __init__(self, finish: Callable[[int], None], buckets: list[int]) -> None:
-        self.finish = finish
-        self.buckets = buckets
-
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        for b in self.buckets:
-            self.finish(b)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_CopiedGatherHook, ())
-
-
-class _CopiedGatherHook:
-    """What a module's copy holds in place of a :class:`_GatherHook`: nothing to wait for."""
-
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        return None

@@ -1,0 +1,111 @@
+"""Elastic jobs' default group: the job's store, this process's membership, a
+new generation's group, and a replacement worker joining (Note [elastic default
+group]); the rules of membership itself are in membership.py."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+import torch.distributed as dist
+
+from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group
+from tandem.comm import group_record
+from tandem.comm.device import bind_device, default_backend
+from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership
+from tandem.comm.monitor import stop_monitor
+from tandem.comm.timeouts import DEFAULT_TIMEOUT
+from tandem.comm.world import WorldInfo
+
+__all__ = ["JOIN_ENV", "below_prefixes", "elastic_membership", "enter_generation", "join_elastic", "job_store"]
+
+JOIN_ENV = "TANDEM_ELASTIC_JOIN"
+"""Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
+elastic job at its next step boundary instead of starting a new one."""
+
+logger = logging.getLogger(__name__)
+
+# Note [elastic default group]
+# An elastic job (Note [elastic membership] in membership.py) changes its world
+# in place: the members of a new generation destroy the default group and build
+# another over the job's store, under a prefix of the generation's own, so no
+# key of the old group is read again. The job's store is the one below the
+# default group's "default_pg" prefix: the launcher's, which outlives any
+# worker. Everything tandem added to the old group (monitor, exit hook, the
+# record in group_record.py) moves to the new one, and tandem owns the new group.
+
+
+def job_store() -> dist.Store:
+    """The store the job's processes met in, below every prefix (the default
+    group's, torch's per-group ones), as a replacement's rendezvous reaches it."""
+    return below_prefixes(default_store())
+
+
+def below_prefixes(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def elastic_membership(config: ElasticConfig) -> Membership:
+    """This process's :class:`Membership`: the one it joined with, or, for a rank
+    of the job's first world, a founding one (a collective in effect: every rank
+    calls it). Its config becomes ``config``."""
+    if not dist.is_initialized():
+        raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
+    member = group_record.current()
+    if member is not None and member.elastic is not None:
+        member.elastic.config = config
+        return member.elastic
+    elastic = Membership.founding(job_store(), dist.get_rank(), dist.get_world_size(), config)
+    if member is not None:
+        group_record.with_elastic(member, elastic)
+    return elastic
+
+
+def enter_generation(membership: Membership, generation: Generation, *,
+                     timeout: datetime.timedelta | None = None, backend: str | None = None) -> WorldInfo:
+    """Replace the default group by one of ``generation``'s members (Note [elastic
+    default group]); a collective of the generation's members. Returns this
+    process's new :class:`WorldInfo`."""
+    record = group_record.last()
+    previous = record.info if record is not None else None
+    if backend is None:
+        backend = str(dist.get_backend()) if dist.is_initialized() else (
+            previous.backend if previous is not None else default_backend())
+    timeout_td = timeout or (record.timeout if record is not None else None) or DEFAULT_TIMEOUT
+    stop_monitor(left=False)
+    if dist.is_initialized():
+        forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
+    rank = generation.rank_of(membership.member)
+    bind_group_defaults_before_init()
+    store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
+                            timeout=timeout_td)
+    # The device stays the one the launcher gave this process; the local rank and
+    # size are this process's place among the generation's members on its host.
+    device = previous.device if previous is not None else bind_device(
+        backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
+    hosts: list[str] = [""] * generation.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    local_rank, local_size = here.index(rank), len(here)
+    info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,
+                     local_world_size=local_size, device=device, backend=backend)
+    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td, elastic=membership)
+    logger.info("tandem: elastic generation %d: member %s is rank %d of %d", generation.number,
+                membership.member, rank, generation.world_size)
+    return info
+
+
+def join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:
+    """:func:`tandem.comm.init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
+    running job in its store and wait to be admitted (Note [elastic membership] in membership.py)."""
+    url = init_method or "env://"
+    world_size = int(os.environ.get("WORLD_SIZE", "2"))
+    # Rendezvous as a client: the store exists; rank 0 would try to host it.
+    store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
+    membership = Membership.joining(below_prefixes(store), ElasticConfig())
+    return enter_generation(membership, membership.generation, timeout=timeout_td, backend=backend)

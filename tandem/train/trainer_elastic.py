@@ -1,0 +1,120 @@
+"""The Trainer in an elastic job: when the world changes, regroup, rebuild what
+depends on it and go on (Note [elastic trainer] in elastic.py); the fourth of
+the Trainer's layers (trainer.py lists them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, cast
+
+import torch.distributed as dist
+from torch import nn
+
+from tandem.comm.bootstrap import elastic_membership
+from tandem.comm.membership import ElasticConfig, Generation, MembershipError
+from tandem.train.buddy import ShardsLost
+from tandem.train.checkpoint import latest_checkpoint
+from tandem.train.precision import ShardedGradients
+from tandem.train.elastic import ElasticRun, WorldChange, is_peer_failure
+from tandem.train.history import History
+from tandem.train.progress import Progress
+from tandem.train.sharded import is_fully_sharded
+from tandem.train.trainer_checkpoints import TrainerCheckpoints
+
+__all__ = ["ElasticTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticTrainer(TrainerCheckpoints):
+    """The Trainer's fourth layer: the elastic run, world changes, the state shared with a replacement."""
+
+    def _elastic_run(self, model: nn.Module) -> ElasticRun | None:
+        elastic = self.config.elastic
+        if elastic is None:  # `tandem run --elastic` asks for it
+            elastic = ElasticConfig() if os.environ.get("TANDEM_ELASTIC") == "1" else False
+        if not isinstance(elastic, ElasticConfig):
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
+        if is_fully_sharded(model):
+            raise ValueError(f"rank {self.rank}: elastic training supports DistributedDataParallel "
+                             "models, also under ZeRO-1/2, but not fully_shard yet (a dead rank takes "
+                             "its parameter shard with it); leave elastic unset for a fully-sharded model")
+        return ElasticRun(elastic_membership(elastic))
+
+    @property
+    def world_changes(self) -> list[WorldChange]:
+        """Every change of an elastic job's world this Trainer went through (also
+        in the history, as records of kind ``"elastic"``)."""
+        return [] if self._elastic is None else list(self._elastic.changes)
+
+    def _change_world(self, cause: BaseException | None, history: History, progress: Progress) -> None:
+        """Note [elastic trainer] in elastic.py: regroup, rebuild what depends on the world, go on."""
+        assert self._elastic is not None
+        in_step, self._in_step = self._in_step, False
+
+        def rebuild(before: Generation, after: Generation) -> None:
+            own = (self._buddy.own_shard(self.optimizer.sharded_state_dict)  # type: ignore[attr-defined]
+                   if self._buddy is not None else None)
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.reset_process_group()  # type: ignore[operator]
+            if self._buddy is not None:
+                self.optimizer.reset_process_group()  # type: ignore[attr-defined]
+                self._restore_shards(own)
+            self._build_loaders()
+            if after.joined_since(before):
+                self._share_state()
+            self._refresh_buddy()  # copies for the new world, before its first step
+
+        while True:
+            try:
+                change = self._elastic.change_world(cause, self.state.step, in_step=in_step,
+                                                    rebuild=rebuild)
+            except Exception as e:
+                if not is_peer_failure(e):
+                    raise
+                # Lost another member while rebuilding (a replacement that died as it
+                # joined, say): the change happened, and the next one starts now.
+                self._report(self._elastic.changes[-1], history, progress)
+                cause = e
+                continue
+            self._report(change, history, progress)
+            return
+
+    def _report(self, change: WorldChange, history: History, progress: Progress) -> None:
+        logger.warning("rank %d: %s", self.rank, change.describe())
+        progress.say(change.describe())
+        history.append(change.record())
+
+    def _refresh_buddy(self) -> None:
+        """Note [buddy copies]: send this rank's shard to the next rank after a step."""
+        if self._buddy is not None and self._elastic is not None:
+            generation = self._elastic.membership.generation
+            self._buddy.refresh(self.optimizer.sharded_state_dict(), self.state.step,  # type: ignore[attr-defined]
+                                generation.members, self.rank)
+
+    def _restore_shards(self, own: dict[str, Any] | None) -> None:
+        """Every rank's shard of a ZeRO optimizer's state, laid out for the new world:
+        from the survivors and their buddy copies, else from the last checkpoint."""
+        assert self._buddy is not None and self._elastic is not None
+        try:
+            shards = self._buddy.recover(own, self.state.step, self._elastic.membership.generation.members)
+        except ShardsLost as e:
+            if latest_checkpoint(self.checkpoint_dir) is None:
+                raise MembershipError(f"rank {self.rank}: {e}, and {self.checkpoint_dir} holds no "
+                                      "checkpoint to fall back to; the job cannot go on") from e
+            logger.warning("rank %d: %s; falling back to the last checkpoint", self.rank, e)
+            self._resume()
+            return
+        self.optimizer.load_sharded_state_dicts(shards)  # type: ignore[attr-defined]
+        if self.scaler is not None:
+            self._scaled = ShardedGradients(self.optimizer, cast(Any, self.model).reducer.grad_shards)
+
+    def _share_state(self) -> None:
+        """Rank 0's whole training state, on every rank (a replacement joined)."""
+        box: list[Any] = [self.state.state_dict()]  # a collective: every rank's RNG state is gathered
+        dist.broadcast_object_list(box, src=0)
+        self.state.load_state_dict(box[0])

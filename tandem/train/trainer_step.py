@@ -1,0 +1,122 @@
+"""One optimizer step of the Trainer: micro-batches under gradient accumulation,
+autocast and the scaler, the non-finite guard, clipping, the optimizer and the
+scheduler; the second of the Trainer's layers (trainer.py lists them)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from tandem._tree import to_device
+from tandem.data import RunningMean
+from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
+from tandem.train.probes import batch_len, is_ddp, plain_tensor
+from tandem.train.sharded import is_fully_sharded
+from tandem.train.trainer_base import TrainerBase
+
+__all__ = ["TrainerStep"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerStep(TrainerBase):
+    """The Trainer's second layer: ``_step`` and its parts."""
+
+    @property
+    def _counts_skips(self) -> bool:
+        """Whether records count the steps skipped for NaN/Inf gradients."""
+        return self._guard is not None or self.config.nonfinite is not None
+
+    def _step(self, micro_batches: list[Any], loss_mean: RunningMean
+              ) -> tuple[int, float | None, torch.Tensor | None, bool]:
+        """One optimizer step over ``micro_batches``. Returns this rank's sample count,
+        the seconds the synchronised backward waited on communication, the
+        global gradient norm before clipping (None without clipping), and whether
+        the step was skipped for non-finite gradients (the same on every rank)."""
+        samples = 0
+        self._in_step = True
+        if self._elastic is not None:
+            self._elastic.step_started()
+        for i, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+            with self._grad_sync(enabled=i == len(micro_batches) - 1):
+                with self._autocast():
+                    loss = self.loss_fn(self.model(inputs), targets)
+                n = batch_len(targets)
+                loss_mean.update(loss, weight=n)
+                # Note [equal to one process] in trainer.py: micro-batches weigh by their count.
+                scaled = loss / len(micro_batches)
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            samples += n
+        if self._elastic is not None:
+            self._elastic.decide(self.state.step)  # every rank steps, or none (Note [elastic trainer] in elastic.py)
+        self._in_step = False
+        stats = getattr(self.model, "comm_stats", None)
+        comm_wait = None if stats is None else stats.wait_s
+        if self._guard is not None and self._found_nonfinite():
+            # The gradients are dropped already: no optimizer or scheduler step.
+            self.optimizer.zero_grad(set_to_none=True)
+            return samples, comm_wait, None, True
+        grad_norm, skipped = self._optimizer_step()
+        return samples, comm_wait, grad_norm, skipped
+
+    def _found_nonfinite(self) -> bool:
+        """Whether this step's gradients hold NaN/Inf, the same on every rank; in
+        "raise" mode that raises instead (DDP raised already, during backward)."""
+        if is_ddp(self.model):
+            return bool(getattr(self.model, "found_nonfinite", False))
+        # One process (Note [check_finite] in ddp/finite.py needs no agreement here).
+        names = nonfinite_names([(n, p.grad) for n, p in self.model.named_parameters()
+                                 if p.grad is not None])
+        if not names:
+            return False
+        report = NonFiniteReport(step=self.state.step, before=(tuple(names),), after=tuple(names))
+        if self._guard is NonFinite.RAISE:
+            raise RuntimeError(f"rank {self.rank}: Trainer(nonfinite='raise'): {report.describe()}. "
+                               "Find where the NaN/Inf comes from, or pass nonfinite='skip'")
+        logger.warning("Trainer: nonfinite='skip' skipped this step: %s", report.describe())
+        return True
+
+    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch: its backward reduces gradients only when
+        ``enabled`` (the last micro-batch), else accumulates them locally."""
+        if is_fully_sharded(self.model):
+            self.model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if enabled or not is_ddp(self.model):
+            return contextlib.nullcontext()
+        return self.model.no_sync()  # type: ignore[operator]
+
+    def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:
+        """Clip, step and zero the gradients; returns the gradient norm before
+        clipping, and whether the GradScaler skipped the step (counted only when
+        ``nonfinite`` asks: finding out waits for the device)."""
+        cfg = self.config
+        grad_norm = None
+        skipped = False
+        if cfg.max_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self._scaled)
+            clip = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeroOptimizer: across shards
+            if clip is not None:
+                grad_norm = clip(cfg.max_grad_norm)
+            else:  # a fully-sharded model's DTensor gradients: across shards too
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            grad_norm = plain_tensor(grad_norm).detach()
+        if self.scaler is not None:
+            scale = self.scaler.get_scale() if self._counts_skips else None
+            self.scaler.step(self._scaled)  # skipped on every rank together (Note [agreed found-inf] in precision.py)
+            self.scaler.update()
+            skipped = scale is not None and self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return grad_norm, skipped
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
