@@ -1,0 +1,115 @@
+"""The elastic membership protocol (Note [elastic membership]) on an in-process
+store with an injected clock: the step decision, deaths, generations, and a
+replacement arriving after the job ended. No processes, no waiting on real time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tandem.comm.membership import Decision, ElasticConfig, Membership, MembershipError
+
+CONFIG = ElasticConfig(beat_s=0.01, stale_after_s=1.0, regroup_timeout_s=5.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _members(n: int, clock: Clock) -> tuple[dist.Store, list[Membership]]:
+    store = dist.HashStore()
+    members = [Membership.founding(store, r, n, CONFIG, clock=clock) for r in range(n)]
+    return store, members
+
+
+def _in_thread(fn, *args):
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    return t, out
+
+
+def test_every_member_reads_commit_once_all_are_done() -> None:
+    _, (m0, m1, m2) = _members(3, Clock())
+    threads = [_in_thread(m.decide_step, 0) for m in (m1, m2)]
+    assert m0.decide_step(0) is Decision.COMMIT
+    for t, out in threads:
+        t.join(5)
+        assert out == [Decision.COMMIT]
+    for m in (m0, m1, m2):
+        m.stop()
+
+
+def test_an_abort_first_wins_for_everyone() -> None:
+    _, (m0, m1) = _members(2, Clock())
+    assert m0.abort_step(3) is Decision.ABORT
+    assert m1.decide_step(3) is Decision.ABORT  # it would have been the last to count itself done
+    for m in (m0, m1):
+        m.stop()
+
+
+def test_a_member_seen_dead_aborts_the_step_and_is_left_out() -> None:
+    clock = Clock()
+    _, (m0, m1, m2) = _members(3, clock)
+    m2.stop()  # m2 dies: its beat stays at 1000
+    clock.now += 2 * CONFIG.stale_after_s
+    m0._beat(), m1._beat()
+    t, out = _in_thread(m1.decide_step, 0)
+    assert m0.decide_step(0) is Decision.ABORT
+    t.join(5)
+    assert out == [Decision.ABORT]
+    t, out = _in_thread(m1.next_generation)
+    generation = m0.next_generation()
+    t.join(5)
+    assert generation.members == ("0", "1") and out == [generation] and generation.number == 1
+    for m in (m0, m1):
+        m.stop()
+
+
+def test_too_few_members_stop_the_job() -> None:
+    clock = Clock()
+    store = dist.HashStore()
+    config = ElasticConfig(beat_s=0.01, stale_after_s=1.0, min_world_size=2)
+    m0, m1 = (Membership.founding(store, r, 2, config, clock=clock) for r in range(2))
+    m1.stop()
+    clock.now += 5
+    with pytest.raises(MembershipError, match="fewer than min_world_size=2"):
+        m0.next_generation()
+    m0.stop()
+
+
+def test_a_replacement_is_admitted_at_a_grow_decision() -> None:
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock)
+    t, joined = _in_thread(lambda: Membership.joining(store, CONFIG, clock=clock))
+    deadline = time.monotonic() + 5
+    while not m0.waiting_joiners():
+        assert time.monotonic() < deadline, "the replacement never asked to join"
+        time.sleep(0.01)
+    t1, out = _in_thread(m1.decide_step, 0)
+    assert m0.decide_step(0) is Decision.GROW
+    t1.join(5)
+    assert out == [Decision.GROW]
+    t1, out = _in_thread(m1.next_generation)
+    generation = m0.next_generation()
+    t1.join(5), t.join(5)
+    assert generation.members == ("0", "1", "j1") and joined[0].generation == generation
+    for m in (m0, m1, joined[0]):
+        m.stop()
+
+
+def test_a_replacement_after_the_job_ended_gives_up_at_once() -> None:
+    clock = Clock()
+    store, members = _members(2, clock)
+    for m in members:
+        m.stop()
+    clock.now += 10
+    with pytest.raises(MembershipError, match="found no live member"):
+        Membership.joining(store, CONFIG, clock=clock)
