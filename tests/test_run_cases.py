@@ -89,7 +89,8 @@ def test_a_case_starts_with_a_new_ranks_random_state_and_environment(results):
 def test_a_case_that_raises_fails_alone_with_its_traceback(results):
     with pytest.raises(RankFailure) as info:
         results["raises"]
-    assert info.value.rank == 1 and "rank 1 refuses" in info.value.tracebacks[1]
+    # (Rank 0's collective may fail too, once rank 1's group is gone: reported alongside.)
+    assert "rank 1 refuses" in info.value.tracebacks[1]
     assert results["after_raise"] == [3.0, 3.0]
 
 
