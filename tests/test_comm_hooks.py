@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import tandem
 from tandem import comm_hooks
 from tandem.comm_hooks.low_rank import orthogonalize_, plan_low_rank
-from tandem.testing import max_abs_diff, run_distributed
+from tandem.testing import Case as Run
+from tandem.testing import CaseResults, max_abs_diff, run_cases, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 BATCH = 4
@@ -336,8 +337,15 @@ def _torch_powersgd_on_tandem(rank: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_distributed(_two_ranks, 2, timeout=300)
+def two() -> CaseResults:
+    """The 2-rank runs in one spawned group (tandem.testing.run_cases)."""
+    return run_cases({"two_ranks": Run(_two_ranks, timeout=300),
+                      "powersgd_at_scale": Run(_powersgd_at_scale, timeout=300)}, 2)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two) -> list[dict]:
+    return two["two_ranks"]
 
 
 def test_hooks_equal_their_references(two_ranks: list[dict]) -> None:
@@ -434,8 +442,8 @@ def _powersgd_at_scale(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_powersgd_converges_and_sends_few_bytes() -> None:
-    results = run_distributed(_powersgd_at_scale, 2, timeout=300)
+def test_powersgd_converges_and_sends_few_bytes(two) -> None:
+    results = two["powersgd_at_scale"]
     res = results[0]
     assert res["plain"] == results[1]["plain"] and res["powersgd"] == results[1]["powersgd"]
     # Within 5% of uncompressed training after the same 200 steps; without error

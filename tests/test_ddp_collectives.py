@@ -2,6 +2,9 @@
 
 Overlap cannot be measured on 2 cores, but it is structural: a bucket's reduction
 is issued while backward is still producing earlier layers' gradients.
+
+The cases run in one spawned group per world size (tandem.testing.run_cases, in
+module fixtures); each test reads its own case.
 """
 
 from __future__ import annotations
@@ -9,11 +12,12 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 from torch import nn
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import Case, CaseResults, run_cases
 from tandem.testing.models import IN, OUT, make_model
 
 
@@ -51,8 +55,8 @@ def _counts(rank: int, world_size: int) -> dict:
     return {"n_buckets": n_buckets, "n_buckets_now": len(ddp.reducer.buckets), **per_phase}
 
 
-def test_one_reduction_per_bucket_per_step_and_none_under_no_sync() -> None:
-    for r in run_distributed(_counts, 2, timeout=60):
+def test_one_reduction_per_bucket_per_step_and_none_under_no_sync(two) -> None:
+    for r in two["counts"]:
         assert r["n_buckets"] > 3
         buckets = lambda ev: [e for e in ev if e[0] == "all_reduce" and e[1].startswith("bucket")]
         assert [e[1] for e in buckets(r["step1"])] == [f"bucket {i}" for i in range(r["n_buckets"])]
@@ -78,8 +82,8 @@ def _overlap(rank: int, world_size: int) -> list[str]:
     return timeline
 
 
-def test_first_bucket_launches_before_the_last_gradient_arrives() -> None:
-    for timeline in run_distributed(_overlap, 2, timeout=60):
+def test_first_bucket_launches_before_the_last_gradient_arrives(two) -> None:
+    for timeline in two["overlap"]:
         first_launch = timeline.index("all_reduce:bucket 0")
         last_grad = max(i for i, e in enumerate(timeline) if e.startswith("grad:"))
         assert first_launch < last_grad, timeline
@@ -131,9 +135,9 @@ def _order(rank: int, world_size: int, as_view: bool) -> dict:
     return {"issued": issued, "arrival": arrival[:8], "grads": grads}
 
 
-def test_issue_order_is_identical_on_every_rank_despite_delays_and_arrival_order() -> None:
+def test_issue_order_is_identical_on_every_rank_despite_delays_and_arrival_order(four) -> None:
     for as_view in (False, True):
-        results = run_distributed(_order, 4, args=(as_view,), timeout=90)
+        results = four[f"order as_view={as_view}"]
         # The ranks really did see gradients in different orders...
         assert results[0]["arrival"] != results[1]["arrival"]
         # ...yet issued exactly the same collectives in the same order,
@@ -167,8 +171,8 @@ def _buffers(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_buffers_broadcast_before_synchronised_forwards_only() -> None:
-    results = run_distributed(_buffers, 2, timeout=60)
+def test_buffers_broadcast_before_synchronised_forwards_only(two) -> None:
+    results = two["buffers"]
     for r in results:
         # BatchNorm's float buffers and its int64 counter: one collective per dtype.
         assert r["first"] == [("broadcast", "buffers")] * 2
@@ -180,3 +184,15 @@ def test_buffers_broadcast_before_synchronised_forwards_only() -> None:
         assert r["next"] == [("broadcast", "buffers")] * 2
     # Each rank updated its own running stats in the last forward, after the broadcast.
     assert not torch.equal(results[0]["running_mean"], results[1]["running_mean"])
+
+
+@pytest.fixture(scope="module")
+def two() -> CaseResults:
+    return run_cases({"counts": Case(_counts, timeout=60), "overlap": Case(_overlap, timeout=60),
+                      "buffers": Case(_buffers, timeout=60)}, 2)
+
+
+@pytest.fixture(scope="module")
+def four() -> CaseResults:
+    return run_cases({f"order as_view={as_view}": Case(_order, args=(as_view,), timeout=90)
+                      for as_view in (False, True)}, 4)

@@ -6,8 +6,8 @@ parameter or buffer by name, the ranks involved, and the fix. Every spawned run
 has a deadline, so a hang fails the test instead of the CI job.
 
 Process start-up costs about a second, so cases that need a process group run as
-grids inside a few spawned groups (module-scoped fixtures); each test then reads
-its own case's outcome on every rank.
+grids inside one spawned group per world size (tandem.testing.run_cases in
+module-scoped fixtures); each test then reads its own case's outcome on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tandem
-from tandem.testing import RankFailure, run_distributed
+from tandem.testing import Case, CaseResults, RankFailure, run_cases
 
 TIMEOUT_S = 60.0
 TINY_CAP_MB = 1e-6  # 1 byte: every parameter closes a bucket of its own
@@ -48,10 +48,10 @@ def _ranks_in_step(rank: int, world_size: int) -> bool:
     return float(t) == world_size * (world_size + 1) / 2
 
 
-def _run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """run_distributed with a deadline, and every failing rank's traceback on failure."""
+def _run(results: CaseResults, name: str) -> list[Any]:
+    """A case's results, and every failing rank's traceback on failure."""
     try:
-        return run_distributed(fn, world_size, args=args, timeout=TIMEOUT_S)
+        return results[name]
     except RankFailure as e:
         details = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(e.tracebacks.items()))
         pytest.fail(f"ranks {sorted(e.tracebacks)} failed:\n{details}", pytrace=False)
@@ -269,13 +269,13 @@ THREE_RANK_BUILD = ["shape_last_rank", "extra_layer", "still_trains"]
 
 
 @pytest.fixture(scope="module")
-def built2() -> list[dict[str, Any]]:
-    return _run(_run_build_cases, 2, TWO_RANK_BUILD)
+def built2(two) -> list[dict[str, Any]]:
+    return _run(two, "build")
 
 
 @pytest.fixture(scope="module")
-def built3() -> list[dict[str, Any]]:
-    return _run(_run_build_cases, 3, THREE_RANK_BUILD)
+def built3(three) -> list[dict[str, Any]]:
+    return _run(three, "build")
 
 
 def _raised_everywhere(results: list[dict[str, Any]], case: str, exc: str) -> list[str]:
@@ -439,14 +439,13 @@ MISSING_CASES = [(g, skip) for g in GATE_BUCKETS for skip in ([0, 1], [1])]
 
 
 @pytest.fixture(scope="module")
-def missing2() -> list[list[dict[str, Any]]]:
-    return _run(_run_missing_grad_cases, 2, MISSING_CASES)
+def missing2(two) -> list[list[dict[str, Any]]]:
+    return _run(two, "missing")
 
 
 @pytest.fixture(scope="module")
-def missing3() -> list[list[dict[str, Any]]]:
-    cases = [(g, [2]) for g in GATE_BUCKETS]
-    return _run(_run_missing_grad_cases, 3, cases)
+def missing3(three) -> list[list[dict[str, Any]]]:
+    return _run(three, "missing")
 
 
 def _check_missing(per_rank: list[dict[str, Any]], gate_index: int, skip_on: list[int]) -> None:
@@ -519,8 +518,8 @@ def _continue_after_missing(rank: int, ws: int, skip_on: list[int]) -> dict[str,
 
 
 @pytest.mark.parametrize("skip_on", [[0, 1], [1]], ids=["unused_on_all_ranks", "unused_on_rank_1"])
-def test_training_continues_after_a_caught_missing_gradient_error(skip_on):
-    results = _run(_continue_after_missing, 2, skip_on)
+def test_training_continues_after_a_caught_missing_gradient_error(two, skip_on):
+    results = _run(two, f"continue {skip_on}")
     for res in results:
         assert res["failing"] is not None and res["failing"][0] == "RuntimeError", res["failing"]
     _assert_good_steps(results, 3)
@@ -551,14 +550,40 @@ def _check_forward_without_backward(results: list[dict[str, Any]]) -> None:
     _assert_good_steps(results, 2)
 
 
-def test_forward_without_backward_then_a_step():
-    results = _run(_forward_without_backward, 2, {}, [])
+def test_forward_without_backward_then_a_step(two):
+    results = _run(two, "forward without backward")
     _check_forward_without_backward(results)
 
 
 @pytest.mark.parametrize("skip_on", [[0, 1], [1]], ids=["unused_on_all_ranks", "unused_on_rank_1"])
-def test_forward_without_backward_with_find_unused_parameters(skip_on):
+def test_forward_without_backward_with_find_unused_parameters(two, skip_on):
     # torch's DDP allows this: unused parameters are only marked ready once the
     # backward starts.
-    results = _run(_forward_without_backward, 2, {"find_unused_parameters": True}, skip_on)
+    results = _run(two, f"forward without backward, find_unused_parameters {skip_on}")
     _check_forward_without_backward(results)
+
+
+# ---------------------------------------------------------------- the spawned groups
+SKIPS = ([0, 1], [1])
+
+
+@pytest.fixture(scope="module")
+def two() -> CaseResults:
+    return run_cases({
+        "build": Case(_run_build_cases, args=(TWO_RANK_BUILD,), timeout=TIMEOUT_S),
+        "missing": Case(_run_missing_grad_cases, args=(MISSING_CASES,), timeout=TIMEOUT_S),
+        **{f"continue {skip_on}": Case(_continue_after_missing, args=(skip_on,), timeout=TIMEOUT_S)
+           for skip_on in SKIPS},
+        "forward without backward": Case(_forward_without_backward, args=({}, []), timeout=TIMEOUT_S),
+        **{f"forward without backward, find_unused_parameters {skip_on}": Case(
+            _forward_without_backward, args=({"find_unused_parameters": True}, skip_on), timeout=TIMEOUT_S)
+           for skip_on in SKIPS},
+    }, 2)
+
+
+@pytest.fixture(scope="module")
+def three() -> CaseResults:
+    return run_cases({
+        "build": Case(_run_build_cases, args=(THREE_RANK_BUILD,), timeout=TIMEOUT_S),
+        "missing": Case(_run_missing_grad_cases, args=([(g, [2]) for g in GATE_BUCKETS],), timeout=TIMEOUT_S),
+    }, 3)

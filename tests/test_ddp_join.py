@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.testing import RankFailure, run_distributed
+from tandem.testing import Case, CaseResults, RankFailure, run_cases, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 BATCHES = (3, 5, 8)
@@ -72,8 +72,15 @@ CASES = [
 ]
 
 
-def test_uneven_inputs_match_torch_join() -> None:
-    results = run_distributed(_compare, 3, args=(CASES,), timeout=120)
+@pytest.fixture(scope="module")
+def three() -> CaseResults:
+    """The 3-rank cases in one spawned group (tandem.testing.run_cases)."""
+    return run_cases({"compare": Case(_compare, args=(CASES,), timeout=120),
+                      "throw": Case(_throw, timeout=60)}, 3)
+
+
+def test_uneven_inputs_match_torch_join(three) -> None:
+    results = three["compare"]
     for rank, diffs in enumerate(results):
         for case, diff in zip(CASES, diffs):
             assert diff <= case.get("tol", 1e-6), f"rank {rank} {case}: max abs diff {diff:.3g}"
@@ -90,8 +97,8 @@ def _throw(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def test_throw_on_early_termination_raises_on_every_rank() -> None:
-    messages = run_distributed(_throw, 3, timeout=60)
+def test_throw_on_early_termination_raises_on_every_rank(three) -> None:
+    messages = three["throw"]
     assert messages[0] == "Rank 0 exhausted all inputs."
     for m in messages[1:]:
         assert "Detected at least one rank that exhausted inputs" in m, m

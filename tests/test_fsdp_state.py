@@ -7,12 +7,13 @@
 - reshard_after_forward=2 on 4 ranks (backward gathers over pairs of ranks);
 - unshard/reshard, explicit prefetch lists, set_reshard_after_backward;
 - bad arguments raise, naming the value.
+
+The spawned runs are cases of one group per world size (tandem.testing.run_cases,
+the module fixture ``runs``); each test reads its own.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from tandem.fsdp import fully_shard, load_full_state_dict
 from tandem.fsdp.unit_state import ShardState
-from tandem.testing import run_distributed
+from tandem.testing import Case as Run
+from tandem.testing import run_cases, run_distributed
 
 TOL = 1e-5
 STEPS = 4  # two on 2 ranks, two on 3
@@ -63,10 +65,9 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return _optimizer(model, Case())
 
 
-def test_dcp_checkpoint_saved_on_2_ranks_resumes_on_3(tmp_path: Path) -> None:
-    path = str(tmp_path / "ckpt")
-    first = run_distributed(_save_after_two_steps, 2, args=(path,), timeout=120)[0]
-    rest, params = run_distributed(_resume_and_finish, 3, args=(path,), timeout=120)[0]
+def test_dcp_checkpoint_saved_on_2_ranks_resumes_on_3(runs) -> None:
+    first = runs[2]["save"][0]
+    rest, params = runs[3]["resume"][0]
     # The uninterrupted reference: one process on the global batch. Its batch
     # split does not matter (the mean over equal parts is the global mean).
     losses, ref = local_training(Case(steps=STEPS), world_size=6)
@@ -92,12 +93,14 @@ def _load_full(rank: int, world_size: int, path: str) -> tuple[dict, list[float]
     return loaded, losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
-def test_full_state_dict_loads_into_a_sharded_model_also_built_on_meta(tmp_path: Path) -> None:
+def _full_model() -> Net:
     torch.manual_seed(0)
-    model = Net()
-    path = tmp_path / "model.pt"
-    torch.save(model.state_dict(), path)  # single-process training's checkpoint
-    loaded, losses, params = run_distributed(_load_full, 3, args=(str(path),), timeout=120)[0]
+    return Net()
+
+
+def test_full_state_dict_loads_into_a_sharded_model_also_built_on_meta(runs) -> None:
+    model = _full_model()  # saved by the fixture, as single-process training's checkpoint
+    loaded, losses, params = runs[3]["load_full"][0]
     assert max_diff(loaded, model.state_dict()) == 0.0
     ref_losses, ref = local_training(Case(steps=2), world_size=3)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
@@ -109,8 +112,8 @@ def _grouped_reshard(rank: int, world_size: int) -> tuple:
     return out.losses, out.params, out.events
 
 
-def test_reshard_after_forward_to_a_group_of_two_of_four_ranks() -> None:
-    losses, params, events = run_distributed(_grouped_reshard, 4, timeout=120)[0]
+def test_reshard_after_forward_to_a_group_of_two_of_four_ranks(runs) -> None:
+    losses, params, events = runs[4]["grouped"][0]
     ref_losses, ref = local_training(Case(steps=3), world_size=4)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
     assert max_diff(params, ref) <= TOL
@@ -210,19 +213,32 @@ def _errors(model: nn.Module, world_size: int) -> dict:
     return errors
 
 
-@functools.cache
-def _control() -> dict:
-    return run_distributed(_explicit_control, 2, timeout=120)[0]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("fsdp_state")
+    torch.save(_full_model().state_dict(), tmp / "model.pt")
+    ckpt = str(tmp / "ckpt")
+    # The checkpoint is saved by the 2-rank group before the 3-rank group resumes it.
+    return {2: run_cases({"save": Run(_save_after_two_steps, args=(ckpt,), timeout=120),
+                          "control": Run(_explicit_control, timeout=120)}, 2),
+            3: run_cases({"resume": Run(_resume_and_finish, args=(ckpt,), timeout=120),
+                          "load_full": Run(_load_full, args=(str(tmp / "model.pt"),), timeout=120)}, 3),
+            4: run_cases({"grouped": Run(_grouped_reshard, timeout=120)}, 4)}
 
 
-def test_unshard_reshard_and_explicit_prefetch() -> None:
-    found = _control()
+@pytest.fixture
+def control(runs) -> dict:
+    return runs[2]["control"][0]
+
+
+def test_unshard_reshard_and_explicit_prefetch(control) -> None:
+    found = control
     assert found["unsharded_is_plain"] and found["resharded_is_dtensor"] and found["async_unshard"]
     assert all(s in ("GATHERING", "UNSHARDED") for s in found["prefetched"]), found["prefetched"]
 
 
-def test_reshard_after_backward_false_keeps_units_gathered_while_accumulating() -> None:
-    found = _control()
+def test_reshard_after_backward_false_keeps_units_gathered_while_accumulating(control) -> None:
+    found = control
     assert set(found["second_micro_batch"]) == {"UNSHARDED"}, found["second_micro_batch"]
     assert set(found["after_step"]) == {"SHARDED"}
     ref, _ = local_training(Case(steps=2, micro=2), world_size=2)
@@ -230,8 +246,8 @@ def test_reshard_after_backward_false_keeps_units_gathered_while_accumulating() 
     assert found["state_dict_keys"] == sorted(Net().state_dict())
 
 
-def test_units_whose_parameters_are_all_used_complete_once_per_backward() -> None:
-    params, states = _control()["all_used"]
+def test_units_whose_parameters_are_all_used_complete_once_per_backward(control) -> None:
+    params, states = control["all_used"]
     assert set(states) == {"IDLE"}, states  # nothing left queued after any backward
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -244,8 +260,8 @@ def test_units_whose_parameters_are_all_used_complete_once_per_backward() -> Non
     assert max_diff(params, model.state_dict()) <= TOL
 
 
-def test_bad_arguments_raise_with_the_value() -> None:
-    errors = _control()["errors"]
+def test_bad_arguments_raise_with_the_value(control) -> None:
+    errors = control["errors"]
     assert errors["twice"][0] == "ValueError" and "already applied" in errors["twice"][1]
     assert errors["bad_reshard"][0] == "ValueError" and "reshard_after_forward=3" in errors["bad_reshard"][1]
     assert errors["placement"][0] == "ValueError" and "3 rows on dim 1" in errors["placement"][1]

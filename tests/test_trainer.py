@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import Case, run_cases
 
 NUM_FEATURES, NUM_CLASSES = 6, 3
 
@@ -101,13 +101,29 @@ def train_losses(history: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in history if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("world_size, batch_size, grad_accum", [(2, 4, 2), (3, 4, 1)])
-def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, world_size, batch_size, grad_accum):
-    common = dict(epochs=2, log_every=2, max_grad_norm=0.5, plot=False)
-    ours = run_distributed(train, world_size, timeout=120, args=(
-        str(tmp_path / "ranks"), dict(common, batch_size=batch_size, grad_accum=grad_accum)))
-    (one,) = run_distributed(train, 1, timeout=120, args=(
-        str(tmp_path / "one"), dict(common, batch_size=batch_size * grad_accum * world_size)))
+# Every spawned run of the module is a case of one spawned group per world size
+# (tandem.testing.run_cases, in the fixture ``runs`` at the end), under the name
+# the tests read it by; each keeps its own timeout and its own failure.
+GLOBAL_BATCH_CASES = [(2, 4, 2), (3, 4, 1)]
+GLOBAL_BATCH_COMMON = dict(epochs=2, log_every=2, max_grad_norm=0.5, plot=False)
+
+
+def _global_batch_cases(base: str) -> dict[int, dict[str, Case]]:
+    out: dict[int, dict[str, Case]] = {1: {}, 2: {}, 3: {}}
+    for world_size, batch_size, grad_accum in GLOBAL_BATCH_CASES:
+        name = f"global_batch_{world_size}_{batch_size}_{grad_accum}"
+        out[world_size][name] = Case(train, timeout=120, args=(
+            f"{base}/{name}/ranks", dict(GLOBAL_BATCH_COMMON, batch_size=batch_size, grad_accum=grad_accum)))
+        out[1][name + "_one"] = Case(train, timeout=120, args=(
+            f"{base}/{name}/one", dict(GLOBAL_BATCH_COMMON, batch_size=batch_size * grad_accum * world_size)))
+    return out
+
+
+@pytest.mark.parametrize("world_size, batch_size, grad_accum", GLOBAL_BATCH_CASES)
+def test_ranks_train_like_one_process_on_the_global_batch(runs, world_size, batch_size, grad_accum):
+    name = f"global_batch_{world_size}_{batch_size}_{grad_accum}"
+    ours = runs[name]
+    (one,) = runs[name + "_one"]
     global_batch = batch_size * grad_accum * world_size
     assert one["steps"] == ours[0]["steps"] == 2 * math.ceil(96 / global_batch)
     for rank in range(world_size):
@@ -122,15 +138,23 @@ def test_ranks_train_like_one_process_on_the_global_batch(tmp_path, world_size, 
             assert ours[rank]["evaluation"][name] == pytest.approx(value, abs=1e-6)
 
 
+# Clipping goes through ZeroOptimizer.clip_grad_norm_, the full-format checkpoint
+# through its consolidating state_dict() (sharded checkpoints: test_trainer_sharded.py).
+ZERO_OPTIONS = dict(epochs=2, batch_size=8, max_grad_norm=0.5, checkpoint_every=5, plot=False,
+                    checkpoint_format="full")
+
+
+def _zero_cases(base: str) -> dict[str, Case]:
+    # One plain DDP run is the reference of both stages (the same options, the same run).
+    return {"zero_plain": Case(train, timeout=120, args=(f"{base}/zero_plain", dict(ZERO_OPTIONS))),
+            **{f"zero_stage{stage}": Case(train, timeout=120, args=(
+                f"{base}/zero_stage{stage}", dict(ZERO_OPTIONS, zero_stage=stage))) for stage in (1, 2)}}
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_zero_wrapped_model_trains_like_plain_ddp(tmp_path, stage):
-    # Clipping goes through ZeroOptimizer.clip_grad_norm_, the full-format checkpoint
-    # through its consolidating state_dict() (sharded checkpoints: test_trainer_sharded.py).
-    options = dict(epochs=2, batch_size=8, max_grad_norm=0.5, checkpoint_every=5, plot=False,
-                   checkpoint_format="full")
-    zero = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "zero"),
-                                                         dict(options, zero_stage=stage)))
-    plain = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "plain"), dict(options)))
+def test_a_zero_wrapped_model_trains_like_plain_ddp(runs, stage):
+    zero = runs[f"zero_stage{stage}"]
+    plain = runs["zero_plain"]
     for rank in range(2):
         assert max_param_diff(zero[rank]["params"], plain[rank]["params"]) <= 1e-6
     saved = torch.load(zero[0]["checkpoint"], weights_only=True)["optimizer"]
@@ -141,31 +165,47 @@ def test_a_zero_wrapped_model_trains_like_plain_ddp(tmp_path, stage):
             assert (saved["state"][i][key] - state[key]).abs().max().item() <= 1e-6
 
 
-def test_fp16_with_a_zero_optimizer_trains_like_fp32_with_identical_replicas(tmp_path):
+def _fp16_zero_cases(base: str) -> dict[str, Case]:
+    common = dict(epochs=1, batch_size=8, plot=False, zero_stage=1)
+    return {"fp16_zero_half": Case(train, timeout=90, args=(f"{base}/fp16_zero_half",
+                                                             dict(common, precision="fp16"))),
+            "fp16_zero_full": Case(train, timeout=90, args=(f"{base}/fp16_zero_full", dict(common)))}
+
+
+def test_fp16_with_a_zero_optimizer_trains_like_fp32_with_identical_replicas(runs):
     # The gradient scaler sees only this rank's gradient shards: its found-inf is
     # agreed across ranks (tests/test_nonfinite.py injects one), so ranks step together.
-    common = dict(epochs=1, batch_size=8, plot=False, zero_stage=1)
-    half = run_distributed(train, 2, timeout=90, args=(str(tmp_path / "half"), dict(common, precision="fp16")))
-    full = run_distributed(train, 2, timeout=90, args=(str(tmp_path / "full"), dict(common)))
+    half, full = runs["fp16_zero_half"], runs["fp16_zero_full"]
     assert max_param_diff(half[0]["params"], half[1]["params"]) == 0
     diff = max_param_diff(half[0]["params"], full[0]["params"])
     assert 0 < diff <= 5e-3  # measured 3.4e-4
 
 
-def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path):
-    # Dropout and a shuffled, padded sampler (95 samples on 2 ranks): the RNG
-    # streams and the mid-epoch data position must both be restored.
-    options = dict(epochs=3, batch_size=8, log_every=1, dropout=0.3)
-    full = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "full"), dict(options), 0, 95))
-    steps_per_epoch = math.ceil(math.ceil(95 / 2) / 8)
-    stop = steps_per_epoch + 2  # in the middle of the second epoch
-    parted = str(tmp_path / "parted")
-    first = run_distributed(train, 2, timeout=120, args=(parted, dict(options, max_steps=stop), 0, 95))
+# Dropout and a shuffled, padded sampler (95 samples on 2 ranks): the RNG
+# streams and the mid-epoch data position must both be restored.
+RESUME_OPTIONS = dict(epochs=3, batch_size=8, log_every=1, dropout=0.3)
+RESUME_STEPS_PER_EPOCH = math.ceil(math.ceil(95 / 2) / 8)
+RESUME_STOP = RESUME_STEPS_PER_EPOCH + 2  # in the middle of the second epoch
+
+
+def _resume_cases(base: str) -> dict[str, Case]:
+    parted = f"{base}/resume_parted"
+    return {"resume_full": Case(train, timeout=120, args=(f"{base}/resume_full", dict(RESUME_OPTIONS), 0, 95)),
+            "resume_first": Case(train, timeout=120, args=(
+                parted, dict(RESUME_OPTIONS, max_steps=RESUME_STOP), 0, 95)),
+            # The resumed run starts from a different initialisation: everything must come
+            # from the checkpoint.
+            "resume_second": Case(train, timeout=120, args=(parted, dict(RESUME_OPTIONS), 1, 95))}
+
+
+def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(runs):
+    full = runs["resume_full"]
+    steps_per_epoch, stop = RESUME_STEPS_PER_EPOCH, RESUME_STOP
+    parted = str(runs.base / "resume_parted")
+    first = runs["resume_first"]
     assert first[0]["steps"] == stop and first[0]["epochs"] == 1
     assert Path(first[0]["checkpoint"]).name == f"step-{stop:08d}.pt"
-    # The resumed run starts from a different initialisation: everything must come
-    # from the checkpoint.
-    second = run_distributed(train, 2, timeout=120, args=(parted, dict(options), 1, 95))
+    second = runs["resume_second"]
     assert second[0]["steps"] == full[0]["steps"] == 3 * steps_per_epoch
     for rank in range(2):
         assert max_param_diff(second[rank]["params"], full[rank]["params"]) <= 1e-6
@@ -204,11 +244,9 @@ def _one_process_runs(rank: int, world_size: int, base: str, sharded_checkpoint:
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory) -> tuple[list[dict], dict]:
-    base = tmp_path_factory.mktemp("sharded")
-    sharded = run_distributed(_sharded_runs, 2, timeout=120, args=(str(base),))
-    (one,) = run_distributed(_one_process_runs, 1, timeout=120,
-                             args=(str(base), sharded[0]["first"]["checkpoint"]))
+def sharded_runs(runs) -> tuple[list[dict], dict]:
+    sharded = runs["sharded"]
+    (one,) = runs["sharded_one"]
     return sharded, one
 
 
@@ -274,16 +312,15 @@ def _refusals(rank: int, world_size: int, output_dir: str) -> dict[str, str]:
     return messages
 
 
-def test_a_fully_sharded_model_is_refused_with_what_to_do_instead(tmp_path):
-    (messages,) = run_distributed(_refusals, 1, timeout=60, args=(str(tmp_path),))
+def test_a_fully_sharded_model_is_refused_with_what_to_do_instead(runs):
+    (messages,) = runs["refusals"]
     assert "parameter 0 (shape (16, 6))" in messages["optimizer built before fully_shard"]
     assert "after fully_shard" in messages["optimizer built before fully_shard"]
 
 
-def test_checkpoints_are_kept_and_pruned(tmp_path):
-    out = tmp_path / "run"
-    (result,) = run_distributed(train, 1, timeout=120, args=(
-        str(out), dict(epochs=2, batch_size=16, checkpoint_every=2, keep_checkpoints=2)))
+def test_checkpoints_are_kept_and_pruned(runs):
+    out = runs.base / "kept"
+    (result,) = runs["kept"]
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step-00000010.pt", "step-00000012.pt"]  # 6 steps per epoch
     state = torch.load(out / "checkpoints" / names[-1], weights_only=True)
@@ -291,26 +328,31 @@ def test_checkpoints_are_kept_and_pruned(tmp_path):
     assert max_param_diff(state["model"], result["params"]) == 0
 
 
+MIXED_OPTIONS = dict(epochs=2, batch_size=8, plot=False)
+
+
+def _mixed_cases(base: str) -> dict[str, Case]:
+    # One fp32 run is the reference of both precisions (the same options, the same run).
+    return {f"mixed_{precision}": Case(train, timeout=120, args=(
+        f"{base}/mixed_{precision}", dict(MIXED_OPTIONS, **({} if precision == "fp32" else {"precision": precision}))))
+        for precision in ("fp32", "bf16", "fp16")}
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains_close_to_fp32(tmp_path, precision):
-    options = dict(epochs=2, batch_size=8, plot=False)
-    low = run_distributed(train, 2, timeout=120, args=(str(tmp_path / precision),
-                                                        dict(options, precision=precision)))
-    full = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "fp32"), dict(options)))
+def test_mixed_precision_trains_close_to_fp32(runs, precision):
+    low, full = runs[f"mixed_{precision}"], runs["mixed_fp32"]
     diff = max_param_diff(low[0]["params"], full[0]["params"])
     # Lower precision moved the result (autocast ran), but training still converged to
     # nearly the same place.
     assert 0 < diff < 0.05
     assert low[0]["evaluation"]["accuracy"] == pytest.approx(full[0]["evaluation"]["accuracy"], abs=0.06)
-    state = torch.load(tmp_path / precision / "checkpoints" / "step-00000012.pt", weights_only=True)
+    state = torch.load(runs.base / f"mixed_{precision}" / "checkpoints" / "step-00000012.pt", weights_only=True)
     assert (state["scaler"] is not None) == (precision == "fp16")
 
 
-def test_records_report_throughput_and_communication_share(tmp_path):
-    two = run_distributed(train, 2, timeout=120, args=(str(tmp_path / "two"),
-                                                        dict(epochs=1, batch_size=8, log_every=2)))
-    (one,) = run_distributed(train, 1, timeout=120, args=(str(tmp_path / "one"),
-                                                          dict(epochs=1, batch_size=8, log_every=2)))
+def test_records_report_throughput_and_communication_share(runs):
+    two = runs["records_two"]
+    (one,) = runs["records_one"]
     for record in train_records(two[0]["history"]):
         assert record["samples_per_s"] > 0 and 0 <= record["comm_wait_share"] < 1
     assert all(r["comm_wait_share"] is None for r in train_records(one["history"]))
@@ -325,11 +367,9 @@ def _different_dirs(rank: int, world_size: int, base: str) -> str:
     return train(rank, world_size, f"{base}/rank{rank}", dict(epochs=1, batch_size=8))
 
 
-def test_ranks_that_see_different_checkpoints_fail_together(tmp_path):
-    (tmp_path / "rank0" / "checkpoints").mkdir(parents=True)
-    torch.save({}, tmp_path / "rank0" / "checkpoints" / "step-00000003.pt")
+def test_ranks_that_see_different_checkpoints_fail_together(runs):
     with pytest.raises(Exception) as info:
-        run_distributed(_different_dirs, 2, timeout=60, args=(str(tmp_path),))
+        runs["different_dirs"]
     tracebacks = info.value.tracebacks
     assert sorted(tracebacks) == [0, 1]  # both ranks raised, neither hung
     assert all("ranks see different latest checkpoints" in t for t in tracebacks.values())
@@ -363,3 +403,47 @@ def test_a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints(tmp_path):
     train(0, 1, str(tmp_path), dict(epochs=1, batch_size=32, plot=False))
     with pytest.raises(ValueError, match="resume=False, but .* holds checkpoints of an earlier run"):
         train(0, 1, str(tmp_path), dict(epochs=1, batch_size=32, resume=False))
+
+
+# ---------------------------------------------------------------- the spawned groups
+class Runs:
+    """Every case's per-rank results by name, from the group of its world size;
+    ``base`` is the folder their output directories are in."""
+
+    def __init__(self, base: Path, groups: list) -> None:
+        self.base, self._groups = base, groups
+
+    def __getitem__(self, name: str) -> list:
+        group = next(g for g in self._groups if name in g)
+        return group[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    base = tmp_path_factory.mktemp("trainer")
+    b = str(base)
+    # Rank 0 alone sees an earlier run's checkpoint (the ranks' directories differ).
+    (base / "different" / "rank0" / "checkpoints").mkdir(parents=True)
+    torch.save({}, base / "different" / "rank0" / "checkpoints" / "step-00000003.pt")
+    global_batch = _global_batch_cases(b)
+    two = run_cases({
+        **global_batch[2], **_zero_cases(b), **_fp16_zero_cases(b), **_resume_cases(b), **_mixed_cases(b),
+        "records_two": Case(train, timeout=120, args=(f"{b}/records_two", dict(epochs=1, batch_size=8, log_every=2))),
+        "different_dirs": Case(_different_dirs, timeout=60, args=(f"{b}/different",)),
+        # All runs of the fully-sharded model in one case (as before the groups were shared).
+        "sharded": Case(_sharded_runs, timeout=120, args=(f"{b}/sharded",)),
+    }, 2)
+    three = run_cases(global_batch[3], 3)
+    try:  # the one-process resume reads the sharded run's checkpoint
+        sharded_checkpoint = two["sharded"][0]["first"]["checkpoint"]
+    except Exception:
+        sharded_checkpoint = f"{b}/sharded/parted/checkpoints/step-{SHARDED_STOP:08d}"
+    one = run_cases({
+        **global_batch[1],
+        "refusals": Case(_refusals, timeout=60, args=(f"{b}/refusals",)),
+        "kept": Case(train, timeout=120, args=(
+            f"{b}/kept", dict(epochs=2, batch_size=16, checkpoint_every=2, keep_checkpoints=2))),
+        "records_one": Case(train, timeout=120, args=(f"{b}/records_one", dict(epochs=1, batch_size=8, log_every=2))),
+        "sharded_one": Case(_one_process_runs, timeout=120, args=(f"{b}/sharded", sharded_checkpoint)),
+    }, 1)
+    return Runs(base, [one, two, three])

@@ -2,8 +2,10 @@
 train to the same parameters as plain tandem DDP with the same torch optimizer, and
 as torch's ZeroRedundancyOptimizer; checkpoints round-trip across world sizes.
 
-A grid of cases runs inside one spawned group per world size; buckets are tiny so
-that the small model makes many buckets and shards cut across parameters.
+Every multi-rank case of the module runs in one spawned group per world size
+(tandem.testing.run_cases, a module fixture): the grid of optimizer cases, and
+the single checks, each reported under its own name; buckets are tiny so that
+the small model makes many buckets and shards cut across parameters.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.ddp.plan import ParamInfo, plan_buckets
-from tandem.testing import run_distributed
+from tandem.testing import Case as Run
+from tandem.testing import run_cases
 from tandem.testing.models import IN, OUT, make_model
 from tandem.zero import ZeroConfig, ZeroOptimizer
 from tandem.zero.layout import plan_runs
@@ -126,8 +130,8 @@ def _grid(rank: int, world_size: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])  # 3: shards end in padding
-def test_zero_matches_plain_ddp_with_adam(world_size: int) -> None:
-    results = run_distributed(_grid, world_size, timeout=300)
+def test_zero_matches_plain_ddp_with_adam(world_size: int, groups) -> None:
+    results = groups[world_size]["grid"]
     for rank, diffs in enumerate(results):
         bad = {k: v for k, v in diffs.items() if v > TOL}
         assert not bad, f"rank {rank}: {bad}"
@@ -142,8 +146,8 @@ def _against_torch_zero(rank: int, world_size: int) -> float:
     return _max_diff({n: p.detach() for n, p in model.named_parameters()}, ours)
 
 
-def test_stage1_matches_torch_zero_redundancy_optimizer() -> None:
-    assert max(run_distributed(_against_torch_zero, 2)) <= TOL
+def test_stage1_matches_torch_zero_redundancy_optimizer(groups) -> None:
+    assert max(groups[2]["against_torch_zero"]) <= TOL
 
 
 def _world_of_one(rank: int, world_size: int) -> float:
@@ -151,8 +155,8 @@ def _world_of_one(rank: int, world_size: int) -> float:
     return _max_diff(_reference(rank, world_size, case), _zero(rank, world_size, case))
 
 
-def test_world_of_one() -> None:
-    assert run_distributed(_world_of_one, 1)[0] <= TOL
+def test_world_of_one(groups) -> None:
+    assert groups[1]["world_of_one"][0] <= TOL
 
 
 def _bf16(rank: int, world_size: int) -> list[torch.Tensor]:
@@ -171,8 +175,8 @@ def _bf16(rank: int, world_size: int) -> list[torch.Tensor]:
     return [p.detach().float() for p in model.parameters()]
 
 
-def test_bf16_parameters_step_with_fp32_master_shards_and_stay_identical() -> None:
-    a, b = run_distributed(_bf16, 2)
+def test_bf16_parameters_step_with_fp32_master_shards_and_stay_identical(groups) -> None:
+    a, b = groups[2]["bf16"]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -199,8 +203,8 @@ def _record(rank: int, world_size: int, stage: int, overlap: bool) -> dict:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_reduce_scatters_each_bucket_and_gathers_parameters(stage: int) -> None:
-    for result in run_distributed(_record, 2, args=(stage, True)):
+def test_zero_reduce_scatters_each_bucket_and_gathers_parameters(stage: int, groups) -> None:
+    for result in groups[2][f"record_stage{stage}"]:
         n = result["buckets"]
         assert n >= 3
         for events in result["events"]:
@@ -213,8 +217,8 @@ def test_zero_reduce_scatters_each_bucket_and_gathers_parameters(stage: int) -> 
             assert events.index(("reduce_scatter", "bucket 0")) < events.index(("marker", "last gradient"))
 
 
-def test_without_overlap_reductions_start_at_the_end_of_backward() -> None:
-    for result in run_distributed(_record, 2, args=(2, False)):
+def test_without_overlap_reductions_start_at_the_end_of_backward(groups) -> None:
+    for result in groups[2]["record_stage2_no_overlap"]:
         for events in result["events"]:
             assert events.index(("marker", "last gradient")) < events.index(("reduce_scatter", "bucket 0"))
 
@@ -235,8 +239,8 @@ def _deferred_gather(rank: int, world_size: int) -> list[int]:
     return counts
 
 
-def test_overlap_param_gather_waits_per_bucket_in_forward() -> None:
-    for counts in run_distributed(_deferred_gather, 2):
+def test_overlap_param_gather_waits_per_bucket_in_forward(groups) -> None:
+    for counts in groups[2]["deferred_gather"]:
         assert counts == [3, 2, 0], counts
 
 
@@ -260,8 +264,8 @@ def _holdings(rank: int, world_size: int) -> dict:
             "buffer_released": reducer.buffer.released}
 
 
-def test_stage2_holds_only_its_shards_between_steps() -> None:
-    results = run_distributed(_holdings, 4)
+def test_stage2_holds_only_its_shards_between_steps(groups) -> None:
+    results = groups[4]["holdings"]
     total = results[0]["param_numel"]
     assert sum(r["owned"] for r in results) == total  # every element stepped exactly once
     for r in results:
@@ -308,7 +312,7 @@ def _resume(rank: int, world_size: int, directory: str, source: str) -> dict[str
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _uninterrupted(rank: int, world_size: int) -> dict:
+def _uninterrupted(rank: int, world_size: int, directory: str) -> dict:
     model = make_model("mlp", seed=rank)
     ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
     opt = torch.optim.Adam(_param_groups(model, CKPT_CASE), lr=0.01)
@@ -316,16 +320,18 @@ def _uninterrupted(rank: int, world_size: int) -> dict:
     clip = lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # noqa: E731
     _train(ddp, opt, short, rank, world_size, clip)
     torch_state = copy.deepcopy(opt.state_dict())  # its tensors are the live state
+    if rank == 0:  # for _resume(source="torch"), run after this case
+        torch.save(torch_state, f"{directory}/torch.pt")
     _train(ddp, opt, replace(CKPT_CASE, sched=False), rank, world_size, clip, first_step=SAVE_AT)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "torch_state": torch_state}
 
 
-def test_checkpoint_saved_at_4_ranks_resumes_at_2(tmp_path) -> None:
-    run_distributed(_save, 4, args=(str(tmp_path),))
-    expected = run_distributed(_uninterrupted, 2)[0]
+def test_checkpoint_saved_at_4_ranks_resumes_at_2(groups) -> None:
+    groups[4]["save"]
+    expected = groups[2]["uninterrupted"][0]
     # The consolidated state dict has torch's format and values.
-    ours = torch.load(tmp_path / "full.pt", weights_only=False)["optim"]
+    ours = torch.load(groups.directory / "full.pt", weights_only=False)["optim"]
     theirs = expected["torch_state"]
     assert ours["param_groups"] == theirs["param_groups"]
     assert ours["state"].keys() == theirs["state"].keys()
@@ -334,9 +340,9 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2(tmp_path) -> None:
         for key, value in state.items():
             assert ours["state"][idx][key].shape == value.shape, (idx, key)
             assert (ours["state"][idx][key].double() - value.double()).abs().max() <= TOL, (idx, key)
-    torch.save(theirs, tmp_path / "torch.pt")
+    assert torch.load(groups.directory / "torch.pt", weights_only=False)["param_groups"] == theirs["param_groups"]
     for source in ("full", "sharded", "torch"):
-        for params in run_distributed(_resume, 2, args=(str(tmp_path), source)):
+        for params in groups[2][f"resume_{source}"]:
             assert _max_diff(params, expected["params"]) <= TOL, source
 
 
@@ -382,5 +388,38 @@ def _errors(rank: int, world_size: int) -> None:
         opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
 
 
-def test_bad_zero_arguments_fail_clearly() -> None:
-    run_distributed(_errors, 2)
+def test_bad_zero_arguments_fail_clearly(groups) -> None:
+    groups[2]["errors"]
+
+
+# ---------------------------------------------------------------- the groups
+class Groups(dict):
+    """World size -> tandem.testing.CaseResults; ``directory`` holds the checkpoints."""
+
+    directory: Path
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> Groups:
+    directory = tmp_path_factory.mktemp("zero")
+    d = str(directory)
+    out = Groups()
+    out.directory = directory
+    out[1] = run_cases({"world_of_one": Run(_world_of_one)}, 1)
+    out[3] = run_cases({"grid": Run(_grid, timeout=300)}, 3)
+    # The checkpoint is saved at 4 ranks before the 2-rank group resumes from it.
+    out[4] = run_cases({"grid": Run(_grid, timeout=300), "holdings": Run(_holdings),
+                        "save": Run(_save, args=(d,))}, 4)
+    out[2] = run_cases({
+        "grid": Run(_grid, timeout=300),
+        "against_torch_zero": Run(_against_torch_zero),
+        "bf16": Run(_bf16),
+        "record_stage1": Run(_record, args=(1, True)),
+        "record_stage2": Run(_record, args=(2, True)),
+        "record_stage2_no_overlap": Run(_record, args=(2, False)),
+        "deferred_gather": Run(_deferred_gather),
+        "errors": Run(_errors),
+        "uninterrupted": Run(_uninterrupted, args=(d,)),  # writes torch.pt, which resume_torch loads
+        **{f"resume_{source}": Run(_resume, args=(d, source)) for source in ("full", "sharded", "torch")},
+    }, 2)
+    return out
