@@ -16,7 +16,7 @@ from tandem.launch.cli import build_parser, config_from_args
 from tandem.launch.config import LaunchConfig
 from tandem.launch.hang import format_hang_report, main_thread_stack
 from tandem.launch.logs import Attempt, RankLogs
-from tandem.launch.watchdog import Watchdog
+from tandem.launch.watchdog import STARTUP_GRACE_S, Watchdog
 
 DUMP = """\
 Thread 0x00007f0000000002 (most recent call first):
@@ -108,9 +108,15 @@ def test_the_watchdog_fires_when_the_newest_progress_is_older_than_the_timeout(t
     attempt = _attempt(tmp_path, 0, 2)
     t0 = time.time()
     assert dog.stalled_for(attempt, now=t0) is None
-    # No progress file yet: the attempt's start counts.
-    assert dog.stalled_for(attempt, now=t0 + 9) is None
-    assert dog.stalled_for(attempt, now=t0 + 10.5) == pytest.approx(10.5)
+    # No progress file yet: the workers are starting; the attempt's start counts
+    # after the start-up grace (the timeout when that is longer).
+    assert dog.stalled_for(attempt, now=t0 + 10.5) is None
+    starting = Watchdog(timeout_s=10)
+    assert starting.stalled_for(attempt, now=t0) is None
+    assert starting.stalled_for(attempt, now=t0 + STARTUP_GRACE_S + 1) == pytest.approx(STARTUP_GRACE_S + 1)
+    patient = Watchdog(timeout_s=90)
+    assert patient.stalled_for(attempt, now=t0) is None
+    assert patient.stalled_for(attempt, now=t0 + 89) is None
     # A rank that progressed recently keeps the job alive; the newest file counts.
     attempt.ranks[0].progress.write_text("{}")
     os.utime(attempt.ranks[0].progress, (t0 + 20, t0 + 20))

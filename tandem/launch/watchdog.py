@@ -7,8 +7,12 @@ the rank's log directory) a few times a second while the rank makes progress:
 a collective completed or a step began (:mod:`tandem.comm.monitor`). A stuck
 collective cannot stop that file from being read, and the launcher needs no
 collective or store to read it: it looks at the files' modification times.
-When the newest is older than the timeout (or, before any file, the attempt's
-start is), no rank has progressed: the watchdog sends SIGUSR1 to the workers
+When the newest is older than the timeout, no rank has progressed. Before any
+file exists the workers are still starting (importing torch and tandem takes
+seconds of CPU each, tens of seconds on a loaded host, and a worker writes its
+first progress at ``tandem.init()``), so the attempt's start counts only after
+``max(timeout, STARTUP_GRACE_S)``; a restarted attempt on a busy two-core host
+was otherwise reported hung before its workers had started. Once progressed: the watchdog sends SIGUSR1 to the workers
 that wrote a file (their ``faulthandler`` dumps every thread's stack; a worker
 that wrote none has no handler, and SIGUSR1 would kill it), reads the files
 and builds the report (:mod:`tandem.launch.hang`).
@@ -49,6 +53,8 @@ CHECK_INTERVAL_S = 0.5
 """How often the progress files are looked at."""
 STACKS_WAIT_S = 2.0
 """How long the workers get to dump their stacks."""
+STARTUP_GRACE_S = 60.0
+"""Before any worker wrote progress, how long an attempt may take to start (at least)."""
 
 
 class Watchdog:
@@ -72,13 +78,17 @@ class Watchdog:
         if now < self._next_check:
             return None
         self._next_check = now + CHECK_INTERVAL_S
-        latest = self._started
+        latest: float | None = None
         for logs in attempt.ranks.values():
             try:
-                latest = max(latest, logs.progress.stat().st_mtime)
+                mtime = logs.progress.stat().st_mtime
             except OSError:
-                pass
-        stalled = now - latest
+                continue
+            latest = mtime if latest is None else max(latest, mtime)
+        if latest is None:  # still starting: Note [progress without a collective]
+            stalled = now - self._started
+            return stalled if stalled >= max(self.timeout_s, STARTUP_GRACE_S) else None
+        stalled = now - max(latest, self._started)
         return stalled if stalled >= self.timeout_s else None
 
     def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float) -> str:
