@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from tandem.launch import cli
 from tandem.launch.command import TargetKind, check_target, worker_command
-from tandem.launch.config import (
+from tandem.launch.config import LaunchConfig
+from tandem.launch.flags import (
     AUTO_MAX_CPU_WORKERS,
-    LaunchConfig,
     parse_nnodes,
     parse_rank_list,
     parse_rdzv_conf,

@@ -24,9 +24,8 @@ from typing import TextIO
 
 from tandem.launch.agent import LaunchError, SignalException, quiet_torch_launch_logs, run_workers
 from tandem.launch.command import TargetKind, WorkerCommand, check_target, worker_command
-from tandem.launch.config import (
-    DEFAULT_RDZV_TIMEOUT_S,
-    LaunchConfig,
+from tandem.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
+from tandem.launch.flags import (
     parse_nnodes,
     parse_rank_list,
     parse_rdzv_conf,

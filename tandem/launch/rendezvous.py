@@ -14,7 +14,7 @@ after a worker is killed.
 
 :class:`FreshWorkerStore` wraps torch's own rendezvous handler and changes one
 thing: after each rendezvous node 0 starts a new ``TCPStore`` on a free port
-(see Note [free port] in :mod:`tandem.launch.config`), publishes the port in the
+(see Note [free port] in :mod:`tandem.launch.flags`), publishes the port in the
 rendezvous store, and every node hands that address to its workers. The previous
 attempt's store is closed when the next one opens. Process management, the
 rendezvous itself and the agent's own store stay torch's.

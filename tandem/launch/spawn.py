@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.launch.agent import quiet_torch_launch_logs, run_workers
-from tandem.launch.config import LaunchConfig, threads_per_worker
+from tandem.launch.config import LaunchConfig
+from tandem.launch.flags import threads_per_worker
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import usable_cpus
 from tandem.launch.output import RankOutput
