@@ -38,13 +38,10 @@ a new group. So one failing case never fails another, and nothing hangs.
 from __future__ import annotations
 
 import datetime
-import io
 import os
 import random
-import shutil
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +55,8 @@ from tandem.testing.harness import (
     RankFailure,
     _context,
     _load,
-    _write_atomic,
+    run_and_report,
+    stop_all,
 )
 
 __all__ = ["Case", "CaseResults", "run_cases"]
@@ -133,12 +131,7 @@ def _run_group(cases: Mapping[str, Case], names: list[str], start: int, world_si
         timeouts = [float(cases[name].timeout) for name in names]
         return _collect(procs, workdir, names, timeouts, start, outcomes)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_all(procs, workdir)
 
 
 def _collect(procs: list[Any], workdir: Path, names: list[str], timeouts: list[float], start: int,
@@ -210,21 +203,15 @@ def _ranks_main(todo: list[tuple[str, Case]], rank: int, world_size: int, workdi
         os.environ["TANDEM_TEST_STORE"] = str(store)
         torch.set_rng_state(torch_rng)
         random.seed()  # as after a fork: Python's generator is reseeded from the OS
-        try:
+
+        def call(case: Case = case, store: Path = store) -> Any:
             dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=case.timeout))
-            result = case.fn(rank, world_size, *case.args)
-            buf = io.BytesIO()
-            torch.save(result, buf)
-            _write_atomic(out / f"{rank}.{k}.ok", buf.getvalue())
-        except BaseException:
-            _write_atomic(out / f"{rank}.{k}.err", traceback.format_exc().encode())
+            return case.fn(rank, world_size, *case.args)
+
+        try:
+            run_and_report(call, out / f"{rank}.{k}.ok", out / f"{rank}.{k}.err")
         finally:
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:
-                    pass
             os.environ.clear()
             os.environ.update(environ)
             os.chdir(cwd)

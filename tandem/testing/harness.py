@@ -130,12 +130,17 @@ def run_distributed(
             start(rank, rank, False)
         return _collect(procs, workdir, timeout, frozenset(may_die), frozenset(replace), start)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_all(procs, workdir)
+
+
+def stop_all(procs: Sequence[Any], workdir: Path) -> None:
+    """Kill the ranks still running, reap them all, remove their directory."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _context() -> Any:
@@ -226,7 +231,8 @@ def _rank_main(fn: Callable[..., Any], slot: int, rank: int, world_size: int, ar
         "LOCAL_WORLD_SIZE": str(world_size), "TANDEM_TEST_STORE": str(out / "store"),
     })
     torch.set_num_threads(1)
-    try:
+
+    def call() -> Any:
         if joining and init_pg:
             import tandem
             tandem.init(backend, init_method=f"file://{out / 'store'}",
@@ -235,12 +241,23 @@ def _rank_main(fn: Callable[..., Any], slot: int, rank: int, world_size: int, ar
             dist.init_process_group(
                 backend, init_method=f"file://{out / 'store'}", rank=rank,
                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-        result = fn(rank, world_size, *args)
+        return fn(rank, world_size, *args)
+
+    run_and_report(call, out / f"{slot}.ok", out / f"{slot}.err")
+
+
+def run_and_report(call: Callable[[], Any], ok: Path, err: Path) -> None:
+    """Run ``call()`` in a rank; write its result (``torch.save``) to ``ok`` or its
+    traceback to ``err``, atomically, and leave the default group either way."""
+    import torch.distributed as dist
+
+    try:
+        result = call()
         buf = io.BytesIO()
         torch.save(result, buf)
-        _write_atomic(out / f"{slot}.ok", buf.getvalue())
+        _write_atomic(ok, buf.getvalue())
     except BaseException:
-        _write_atomic(out / f"{slot}.err", traceback.format_exc().encode())
+        _write_atomic(err, traceback.format_exc().encode())
     finally:
         if dist.is_initialized():
             try:
