@@ -256,6 +256,8 @@ class Membership:
     def waiting_joiners(self) -> list[str]:
         """Replacements that asked to join, are alive, and no generation admitted yet."""
         count = self.store.add(f"{PREFIX}/joiners", 0)
+        if count == 0:  # the common case, checked at every step: one store read
+            return []
         asked = [f"j{n}" for n in range(1, count + 1) if self.store.check([f"{PREFIX}/join/j{n}"])]
         admitted = self._admitted()
         candidates = [j for j in asked if j not in admitted]

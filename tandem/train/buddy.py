@@ -70,13 +70,14 @@ class BuddyCopies:
         """Send ``shard`` (this rank's, after ``step``) to the next rank and keep
         the previous rank's. A collective of the current group."""
         world = len(members)
-        if world == 1:
-            self.held = None
+        if world == 1:  # nobody to hold a copy; the change that led here is complete
+            self.held, self._complete, self._own = None, None, None
             return
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         sending = isend({"step": step, "shard": shard}, nxt)  # a dead peer raises PeerLostError
         received = recv(prev)
         sending.wait()
+        # The copies are current: a later loss starts a new change from these.
         self._complete = None
         self._own = None
         self.held = _Held(members[prev], received["step"], received["shard"])
