@@ -37,7 +37,6 @@ a new group. So one failing case never fails another, and nothing hangs.
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import tempfile
@@ -55,6 +54,7 @@ from tandem.testing.harness import (
     RankFailure,
     _context,
     _load,
+    join_group,
     run_and_report,
     stop_all,
 )
@@ -182,7 +182,6 @@ def _collect(procs: list[Any], workdir: Path, names: list[str], timeouts: list[f
 
 
 def _ranks_main(todo: list[tuple[str, Case]], rank: int, world_size: int, workdir: str, backend: str) -> None:
-    import torch.distributed as dist
 
     from tandem._compat import bind_group_defaults_before_init
 
@@ -205,8 +204,7 @@ def _ranks_main(todo: list[tuple[str, Case]], rank: int, world_size: int, workdi
         random.seed()  # as after a fork: Python's generator is reseeded from the OS
 
         def call(case: Case = case, store: Path = store) -> Any:
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=case.timeout))
+            join_group(backend, store, rank, world_size, case.timeout)
             return case.fn(rank, world_size, *case.args)
 
         try:

@@ -218,7 +218,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def _rank_main(fn: Callable[..., Any], slot: int, rank: int, world_size: int, args: tuple,
                workdir: str, backend: str, init_pg: bool, env: dict[str, str],
                timeout: float, joining: bool) -> None:
-    import torch.distributed as dist
 
     from tandem._compat import bind_group_defaults_before_init
 
@@ -238,12 +237,27 @@ def _rank_main(fn: Callable[..., Any], slot: int, rank: int, world_size: int, ar
             tandem.init(backend, init_method=f"file://{out / 'store'}",
                         timeout=datetime.timedelta(seconds=timeout))
         elif init_pg:
-            dist.init_process_group(
-                backend, init_method=f"file://{out / 'store'}", rank=rank,
-                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+            join_group(backend, out / "store", rank, world_size, timeout)
         return fn(rank, world_size, *args)
 
     run_and_report(call, out / f"{slot}.ok", out / f"{slot}.err")
+
+
+def join_group(backend: str, store: Path, rank: int, world_size: int, timeout: float) -> None:
+    """Join the default process group over the file ``store``, and wait until every
+    rank has.
+
+    Why the barrier: gloo's ``init_process_group`` can return on one rank while a
+    peer is still finishing its handshake with it (torch has no barrier at the end
+    of init by default). A function that issues no collective would then end and
+    destroy its group under that peer, whose init fails with "Connection closed by
+    peer" (seen under load, in a case without a collective).
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    dist.barrier()
 
 
 def run_and_report(call: Callable[[], Any], ok: Path, err: Path) -> None:
