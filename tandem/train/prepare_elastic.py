@@ -1,0 +1,249 @@
+"""``tandem.prepare(..., elastic=...)``: a training loop the user writes keeps
+training when a rank dies, and grows back when a replacement joins
+(:class:`ElasticOptimizer`, :class:`ElasticLoop`).
+
+# Note [elastic prepare]
+The Trainer owns its loop (Note [elastic trainer] in elastic.py); here the user
+owns it, and it keeps its one-process shape::
+
+    for epoch in range(train_loader.epoch, epochs):   # a replacement starts mid-run
+        for x, y in train_loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()           # commits, or drops the step and regroups
+            optimizer.zero_grad()
+
+The pieces are the Trainer's, placed where that loop already calls in:
+
+1. Backward: a peer that dies fails the DDP reduction. The model's failure
+   handler (Note [recovered reduction failures] in tandem/ddp/finish.py) records
+   it when :func:`is_peer_failure` says so, and backward returns as if done.
+2. ``optimizer.step()``: with a failure recorded, or when the step's decision
+   (Note [elastic membership]) is ``abort``, the update is skipped
+   (``optimizer.step_abandoned``), and the survivors regroup at once: a new
+   generation, the DDP model's ``reset_process_group``, the loaders split over
+   the new world. Otherwise the user's optimizer steps, the step is counted,
+   and each loader in an iteration records the positions of its epoch that
+   the job has now consumed (``DistributedLoader.commit``).
+3. The loaders: an iteration in progress goes on, at its next batch, with the
+   positions of its epoch that no committed step consumed, split over the new
+   world: the dropped step's samples come again, each once, to the new world,
+   and nothing is seen twice (Note [resume position] in tandem/data/sampler.py).
+4. A replacement (``TANDEM_ELASTIC_JOIN=1``) runs the same script: its
+   ``tandem.init()`` waits to be admitted, which happens in the members'
+   ``step()`` of a step decided ``grow`` (after its update). Its ``prepare``
+   then issues prepare's collectives (agreeing on the loaders, DDP's model check
+   and broadcast), which the members mirror in the same order in their
+   regroup, and rank 0 sends the whole state (:func:`share_state`: model,
+   optimizer, step count, RNG, and each loader's epoch and position), so the
+   replacement's first iteration starts where the members' goes on. That is
+   why the epoch loop above starts at ``train_loader.epoch`` (0 in a job's
+   first world, the members' epoch on a replacement).
+
+Under ``no_sync`` micro-batches nothing is reduced, so nothing fails; the step's
+decision covers them all, and a dropped step gives all of its micro-batches
+again. Collectives the loop issues itself (an all-reduce of the loss for the
+log, ``gather_for_metrics``) are not covered: a peer lost there raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.comm.bootstrap import elastic_membership
+from tandem.comm.membership import ElasticConfig, Generation
+from tandem.data.loader import DistributedLoader
+from tandem.ddp import DistributedDataParallel
+from tandem.train.elastic import ElasticRun, WorldChange, is_peer_failure, share_state
+from tandem.train.state import TrainingState
+
+__all__ = ["ElasticLoop", "ElasticOptimizer", "make_elastic"]
+
+logger = logging.getLogger(__name__)
+
+
+def make_elastic(config: ElasticConfig, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 loaders: list[DistributedLoader], agree: Callable[[], None]) -> ElasticOptimizer:
+    """The optimizer ``prepare`` returns for an elastic job. ``agree`` repeats
+    prepare's agreement on the loaders over the current world (a replacement's
+    prepare issues it). A replacement receives the members' state here."""
+    loop = ElasticLoop(ElasticRun(elastic_membership(config)), model, optimizer, loaders, agree)
+    generation = loop.run.membership.generation
+    logger.info("prepare: elastic, member %s is rank %d of %d (generation %d)%s",
+                loop.run.membership.member, dist.get_rank(), generation.world_size, generation.number,
+                f"; joined at step {loop.state.step}" if loop.joined else "")
+    return ElasticOptimizer(optimizer, loop)
+
+
+class ElasticLoop:
+    """A prepared loop's part in an elastic job: the failure seen in backward, the
+    step's decision, and the change of world with what it rebuilds (Note [elastic prepare]).
+
+    Args:
+        run: the decisions and world changes (shared with the Trainer).
+        model: the DDP model; its failure handler is set here.
+        optimizer: the user's optimizer.
+        loaders: the prepared loaders, split again when the world changes.
+        agree: prepare's agreement on the loaders, over the current world.
+    """
+
+    def __init__(self, run: ElasticRun, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 loaders: list[DistributedLoader], agree: Callable[[], None]) -> None:
+        self.run = run
+        self.model, self.optimizer, self.loaders, self._agree = model, optimizer, list(loaders), agree
+        self.state = TrainingState(model=model, optimizer=optimizer)
+        self.failure: BaseException | None = None  # a peer's failure seen during this step
+        self.joined = run.needs_state
+        model.set_failure_handler(self._record)
+        if run.needs_state:
+            self._share_state()
+            for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
+                loader.set_epoch(epoch, start)
+            run.needs_state = False
+        run.step_started()
+
+    def _record(self, error: BaseException) -> bool:
+        """The model's failure handler: claim a peer's failure for :meth:`step`."""
+        if not is_peer_failure(error):
+            return False
+        if self.failure is None:
+            logger.warning("rank %d: elastic: a collective failed in step %d (%s); the step is dropped "
+                           "at optimizer.step()", dist.get_rank(), self.state.step,
+                           str(error).splitlines()[0] if str(error) else type(error).__name__)
+            self.failure = error
+        return True
+
+    def step(self, update: Callable[[], Any]) -> tuple[bool, Any]:
+        """Decide the step with the other members; call ``update()`` (the optimizer's
+        step) when it commits. Returns ``(committed, update's result)``."""
+        cause = self.failure
+        if cause is None:
+            try:
+                self.run.decide(self.state.step)
+            except Exception as e:
+                if not is_peer_failure(e):
+                    raise
+                cause = e
+        if cause is not None:
+            self.failure = None
+            self._change_world(cause, in_step=True)
+            self.run.step_started()
+            return False, None
+        result = update()
+        self.state.step += 1
+        for loader in self.loaders:
+            loader.commit()
+        if self.run.grow_pending:  # admit the replacements now, before the next step
+            self._change_world(None, in_step=False)
+        self.run.step_started()
+        return True, result
+
+    def _change_world(self, cause: BaseException | None, *, in_step: bool) -> None:
+        self.run.regroup(cause, self.state.step, in_step=in_step, rebuild=self._rebuild,
+                         report=self._report)
+
+    def _rebuild(self, before: Generation, after: Generation) -> None:
+        """What depends on the world, in the order of a replacement's ``prepare``."""
+        joined = bool(after.joined_since(before))
+        self.failure = None
+        self.optimizer.zero_grad(set_to_none=True)
+        if joined:
+            self._agree()
+        self.model.reset_process_group()
+        if joined:
+            self._share_state()
+        for loader in self.loaders:
+            loader.regroup(dist.get_world_size(), dist.get_rank())
+
+    def _share_state(self) -> None:
+        """Rank 0's state on every rank, the loaders' positions with it."""
+        self.state.extra = {"loaders": [loader.position() for loader in self.loaders]}
+        share_state(self.state)
+
+    def _report(self, change: WorldChange) -> None:
+        logger.warning("rank %d: %s", dist.get_rank(), change.describe())
+
+
+class ElasticOptimizer(torch.optim.Optimizer):
+    """The optimizer ``prepare(elastic=...)`` returns: the user's, whose
+    :meth:`step` first agrees with the other ranks (Note [elastic prepare]).
+
+    It stands for the user's optimizer, as Accelerate's ``AcceleratedOptimizer``
+    does: ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and
+    ``load_state_dict()`` are the user's, so a learning-rate scheduler built on
+    it moves the user's learning rates.
+
+    .. warning:: A dropped step does not move the user's optimizer, but a
+        scheduler stepped every iteration still moves: step it only when
+        ``not optimizer.step_abandoned``.
+
+    Attributes:
+        optimizer: the user's optimizer.
+        step_abandoned: whether the last :meth:`step` dropped its step, because
+            a rank died; the loaders give its samples again, to the new world.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: ElasticLoop) -> None:
+        # No Optimizer.__init__: this is a view of the user's optimizer, which holds the state.
+        self.optimizer = optimizer
+        self._loop = loop
+        self.step_abandoned = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps committed by the job (a replacement's count starts at the members')."""
+        return self._loop.state.step
+
+    @property
+    def world_changes(self) -> list[WorldChange]:
+        """Every change of the job's world this rank went through, oldest first."""
+        return list(self._loop.run.changes)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """The user's optimizer's step, when every rank finished this step's
+        reduction; else nothing moves, :attr:`step_abandoned` is True, and the
+        job goes on in a new world before this returns (Note [elastic prepare]).
+
+        Raises:
+            ValueError: a ``closure`` was given (it would run forward and
+                backward again inside the step's decision).
+            tandem.comm.membership.MembershipError: too few ranks are left
+                (``ElasticConfig.min_world_size``), or the regroup timed out.
+        """
+        if closure is not None:
+            raise ValueError(f"rank {dist.get_rank()}: an elastic prepared optimizer's step() takes no "
+                             "closure; run forward and backward in the loop and call step()")
+        committed, result = self._loop.step(self.optimizer.step)
+        self.step_abandoned = not committed
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"ElasticOptimizer({self.optimizer!r})"
