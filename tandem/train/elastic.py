@@ -47,7 +47,8 @@ from tandem.comm.membership import Decision, ElasticConfig, Generation, Membersh
 from tandem.comm.peers import PeerLostError
 from tandem.train.state import TrainingState
 
-__all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "elastic_config", "is_peer_failure", "share_state"]
+__all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence", "is_peer_failure",
+           "share_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,13 @@ def elastic_config(elastic: bool | ElasticConfig | None, where: str) -> ElasticC
     if isinstance(elastic, bool):
         return ElasticConfig() if elastic else None
     raise TypeError(f"{where}: elastic must be a bool, an ElasticConfig or None, got {elastic!r}")
+
+
+def first_sentence(error: BaseException) -> str:
+    """What a peer's failure says, for the log: its first sentence (a
+    PeerLostError goes on about restarts, which an elastic job does not need)."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text.split(". The collective cannot complete")[0]
 
 
 def share_state(state: TrainingState) -> None:
@@ -173,9 +181,7 @@ class ElasticRun:
                  if isinstance(cause, PeerLostError) else [])
         generation = self.membership.next_generation(known_dead=known)
         enter_generation(self.membership, generation)
-        # The cause's first sentence (a PeerLostError goes on about restarts, which this is not).
-        text = ("replacement waiting" if cause is None else
-                str(cause).splitlines()[0].split(". The collective cannot complete")[0])
+        text = "replacement waiting" if cause is None else first_sentence(cause)
         change = WorldChange(
             generation=generation.number, step=step,
             lost={before.rank_of(m): m for m in generation.lost_since(before)},

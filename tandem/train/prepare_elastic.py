@@ -58,7 +58,7 @@ from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import ElasticConfig, Generation
 from tandem.data.loader import DistributedLoader
 from tandem.ddp import DistributedDataParallel
-from tandem.train.elastic import ElasticRun, WorldChange, is_peer_failure, share_state
+from tandem.train.elastic import ElasticRun, WorldChange, first_sentence, is_peer_failure, share_state
 from tandem.train.state import TrainingState
 
 __all__ = ["ElasticLoop", "ElasticOptimizer", "make_elastic"]
@@ -112,8 +112,7 @@ class ElasticLoop:
             return False
         if self.failure is None:
             logger.warning("rank %d: elastic: a collective failed in step %d (%s); the step is dropped "
-                           "at optimizer.step()", dist.get_rank(), self.state.step,
-                           str(error).splitlines()[0] if str(error) else type(error).__name__)
+                           "at optimizer.step()", dist.get_rank(), self.state.step, first_sentence(error))
             self.failure = error
         return True
 
@@ -244,6 +243,14 @@ class ElasticOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """The user's optimizer's hook: it runs when a step commits, not when one is dropped."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """The user's optimizer's hook: it runs when a step commits, not when one is dropped."""
+        return self.optimizer.register_step_post_hook(hook)
 
     def __repr__(self) -> str:
         return f"ElasticOptimizer({self.optimizer!r})"
