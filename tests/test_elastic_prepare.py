@@ -30,10 +30,12 @@ from tandem.testing import run_distributed
 from tandem.testing.harness import still_running
 
 
-def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at: int | None) -> dict:
-    """One rank's own loop over one epoch; ``deaths`` maps a founding rank to the
+def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at: int | None,
+          epochs: int = 1, join_dies: bool = False) -> dict:
+    """One rank's own loop over ``epochs``; ``deaths`` maps a founding rank to the
     step in whose backward it kills itself. With ``join_at`` the members hold that
-    step until a replacement asks to join, so that it joins through the step's decision."""
+    step until a replacement asks to join, so that it joins through the step's
+    decision; with ``join_dies`` the replacement dies once admitted."""
     import tandem
 
     joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
@@ -42,6 +44,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
         while not (Path(out) / "shrunk").exists():
             time.sleep(0.02)
         tandem.init("gloo", init_method=url)
+        if join_dies:
+            os.kill(os.getpid(), signal.SIGKILL)  # admitted, then gone before the state arrives
     else:
         tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
     member = "j" if joining else str(rank)
@@ -58,8 +62,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
             return grad
         module[0].weight.register_hook(die)
 
-    abandoned = 0
-    for _ in range(train.epoch, 1):  # a replacement takes up the members' epoch
+    abandoned, after_epoch = 0, []
+    for _ in range(train.epoch, epochs):  # a replacement takes up the members' epoch
         for x, (y, idx) in train:
             if join_at is not None and optimizer.steps_taken == join_at and not joining:
                 _hold_for_a_joiner(Path(out), optimizer)
@@ -70,7 +74,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
             optimizer.step()
             abandoned += optimizer.step_abandoned
             optimizer.zero_grad()
-    return {"params": [p.detach().clone() for p in module.parameters()],
+        after_epoch.append([p.detach().clone() for p in module.parameters()])
+    return {"params": [p.detach().clone() for p in module.parameters()], "after_epoch": after_epoch,
             "changes": [c.record() for c in optimizer.world_changes], "abandoned": abandoned,
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
             "steps": optimizer.steps_taken}
@@ -85,9 +90,10 @@ def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
 
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
-         join_at: int | None = None) -> list[dict]:
-    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at), timeout=TIMEOUT,
-                              init_process_group=False, may_die=list(deaths), replace=replace)
+         join_at: int | None = None, epochs: int = 1, join_dies: bool = False) -> list[dict]:
+    may_die = list(deaths) + ([3] if join_dies else [])
+    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies),
+                              timeout=TIMEOUT, init_process_group=False, may_die=may_die, replace=replace)
     assert still_running([r["pid"] for r in results if r is not None]) == []
     return [r for r in results if r is not None]
 
@@ -108,14 +114,31 @@ def test_own_loop_shrinks_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
 
 
 def test_own_loop_admits_a_replacement_that_gets_the_state(tmp_path: Path) -> None:
-    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4)
+    # Two epochs: the replacement joins in the first and takes up the members' epoch.
+    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, epochs=2)
     assert sorted(r["member"] for r in live) == ["0", "2", "j"]
     assert all(r["world_size"] == 3 for r in live)
     _check_equal_replicas(live)
     changes = live[0]["changes"]
     assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == [([1], [], 2), ([], ["j1"], 3)]
     assert changes[1]["step"] == 5 and changes[1]["steps_lost"] == 0
-    assert len({r["steps"] for r in live}) == 1  # the replacement counted from the members' step
+    schedule = _schedule(changes)
+    # The replacement counted from the members' step, and ran the rest of their epochs only.
+    assert [r["steps"] for r in live] == [len(schedule) + N // 6] * 3
+    assert [len(r["after_epoch"]) for r in live] == [2, 2, 2]
+    _check_reference([{"params": r["after_epoch"][0]} for r in live], schedule)
+    assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)
+
+
+def test_own_loop_survives_a_replacement_lost_while_joining(tmp_path: Path) -> None:
+    # Admitted, the replacement dies before prepare's collectives, which the members
+    # mirror for it: they lose it again and go on at world 2.
+    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, join_dies=True)
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
+        [([1], [], 2), ([], ["j1"], 3), ([2], [], 2)]
     _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
