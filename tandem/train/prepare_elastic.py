@@ -41,8 +41,14 @@ The pieces are the Trainer's, placed where that loop already calls in:
 
 Under ``no_sync`` micro-batches nothing is reduced, so nothing fails; the step's
 decision covers them all, and a dropped step gives all of its micro-batches
-again. Collectives the loop issues itself (an all-reduce of the loss for the
-log, ``gather_for_metrics``) are not covered: a peer lost there raises.
+again. What a step consumed is what the loaders yielded before its ``step()``:
+a loop that draws the next step's batch early (nanoGPT's prefetch) counts that
+batch into the step before, and a drop then loses it. Collectives the loop
+issues itself (an all-reduce of the loss for the log, ``gather_for_metrics``)
+are not covered: a peer lost there raises. A learning-rate scheduler is the
+user's: it is stepped by the loop (only when ``not optimizer.step_abandoned``),
+and a replacement's starts from its own count (the learning rates themselves
+come with the optimizer's state).
 """
 
 from __future__ import annotations
