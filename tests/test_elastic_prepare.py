@@ -55,6 +55,9 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
     loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
     model, optimizer, train = tandem.prepare(module, make_optimizer(module), loader, elastic=CONFIG,
                                              wrapper_kwargs={"bucket_cap_mb": 0.0001})
+    # Constant, so the reference holds; its count must reach a replacement.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer.register_for_replacements(scheduler)
     if not joining and rank in deaths:
         def die(grad: torch.Tensor) -> torch.Tensor:
             if optimizer.steps_taken == deaths[rank]:
@@ -73,12 +76,14 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
             loss.backward()
             optimizer.step()
             abandoned += optimizer.step_abandoned
+            if not optimizer.step_abandoned:
+                scheduler.step()
             optimizer.zero_grad()
         after_epoch.append([p.detach().clone() for p in module.parameters()])
     return {"params": [p.detach().clone() for p in module.parameters()], "after_epoch": after_epoch,
             "changes": [c.record() for c in optimizer.world_changes], "abandoned": abandoned,
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
-            "steps": optimizer.steps_taken}
+            "steps": optimizer.steps_taken, "scheduler_steps": scheduler.last_epoch}
 
 
 def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
@@ -107,6 +112,7 @@ def test_own_loop_shrinks_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
     assert [(c["step"], c["lost_ranks"], c["world_size"], c["steps_lost"]) for c in changes] == [(2, [1], 2, 1)]
     schedule = [3, 3] + [2] * ((N - 12) // 4)
     assert _schedule(changes) == schedule and live[0]["steps"] == len(schedule)
+    assert all(r["scheduler_steps"] == len(schedule) for r in live)  # not moved by the dropped step
     _check_reference(live, schedule)
     # A world that stayed at 3 gives different parameters: the comparison can fail.
     assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6))[0], atol=1e-6)
@@ -125,6 +131,7 @@ def test_own_loop_admits_a_replacement_that_gets_the_state(tmp_path: Path) -> No
     schedule = _schedule(changes)
     # The replacement counted from the members' step, and ran the rest of their epochs only.
     assert [r["steps"] for r in live] == [len(schedule) + N // 6] * 3
+    assert [r["scheduler_steps"] for r in live] == [len(schedule) + N // 6] * 3  # registered: shared
     assert [len(r["after_epoch"]) for r in live] == [2, 2, 2]
     _check_reference([{"params": r["after_epoch"][0]} for r in live], schedule)
     assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)

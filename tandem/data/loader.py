@@ -27,7 +27,7 @@ dataset, with the original's batch size, collate function, workers, pinning,
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -144,6 +144,7 @@ class DistributedLoader:
         self._active = False   # an iteration started and has not reached its end
         self._committed = 0    # positions of _epoch that the job's committed steps consumed
         self._resplit = False  # the world changed: the iteration goes on from _committed
+        self.before_batch: Callable[[], None] | None = None  # an elastic loop's step boundary
 
     @property
     def dataset(self) -> Any:
@@ -204,6 +205,8 @@ class DistributedLoader:
     def _batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         share, index = len(self.sampler), 0
         while True:
+            if self.before_batch is not None:  # may change the world, and so set _resplit
+                self.before_batch()
             if self._resplit:  # Note [elastic prepare]: the rest of the epoch, over the new world
                 self._resplit = False
                 self.sampler.set_epoch(self._epoch, self._committed)
@@ -223,6 +226,11 @@ class DistributedLoader:
         if self._active:
             consumed = self.sampler.start + self.sampler.num_replicas * self._yielded
             self._committed = min(consumed, self.sampler.dataset_size)
+
+    @property
+    def active(self) -> bool:
+        """Whether an iteration has started and not reached its end."""
+        return self._active
 
     def position(self) -> tuple[int, int]:
         """``(epoch, start)`` that a replacement's loader takes up: where this

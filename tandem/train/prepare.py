@@ -156,8 +156,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
 
     .. warning:: With ``elastic``, a replacement rank starts the same script and
         takes up the members' epoch: loop over ``range(train_loader.epoch, epochs)``,
-        not ``range(epochs)``, and step a scheduler only when
-        ``not optimizer.step_abandoned``.
+        not ``range(epochs)``; step a scheduler only when
+        ``not optimizer.step_abandoned``, and pass it to
+        ``optimizer.register_for_replacements``.
     """
     chosen = Strategy.parse(strategy)
     comm = _world_comm()

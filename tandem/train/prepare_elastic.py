@@ -29,12 +29,18 @@ The pieces are the Trainer's, placed where that loop already calls in:
    world: the dropped step's samples come again, each once, to the new world,
    and nothing is seen twice (Note [resume position] in tandem/data/sampler.py).
 4. A replacement (``TANDEM_ELASTIC_JOIN=1``) runs the same script: its
-   ``tandem.init()`` waits to be admitted, which happens in the members'
-   ``step()`` of a step decided ``grow`` (after its update). Its ``prepare``
+   ``tandem.init()`` waits to be admitted. The members admit it after a step
+   decided ``grow``, when the loader they train from is asked for its next
+   batch (``DistributedLoader.before_batch``): after whatever the loop does
+   after ``step()`` (a scheduler's step), at the top of the loop, which is
+   where the replacement's loop starts (with no loader in an iteration, at
+   the end of ``step()``; a loop that stops without asking for another batch
+   leaves the replacement waiting until it sees the members gone). Its ``prepare``
    then issues prepare's collectives (agreeing on the loaders, DDP's model check
    and broadcast), which the members mirror in the same order in their
    regroup, and rank 0 sends the whole state (:func:`share_state`: model,
-   optimizer, step count, RNG, and each loader's epoch and position), so the
+   optimizer, step count, RNG, each loader's epoch and position, and what the
+   loop registered: ``optimizer.register_for_replacements(scheduler)``), so the
    replacement's first iteration starts where the members' goes on. That is
    why the epoch loop above starts at ``train_loader.epoch`` (0 in a job's
    first world, the members' epoch on a replacement).
@@ -46,13 +52,14 @@ a loop that draws the next step's batch early (nanoGPT's prefetch) counts that
 batch into the step before, and a drop then loses it. Collectives the loop
 issues itself (an all-reduce of the loss for the log, ``gather_for_metrics``)
 are not covered: a peer lost there raises. A learning-rate scheduler is the
-user's: it is stepped by the loop (only when ``not optimizer.step_abandoned``),
-and a replacement's starts from its own count (the learning rates themselves
-come with the optimizer's state).
+loop's to step (only when ``not optimizer.step_abandoned``: a dropped step must
+not move it) and to register (a replacement's own would start from step 0 and
+its learning rates would differ from the members').
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -104,13 +111,36 @@ class ElasticLoop:
         self.state = TrainingState(model=model, optimizer=optimizer)
         self.failure: BaseException | None = None  # a peer's failure seen during this step
         self.joined = run.needs_state
+        self.registered: list[Any] = []  # objects whose state a replacement receives
+        self._grow_at: list[DistributedLoader] = []  # the loaders whose next batch admits replacements
+        self._received: list[Any] | None = None  # on a replacement: their states, loaded as registered
         model.set_failure_handler(self._record)
+        for loader in self.loaders:
+            loader.before_batch = functools.partial(self._before_batch, loader)
         if run.needs_state:
             self._share_state()
             for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
                 loader.set_epoch(epoch, start)
+            self._received = self.state.extra["objects"]
             run.needs_state = False
         run.step_started()
+
+    def register(self, obj: Any) -> None:
+        """Send ``obj``'s state to every replacement; on a replacement, load the
+        state of the object the members registered in the same place."""
+        rank = dist.get_rank()
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"rank {rank}: register_for_replacements takes objects with state_dict() and "
+                            f"load_state_dict() (a scheduler, an EMA, a GradScaler); got {type(obj).__name__}")
+        index = len(self.registered)
+        if self._received is not None:
+            if index >= len(self._received):
+                raise ValueError(
+                    f"rank {rank}: this replacement registers a {type(obj).__name__} as object {index}, but "
+                    f"the members had registered {len(self._received)} when it joined; register the same "
+                    "objects, in the same order, on every rank, before the loop")
+            obj.load_state_dict(self._received[index])
+        self.registered.append(obj)
 
     def _record(self, error: BaseException) -> bool:
         """The model's failure handler: claim a peer's failure for :meth:`step`."""
@@ -142,10 +172,21 @@ class ElasticLoop:
         self.state.step += 1
         for loader in self.loaders:
             loader.commit()
-        if self.run.grow_pending:  # admit the replacements now, before the next step
-            self._change_world(None, in_step=False)
+        if self.run.grow_pending:
+            # Admitted at the training loader's next batch, after what the loop does
+            # after step() (the scheduler's step): where a replacement's loop starts.
+            self._grow_at = [loader for loader in self.loaders if loader.active]
+            if not self._grow_at:  # no loader in an iteration: now
+                self._change_world(None, in_step=False)
         self.run.step_started()
         return True, result
+
+    def _before_batch(self, loader: DistributedLoader) -> None:
+        """A loader is about to fetch a batch: the step boundary where replacements join."""
+        if self.run.grow_pending and loader in self._grow_at:
+            self._grow_at = []
+            self._change_world(None, in_step=False)
+            self.run.step_started()
 
     def _change_world(self, cause: BaseException | None, *, in_step: bool) -> None:
         self.run.regroup(cause, self.state.step, in_step=in_step, rebuild=self._rebuild,
@@ -166,7 +207,8 @@ class ElasticLoop:
 
     def _share_state(self) -> None:
         """Rank 0's state on every rank, the loaders' positions with it."""
-        self.state.extra = {"loaders": [loader.position() for loader in self.loaders]}
+        self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
+                            "objects": [obj.state_dict() for obj in self.registered]}
         share_state(self.state)
 
     def _report(self, change: WorldChange) -> None:
@@ -184,7 +226,15 @@ class ElasticOptimizer(torch.optim.Optimizer):
 
     .. warning:: A dropped step does not move the user's optimizer, but a
         scheduler stepped every iteration still moves: step it only when
-        ``not optimizer.step_abandoned``.
+        ``not optimizer.step_abandoned``, and register it with
+        :meth:`register_for_replacements` so that a replacement's agrees::
+
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+            optimizer.register_for_replacements(scheduler)
+            ...
+            optimizer.step()
+            if not optimizer.step_abandoned:
+                scheduler.step()
 
     Attributes:
         optimizer: the user's optimizer.
@@ -219,6 +269,20 @@ class ElasticOptimizer(torch.optim.Optimizer):
     def world_changes(self) -> list[WorldChange]:
         """Every change of the job's world this rank went through, oldest first."""
         return list(self._loop.run.changes)
+
+    def register_for_replacements(self, *objects: Any) -> None:
+        """Send these objects' state (``state_dict()``) to every replacement that
+        joins, as the model's and this optimizer's are: a learning-rate
+        scheduler, an EMA, a GradScaler. Call it on every rank, with the same
+        objects in the same order, before the loop; on a replacement it loads
+        what the members' objects held when it joined.
+
+        Raises:
+            TypeError: an object has no ``state_dict``/``load_state_dict``.
+            ValueError: on a replacement, more objects than the members registered.
+        """
+        for obj in objects:
+            self._loop.register(obj)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         """The user's optimizer's step, when every rank finished this step's
