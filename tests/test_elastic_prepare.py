@@ -31,11 +31,12 @@ from tandem.testing.harness import still_running
 
 
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at: int | None,
-          epochs: int = 1, join_dies: bool = False) -> dict:
+          epochs: int = 1, join_dies: bool = False, before_forward: bool = False) -> dict:
     """One rank's own loop over ``epochs``; ``deaths`` maps a founding rank to the
-    step in whose backward it kills itself. With ``join_at`` the members hold that
-    step until a replacement asks to join, so that it joins through the step's
-    decision; with ``join_dies`` the replacement dies once admitted."""
+    step in whose backward (or, ``before_forward``, before whose forward) it kills
+    itself. With ``join_at`` the members hold that step until a replacement asks
+    to join, so that it joins through the step's decision; with ``join_dies`` the
+    replacement dies once admitted."""
     import tandem
 
     joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
@@ -58,7 +59,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
     # Constant, so the reference holds; its count must reach a replacement.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     optimizer.register_for_replacements(scheduler)
-    if not joining and rank in deaths:
+    if not joining and rank in deaths and not before_forward:
         def die(grad: torch.Tensor) -> torch.Tensor:
             if optimizer.steps_taken == deaths[rank]:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -70,6 +71,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
         for x, (y, idx) in train:
             if join_at is not None and optimizer.steps_taken == join_at and not joining:
                 _hold_for_a_joiner(Path(out), optimizer)
+            if before_forward and optimizer.steps_taken == deaths.get(rank) and not joining:
+                os.kill(os.getpid(), signal.SIGKILL)
             with log.open("a") as f:
                 f.write(json.dumps({"step": optimizer.steps_taken, "idx": idx.tolist()}) + "\n")
             loss = ((model(x) - y) ** 2).mean()
@@ -95,9 +98,10 @@ def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
 
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
-         join_at: int | None = None, epochs: int = 1, join_dies: bool = False) -> list[dict]:
+         join_at: int | None = None, epochs: int = 1, join_dies: bool = False,
+         before_forward: bool = False) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else [])
-    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies),
+    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies, before_forward),
                               timeout=TIMEOUT, init_process_group=False, may_die=may_die, replace=replace)
     assert still_running([r["pid"] for r in results if r is not None]) == []
     return [r for r in results if r is not None]
@@ -117,6 +121,20 @@ def test_own_loop_shrinks_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
     # A world that stayed at 3 gives different parameters: the comparison can fail.
     assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6))[0], atol=1e-6)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_own_loop_recovers_from_a_collective_that_fails_in_forward(tmp_path: Path) -> None:
+    # Rank 1 dies between steps 0 and 1; step 1's forward broadcasts the bucket order
+    # (DDP re-plans after its first step), which fails on rank 0 inside forward.
+    live = _run(tmp_path, {1: 1}, before_forward=True)
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["abandoned"] == 1 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(1, [1], 2)]
+    assert "broadcast 'bucket order'" in changes[0]["cause"]
+    # 42 samples left over 2 ranks: 10 full steps and one of a sample each.
+    assert live[0]["steps"] == 1 + 11
+    assert _used_samples(tmp_path, {"1": 1}) == list(range(N))
 
 
 def test_own_loop_admits_a_replacement_that_gets_the_state(tmp_path: Path) -> None:
