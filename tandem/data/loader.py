@@ -27,7 +27,7 @@ dataset, with the original's batch size, collate function, workers, pinning,
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +41,8 @@ from tandem.data.metrics import Samples, gather_samples
 from tandem.data.sampler import DistributedSampler
 
 __all__ = ["DistributedLoader", "LoaderSpec", "distributed_loader", "gather_for_metrics", "loader_spec"]
+
+_END = object()  # the end of a DataLoader's iterator (a batch may be anything, None included)
 
 
 @dataclass(frozen=True)
@@ -104,11 +106,15 @@ def distributed_loader(loader: DataLoader, spec: LoaderSpec, comm: GroupComm,
                         device: torch.device | None) -> DistributedLoader:
     sampler = DistributedSampler(cast(Sized, loader.dataset), num_replicas=comm.size, rank=comm.rank,
                                  shuffle=spec.shuffle, seed=spec.seed, drop_last=False)
+    return DistributedLoader(_loader_over(loader, spec.batch_size, sampler), device)
+
+
+def _loader_over(loader: DataLoader, batch_size: int, sampler: DistributedSampler) -> DataLoader:
+    """A DataLoader like ``loader`` (its dataset and options) over ``sampler``."""
     accepted = inspect.signature(DataLoader.__init__).parameters
     options = {name: getattr(loader, name) for name in _PASSED_THROUGH
                if name in accepted and hasattr(loader, name)}
-    return DistributedLoader(DataLoader(loader.dataset, batch_size=spec.batch_size, sampler=sampler,
-                                        **options), device)
+    return DataLoader(loader.dataset, batch_size=batch_size, sampler=sampler, **options)
 
 
 class DistributedLoader:
@@ -134,6 +140,11 @@ class DistributedLoader:
         self._fresh = True     # the sampler is set for _epoch, and no iteration has used it yet
         self._yielded = 0      # samples this rank received in the current iteration
         self._remaining = self.sampler.dataset_size  # positions of the epoch left at its start
+        # Note [elastic prepare] in tandem/train/prepare_elastic.py: an elastic loop's position.
+        self._active = False   # an iteration started and has not reached its end
+        self._committed = 0    # positions of _epoch that the job's committed steps consumed
+        self._resplit = False  # the world changed: the iteration goes on from _committed
+        self.before_batch: Callable[[], None] | None = None  # an elastic loop's step boundary
 
     @property
     def dataset(self) -> Any:
@@ -181,14 +192,66 @@ class DistributedLoader:
             self.sampler.set_epoch(self._epoch + 1)
             self._epoch += 1
         self._fresh = False
+        self._active, self._resplit = True, False
+        return self._batches(self._start_split())
+
+    def _start_split(self) -> Iterator[Any]:
+        """The DataLoader's iterator over what the sampler is set to; counts restart."""
         self._yielded = 0
         self._remaining = self.sampler.dataset_size - self.sampler.start
-        return self._batches(iter(self.loader), len(self.sampler))
+        self._committed = self.sampler.start
+        return iter(self.loader)
 
-    def _batches(self, batches: Iterator[Any], share: int) -> Iterator[Any]:
-        for index, batch in enumerate(batches):
-            self._yielded = min((index + 1) * self.batch_size, share)
+    def _batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        share, index = len(self.sampler), 0
+        while True:
+            if self.before_batch is not None:  # may change the world, and so set _resplit
+                self.before_batch()
+            if self._resplit:  # Note [elastic prepare]: the rest of the epoch, over the new world
+                self._resplit = False
+                self.sampler.set_epoch(self._epoch, self._committed)
+                batches, share, index = self._start_split(), len(self.sampler), 0
+            batch = next(batches, _END)
+            if batch is _END:
+                self._active = False
+                return
+            index += 1
+            self._yielded = min(index * self.batch_size, share)
             yield batch if self.device is None else to_device(batch, self.device)
+
+    # ------------------------------------------------------------------ an elastic loop
+    def commit(self) -> None:
+        """A step of an elastic loop committed: what this iteration yielded so far,
+        on every rank, is consumed (Note [elastic prepare])."""
+        if self._active:
+            consumed = self.sampler.start + self.sampler.num_replicas * self._yielded
+            self._committed = min(consumed, self.sampler.dataset_size)
+
+    @property
+    def active(self) -> bool:
+        """Whether an iteration has started and not reached its end."""
+        return self._active
+
+    def position(self) -> tuple[int, int]:
+        """``(epoch, start)`` that a replacement's loader takes up: where this
+        loader's iteration in progress goes on, else where its next one starts."""
+        if self._active:
+            return self._epoch, self._committed
+        if self._fresh:
+            return self._epoch, self.sampler.start
+        return self._epoch + 1, 0
+
+    def regroup(self, num_replicas: int, rank: int) -> None:
+        """Split over a new world (an elastic job's changed, Note [elastic prepare]):
+        an iteration in progress goes on, from its next batch, with the positions
+        that its committed steps did not consume; a later one splits its whole epoch."""
+        old = self.sampler
+        sampler = DistributedSampler(cast(Sized, self.dataset), num_replicas=num_replicas, rank=rank,
+                                     shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last)
+        sampler.set_epoch(old.epoch, old.start)
+        self.loader = _loader_over(self.loader, self.batch_size, sampler)
+        self.sampler = sampler
+        self._resplit = self._active
 
     def __repr__(self) -> str:
         return (f"DistributedLoader(rank {self.sampler.rank} of {self.sampler.num_replicas}, "

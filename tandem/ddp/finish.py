@@ -13,6 +13,18 @@ the last bucket, which the reduction sums like any gradient. Every rank reads th
 flag after waiting for the last bucket; if any rank raised it, all ranks gather
 the missing names (a collective only on this error path) and raise the same
 error, naming the parameters and the ranks. The check costs no extra collective.
+
+# Note [recovered reduction failures]
+In an elastic loop (Note [elastic prepare] in tandem/train/prepare_elastic.py) a
+peer that dies during backward fails this rank's reduction, and the exception
+would leave ``loss.backward()`` in the user's own loop, which cannot catch it
+without a try in every script. So the wrapper may carry a ``failure_handler``
+(``DistributedDataParallel.set_failure_handler``): when a reduction fails at
+the end of backward, the handler is asked whether it recovers from the error (it
+records a peer's failure for the optimizer's step, which then drops the step
+and regroups); if so, backward returns without delivering averages: the
+gradients are left as they are, not to be stepped on, and the reducer is idle.
+Anything the handler does not claim is raised as before.
 """
 
 from __future__ import annotations
@@ -54,6 +66,10 @@ class Finishing(Readiness):
                 self.buffer.settle()  # Note [gradients born in their bucket] in write_back.py
             if context_grads is not None:  # Note [distributed autograd] in dist_autograd.py
                 context_grads.deliver(self._used_counts, self.comm.size)
+        except Exception as e:
+            if self.failure_handler is None or not self.failure_handler(e):
+                raise
+            # Note [recovered reduction failures]: the caller drops this step.
         finally:
             if context_grads is not None:
                 context_grads.restore()

@@ -227,6 +227,7 @@ class DistributedDataParallel(Copyable):
         self._fused = None
         self._comm_hook = None
         self._zero_optimizer = None  # set by the ZeroOptimizer built on this model
+        self._failure_handler = None
         if self._needs_reducer():
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
@@ -290,10 +291,14 @@ class DistributedDataParallel(Copyable):
         # Note [join mirror] in join.py: the order of the collectives below is
         # what a joined rank's hook mirrors.
         join_work = Join.notify_join_context(self)
-        if self._reducer is not None and torch.is_grad_enabled():
-            self._reducer.before_forward()
-        if self._will_sync_buffers():
-            self._sync_buffers(self._common_rank(candidate=True) if self._join_config.enable else 0)
+        try:
+            if self._reducer is not None and torch.is_grad_enabled():
+                self._reducer.before_forward()
+            if self._will_sync_buffers():
+                self._sync_buffers(self._common_rank(candidate=True) if self._join_config.enable else 0)
+        except Exception as e:
+            if not self._recovers(e):  # Note [recovered reduction failures] in finish.py
+                raise
         if self._join_config.enable:
             self._agree_on_grad_sync(joined=False)
         if self.device_ids:

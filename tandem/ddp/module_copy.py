@@ -50,7 +50,8 @@ class Copyable(FusedStep):
         if zero is not None:
             zero.finish_param_gather()  # waits only: no collective
         state: dict[str, Any] = super().__getstate__()  # nn.Module's: __dict__ less compiled calls
-        for name in ("_comm", "_reducer", "_fused", "_zero_optimizer", "process_group"):
+        # The failure handler belongs to this process's elastic loop, not to a copy.
+        for name in ("_comm", "_reducer", "_fused", "_zero_optimizer", "process_group", "_failure_handler"):
             del state[name]
         if self._comm_hook is not None and self._comm_hook[0] is self._comm:
             state["_comm_hook"] = (_OwnComm(), self._comm_hook[1])
@@ -64,6 +65,7 @@ class Copyable(FusedStep):
         self._fused = None
         self._comm_hook = None
         self._zero_optimizer = None
+        self._failure_handler = None
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "loading a pickled tandem.DistributedDataParallel rebuilds it over the default process "

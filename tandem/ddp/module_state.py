@@ -5,6 +5,7 @@ the wrapper's layers (module.py lists them)."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ class DDPState(nn.Module):
     # The ZeroOptimizer built on this model, whose parameter all-gathers a copy
     # must wait for (Note [copying a DDP model] in module_copy.py); set by ZeroOptimizer.
     _zero_optimizer: weakref.ref[ShardedStepSource] | None
+    # Note [recovered reduction failures] in finish.py; given to every reducer it builds.
+    _failure_handler: Callable[[BaseException], bool] | None
 
     def _needs_reducer(self) -> bool:
         # A world of one needs no reducer, unless ZeRO's optimizer reads its
@@ -52,7 +55,22 @@ class DDPState(nn.Module):
     def _make_reducer(self) -> GradReducer:
         if self._reducer is None:
             self._reducer = GradReducer(self._trainable, self._comm, self._reducer_options)
+            self._reducer.failure_handler = self._failure_handler
         return self._reducer
+
+    def set_failure_handler(self, handler: Callable[[BaseException], bool] | None) -> None:
+        """Let ``handler(error)`` recover from a collective of this model's that fails
+        (a peer died): when it returns True, the forward or backward in progress
+        returns without that collective's result, and the caller is to drop the
+        step (Note [recovered reduction failures] in finish.py); False, or no
+        handler, raises the error as before. For an elastic loop: ``tandem.prepare(elastic=...)``
+        sets it. Kept across ``reset_process_group``."""
+        self._failure_handler = handler
+        if self._reducer is not None:
+            self._reducer.failure_handler = handler
+
+    def _recovers(self, error: BaseException) -> bool:
+        return self._failure_handler is not None and self._failure_handler(error)
 
     # ------------------------------------------------------------------ properties
     @property

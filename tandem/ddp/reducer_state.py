@@ -8,7 +8,7 @@ questions every later stage asks of that state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -122,6 +122,8 @@ class ReducerState:
         self._stepper: BucketStepper | None = None  # Note [fused step] in fused.py
         self._bytes = 0
         comm.observers.append(self._count_bytes)
+        # Note [recovered reduction failures] in finish.py: set by the DDP wrapper.
+        self.failure_handler: Callable[[BaseException], bool] | None = None
 
         # Note [distributed autograd] in dist_autograd.py: hooks on the AccumulateGrad
         # nodes, added by the first forward that runs inside a context.

@@ -122,8 +122,9 @@ def build_parser() -> _Parser:
         help="restart the whole group up to K times after a worker fails (default 0); with "
              "--elastic, start up to K replacement workers instead")
     opt(g, "--elastic", action="store_true",
-        help="keep going when a worker dies: a script training with tandem.Trainer drops the "
-             "step in flight and goes on with the survivors, and replacements (--max-restarts) "
+        help="keep going when a worker dies: a script training with tandem.Trainer or its own "
+             "loop over tandem.prepare(...) drops the step in flight and goes on with the "
+             "survivors, and replacements (--max-restarts) "
              "join at a step boundary with the state of a live worker (TANDEM_ELASTIC=1)")
     opt(g, "--monitor-interval", type=float, default=0.1, metavar="SECONDS",
         help="how often the agent checks the workers (default 0.1)")

@@ -2,7 +2,8 @@
 the state an exact resume needs (state.py), sharded checkpoints of it
 (sharded_checkpoint.py), the Trainer (trainer.py) with its
 configuration, precision, progress, history and plot, and prepare (prepare.py)
-for users who keep their own loop."""
+for users who keep their own loop, elastic with ``prepare(elastic=...)``
+(prepare_elastic.py; the Trainer's side is elastic.py and trainer_elastic.py)."""
 
 from tandem.train.checkpoint import atomic_save, latest_checkpoint, list_checkpoints, load_checkpoint, \
     save_checkpoint

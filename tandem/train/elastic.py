@@ -21,7 +21,10 @@ flight, and nothing is read from disk:
    it and decides ``grow``. After that step every member, and the replacement,
    enter the next generation; rank 0 (a member that trained all along) sends
    the whole training state (model, optimizer, scheduler, scaler, counters,
-   RNG) to every rank over the new group.
+   RNG) to every rank over the new group (:func:`share_state`).
+
+A loop the user writes gets the same through ``tandem.prepare(elastic=...)``
+(Note [elastic prepare] in prepare_elastic.py), with this module's pieces.
 
 Only failures of peers are caught: an exception of this rank's own (a bug, bad
 data) ends this rank as before, and the others go on without it.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,10 +43,12 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.comm.bootstrap import enter_generation
-from tandem.comm.membership import Decision, Generation, Membership, MembershipError
+from tandem.comm.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
 from tandem.comm.peers import PeerLostError
+from tandem.train.state import TrainingState
 
-__all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "is_peer_failure"]
+__all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence", "is_peer_failure",
+           "share_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,35 @@ def is_peer_failure(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and (
         "gloo" in text.lower() or "Connection closed by peer" in text or "Connection reset" in text)
+
+
+def elastic_config(elastic: bool | ElasticConfig | None, where: str) -> ElasticConfig | None:
+    """The settings an ``elastic=`` argument asks for, or None for a job that is not
+    elastic: None follows ``tandem run --elastic`` (which sets ``TANDEM_ELASTIC=1``),
+    True takes :class:`ElasticConfig`'s defaults. ``where`` names the argument's owner."""
+    if elastic is None:
+        elastic = os.environ.get("TANDEM_ELASTIC") == "1"
+    if isinstance(elastic, ElasticConfig):
+        return elastic
+    if isinstance(elastic, bool):
+        return ElasticConfig() if elastic else None
+    raise TypeError(f"{where}: elastic must be a bool, an ElasticConfig or None, got {elastic!r}")
+
+
+def first_sentence(error: BaseException) -> str:
+    """What a peer's failure says, for the log: its first sentence (a
+    PeerLostError goes on about restarts, which an elastic job does not need)."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text.split(". The collective cannot complete")[0]
+
+
+def share_state(state: TrainingState) -> None:
+    """Rank 0's whole training state, on every rank: a replacement joined (Note
+    [elastic trainer], 4). A collective of the new group (every rank's RNG state
+    is gathered first); each rank keeps its own RNG stream."""
+    box: list[Any] = [state.state_dict()]
+    dist.broadcast_object_list(box, src=0)
+    state.load_state_dict(box[0])
 
 
 @dataclass(frozen=True)
@@ -146,9 +181,7 @@ class ElasticRun:
                  if isinstance(cause, PeerLostError) else [])
         generation = self.membership.next_generation(known_dead=known)
         enter_generation(self.membership, generation)
-        # The cause's first sentence (a PeerLostError goes on about restarts, which this is not).
-        text = ("replacement waiting" if cause is None else
-                str(cause).splitlines()[0].split(". The collective cannot complete")[0])
+        text = "replacement waiting" if cause is None else first_sentence(cause)
         change = WorldChange(
             generation=generation.number, step=step,
             lost={before.rank_of(m): m for m in generation.lost_since(before)},
@@ -162,3 +195,23 @@ class ElasticRun:
         change = dataclasses.replace(change, regroup_s=time.monotonic() - seen)
         self.changes[-1] = change
         return change
+
+    def regroup(self, cause: BaseException | None, step: int, *, in_step: bool,
+                rebuild: Callable[[Generation, Generation], None],
+                report: Callable[[WorldChange], None]) -> None:
+        """:meth:`change_world` until a change completes, calling ``report`` with each:
+        a member lost while the world is rebuilt (a replacement that died as it
+        joined, say) starts the next change at once. Any other failure is raised."""
+        while True:
+            known = len(self.changes)
+            try:
+                change = self.change_world(cause, step, in_step=in_step, rebuild=rebuild)
+            except Exception as e:
+                if not is_peer_failure(e):
+                    raise
+                if len(self.changes) > known:  # the change happened; the next one starts now
+                    report(self.changes[-1])
+                cause = e
+                continue
+            report(change)
+            return

@@ -49,9 +49,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tandem.comm.group import GroupComm
+from tandem.comm.membership import ElasticConfig
 from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
 from tandem.ddp import DistributedDataParallel
 from tandem.fsdp import FSDPModule, fully_shard
+from tandem.train.elastic import elastic_config
+from tandem.train.prepare_elastic import make_elastic
 from tandem.train.state import unwrap_model
 from tandem.zero import ZeroOptimizer
 
@@ -87,7 +90,8 @@ class Strategy(Enum):
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *dataloaders: DataLoader,
             strategy: str | Strategy = "ddp", wrapper_kwargs: Mapping[str, Any] | None = None,
             shard_units: tuple[type[nn.Module], ...] = (), device: torch.device | str | None = None,
-            seed: int | None = None, move_batches: bool = True) -> tuple[Any, ...]:
+            seed: int | None = None, move_batches: bool = True,
+            elastic: bool | ElasticConfig | None = None) -> tuple[Any, ...]:
     """Make a model, its optimizer and DataLoaders data-parallel, for a training
     loop the caller writes.
 
@@ -121,6 +125,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             (the ``generator=`` given to the DataLoader), else 0.
         move_batches: move every tensor of each batch to ``device`` (nested in
             tuples, lists, dicts and dataclasses).
+        elastic: keep training when a rank dies, and admit replacements
+            (Note [elastic prepare] in prepare_elastic.py): True, or an
+            :class:`~tandem.comm.membership.ElasticConfig`; None follows
+            ``tandem run --elastic`` (``TANDEM_ELASTIC=1``). ``"ddp"`` only. The
+            optimizer returned is then an :class:`~tandem.train.prepare_elastic.ElasticOptimizer`
+            whose ``step()`` drops a step that a rank's death interrupted
+            (``optimizer.step_abandoned``), regroups, and lets the loaders give
+            that step's samples again; ``optimizer.world_changes`` lists the changes.
 
     Returns:
         ``(model, optimizer, *dataloaders)``, in the order given: the wrapped
@@ -135,16 +147,28 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             batch sampler, an IterableDataset); loaders or strategy that
             differ across ranks (on every rank, naming the ranks).
         RuntimeError: torch.distributed is not initialised (call ``tandem.init()``).
+        TypeError: ``elastic`` is not a bool, an ElasticConfig or None.
 
     .. warning:: ``batch_size`` stays per rank: R ranks train on a global batch
         of R * batch_size. A learning-rate scheduler built on the optimizer
         before ``prepare`` keeps stepping the old optimizer under ``"zero1"``,
         ``"zero2"`` and ``"fsdp"``; build it on the returned one.
+
+    .. warning:: With ``elastic``, a replacement rank starts the same script and
+        takes up the members' epoch: loop over ``range(train_loader.epoch, epochs)``,
+        not ``range(epochs)``; step a scheduler only when
+        ``not optimizer.step_abandoned``, and pass it to
+        ``optimizer.register_for_replacements``.
     """
     chosen = Strategy.parse(strategy)
     comm = _world_comm()
     kwargs = dict(wrapper_kwargs or {})
     _check_inputs(model, optimizer, chosen, kwargs, shard_units)
+    elastic_settings = elastic_config(elastic, "prepare")
+    if elastic is None and optimizer is None:
+        elastic_settings = None  # `tandem run --elastic` and a model prepared for inference: nothing to step
+    if elastic_settings is not None:
+        _check_elastic(chosen, optimizer, comm.rank)
     specs = [loader_spec(loader, i, seed) for i, loader in enumerate(dataloaders)]
     _agree(comm, chosen, specs)
     target = _resolve_device(device)
@@ -154,6 +178,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
     wrapped, stepped = _wrap(model, optimizer, names, chosen, kwargs, shard_units, target, comm.size)
     loaders = [distributed_loader(loader, spec, comm, target if move_batches else None)
                for loader, spec in zip(dataloaders, specs)]
+    if elastic_settings is not None:
+        assert stepped is not None  # _check_elastic
+        stepped = make_elastic(elastic_settings, cast(DistributedDataParallel, wrapped), stepped, loaders,
+                               agree=lambda: _agree(GroupComm(None), chosen, specs))
     logger.info("prepare: rank %d of %d, strategy %s on %s, optimizer %s, %d loader(s) of %s batches",
                 comm.rank, comm.size, chosen.value, target,
                 None if stepped is None else type(stepped).__name__, len(loaders),
@@ -191,6 +219,19 @@ def _check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer | None, str
     if shard_units and strategy is not Strategy.FULLY_SHARD:
         raise ValueError(f"prepare: shard_units={shard_units!r} applies to strategy='fsdp' only, "
                          f"got strategy={strategy.value!r}")
+
+
+def _check_elastic(strategy: Strategy, optimizer: torch.optim.Optimizer | None, rank: int) -> None:
+    if strategy is not Strategy.DDP:
+        raise ValueError(
+            f"prepare (rank {rank}): elastic=... supports strategy='ddp', not {strategy.value!r}: a dead "
+            "rank takes its shard of the optimizer state (or of the parameters) with it, and a prepared "
+            "loop keeps no copies of the shards; use strategy='ddp', or the Trainer "
+            "(TrainerConfig(elastic=...)), which keeps buddy copies under ZeRO-1/2; under `tandem run "
+            "--elastic`, elastic=False runs this loop without")
+    if optimizer is None:
+        raise ValueError(f"prepare (rank {rank}): elastic=... needs the optimizer: its step() is where "
+                         "the ranks agree on each step; pass it, or leave elastic unset for inference")
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

@@ -5,18 +5,17 @@ the Trainer's layers (trainer.py lists them)."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
 
 from tandem.comm.bootstrap import elastic_membership
-from tandem.comm.membership import ElasticConfig, Generation, MembershipError
+from tandem.comm.membership import Generation, MembershipError
 from tandem.train.buddy import ShardsLost
 from tandem.train.checkpoint import latest_checkpoint
 from tandem.train.precision import ShardedGradients
-from tandem.train.elastic import ElasticRun, WorldChange, is_peer_failure
+from tandem.train.elastic import ElasticRun, WorldChange, elastic_config, share_state
 from tandem.train.history import History
 from tandem.train.progress import Progress
 from tandem.train.sharded import is_fully_sharded
@@ -31,10 +30,8 @@ class ElasticTrainer(TrainerCheckpoints):
     """The Trainer's fourth layer: the elastic run, world changes, the state shared with a replacement."""
 
     def _elastic_run(self, model: nn.Module) -> ElasticRun | None:
-        elastic = self.config.elastic
-        if elastic is None:  # `tandem run --elastic` asks for it
-            elastic = ElasticConfig() if os.environ.get("TANDEM_ELASTIC") == "1" else False
-        if not isinstance(elastic, ElasticConfig):
+        elastic = elastic_config(self.config.elastic, "TrainerConfig")
+        if elastic is None:
             return None
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
@@ -69,20 +66,8 @@ class ElasticTrainer(TrainerCheckpoints):
                 self._share_state()
             self._refresh_buddy()  # copies for the new world, before its first step
 
-        while True:
-            try:
-                change = self._elastic.change_world(cause, self.state.step, in_step=in_step,
-                                                    rebuild=rebuild)
-            except Exception as e:
-                if not is_peer_failure(e):
-                    raise
-                # Lost another member while rebuilding (a replacement that died as it
-                # joined, say): the change happened, and the next one starts now.
-                self._report(self._elastic.changes[-1], history, progress)
-                cause = e
-                continue
-            self._report(change, history, progress)
-            return
+        self._elastic.regroup(cause, self.state.step, in_step=in_step, rebuild=rebuild,
+                              report=lambda change: self._report(change, history, progress))
 
     def _report(self, change: WorldChange, history: History, progress: Progress) -> None:
         logger.warning("rank %d: %s", self.rank, change.describe())
@@ -115,6 +100,4 @@ class ElasticTrainer(TrainerCheckpoints):
 
     def _share_state(self) -> None:
         """Rank 0's whole training state, on every rank (a replacement joined)."""
-        box: list[Any] = [self.state.state_dict()]  # a collective: every rank's RNG state is gathered
-        dist.broadcast_object_list(box, src=0)
-        self.state.load_state_dict(box[0])
+        share_state(self.state)

@@ -1,0 +1,326 @@
+"""``tandem.prepare(..., elastic=...)``: a training loop the user writes keeps
+training when a rank dies, and grows back when a replacement joins
+(:class:`ElasticOptimizer`, :class:`ElasticLoop`).
+
+# Note [elastic prepare]
+The Trainer owns its loop (Note [elastic trainer] in elastic.py); here the user
+owns it, and it keeps its one-process shape::
+
+    for epoch in range(train_loader.epoch, epochs):   # a replacement starts mid-run
+        for x, y in train_loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step()           # commits, or drops the step and regroups
+            optimizer.zero_grad()
+
+The pieces are the Trainer's, placed where that loop already calls in:
+
+1. Backward: a peer that dies fails the DDP reduction. The model's failure
+   handler (Note [recovered reduction failures] in tandem/ddp/finish.py) records
+   it when :func:`is_peer_failure` says so, and backward returns as if done.
+2. ``optimizer.step()``: with a failure recorded, or when the step's decision
+   (Note [elastic membership]) is ``abort``, the update is skipped
+   (``optimizer.step_abandoned``), and the survivors regroup at once: a new
+   generation, the DDP model's ``reset_process_group``, the loaders split over
+   the new world. Otherwise the user's optimizer steps, the step is counted,
+   and each loader in an iteration records the positions of its epoch that
+   the job has now consumed (``DistributedLoader.commit``).
+3. The loaders: an iteration in progress goes on, at its next batch, with the
+   positions of its epoch that no committed step consumed, split over the new
+   world: the dropped step's samples come again, each once, to the new world,
+   and nothing is seen twice (Note [resume position] in tandem/data/sampler.py).
+4. A replacement (``TANDEM_ELASTIC_JOIN=1``) runs the same script: its
+   ``tandem.init()`` waits to be admitted. The members admit it after a step
+   decided ``grow``, when the loader they train from is asked for its next
+   batch (``DistributedLoader.before_batch``): after whatever the loop does
+   after ``step()`` (a scheduler's step), at the top of the loop, which is
+   where the replacement's loop starts (with no loader in an iteration, at
+   the end of ``step()``; a loop that stops without asking for another batch
+   leaves the replacement waiting until it sees the members gone). Its ``prepare``
+   then issues prepare's collectives (agreeing on the loaders, DDP's model check
+   and broadcast), which the members mirror in the same order in their
+   regroup, and rank 0 sends the whole state (:func:`share_state`: model,
+   optimizer, step count, RNG, each loader's epoch and position, and what the
+   loop registered: ``optimizer.register_for_replacements(scheduler)``), so the
+   replacement's first iteration starts where the members' goes on. That is
+   why the epoch loop above starts at ``train_loader.epoch`` (0 in a job's
+   first world, the members' epoch on a replacement).
+
+Under ``no_sync`` micro-batches nothing is reduced, so nothing fails; the step's
+decision covers them all, and a dropped step gives all of its micro-batches
+again. What a step consumed is what the loaders yielded before its ``step()``:
+a loop that draws the next step's batch early (nanoGPT's prefetch) counts that
+batch into the step before, and a drop then loses it. Collectives the loop
+issues itself (an all-reduce of the loss for the log, ``gather_for_metrics``)
+are not covered: a peer lost there raises. A learning-rate scheduler is the
+loop's to step (only when ``not optimizer.step_abandoned``: a dropped step must
+not move it) and to register (a replacement's own would start from step 0 and
+its learning rates would differ from the members').
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.comm.bootstrap import elastic_membership
+from tandem.comm.membership import ElasticConfig, Generation
+from tandem.data.loader import DistributedLoader
+from tandem.ddp import DistributedDataParallel
+from tandem.train.elastic import ElasticRun, WorldChange, first_sentence, is_peer_failure, share_state
+from tandem.train.state import TrainingState
+
+__all__ = ["ElasticLoop", "ElasticOptimizer", "make_elastic"]
+
+logger = logging.getLogger(__name__)
+
+
+def make_elastic(config: ElasticConfig, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 loaders: list[DistributedLoader], agree: Callable[[], None]) -> ElasticOptimizer:
+    """The optimizer ``prepare`` returns for an elastic job. ``agree`` repeats
+    prepare's agreement on the loaders over the current world (a replacement's
+    prepare issues it). A replacement receives the members' state here."""
+    loop = ElasticLoop(ElasticRun(elastic_membership(config)), model, optimizer, loaders, agree)
+    generation = loop.run.membership.generation
+    logger.info("prepare: elastic, member %s is rank %d of %d (generation %d)%s",
+                loop.run.membership.member, dist.get_rank(), generation.world_size, generation.number,
+                f"; joined at step {loop.state.step}" if loop.joined else "")
+    return ElasticOptimizer(optimizer, loop)
+
+
+class ElasticLoop:
+    """A prepared loop's part in an elastic job: the failure seen in backward, the
+    step's decision, and the change of world with what it rebuilds (Note [elastic prepare]).
+
+    Args:
+        run: the decisions and world changes (shared with the Trainer).
+        model: the DDP model; its failure handler is set here.
+        optimizer: the user's optimizer.
+        loaders: the prepared loaders, split again when the world changes.
+        agree: prepare's agreement on the loaders, over the current world.
+    """
+
+    def __init__(self, run: ElasticRun, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 loaders: list[DistributedLoader], agree: Callable[[], None]) -> None:
+        self.run = run
+        self.model, self.optimizer, self.loaders, self._agree = model, optimizer, list(loaders), agree
+        self.state = TrainingState(model=model, optimizer=optimizer)
+        self.failure: BaseException | None = None  # a peer's failure seen during this step
+        self.joined = run.needs_state
+        self.registered: list[Any] = []  # objects whose state a replacement receives
+        self._grow_at: list[DistributedLoader] = []  # the loaders whose next batch admits replacements
+        self._received: list[Any] | None = None  # on a replacement: their states, loaded as registered
+        model.set_failure_handler(self._record)
+        for loader in self.loaders:
+            loader.before_batch = functools.partial(self._before_batch, loader)
+        if run.needs_state:
+            self._share_state()
+            for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
+                loader.set_epoch(epoch, start)
+            self._received = self.state.extra["objects"]
+            run.needs_state = False
+        run.step_started()
+
+    def register(self, obj: Any) -> None:
+        """Send ``obj``'s state to every replacement; on a replacement, load the
+        state of the object the members registered in the same place."""
+        rank = dist.get_rank()
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"rank {rank}: register_for_replacements takes objects with state_dict() and "
+                            f"load_state_dict() (a scheduler, an EMA, a GradScaler); got {type(obj).__name__}")
+        index = len(self.registered)
+        if self._received is not None:
+            if index >= len(self._received):
+                raise ValueError(
+                    f"rank {rank}: this replacement registers a {type(obj).__name__} as object {index}, but "
+                    f"the members had registered {len(self._received)} when it joined; register the same "
+                    "objects, in the same order, on every rank, before the loop")
+            obj.load_state_dict(self._received[index])
+        self.registered.append(obj)
+
+    def _record(self, error: BaseException) -> bool:
+        """The model's failure handler: claim a peer's failure for :meth:`step`."""
+        if not is_peer_failure(error):
+            return False
+        if self.failure is None:
+            logger.warning("rank %d: elastic: a collective failed in step %d (%s); the step is dropped "
+                           "at optimizer.step()", dist.get_rank(), self.state.step, first_sentence(error))
+            self.failure = error
+        return True
+
+    def step(self, update: Callable[[], Any]) -> tuple[bool, Any]:
+        """Decide the step with the other members; call ``update()`` (the optimizer's
+        step) when it commits. Returns ``(committed, update's result)``."""
+        cause = self.failure
+        if cause is None:
+            try:
+                self.run.decide(self.state.step)
+            except Exception as e:
+                if not is_peer_failure(e):
+                    raise
+                cause = e
+        if cause is not None:
+            self.failure = None
+            self._change_world(cause, in_step=True)
+            self.run.step_started()
+            return False, None
+        result = update()
+        self.state.step += 1
+        for loader in self.loaders:
+            loader.commit()
+        if self.run.grow_pending:
+            # Admitted at the training loader's next batch, after what the loop does
+            # after step() (the scheduler's step): where a replacement's loop starts.
+            self._grow_at = [loader for loader in self.loaders if loader.active]
+            if not self._grow_at:  # no loader in an iteration: now
+                self._change_world(None, in_step=False)
+        self.run.step_started()
+        return True, result
+
+    def _before_batch(self, loader: DistributedLoader) -> None:
+        """A loader is about to fetch a batch: the step boundary where replacements join."""
+        if self.run.grow_pending and loader in self._grow_at:
+            self._grow_at = []
+            self._change_world(None, in_step=False)
+            self.run.step_started()
+
+    def _change_world(self, cause: BaseException | None, *, in_step: bool) -> None:
+        self.run.regroup(cause, self.state.step, in_step=in_step, rebuild=self._rebuild,
+                         report=self._report)
+
+    def _rebuild(self, before: Generation, after: Generation) -> None:
+        """What depends on the world, in the order of a replacement's ``prepare``."""
+        joined = bool(after.joined_since(before))
+        self.failure = None
+        self.optimizer.zero_grad(set_to_none=True)
+        if joined:
+            self._agree()
+        self.model.reset_process_group()
+        if joined:
+            self._share_state()
+        for loader in self.loaders:
+            loader.regroup(dist.get_world_size(), dist.get_rank())
+
+    def _share_state(self) -> None:
+        """Rank 0's state on every rank, the loaders' positions with it."""
+        self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
+                            "objects": [obj.state_dict() for obj in self.registered]}
+        share_state(self.state)
+
+    def _report(self, change: WorldChange) -> None:
+        logger.warning("rank %d: %s", dist.get_rank(), change.describe())
+
+
+class ElasticOptimizer(torch.optim.Optimizer):
+    """The optimizer ``prepare(elastic=...)`` returns: the user's, whose
+    :meth:`step` first agrees with the other ranks (Note [elastic prepare]).
+
+    It stands for the user's optimizer, as Accelerate's ``AcceleratedOptimizer``
+    does: ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and
+    ``load_state_dict()`` are the user's, so a learning-rate scheduler built on
+    it moves the user's learning rates.
+
+    .. warning:: A dropped step does not move the user's optimizer, but a
+        scheduler stepped every iteration still moves: step it only when
+        ``not optimizer.step_abandoned``, and register it with
+        :meth:`register_for_replacements` so that a replacement's agrees::
+
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+            optimizer.register_for_replacements(scheduler)
+            ...
+            optimizer.step()
+            if not optimizer.step_abandoned:
+                scheduler.step()
+
+    Attributes:
+        optimizer: the user's optimizer.
+        step_abandoned: whether the last :meth:`step` dropped its step, because
+            a rank died; the loaders give its samples again, to the new world.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: ElasticLoop) -> None:
+        # No Optimizer.__init__: this is a view of the user's optimizer, which holds the state.
+        self.optimizer = optimizer
+        self._loop = loop
+        self.step_abandoned = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps committed by the job (a replacement's count starts at the members')."""
+        return self._loop.state.step
+
+    @property
+    def world_changes(self) -> list[WorldChange]:
+        """Every change of the job's world this rank went through, oldest first."""
+        return list(self._loop.run.changes)
+
+    def register_for_replacements(self, *objects: Any) -> None:
+        """Send these objects' state (``state_dict()``) to every replacement that
+        joins, as the model's and this optimizer's are: a learning-rate
+        scheduler, an EMA, a GradScaler. Call it on every rank, with the same
+        objects in the same order, before the loop; on a replacement it loads
+        what the members' objects held when it joined.
+
+        Raises:
+            TypeError: an object has no ``state_dict``/``load_state_dict``.
+            ValueError: on a replacement, more objects than the members registered.
+        """
+        for obj in objects:
+            self._loop.register(obj)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """The user's optimizer's step, when every rank finished this step's
+        reduction; else nothing moves, :attr:`step_abandoned` is True, and the
+        job goes on in a new world before this returns (Note [elastic prepare]).
+
+        Raises:
+            ValueError: a ``closure`` was given (it would run forward and
+                backward again inside the step's decision).
+            tandem.comm.membership.MembershipError: too few ranks are left
+                (``ElasticConfig.min_world_size``), or the regroup timed out.
+        """
+        if closure is not None:
+            raise ValueError(f"rank {dist.get_rank()}: an elastic prepared optimizer's step() takes no "
+                             "closure; run forward and backward in the loop and call step()")
+        committed, result = self._loop.step(self.optimizer.step)
+        self.step_abandoned = not committed
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """The user's optimizer's hook: it runs when a step commits, not when one is dropped."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """The user's optimizer's hook: it runs when a step commits, not when one is dropped."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def __repr__(self) -> str:
+        return f"ElasticOptimizer({self.optimizer!r})"

@@ -1,0 +1,222 @@
+"""``tandem.prepare(..., elastic=...)`` (Note [elastic prepare]): a user's own loop,
+in its one-process shape, keeps training when a rank is SIGKILLed inside
+backward, and grows back when a replacement joins.
+
+The scenarios, the reference (one process training on the same sample order at
+the world size of each step) and the count of samples are test_elastic.py's,
+whose helpers these tests use: the loop here records what it trained on in the
+same form as the Trainer's test does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_elastic import (BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
+                          _reference, _schedule, _used_samples, make_model, make_optimizer)
+from torch.utils.data import DataLoader, TensorDataset
+
+from tandem.data.loader import DistributedLoader
+from tandem.data.sampler import DistributedSampler
+from tandem.testing import run_distributed
+from tandem.testing.harness import still_running
+
+
+def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at: int | None,
+          epochs: int = 1, join_dies: bool = False, before_forward: bool = False) -> dict:
+    """One rank's own loop over ``epochs``; ``deaths`` maps a founding rank to the
+    step in whose backward (or, ``before_forward``, before whose forward) it kills
+    itself. With ``join_at`` the members hold that step until a replacement asks
+    to join, so that it joins through the step's decision; with ``join_dies`` the
+    replacement dies once admitted."""
+    import tandem
+
+    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
+    url = f"file://{os.environ['TANDEM_TEST_STORE']}"
+    if joining:
+        while not (Path(out) / "shrunk").exists():
+            time.sleep(0.02)
+        tandem.init("gloo", init_method=url)
+        if join_dies:
+            os.kill(os.getpid(), signal.SIGKILL)  # admitted, then gone before the state arrives
+    else:
+        tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
+    member = "j" if joining else str(rank)
+    log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
+
+    module = make_model()
+    loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    model, optimizer, train = tandem.prepare(module, make_optimizer(module), loader, elastic=CONFIG,
+                                             wrapper_kwargs={"bucket_cap_mb": 0.0001})
+    # Constant, so the reference holds; its count must reach a replacement.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer.register_for_replacements(scheduler)
+    if not joining and rank in deaths and not before_forward:
+        def die(grad: torch.Tensor) -> torch.Tensor:
+            if optimizer.steps_taken == deaths[rank]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return grad
+        module[0].weight.register_hook(die)
+
+    abandoned, after_epoch = 0, []
+    for _ in range(train.epoch, epochs):  # a replacement takes up the members' epoch
+        for x, (y, idx) in train:
+            if join_at is not None and optimizer.steps_taken == join_at and not joining:
+                _hold_for_a_joiner(Path(out), optimizer)
+            if before_forward and optimizer.steps_taken == deaths.get(rank) and not joining:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with log.open("a") as f:
+                f.write(json.dumps({"step": optimizer.steps_taken, "idx": idx.tolist()}) + "\n")
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            abandoned += optimizer.step_abandoned
+            if not optimizer.step_abandoned:
+                scheduler.step()
+            optimizer.zero_grad()
+        after_epoch.append([p.detach().clone() for p in module.parameters()])
+    return {"params": [p.detach().clone() for p in module.parameters()], "after_epoch": after_epoch,
+            "changes": [c.record() for c in optimizer.world_changes], "abandoned": abandoned,
+            "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
+            "steps": optimizer.steps_taken, "scheduler_steps": scheduler.last_epoch}
+
+
+def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
+    (out / "shrunk").touch()
+    membership = optimizer._loop.run.membership
+    deadline = time.monotonic() + 60
+    while not membership.waiting_joiners() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
+         join_at: int | None = None, epochs: int = 1, join_dies: bool = False,
+         before_forward: bool = False) -> list[dict]:
+    may_die = list(deaths) + ([3] if join_dies else [])
+    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies, before_forward),
+                              timeout=TIMEOUT, init_process_group=False, may_die=may_die, replace=replace)
+    assert still_running([r["pid"] for r in results if r is not None]) == []
+    return [r for r in results if r is not None]
+
+
+def test_own_loop_shrinks_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
+    live = _run(tmp_path, {1: 2})
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
+    assert all(r["abandoned"] == 1 for r in live)  # step 2, dropped once and redone
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"], c["steps_lost"]) for c in changes] == [(2, [1], 2, 1)]
+    schedule = [3, 3] + [2] * ((N - 12) // 4)
+    assert _schedule(changes) == schedule and live[0]["steps"] == len(schedule)
+    assert all(r["scheduler_steps"] == len(schedule) for r in live)  # not moved by the dropped step
+    _check_reference(live, schedule)
+    # A world that stayed at 3 gives different parameters: the comparison can fail.
+    assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6))[0], atol=1e-6)
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_own_loop_recovers_from_a_collective_that_fails_in_forward(tmp_path: Path) -> None:
+    # Rank 1 dies between steps 0 and 1; step 1's forward broadcasts the bucket order
+    # (DDP re-plans after its first step), which fails on rank 0 inside forward.
+    live = _run(tmp_path, {1: 1}, before_forward=True)
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["abandoned"] == 1 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(1, [1], 2)]
+    assert "broadcast 'bucket order'" in changes[0]["cause"]
+    # 42 samples left over 2 ranks: 10 full steps and one of a sample each.
+    assert live[0]["steps"] == 1 + 11
+    assert _used_samples(tmp_path, {"1": 1}) == list(range(N))
+
+
+def test_own_loop_admits_a_replacement_that_gets_the_state(tmp_path: Path) -> None:
+    # Two epochs: the replacement joins in the first and takes up the members' epoch.
+    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, epochs=2)
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"]
+    assert all(r["world_size"] == 3 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == [([1], [], 2), ([], ["j1"], 3)]
+    assert changes[1]["step"] == 5 and changes[1]["steps_lost"] == 0
+    schedule = _schedule(changes)
+    # The replacement counted from the members' step, and ran the rest of their epochs only.
+    assert [r["steps"] for r in live] == [len(schedule) + N // 6] * 3
+    assert [r["scheduler_steps"] for r in live] == [len(schedule) + N // 6] * 3  # registered: shared
+    assert [len(r["after_epoch"]) for r in live] == [2, 2, 2]
+    _check_reference([{"params": r["after_epoch"][0]} for r in live], schedule)
+    assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)
+
+
+def test_own_loop_survives_a_replacement_lost_while_joining(tmp_path: Path) -> None:
+    # Admitted, the replacement dies before prepare's collectives, which the members
+    # mirror for it: they lose it again and go on at world 2.
+    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, join_dies=True)
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
+        [([1], [], 2), ([], ["j1"], 3), ([2], [], 2)]
+    _check_reference(live, _schedule(changes))
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_loader_regroup_gives_the_uncommitted_rest_once() -> None:
+    """One process plays three ranks' loaders: two steps commit, the third is drawn
+    and dropped when rank 2 dies; split over two, the rest comes once, the
+    dropped step's samples included, and a replacement would start at the commit."""
+    data = TensorDataset(torch.arange(20))
+    loaders = [DistributedLoader(DataLoader(data, batch_size=2, sampler=DistributedSampler(
+        data, num_replicas=3, rank=r, shuffle=True, seed=0)), None) for r in range(3)]
+    batches = [iter(loader) for loader in loaders]
+    used: list[int] = []
+    for _ in range(2):
+        for it in batches:
+            used += next(it)[0].tolist()
+        for loader in loaders:
+            loader.commit()
+    for it in batches[:2]:
+        next(it)  # step 2: drawn, never committed
+    for r, loader in enumerate(loaders[:2]):
+        loader.regroup(2, r)
+    assert loaders[0].position() == (0, 12)
+    used += [i for it in batches[:2] for batch in it for i in batch[0].tolist()]
+    assert sorted(used) == list(range(20))
+    assert loaders[0].position() == (1, 0)  # the epoch ended: a replacement starts the next
+
+
+def _refusals(rank: int, world_size: int) -> dict[str, str]:
+    import tandem
+
+    out: dict[str, str] = {}
+    loader = DataLoader(Indexed(), batch_size=BATCH)
+    for strategy in ("zero2", "fsdp"):
+        module = make_model()
+        with pytest.raises(ValueError) as e:
+            tandem.prepare(module, make_optimizer(module), loader, strategy=strategy, elastic=True)
+        out[strategy] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        tandem.prepare(make_model(), None, loader, elastic=True)
+    out["no optimizer"] = str(e.value)
+    with pytest.raises(TypeError) as t:
+        tandem.prepare(make_model(), None, loader, elastic="yes")  # type: ignore[arg-type]
+    out["type"] = str(t.value)
+    module = make_model()
+    out["default"] = type(tandem.prepare(module, make_optimizer(module), loader)[1]).__name__
+    return out
+
+
+def test_elastic_prepare_refuses_what_it_cannot_keep_alive() -> None:
+    out = run_distributed(_refusals, 1, timeout=60)[0]
+    assert "strategy='ddp', not 'zero2'" in out["zero2"] and "buddy copies" in out["zero2"]
+    assert "not 'fully_shard'" in out["fsdp"]
+    assert "needs the optimizer" in out["no optimizer"]
+    assert "elastic must be a bool" in out["type"]
+    assert out["default"] == "SGD"  # without elastic (and TANDEM_ELASTIC), the user's optimizer
