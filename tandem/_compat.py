@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -18,10 +18,31 @@ if TYPE_CHECKING:  # the public names of newer torch, for annotations only
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["accumulate_grad_node", "bind_group_defaults_before_init", "foreach_copy_", "is_opaque_backward_node",
-           "preserve_version_counters", "queue_backward_callback", "will_execute_in_this_backward"]
+           "not_traced", "preserve_version_counters", "queue_backward_callback", "will_execute_in_this_backward"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-@torch.compiler.disable  # run for real, never traced: see compiled autograd below
+def not_traced(fn: _F | None = None, *, recursive: bool = True) -> Any:
+    """``torch.compiler.disable(fn, recursive=...)``, applied when ``fn`` is first called.
+
+    Why: ``torch.compiler.disable`` imports ``torch._dynamo`` when it decorates,
+    which is 1.4 s of the 3.2 s that ``import tandem`` took, paid by every process
+    that imports tandem: the launcher and its agent, ``tandem plan``, a worker
+    that never compiles. torch's own lazy form (``torch._disable_dynamo``, which
+    torch uses inside itself for the same reason, torch 2.2 and later) imports it
+    at the first call instead, and dynamo skips its wrapper (torch/_compile.py is
+    on dynamo's skip list), so under ``torch.compile`` the function is excluded
+    exactly as with the decorator: recursively, or only its own frame with
+    ``recursive=False`` (though not at the top of a compiled module's forward:
+    DDP's forward keeps torch's decorator, see there).
+    """
+    if fn is None:
+        return lambda f: torch._disable_dynamo(f, recursive)
+    return torch._disable_dynamo(fn, recursive)
+
+
+@not_traced  # run for real, never traced: see compiled autograd below
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the current backward pass (graph task) has finished.
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._compat import enter_ddp_forward, exit_ddp_forward
+from tandem._compat import enter_ddp_forward, exit_ddp_forward, not_traced
 from tandem.comm.group import GroupComm
 from torch.distributed.algorithms.join import Join, Joinable
 
@@ -276,7 +276,9 @@ class DistributedDataParallel(Copyable):
                                       self._comm.size)
 
     # ------------------------------------------------------------------ forward
-    @torch.compiler.disable(recursive=False)  # Note [torch.compile] in compile.py
+    # Note [torch.compile] in compile.py. Decorated now, not lazily (_compat.not_traced): torch's lazy
+    # wrapper would add a graph break to torch.compile(DDP(model)), which is one graph without it.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, join_work, outer_ddp = self._pre_forward(inputs, kwargs)
         try:
@@ -286,7 +288,7 @@ class DistributedDataParallel(Copyable):
             raise
         return self._post_forward(output, join_work, outer_ddp)
 
-    @torch.compiler.disable
+    @not_traced
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, Any, Any]:
         # Note [join mirror] in join.py: the order of the collectives below is
         # what a joined rank's hook mirrors.
@@ -307,12 +309,12 @@ class DistributedDataParallel(Copyable):
         outer_ddp = enter_ddp_forward(self._split_hint) if self._split_hint is not None else None
         return inputs, kwargs, join_work, outer_ddp
 
-    @torch.compiler.disable
+    @not_traced
     def _exit_compile_hint(self, outer_ddp: Any) -> None:
         if self._split_hint is not None:
             exit_ddp_forward(outer_ddp)
 
-    @torch.compiler.disable
+    @not_traced
     def _post_forward(self, output: Any, join_work: Any, outer_ddp: Any) -> Any:
         if self._split_hint is not None:
             exit_ddp_forward(outer_ddp)

@@ -35,10 +35,10 @@ import functools
 import logging
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem._compat import not_traced
 from tandem.comm.group import GroupComm
 from tandem.fsdp.schedule import Schedule
 from tandem.fsdp.unit import ShardedUnit, unit_of
@@ -48,14 +48,14 @@ __all__ = ["lazy_init", "post_forward", "pre_forward"]
 logger = logging.getLogger(__name__)
 
 
-@torch.compiler.disable  # Note [torch.compile]
+@not_traced  # Note [torch.compile]
 def pre_forward(unit: ShardedUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a unit's module."""
     schedule = unit.schedule if unit.schedule is not None else lazy_init(unit, module)
     return schedule.pre_forward(unit, args, kwargs)
 
 
-@torch.compiler.disable  # Note [torch.compile]
+@not_traced  # Note [torch.compile]
 def post_forward(unit: ShardedUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     """The forward hook of a unit's module."""
     assert unit.schedule is not None
