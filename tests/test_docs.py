@@ -1,13 +1,11 @@
-"""Every code example of the docs (docs/**/*.md) runs here, so that a renamed
+"""Every code example of the docs (docs/**/*.md, and the README) runs here, so that a renamed
 argument or a changed message cannot leave the manual wrong.
 
 A fenced block is read with the HTML comment on the line right before it, its
 marker:
 
 - a ```python block without a marker runs in a world of one; ``<!-- run: world=N -->``
-  runs it on N gloo ranks; ``<!-- run: subprocess -->`` runs it as a script in a
-  fresh interpreter (for examples that create the process group themselves or
-  start processes); ``<!-- file: NAME -->`` writes it as NAME into the page's
+  runs it on N gloo ranks; ``<!-- file: NAME -->`` writes it as NAME into the page's
   working directory, where the page's other blocks import or run it;
 - a shell block (sh, bash, shell, console, or text with a ``$ tandem`` line) that
   holds a ``tandem`` command is ``<!-- run -->``: each ``$ `` line is run (``tandem
@@ -19,8 +17,7 @@ marker:
 
 The blocks of one world size run as cases of one spawned group
 (:func:`tandem.testing.run_cases`), each page in a working directory of its own
-shared by its ranks, so the whole manual costs two group start-ups and a few
-interpreters.
+shared by its ranks, so the whole manual costs one group start-up per world size.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import io
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +39,7 @@ from tandem.testing import Case, run_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]  # the README's example runs too
 
 FENCE = re.compile(r"^(\s*)```([\w-]*)\s*$")
 MARKER = re.compile(r"^<!--\s*(.*?)\s*-->\s*$")
@@ -64,7 +60,7 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.page.relative_to(DOCS)}:{self.line}"
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
 
     @property
     def is_shell(self) -> bool:
@@ -107,12 +103,12 @@ BLOCKS = [b for page in PAGES for b in parse(page)]
 
 
 def _workdir(root: Path, block: Block) -> Path:
-    return root / str(block.page.relative_to(DOCS)).replace("/", "_").removesuffix(".md")
+    return root / str(block.page.relative_to(ROOT)).replace("/", "_").removesuffix(".md")
 
 
 def _world(block: Block) -> int | None:
     """Ranks to run a python block on; None when it does not run in a group."""
-    if block.marker.startswith(("not run", "file:")) or block.marker == "run: subprocess":
+    if block.marker.startswith(("not run", "file:")):
         return None
     m = re.fullmatch(r"run: world=(\d+)", block.marker)
     if m:
@@ -223,7 +219,6 @@ def _compare(block: Block, printed: str) -> None:
 
 
 RUN = [b for b in BLOCKS if b.lang == "python" and _world(b) is not None]
-SCRIPTS = [b for b in BLOCKS if b.lang == "python" and b.marker == "run: subprocess"]
 SHELL_RUN = [b for b in BLOCKS if b.is_shell and b.marker == "run"]
 
 
@@ -231,20 +226,6 @@ SHELL_RUN = [b for b in BLOCKS if b.is_shell and b.marker == "run"]
 def test_python_block_runs(block, results):
     printed = results[block.name][block.name][0]  # rank 0's; raises the block's own failure
     _compare(block, printed)
-
-
-@pytest.mark.parametrize("block", SCRIPTS, ids=lambda b: b.name)
-def test_python_script_runs(block, workroot):
-    workdir = _workdir(workroot, block)
-    script = workdir / f"block_{block.line}.py"
-    script.write_text(block.code)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(workdir)])}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, script.name], cwd=workdir, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, f"{block.name} failed:\n{proc.stdout}\n{proc.stderr}"
-    _compare(block, proc.stdout)
 
 
 @pytest.mark.parametrize("block", SHELL_RUN, ids=lambda b: b.name)
@@ -268,7 +249,7 @@ def test_every_tandem_command_is_run_or_says_why_not():
 def test_markers_are_known():
     for b in BLOCKS:
         assert b.marker == "" or re.fullmatch(
-            r"run|run: world=\d+|run: subprocess|file: [\w.]+|not run: \S.*", b.marker), \
+            r"run|run: world=\d+|file: [\w.]+|not run: \S.*", b.marker), \
             f"{b.name}: unknown marker <!-- {b.marker} -->"
         if b.lang == "python" and b.marker.startswith("not run"):
             assert len(b.marker) > len("not run: ") + 10, f"{b.name}: say why it does not run"
@@ -291,3 +272,10 @@ def test_every_public_package_has_an_api_page():
               "tandem.dp", "tandem.fsdp", "tandem.launch", "tandem.nn", "tandem.testing", "tandem.train",
               "tandem.zero", "tandem.pipelining", "tandem.dtensor", "tandem.tools.plan", "tandem.tools.check"}
     assert public <= documented, f"no API page for {sorted(public - documented)}"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_command = " ".join(ci[ci.index("python3 -m venv"):].replace("\\\n", " ").split())
+    readme = [b for b in BLOCKS if b.page.name == "README.md" and "pytest" in b.code]
+    assert [" ".join(b.code.split()) for b in readme] == [ci_command], "the README's test command is not .ci/run's"
