@@ -63,12 +63,9 @@ def ddp_rank(rank: int, world_size: int) -> dict:
 
 
 def fsdp_rank(rank: int, world_size: int) -> dict:
-    import warnings
-
     import tandem
     from tandem.comm.monitor import current_monitor
 
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")  # see main()
     tandem.init()
     ledger = current_monitor().ledger
     ledger.resize(4096)
@@ -88,7 +85,8 @@ def fsdp_rank(rank: int, world_size: int) -> dict:
         tandem.fully_shard(block, min_unit_bytes=0)
     tandem.fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(256, 256), torch.randn(256, 8)
+    # The input asks for a gradient only so that the first block's backward hook fires (and is drawn).
+    x, y = torch.randn(256, 256, requires_grad=True), torch.randn(256, 8)
     for _ in range(STEPS):
         spans.clear()
         start = time.time()
@@ -125,7 +123,7 @@ def draw_ddp(run: dict, path: Path) -> None:
     colors = plt.get_cmap("tab10")
     reduces = [c for c in run["collectives"] if c["tag"].startswith("bucket")]
     names = sorted(run["ready"], key=lambda n: run["ready"][n])
-    fig, ax = plt.subplots(figsize=(10, 0.32 * (len(names) + len(reduces)) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, 0.3 * (len(names) + len(reduces)) + 1.8))
     rows = []
     for name in names:  # one row per parameter: the moment its gradient is final
         y = len(rows)
@@ -141,13 +139,13 @@ def draw_ddp(run: dict, path: Path) -> None:
         ax.plot([left], [y], "|", color="black", markersize=12)
         rows.append(f"{c['op']} '{c['tag']}' ({c['numel']} x {c['dtype']})")
     ax.axvline(_ms(run["end"], t0), color="grey", linestyle="--", linewidth=1)
-    ax.text(_ms(run["end"], t0), -0.9, " backward returns", color="grey", fontsize=8, va="top")
-    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.text(_ms(run["end"], t0), -0.9, "backward returns ", color="grey", fontsize=8, va="top", ha="right")
+    ax.set_yticks(range(len(rows)), rows, fontsize=9)
     ax.set_ylim(len(rows) - 0.4, -1.2)
+    ax.set_xlim(left=0)
     ax.set_xlabel("ms since loss.backward() was called (rank 0 of 2, gloo)")
-    ax.set_title("DDP backward: each gradient lands in its bucket (dots); a full bucket's all-reduce "
-                 "is launched at once (|)\nand runs while backward goes on; the bar ends when the rank "
-                 "saw it complete", fontsize=9)
+    ax.set_title("DDP backward: each gradient lands in its bucket (dots);\na full bucket's all-reduce "
+                 "starts at once (|) and runs while backward goes on", fontsize=10)
     _save(fig, ax, path)
 
 
@@ -157,36 +155,38 @@ def draw_fsdp(run: dict, path: Path) -> None:
     lanes = {"compute": 0, "all_gather": 1, "reduce_scatter": 2}
     colors = {"forward": "tab:blue", "backward": "tab:orange", "all_gather": "tab:green",
               "reduce_scatter": "tab:red"}
-    fig, ax = plt.subplots(figsize=(11, 3.8))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     for kind, name, a, b in run["spans"]:
         ax.barh(0, max(_ms(b, t0) - _ms(a, t0), 0.05), left=_ms(a, t0), height=0.6, color=colors[kind],
                 edgecolor="white")
-        ax.text((_ms(a, t0) + _ms(b, t0)) / 2, 0, name, ha="center", va="center", fontsize=7, color="white")
+        ax.text((_ms(a, t0) + _ms(b, t0)) / 2, 0, name, ha="center", va="center", fontsize=8, color="white")
+    count = {"all_gather": 0, "reduce_scatter": 0}
     for c in run["collectives"]:
         op = c["op"].replace("_into", "").replace("_tensor", "")
         lane = "all_gather" if "gather" in op else "reduce_scatter" if "scatter" in op else None
         if lane is None:
             continue
         left, right = _ms(c["issued_at"], t0), _ms(c["completed_at"] or run["end"], t0)
-        ax.barh(lanes[lane], max(right - left, 0.05), left=left, height=0.6, color=colors[lane], alpha=0.75,
+        y = lanes[lane] + (0.18 if count[lane] % 2 else -0.18)  # alternate: collectives in flight overlap
+        count[lane] += 1
+        ax.barh(y, max(right - left, 0.05), left=left, height=0.34, color=colors[lane], alpha=0.8,
                 edgecolor="white")
         unit = c["tag"].removeprefix("unit ")
-        ax.text((left + right) / 2, lanes[lane], unit if unit != "<root>" else "root", ha="center",
-                va="center", fontsize=7)
+        ax.text((left + right) / 2, y, unit if unit != "<root>" else "root", ha="center", va="center",
+                fontsize=8)
     ax.set_yticks(range(3), ["compute (units)", "all-gather", "reduce-scatter"])
     ax.set_ylim(2.6, -0.6)
+    ax.set_xlim(left=0)
     ax.set_xlabel("ms since the step's forward began (rank 0 of 2, gloo)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, list(colors), fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.28))
-    ax.set_title("fully_shard, one step: each unit is gathered before its forward and again before its "
-                 "backward,\nand its gradients are reduce-scattered while the earlier units' backward runs "
-                 "(a bar: issued until seen complete)", fontsize=9)
+    ax.set_title("fully_shard, one step: each unit is gathered before its forward and its backward;\n"
+                 "its gradients are reduce-scattered while the earlier units' backward runs", fontsize=10)
     _save(fig, ax, path)
 
 
 def main() -> None:
     import argparse
-    import warnings
 
     from tandem.testing import run_distributed
 
@@ -194,9 +194,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE, help="where to write (default: docs/diagrams/)")
     parser.add_argument("--format", default="svg", help="svg (what the docs use) or png")
     args = parser.parse_args()
-    # The blocks' inputs need no gradient, so torch says the full backward hook sees module outputs only:
-    # that is the moment wanted here (a block's backward begins when its output's gradient is ready).
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     ddp = run_distributed(ddp_rank, 2)[0]
     fsdp = run_distributed(fsdp_rank, 2)[0]
     paths = args.out / f"ddp_buckets.{args.format}", args.out / f"fsdp_timeline.{args.format}"
