@@ -6,7 +6,9 @@ marker:
 
 - a ```python block without a marker runs in a world of one; ``<!-- run: world=N -->``
   runs it on N gloo ranks; ``<!-- file: NAME -->`` writes it as NAME into the page's
-  working directory, where the page's other blocks import or run it;
+  working directory, where the page's other blocks import or run it, and
+  ``<!-- file: NAME, run: world=N -->`` also runs it (a script whose command
+  needs more ranks than the docs' tests start, run on fewer);
 - a shell block (sh, bash, shell, console, or text with a ``$ tandem`` line) that
   holds a ``tandem`` command is ``<!-- run -->``: each ``$ `` line is run (``tandem
   plan``/``tandem check`` in-process, in the world of one) and the lines after it
@@ -108,8 +110,11 @@ def _workdir(root: Path, block: Block) -> Path:
 
 def _world(block: Block) -> int | None:
     """Ranks to run a python block on; None when it does not run in a group."""
-    if block.marker.startswith(("not run", "file:")):
+    if block.marker.startswith("not run"):
         return None
+    if block.marker.startswith("file:"):
+        m = re.search(r", run: world=(\d+)$", block.marker)
+        return int(m.group(1)) if m else None
     m = re.fullmatch(r"run: world=(\d+)", block.marker)
     if m:
         return int(m.group(1))
@@ -179,7 +184,8 @@ def workroot():
         for b in BLOCKS:  # files first: any block of the page may use them
             _workdir(root, b).mkdir(exist_ok=True)
             if b.marker.startswith("file:"):
-                (_workdir(root, b) / b.marker.removeprefix("file:").strip()).write_text(b.code)
+                name = b.marker.removeprefix("file:").split(",")[0].strip()
+                (_workdir(root, b) / name).write_text(b.code)
         yield root
 
 
@@ -249,7 +255,7 @@ def test_every_tandem_command_is_run_or_says_why_not():
 def test_markers_are_known():
     for b in BLOCKS:
         assert b.marker == "" or re.fullmatch(
-            r"run|run: world=\d+|file: [\w.]+|not run: \S.*", b.marker), \
+            r"run|run: world=\d+|file: [\w.]+(, run: world=\d+)?|not run: \S.*", b.marker), \
             f"{b.name}: unknown marker <!-- {b.marker} -->"
         if b.lang == "python" and b.marker.startswith("not run"):
             assert len(b.marker) > len("not run: ") + 10, f"{b.name}: say why it does not run"
