@@ -24,8 +24,8 @@ fp32 there).
 Loss is cross-entropy per character in nats. The run prints the unigram
 baseline next to it: the cross-entropy on the validation text of the training
 text's character frequencies (what a model that ignores context reaches, about
-3.2 here); the model goes well below it (the README states what the default run
-reached, and in what time). At the end rank 0 prints a sample drawn from the
+3.2 here); the model goes well below it (docs/getting-started/digits.md states what
+the default run reached, and in what time). At the end rank 0 prints a sample drawn from the
 model at temperature 0.8 with a fixed seed.
 
 The run writes to ``tandem-gpt/``: ``checkpoints/step-*/`` (after every epoch;

@@ -2,7 +2,7 @@
 
 ``tandem run`` takes torchrun's options, in both spellings (``--nproc-per-node``
 and ``--nproc_per_node``), and runs the job on torch's elastic agent. What it adds
-is described in the README ("Start a job: tandem run"). This module is the
+is described in docs/how-to/launch-one-node.md and docs/reference/run-options.md. This module is the
 command line only: flags to a :class:`~tandem.launch.config.LaunchConfig`
 (:func:`config_from_args`, pure), then the agent (:func:`run_job`).
 """

@@ -120,12 +120,15 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
             ones), ``"mse"``, ``"cross_entropy"``, ``"l1"``, or
             ``loss(outputs, targets)`` (or its entry point): a MEAN over the
             batch, as DDP's gradient averaging assumes.
-        optimizer, lr, optimizer_kwargs: a ``torch.optim`` class or its name
-            (any case), built with ``lr`` and the keywords.
+        optimizer: a ``torch.optim`` class or its name (any case).
+        lr: the optimizer's learning rate.
+        optimizer_kwargs: the optimizer's other keywords.
         batch_size: the global batch, with a Dataset.
         seed: seeds every generator before each call of ``model``.
-        rtol, atol: the tolerance; None: from the parameters' dtype
-            (:data:`DEFAULT_TOLERANCES`, 1e-5 and 1e-5 for float32).
+        rtol: the relative tolerance; None: from the parameters' dtype
+            (:data:`DEFAULT_TOLERANCES`, 1e-5 for float32).
+        atol: the absolute tolerance; None: from the parameters' dtype
+            (1e-5 for float32).
 
     Returns:
         The :class:`CheckReport`: ``report.equal``, ``report.verdict``,

@@ -42,9 +42,11 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         grad_accum: micro-batches per optimizer step.
         loss_fn: ``loss_fn(outputs, targets)`` (or an entry point), for the
             measured backward.
-        bucket_cap_mb, broadcast_buffers: DDP's arguments.
-        fsdp_units, min_unit_bytes: how fully_shard is applied
+        bucket_cap_mb: DDP's argument.
+        broadcast_buffers: DDP's argument.
+        fsdp_units: the modules fully_shard is applied to
             (:func:`default_fsdp_units`).
+        min_unit_bytes: fully_shard's argument.
         tensor_parallel: the size of ``mesh["tp"]`` on a 2-D mesh ``(dp, tp)``
             (Note [planning a tensor-parallel mesh]); sizes are then per rank
             of the mesh.
