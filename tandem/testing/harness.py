@@ -145,8 +145,9 @@ def stop_all(procs: Sequence[Any], workdir: Path) -> None:
 
 def _context() -> Any:
     """The forkserver context. The server imports, once, what every rank would
-    otherwise import for itself: torch, and tandem (which imports torch._dynamo,
-    about 3 s of CPU per rank), and pytest when the caller runs under it (the
+    otherwise import for itself: torch, torch._dynamo (imported by the first
+    ``optimizer.step()``), tandem's parts (``import tandem`` alone imports them
+    lazily), about 3 s of CPU per rank, and pytest when the caller runs under it (the
     ranks unpickle test functions by importing their modules, which import
     pytest). A rank forked from it starts in about 0.1 s instead of 3 to 10 s on
     a loaded two-core host. The list takes effect when the server starts (the
@@ -154,7 +155,8 @@ def _context() -> Any:
     import sys
 
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed", "tandem"]
+    preload = ["torch", "torch.distributed", "torch._dynamo", "tandem", "tandem.ddp", "tandem.fsdp",
+               "tandem.train", "tandem.zero", "tandem.checkpoint", "tandem.testing"]
     if "pytest" in sys.modules:
         preload.append("pytest")
     ctx.set_forkserver_preload(preload)
