@@ -156,6 +156,11 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
             model = _meta(impl, world_size, "init_weights", dtype=dtype)
             out[f"train/{name}/{impl}/dtypes"] = {str(p.dtype) for p in model.parameters()}
             out[f"train/{name}/{impl}"] = _train(model, functools.partial(_batch, rank=rank))
+        # The blocks merged into the root's unit: nn.Module._apply converts a block
+        # before the root that owns its unit (this raised "mixed dtypes" once).
+        model = _meta("tandem", world_size, "init_weights", dtype=dtype, min_unit_bytes=DEFAULT_MIN_UNIT_BYTES)
+        out[f"train/{name}/merged/dtypes"] = {str(p.dtype) for p in model.parameters()}
+        out[f"train/{name}/merged"] = _train(model, functools.partial(_batch, rank=rank))
     # Forgetting to_empty: the parameters stay meta, as in torch's FSDP2, and the first forward says what to do.
     for impl in ("tandem", "torch"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -253,6 +258,9 @@ def test_dtype_change_after_sharding_trains_as_eager_and_torch(world_size: int, 
         assert results[f"train/{dtype}/tandem/dtypes"] == {f"torch.{dtype}"}
         # The same reductions as torch's FSDP2, in the same order: equal to rounding.
         assert max_abs_diff(tandem_, torch_) <= 1e-12, (rank, max_abs_diff(tandem_, torch_))
+        merged = results[f"train/{dtype}/merged"]
+        assert results[f"train/{dtype}/merged/dtypes"] == {f"torch.{dtype}"}
+        assert max_abs_diff(merged, tandem_) <= 1e-12, (rank, max_abs_diff(merged, tandem_))
         if dtype == "float64":  # the global batch's mean in one process rounds differently
             eager = results[f"train/{dtype}/eager"]
             assert max_abs_diff(tandem_, eager) <= 1e-12, (rank, max_abs_diff(tandem_, eager))

@@ -287,10 +287,19 @@ class FSDPModule:
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``to_empty``/``to``/``cuda`` on a sharded model (Note [meta init])."""
-        units = _units(self, True)
+        # nn.Module._apply calls each child's _apply before converting this module's
+        # own parameters; a child whose tiny unit was merged into this module's
+        # (Note [tiny units]) would adopt the unit half converted. The outermost
+        # call adopts each unit once, when all of its parameters are converted.
+        units = [unit for unit in _units(self, True) if not unit.applying]
         for unit in units:
             unit.reshard()
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
+            unit.applying = True
+        try:
+            result = super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            for unit in units:
+                unit.applying = False
         for unit in units:
             adopt_sharded_tensors(unit)
         return result

@@ -121,6 +121,7 @@ class UnitState:
         self._copy_out_dst = self._copy_out_views()
         self._free_unsharded()  # views are made first: a view of a freed storage fails its bounds check
         self.state = ShardState.SHARDED
+        self.applying = False  # inside FSDPModule._apply of the module that owns it (api.py)
         self.reduce_state = ReduceState.IDLE
         self.training = TrainingState.IDLE
         self._gather: PendingGather | None = None
