@@ -245,7 +245,8 @@ def dtensor_api() -> tuple[type[DTensor], type[Shard], type[Replicate]]:
     return DTensor, Shard, Replicate
 
 
-__all__ += ["dtensor_like", "dtensor_local", "dtensor_with_spec", "root_device_mesh", "strided_shard"]
+__all__ += ["clear_dtensor_sharding_cache", "dtensor_like", "dtensor_local", "dtensor_with_spec", "root_device_mesh",
+            "set_dtensor_spec", "strided_shard"]
 
 
 def dtensor_like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
@@ -271,6 +272,41 @@ def dtensor_with_spec(local: torch.Tensor, spec: Any) -> torch.Tensor:
     except TypeError:  # a torch whose constructor differs: the public, slower way
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                                   shape=spec.shape, stride=spec.stride)
+
+
+def set_dtensor_spec(t: torch.Tensor, template: torch.Tensor) -> None:
+    """Give the DTensor ``t`` the layout (mesh, placements, global shape) of
+    ``template``, keeping ``t`` the same object.
+
+    Why: an elastic job lays a fully_shard unit out again over a new process
+    group (Note [regrouped units] in tandem/fsdp/regroup.py); the sharded
+    parameters must stay the objects the optimizer holds, and a DTensor's mesh
+    is its private ``_spec`` (torch 2.4 to 2.13). The global shape, dtype and
+    device, which the wrapper tensor itself carries, do not change.
+    """
+    t._spec = template._spec  # type: ignore[attr-defined]
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagation (an op's inputs' layouts ->
+    its output's), in Python and in the C++ fast path.
+
+    Why: the cache keys on ``DeviceMesh`` equality, which compares the ranks'
+    layout but not the process group or this process's rank in it. After an
+    elastic job's world shrinks and grows back (Note [regrouped units] in
+    tandem/fsdp/regroup.py) the new world's mesh equals the first one, and a
+    cached entry would hand out DTensors over the old mesh, with this
+    process's old coordinate (a ``detach()`` in ``state_dict()`` did, and
+    ``torch.distributed.checkpoint`` then saw two ranks write the same rows).
+    torch clears it with ``torch.distributed.tensor.debug._clear_sharding_prop_cache``
+    (torch 2.5 to 2.13).
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # an older torch: the Python cache alone
+        dtensor_api()[0]._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore
+        return
+    _clear_sharding_prop_cache()
 
 
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:

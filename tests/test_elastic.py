@@ -1,6 +1,7 @@
-"""Elastic DDP training (Note [elastic trainer]): a rank SIGKILLed inside backward,
+"""Elastic training (Note [elastic trainer]): a rank SIGKILLed inside backward,
 the survivors go on without restarting, a replacement joins and gets the state
-from a live peer.
+from a live peer; under DDP, ZeRO-2 and fully_shard (the sharded ones through
+buddy copies: Notes [buddy copies] and [elastic fully_shard]).
 
 Each scenario is one spawned world of 3 ranks on gloo, with the harness's
 timeout and an orphan check. The survivors' parameters are compared with a
@@ -61,9 +62,15 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 ADAM = {"lr": 0.01}  # ZeRO runs: Adam, whose moments are what a lost shard would take away
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The sharded runs' schedule: a replacement must start at the current learning rate."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+
+
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: bool,
-          join_at: int | None, zero: bool = False, checkpoint_every: int = 0) -> dict:
-    """One rank: train one epoch elastically; ``deaths`` maps a founding rank to
+          join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False) -> dict:
+    """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
+    ``fsdp``: fully_shard and Adam); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
     hold step ``join_at`` until a replacement asks to join, so that it joins
     before the (short) epoch ends."""
@@ -101,27 +108,39 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         return ((outputs - y) ** 2).mean()
 
     model = make_model()
+    if fsdp:  # a unit per Linear and a root without parameters: Note [elastic fully_shard]
+        from tandem import fully_shard
+        fully_shard(model[0], min_unit_bytes=0)
+        fully_shard(model[2], min_unit_bytes=0)
+        fully_shard(model)
     if not joining and rank in deaths:
         def die(grad: torch.Tensor) -> torch.Tensor:
             assert trainer is not None
             if trainer.state.step == deaths[rank]:
                 os.kill(os.getpid(), signal.SIGKILL)
             return grad
-        model[0].weight.register_hook(die)
+        if fsdp:  # after the last unit's backward, before the first's
+            model[0].register_forward_hook(lambda m, i, out: (out.register_hook(die), out)[1])
+        else:
+            model[0].weight.register_hook(die)
     wrapped: nn.Module = model
-    if zero:  # ZeRO-2 over small buckets: every rank owns a part of every bucket's state
+    if fsdp:
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), **ADAM)
+    elif zero:  # ZeRO-2 over small buckets: every rank owns a part of every bucket's state
         from tandem import DistributedDataParallel, ZeroOptimizer
         wrapped = DistributedDataParallel(model, zero_stage=2, bucket_cap_mb=0.0001)
-        optimizer: torch.optim.Optimizer = ZeroOptimizer(wrapped, torch.optim.Adam, **ADAM)
+        optimizer = ZeroOptimizer(wrapped, torch.optim.Adam, **ADAM)
     else:
         optimizer = make_optimizer(model)
     trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
+                      scheduler=make_scheduler(optimizer) if zero or fsdp else None,
                       config=TrainerConfig(batch_size=BATCH, epochs=1, elastic=CONFIG, progress=False,
                                            plot=False, log_every=1, output_dir=Path(out) / "run",
                                            resume=False, ddp_options={"bucket_cap_mb": 0.0001},
                                            checkpoint_every=checkpoint_every))
     result = trainer.fit()
-    return {"params": [p.detach().clone() for p in model.parameters()],
+    params = [p.full_tensor() if fsdp else p for p in model.parameters()]  # fully_shard: a collective
+    return {"params": [p.detach().clone() for p in params],
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
             "buddy_bytes": trainer._buddy.nbytes if trainer._buddy is not None else None,
@@ -129,13 +148,15 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
 
 
 def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
-    """One process trains on the global batches of ``schedule`` (world size per step)."""
+    """One process trains on the global batches of ``schedule`` (world size per step);
+    with ``zero``, with Adam and the sharded runs' scheduler."""
     from tandem.data.sampler import _epoch_order
 
     data = Indexed()
     order = _epoch_order(N, shuffle=True, seed=0, epoch=0)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), **ADAM) if zero else make_optimizer(model)
+    scheduler = make_scheduler(opt) if zero else None
     consumed = 0
     for world in schedule:
         idx = order[consumed:consumed + world * BATCH]
@@ -144,6 +165,8 @@ def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     assert consumed == N
     return [p.detach().clone() for p in model.parameters()]
 
@@ -181,9 +204,10 @@ def _used_samples(out: Path, died_at: dict[str, int]) -> list[int]:
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
          join_dies: bool = False, join_at: int | None = None, zero: bool = False,
-         checkpoint_every: int = 0) -> list[dict]:
+         checkpoint_every: int = 0, fsdp: bool = False) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else [])
-    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every),
+    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
+                                              fsdp),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -259,40 +283,59 @@ def test_a_replacement_lost_while_joining(tmp_path: Path) -> None:
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_zero2_shrink_recovers_the_lost_shard_from_its_buddy(tmp_path: Path) -> None:
-    results = _run(tmp_path, {1: 2}, zero=True)
+# Note [buddy copies]: ZeRO-2 copies the optimizer-state shard, fully_shard the
+# parameter shard and its state (Note [elastic fully_shard]); both recover a lost
+# rank's from its buddy, and rebuild a replacement's from the live ranks.
+SHARDED = pytest.mark.parametrize("sharding", ["zero2", "fsdp"])
+
+
+def _sharded(sharding: str) -> dict[str, bool]:
+    return {"zero": True} if sharding == "zero2" else {"fsdp": True}
+
+
+@SHARDED
+def test_sharded_shrink_recovers_the_lost_shard_from_its_buddy(tmp_path: Path, sharding: str) -> None:
+    results = _run(tmp_path, {1: 2}, **_sharded(sharding))
     live = [r for r in results if r is not None]
-    assert [r["member"] for r in live] == ["0", "2"]
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
     _check_equal_replicas(live)
     changes = live[0]["changes"]
-    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(2, [1], 2)]
+    assert [(c["step"], c["lost_ranks"], c["world_size"], c["steps_lost"]) for c in changes] == [(2, [1], 2, 1)]
     schedule = [3, 3] + [2] * ((N - 12) // 4)
     _check_reference(live, schedule, zero=True)
     # A world that stayed at 3 gives other parameters: the comparison can fail.
     assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6), zero=True)[0], atol=1e-6)
     # `tandem plan --elastic` shows the copy rank 1 holds of rank 0's shard at world 2.
     from tandem.tools.plan import plan_report
-    planned = plan_report(make_model(), world_size=2, optimizer="adam", bucket_cap_mb=0.0001, elastic=True)
-    assert live[1]["buddy_bytes"] == planned.strategies[2].estimate.buddy > 0
+    if sharding == "zero2":
+        planned = plan_report(make_model(), world_size=2, optimizer="adam", bucket_cap_mb=0.0001, elastic=True)
+        assert live[1]["buddy_bytes"] == planned.strategies[2].estimate.buddy > 0
+    else:  # the units of _rank: one per Linear, and a root without parameters
+        planned = plan_report(make_model(), world_size=2, optimizer="adam", fsdp_units=["0", "2", ""],
+                              min_unit_bytes=0, elastic=True)
+        assert live[1]["buddy_bytes"] == planned.strategies[3].estimate.buddy > 0
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_zero2_replacement_joins_with_its_shard(tmp_path: Path) -> None:
-    results = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, zero=True)
+@SHARDED
+def test_sharded_replacement_joins_with_its_shard(tmp_path: Path, sharding: str) -> None:
+    results = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, **_sharded(sharding))
     live = [r for r in results if r is not None]
     assert sorted(r["member"] for r in live) == ["0", "2", "j"]
     assert all(r["world_size"] == 3 for r in live)
     _check_equal_replicas(live)
     changes = live[0]["changes"]
-    assert [c["world_size"] for c in changes] == [2, 3]
+    assert [c["world_size"] for c in changes] == [2, 3] and changes[1]["joined"] == ["j1"]
     _check_reference(live, _schedule(changes), zero=True)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_zero2_shard_and_its_buddy_lost_together_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+@SHARDED
+def test_sharded_shard_and_its_buddy_lost_together_falls_back_to_the_checkpoint(tmp_path: Path,
+                                                                              sharding: str) -> None:
     # Ranks 1 and 2 die in the same step: rank 1's shard and rank 2's copy of it are
     # both gone. Rank 0 goes on alone from the checkpoint of step 2, saying so.
-    results = _run(tmp_path, {1: 3, 2: 3}, zero=True, checkpoint_every=2)
+    results = _run(tmp_path, {1: 3, 2: 3}, checkpoint_every=2, **_sharded(sharding))
     live = [r for r in results if r is not None]
     assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
     assert live[0]["steps"] == 2 + (N - 12) // 2  # trained from step 2 again, at world 1

@@ -7,6 +7,8 @@
   raises within 1 s, naming both sides;
 - a rank is SIGKILLed inside an all-reduce: every survivor raises within 5 s,
   naming it; a rank that reaches its first collective late is not taken for dead;
+  a collective whose own wait ignores its timeout (gloo's reduce-scatter) is
+  still waited on in slices;
 - 100 steps with random per-rank delays in backward hooks and many buckets:
   identical replicas, equal to local training, the same collective order on
   every rank (read from the ledgers);
@@ -15,12 +17,15 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from test_launch_support import clean_env, script, tandem
 from torch import nn
@@ -29,7 +34,7 @@ import tandem as tdm
 from tandem.comm.fingerprint import CollectiveMismatchError
 from tandem.comm.group import GroupComm
 from tandem.comm.monitor import current_monitor
-from tandem.comm.peers import STALE_AFTER_S, PeerLostError
+from tandem.comm.peers import STALE_AFTER_S, PeerLostError, Waiter
 from tandem.testing import run_distributed, still_running
 
 
@@ -157,6 +162,38 @@ def _jittered(rank: int, world_size: int, steps: int) -> dict:
     order = [(e.op, e.tag, e.numel) for e in current_monitor().ledger.entries() if e.seq > start]
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "order": order, "pid": os.getpid()}
+
+
+class _Blocking:
+    """A work like gloo's reduce-scatter: ``wait(timeout)`` blocks until it is done."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.release, self.error = threading.Event(), error
+
+    def wait(self, timeout: object = None) -> bool:
+        self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_a_wait_that_ignores_its_timeout_is_still_sliced() -> None:
+    slice_ = datetime.timedelta(seconds=0.05)
+    waiter = Waiter()
+    for error in (None, RuntimeError("Connection closed by peer")):
+        blocking = _Blocking(error)
+        work = waiter.submit(blocking)
+        with pytest.raises(RuntimeError, match="Operation timed out"):  # the slice ends: peers are looked at
+            work.wait(slice_)
+        blocking.release.set()
+        if error is None:
+            assert work.wait(slice_) and work.is_completed()
+        else:
+            with pytest.raises(RuntimeError, match="Connection closed"):
+                work.wait(slice_)
 
 
 def test_random_delays_in_backward_hooks_keep_replicas_identical_and_the_order_fixed():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tandem._compat import group_label
 from tandem.comm.ledger import LedgerEntry
 from tandem.comm.monitor import current_monitor
-from tandem.comm.peers import wait_watching_peers
+from tandem.comm.peers import Waiter, wait_watching_peers
 
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
@@ -115,6 +115,7 @@ class GroupComm:
         # gloo waits are sliced and watch the peers; NCCL has its own watchdog.
         self._watched = self.size > 1 and self.monitor.peers is not None and \
             dist.get_backend(group) == "gloo"
+        self._waiter = Waiter()  # its thread starts at the first reduce-scatter watched
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank ``group_rank``."""
@@ -178,8 +179,9 @@ class GroupComm:
         if self.size == 1:
             output.copy_(input)
             return self._issued(None, entry, False)
-        return self._issued(_reduce_scatter_tensor(output, input, group=self.group, async_op=True),
-                            entry, async_op)
+        work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
+        # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
+        return self._issued(self._waiter.submit(work) if self._watched else work, entry, async_op)
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
                         async_op: bool = False) -> Work:

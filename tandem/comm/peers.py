@@ -31,14 +31,16 @@ watchdog and blocking semantics, so NCCL waits are not sliced.
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "PeerLostError", "PeerWatch", "STALE_AFTER_S", "WAIT_SLICE_S",
-           "heartbeat_key", "wait_watching_peers"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "PeerLostError", "PeerWatch", "STALE_AFTER_S", "ThreadedWait", "WAIT_SLICE_S",
+           "Waiter", "heartbeat_key", "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -161,3 +163,69 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
                 raise PeerLostError(watch.rank, lost, during()) from (None if sliced else e)
             if not sliced:
                 raise
+
+
+class ThreadedWait:
+    """A collective's work whose own ``wait(timeout)`` ignores the timeout, waited
+    on by a :class:`Waiter` thread so that a watched wait's slices still end.
+
+    gloo's reduce-scatter (``reduce_scatter_single``/``reduce_scatter_tensor``,
+    torch 2.4 to 2.13) blocks in ``wait(timeout)`` until it completes or fails,
+    and its ``is_completed()`` stays False: a rank whose reduce-scatter waits on
+    a live peer that has given up (the dead rank was the peer's neighbour, not
+    this rank's) would wait for the group's timeout, not the seconds of Note
+    [dead peers].
+    """
+
+    __slots__ = ("_work", "_done", "_error")
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        """Wait for the work (in the waiter thread)."""
+        try:
+            self._work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self._error = e
+        self._done.set()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("Operation timed out (tandem's threaded wait)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+
+class Waiter:
+    """One daemon thread that waits, in issue order, on the :class:`ThreadedWait`
+    works of one process group (collectives of a group complete in that order).
+    A thread per group, not per work: starting a thread costs about a
+    millisecond on a loaded host. A work that never completes (a peer died)
+    holds up only its own group's thread, which a new group does not use."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[ThreadedWait] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> ThreadedWait:
+        """Start waiting on ``work`` now; wait on what this returns."""
+        threaded = ThreadedWait(work)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tandem-waiter", daemon=True)
+            self._thread.start()
+        self._queue.put(threaded)
+        return threaded
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get().run()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -45,6 +45,7 @@ from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_m
 from tandem.fsdp.convert import adopt_sharded_tensors
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.hooks import post_forward, pre_forward
+from tandem.fsdp.regroup import reset_process_group, units_of
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import UNIT_ATTR, ShardedUnit, unit_of
 from tandem.fsdp.unit_state import ShardState
@@ -264,6 +265,17 @@ class FSDPModule:
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
+    def reset_process_group(self) -> None:
+        """Lay every unit under this module out again over the current default
+        group, after an elastic job replaced it (Note [regrouped units] in
+        regroup.py): the same parameter objects, with zeros in the shards until
+        the caller loads them. No communication.
+
+        Raises:
+            RuntimeError: a sharded parameter still holds a gradient.
+        """
+        reset_process_group(cast(nn.Module, self))
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch compatibility; every backward finishes its reductions."""
 
@@ -325,14 +337,7 @@ def _cannot_copy(module: Any, how: str) -> TypeError:
 
 
 def _units(module: Any, recurse: bool) -> list[ShardedUnit]:
-    if not recurse:
-        return [_unit(module)]
-    units: list[ShardedUnit] = []
-    for m in module.modules():
-        unit = unit_of(m)
-        if unit is not None and unit not in units:
-            units.append(unit)
-    return units
+    return units_of(module) if recurse else [_unit(module)]
 
 
 @functools.cache

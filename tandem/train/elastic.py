@@ -21,7 +21,9 @@ flight, and nothing is read from disk:
    it and decides ``grow``. After that step every member, and the replacement,
    enter the next generation; rank 0 (a member that trained all along) sends
    the whole training state (model, optimizer, scheduler, scaler, counters,
-   RNG) to every rank over the new group (:func:`share_state`).
+   RNG) to every rank over the new group (:func:`share_state`; a fully-sharded
+   model's shards come from every live rank instead: Note [elastic fully_shard]
+   in elastic_fsdp.py).
 
 A loop the user writes gets the same through ``tandem.prepare(elastic=...)``
 (Note [elastic prepare] in prepare_elastic.py), with this module's pieces.

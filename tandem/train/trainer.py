@@ -120,9 +120,9 @@ class Trainer(ElasticTrainer):
         self.rank, self.world_size = rank_and_size()
         self._elastic = self._elastic_run(model)
         self._in_step = False
-        # Note [buddy copies]: under ZeRO each rank also holds the previous rank's shard.
-        self._buddy = BuddyCopies() if self._elastic is not None and hasattr(
-            optimizer, "sharded_state_dict") else None
+        # Note [buddy copies]: under ZeRO and fully_shard each rank also holds the previous rank's shard.
+        self._buddy = BuddyCopies() if self._elastic is not None and (
+            hasattr(optimizer, "sharded_state_dict") or is_fully_sharded(model)) else None
         self.device = device_of(model)
         self.model = self._wrap(model)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn

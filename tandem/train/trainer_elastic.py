@@ -4,6 +4,7 @@ the Trainer's layers (trainer.py lists them)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, cast
 
@@ -12,10 +13,12 @@ from torch import nn
 
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import Generation, MembershipError
+from tandem.fsdp.regroup import check_regroupable
 from tandem.train.buddy import ShardsLost
 from tandem.train.checkpoint import latest_checkpoint
 from tandem.train.precision import ShardedGradients
 from tandem.train.elastic import ElasticRun, WorldChange, elastic_config, share_state
+from tandem.train.elastic_fsdp import fsdp_shard, load_fsdp_shards
 from tandem.train.history import History
 from tandem.train.progress import Progress
 from tandem.train.sharded import is_fully_sharded
@@ -36,9 +39,7 @@ class ElasticTrainer(TrainerCheckpoints):
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
         if is_fully_sharded(model):
-            raise ValueError(f"rank {self.rank}: elastic training supports DistributedDataParallel "
-                             "models, also under ZeRO-1/2, but not fully_shard yet (a dead rank takes "
-                             "its parameter shard with it); leave elastic unset for a fully-sharded model")
+            check_regroupable(model, self.rank)  # Note [regrouped units] in tandem/fsdp/regroup.py
         return ElasticRun(elastic_membership(elastic))
 
     @property
@@ -53,13 +54,13 @@ class ElasticTrainer(TrainerCheckpoints):
         in_step, self._in_step = self._in_step, False
 
         def rebuild(before: Generation, after: Generation) -> None:
-            own = (self._buddy.own_shard(self.optimizer.sharded_state_dict)  # type: ignore[attr-defined]
-                   if self._buddy is not None else None)
+            own = self._buddy.own_shard(self._own_shard) if self._buddy is not None else None
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.optimizer.zero_grad(set_to_none=True)
             self.model.reset_process_group()  # type: ignore[operator]
             if self._buddy is not None:
-                self.optimizer.reset_process_group()  # type: ignore[attr-defined]
+                if not is_fully_sharded(self.model):
+                    self.optimizer.reset_process_group()  # type: ignore[attr-defined]
                 self._restore_shards(own)
             self._build_loaders()
             if after.joined_since(before):
@@ -74,30 +75,61 @@ class ElasticTrainer(TrainerCheckpoints):
         progress.say(change.describe())
         history.append(change.record())
 
+    def _own_shard(self) -> dict[str, Any]:
+        """This rank's shard: a ZeRO optimizer's state, or a fully-sharded model's
+        parameters and their state (Note [elastic fully_shard] in elastic_fsdp.py)."""
+        if is_fully_sharded(self.model):
+            return fsdp_shard(self.model, self.optimizer)
+        return cast(dict[str, Any], self.optimizer.sharded_state_dict())  # type: ignore[attr-defined]
+
     def _refresh_buddy(self) -> None:
         """Note [buddy copies]: send this rank's shard to the next rank after a step."""
         if self._buddy is not None and self._elastic is not None:
             generation = self._elastic.membership.generation
-            self._buddy.refresh(self.optimizer.sharded_state_dict(), self.state.step,  # type: ignore[attr-defined]
-                                generation.members, self.rank)
+            self._buddy.refresh(self._own_shard(), self.state.step, generation.members, self.rank)
 
     def _restore_shards(self, own: dict[str, Any] | None) -> None:
-        """Every rank's shard of a ZeRO optimizer's state, laid out for the new world:
-        from the survivors and their buddy copies, else from the last checkpoint."""
+        """Every rank's shard of a ZeRO optimizer's state, or of a fully-sharded
+        model and its optimizer's state, laid out for the new world: from the
+        survivors and their buddy copies, else from the last checkpoint."""
         assert self._buddy is not None and self._elastic is not None
+        members = self._elastic.membership.generation.members
+        fsdp = is_fully_sharded(self.model)
         try:
-            shards = self._buddy.recover(own, self.state.step, self._elastic.membership.generation.members)
+            if fsdp:  # Note [elastic fully_shard] in elastic_fsdp.py: unit by unit
+                located = self._buddy.locate(own, self.state.step, members)
+            else:
+                shards = self._buddy.recover(own, self.state.step, members)
         except ShardsLost as e:
             if latest_checkpoint(self.checkpoint_dir) is None:
                 raise MembershipError(f"rank {self.rank}: {e}, and {self.checkpoint_dir} holds no "
                                       "checkpoint to fall back to; the job cannot go on") from e
             logger.warning("rank %d: %s; falling back to the last checkpoint", self.rank, e)
+            if fsdp:
+                self.optimizer.state.clear()  # laid out for the old world; the checkpoint has it
             self._resume()
+            return
+        if fsdp:
+            load_fsdp_shards(self.model, self.optimizer,
+                             functools.partial(self._buddy.gather_part, located))
             return
         self.optimizer.load_sharded_state_dicts(shards)  # type: ignore[attr-defined]
         if self.scaler is not None:
             self._scaled = ShardedGradients(self.optimizer, cast(Any, self.model).reducer.grad_shards)
 
     def _share_state(self) -> None:
-        """Rank 0's whole training state, on every rank (a replacement joined)."""
+        """Rank 0's whole training state, on every rank (a replacement joined). A
+        fully-sharded model's shards are in place already (Note [elastic
+        fully_shard] in elastic_fsdp.py): the rest, and its buffers, come from rank 0."""
+        if is_fully_sharded(self.model):
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            box: list[Any] = [(self.state.loop_state_dict(), groups)]  # a collective: every rank's RNG state
+            dist.broadcast_object_list(box, src=0)
+            loop, groups = box[0]
+            self.state.load_loop_state_dict(loop)
+            for group, saved in zip(self.optimizer.param_groups, groups):
+                group.update(saved)  # the scheduler's current learning rate, say
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=0)
+            return
         share_state(self.state)

@@ -65,8 +65,9 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
             (``fully_shard(model, mesh=...)`` with a 2-D mesh), planned as an
             extra strategy (1: none).
         elastic: an elastic job (``tandem run --elastic``): ZeRO-1/2 ranks also
-            hold a copy of the previous rank's optimizer-state shard (Note
-            [buddy copies] in tandem/train/buddy.py).
+            hold a copy of the previous rank's optimizer-state shard, fully_shard
+            ranks of its parameter and optimizer-state shards (Note [buddy
+            copies] in tandem/train/buddy.py).
         activation_checkpointing: plan with the blocks of ``measurement``
             checkpointed (it must have measured them: :func:`measure` with ``blocks``).
 
@@ -96,7 +97,11 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
                                 bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)
     if elastic:
-        estimates = [dataclasses.replace(e, buddy=e.state) if e.stage in (1, 2) else e for e in estimates]
+        # Note [buddy copies] in tandem/train/buddy.py: ZeRO-1/2 copy the state shard;
+        # fully_shard the parameter shard and its state (Note [elastic fully_shard]).
+        estimates = [dataclasses.replace(e, buddy=e.state) if e.stage in (1, 2) else
+                     dataclasses.replace(e, buddy=e.params + e.optimizer) if e.stage == 3 else e
+                     for e in estimates]
     shard_size = world_size // hsdp
     hybrid = (estimate_memory(model, shard_size, optimizer_bytes_per_param=opt_bytes, fsdp=spec)[3]
               if hsdp > 1 else None)

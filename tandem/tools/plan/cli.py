@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also plan HSDP: fully_shard over a 2-D mesh of R replicas x world-size/R shards")
     p.add_argument("--elastic", action="store_true",
                    help="plan for `tandem run --elastic`: ZeRO-1/2 ranks also keep a copy of the previous "
-                        "rank's optimizer-state shard")
+                        "rank's optimizer-state shard, fully_shard ranks of its parameter and state shards")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="plan with each block (the fully_shard units) checkpointed; shows each block's "
                         "activations with and without (needs --sample)")

@@ -53,7 +53,8 @@ class PlanReport:
     optimizer: str
     """The optimizer's name."""
     elastic: bool = False
-    """Planned for an elastic job: ZeRO-1/2 hold a buddy copy of a state shard."""
+    """Planned for an elastic job: ZeRO-1/2 hold a buddy copy of a state shard, fully_shard
+    of a parameter shard and its state."""
     optimizer_bytes_per_param: int
     """Its state per parameter element."""
     num_params: int
@@ -237,7 +238,9 @@ def _memory_lines(r: PlanReport) -> list[str]:
     if r.elastic:
         buddy = r.strategies[1].estimate.buddy
         lines.append(f"  elastic: ZeRO-1/2 also hold a copy of the previous rank's optimizer-state shard "
-                     f"({_size(buddy)} at ZeRO-1), counted as optimizer; sent to the next rank after every step")
+                     f"({_size(buddy)} at ZeRO-1), fully_shard of its parameter and optimizer-state shards "
+                     f"({_size(r.strategies[3].estimate.buddy)}), counted as optimizer; sent to the next rank "
+                     "after every step")
     return lines
 
 

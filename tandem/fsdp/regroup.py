@@ -1,0 +1,135 @@
+"""A fully_shard model laid out again over a new default group: what an elastic
+job (Note [elastic trainer] in tandem/train/elastic.py) does to every unit when
+its world changes, and the rows of a full tensor that this rank then keeps.
+
+# Note [regrouped units]
+After a rank dies (or a replacement joins) the default group is a new one of
+another size, and every unit's layout (Note [unit buffers] in layout.py)
+depends on the world size: a chunk of ``ceil(rows / world)`` rows, its padding,
+the shard buffer's size. :func:`reset_process_group` lays every unit out again
+for the new group, in place:
+
+- the sharded parameters stay the same ``nn.Parameter`` objects, so that the
+  optimizer's ``param_groups`` and its per-parameter ``state`` keys, a
+  scheduler, and any reference the user holds stay valid. Each one's local
+  tensor is pointed at its rows of the new shard buffer with ``set_`` (as Note
+  [tiny units] in api.py moves shards), and its DTensor layout is replaced by
+  one over the new mesh (same global shape and placement; :func:`tandem._compat.
+  set_dtensor_spec`). Its ``.grad`` must be None (zero_grad first): a gradient
+  of the old layout cannot be kept.
+- the unsharded parameters are new objects over a new unsharded buffer, and
+  the root's schedule is dropped: the next forward runs ``lazy_init`` again
+  (hooks.py), which builds the reduce-scatter group over the new ranks and
+  puts its gradient hooks on the new objects. The old ones, and the autograd
+  graph of a step abandoned in its backward, hold only the old buffers.
+- collectives of the old group still pending (a gather, a reduce-scatter of
+  the abandoned step) are dropped, not waited on: their peers may be gone.
+
+The new shards hold zeros: the caller loads the values, one parameter at a
+time (:func:`rows_of`), from the old world's shards (the survivors' own and
+their buddy copies: Note [elastic fully_shard] in
+tandem/train/elastic_fsdp.py) or from a checkpoint. Only the 1-D default mesh
+is laid out again (not HSDP, tensor parallelism or a mesh of the caller's):
+:func:`check_regroupable` says so before training starts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem._compat import clear_dtensor_sharding_cache, dtensor_local, set_dtensor_spec
+from tandem.comm.group import GroupComm
+from tandem.fsdp.arguments import default_mesh
+from tandem.fsdp.layout import ParamShard, plan_unit
+from tandem.fsdp.unit import ShardedUnit, unit_of
+from tandem.fsdp.unit_state import ReduceState, ShardState, TrainingState
+
+__all__ = ["check_regroupable", "reset_process_group", "rows_of", "units_of"]
+
+logger = logging.getLogger(__name__)
+
+
+def units_of(module: nn.Module) -> list[ShardedUnit]:
+    """Every fully_shard unit under ``module``, in module order (the same on every rank)."""
+    units: list[ShardedUnit] = []
+    for m in module.modules():
+        unit = unit_of(m)
+        if unit is not None and unit not in units:
+            units.append(unit)
+    return units
+
+
+def check_regroupable(module: nn.Module, rank: int) -> None:
+    """Raise ValueError, naming the unit, when a unit of ``module`` cannot be laid
+    out again over a new default group (Note [regrouped units])."""
+    for unit in units_of(module):
+        why = ("is sharded over a 2-D (HSDP) mesh" if unit.replicate_comm is not None else
+               "has tensor-parallel parameters" if any(m.tp is not None for m in unit.managed) else
+               "keeps a 1/k slice after forward (reshard_after_forward=k)"
+               if not isinstance(unit.reshard_after_forward, bool) else
+               "is sharded over a mesh of a subgroup" if unit.comm.size != dist.get_world_size() else None)
+        if why is not None:
+            raise ValueError(f"rank {rank}: fully_shard unit '{unit.name}' {why}; an elastic job lays "
+                             "units out again over the new world's default group only: fully_shard over "
+                             "the default mesh (mesh=None), without reshard_after_forward=k")
+
+
+def reset_process_group(module: nn.Module) -> None:
+    """Lay every unit under ``module`` (the root: the one whose forward runs
+    first) out over the current default group, with zeros in the shards (Note
+    [regrouped units]). No communication.
+
+    Raises:
+        RuntimeError: naming the parameter, when a sharded parameter still holds
+            a gradient (call ``optimizer.zero_grad(set_to_none=True)`` first).
+    """
+    units = units_of(module)
+    for unit in units:  # before any unit changes
+        for m in unit.managed:
+            if m.sharded.grad is not None:
+                raise RuntimeError(f"rank {dist.get_rank()}: fully_shard parameter '{m.fqn}' still has a gradient "
+                                   "as its unit is laid out again for a new world; call "
+                                   "optimizer.zero_grad(set_to_none=True) before model.reset_process_group()")
+    mesh = default_mesh()
+    comm = GroupComm(mesh.get_group())
+    clear_dtensor_sharding_cache()  # a new mesh may equal an old one (see there)
+    for unit in units:
+        _relayout(unit, mesh, comm)
+    logger.info("fully_shard: %d unit(s) laid out again over %d rank(s)", len(units), comm.size)
+
+
+def rows_of(full: torch.Tensor, spec: ParamShard) -> torch.Tensor:
+    """This rank's rows of ``full`` (a whole parameter, or a per-element state of
+    it) under the layout ``spec``: its local shard, unpadded."""
+    return full.narrow(spec.shard_dim, spec.row_start, spec.local_rows)
+
+
+def _relayout(unit: ShardedUnit, mesh: object, comm: GroupComm) -> None:
+    # Pending collectives of the old group are dropped (Note [regrouped units]).
+    unit._gather, unit._reduce, unit._group_shard, unit._partial = None, None, None, None
+    unit.state, unit.reduce_state, unit.training = ShardState.SHARDED, ReduceState.IDLE, TrainingState.IDLE
+    unit.num_ready, unit.completed, unit.forward_calls, unit.untracked_calls, unit.inputs_done = 0, False, 0, 0, 0
+    unit.pending_forward = set()
+    unit.schedule = None  # the next forward runs lazy_init over the new group
+    unit.mesh, unit.comm, unit.reduce_comm, unit.group_comm = mesh, comm, comm, None
+    unit.layout = plan_unit([m.spec.shape for m in unit.managed], comm.size, comm.rank,
+                            [m.spec.shard_dim for m in unit.managed])
+    unit.shard_flat = unit._new_shard_buffer()
+    unit.unsharded_flat = unit._new_unsharded_buffer()
+    for m, spec in zip(unit.managed, unit.layout.params):
+        local = unit.shard_flat.narrow(0, spec.shard_offset, spec.local_numel).view(spec.local_shape)
+        with torch.no_grad():
+            dtensor_local(m.sharded).set_(local.untyped_storage(), local.storage_offset(), local.shape,
+                                          local.stride())
+        set_dtensor_spec(m.sharded, unit.to_dtensor(local, spec))
+        m.spec = spec
+        view = unit.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
+        m.unsharded = nn.Parameter(view, requires_grad=m.requires_grad)
+    comm.ledger.describe_params(f"unit {unit.name}", [m.fqn for m in unit.managed])
+    unit._copy_out_dst = unit._copy_out_views()
+    unit._free_unsharded()
+    unit.register_sharded()

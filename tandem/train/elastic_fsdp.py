@@ -1,0 +1,118 @@
+"""A fully-sharded model in an elastic job: this rank's shard of the parameters
+and of their optimizer state (:func:`fsdp_shard`, what the buddy copies hold),
+and the old world's shards laid out again for a new one (:func:`load_fsdp_shards`).
+
+# Note [elastic fully_shard]
+Under fully_shard a rank is the only one that holds its rows of every
+parameter and of the parameters' optimizer state (Adam's moments are DTensors
+laid out as the parameters). So its buddy copy (Note [buddy copies] in
+buddy.py) holds both: per unit, per parameter, the local rows of the
+parameter and of each per-element state tensor, and the per-tensor values
+(Adam's step) as they are. It costs one shard of parameters and one of
+optimizer state per rank, and sending them to the next rank after every step.
+
+When the world changes (a loss, or a replacement joining: the same path),
+every rank of the new world
+
+1. says which old shards it holds (its own and, for a lost rank, its copy),
+   and all agree who provides each one (``BuddyCopies.locate``); a shard on
+   no survivor raises ShardsLost before anything is changed, and the job
+   falls back to the last checkpoint;
+2. lays the units out for the new world (Note [regrouped units] in
+   tandem/fsdp/regroup.py);
+3. unit by unit, receives every old rank's piece of that unit
+   (``BuddyCopies.gather_part``), concatenates each parameter's and each
+   state tensor's rows in old rank order (the full tensor: old chunks are
+   consecutive rows) and keeps its own new rows. At most one unit is ever
+   whole on a rank, never the whole model.
+
+The optimizer keeps its parameter objects: regroup.py re-points each sharded
+parameter in place, so ``param_groups`` and the keys of ``optimizer.state``
+stay valid, and only the state's values are replaced by new DTensors over the
+new mesh (the old ones are laid out for the old world). A replacement's
+optimizer has no state yet; it receives all of it the same way. Replacing
+the parameter objects instead would have meant rewriting ``param_groups``,
+and would have left a scheduler, a gradient clipper or a user holding stale
+tensors.
+
+Hyper-parameters (``param_groups``) are the same on every rank and are not
+part of a shard; a replacement gets rank 0's scheduler and counters with the
+rest of the loop state (trainer_elastic.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem._compat import dtensor_api, dtensor_local
+from tandem.fsdp.regroup import rows_of, units_of
+
+__all__ = ["fsdp_shard", "load_fsdp_shards"]
+
+FORMAT = "tandem.fsdp_shard.v1"
+
+
+def fsdp_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shard of a fully-sharded ``model`` and of ``optimizer``'s
+    state (Note [elastic fully_shard]): views of the live tensors, no copy and
+    no communication. ``units`` lists, per unit in module order, per parameter:
+    ``{"fqn", "param": local rows, "rows": {key: local rows of a per-element
+    state}, "values": {key: any other state}}``."""
+    DTensor = dtensor_api()[0]
+    units = units_of(model)
+    rank, world = (units[0].comm.rank, units[0].comm.size) if units else (0, 1)
+    pieces = []
+    for unit in units:
+        params = []
+        for m in unit.managed:
+            state = optimizer.state.get(m.sharded, {})
+            rows = {k: dtensor_local(v).detach() for k, v in state.items()
+                    if isinstance(v, DTensor) and v.shape == m.sharded.shape}
+            params.append({"fqn": m.fqn, "param": dtensor_local(m.sharded).detach(), "rows": rows,
+                           "values": {k: v for k, v in state.items() if k not in rows}})
+        pieces.append(params)
+    return {"format": FORMAT, "rank": rank, "world_size": world, "units": pieces}
+
+
+def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     gather_unit: Callable[[Callable[[dict[str, Any]], Any]], list[Any]]) -> None:
+    """Load every old rank's shard into ``model`` (laid out for the new world
+    already: ``reset_process_group``) and ``optimizer``, one unit at a time
+    (Note [elastic fully_shard]). ``gather_unit(part)`` returns ``part(shard)``
+    of every old rank's shard, in old rank order (a collective).
+
+    Raises:
+        ValueError: the shards name other parameters than the model's.
+    """
+    for index, unit in enumerate(units_of(model)):
+        pieces = gather_unit(functools.partial(_unit_piece, index=index))
+        for k, m in enumerate(unit.managed):
+            old = [piece[k] for piece in pieces]
+            if old[0]["fqn"] != m.fqn:
+                raise ValueError(f"rank {unit.comm.rank}: the old world's shard holds '{old[0]['fqn']}' "
+                                 f"where unit '{unit.name}' has '{m.fqn}': every rank must build and "
+                                 "fully_shard the same model")
+            d = m.spec.shard_dim
+            with torch.no_grad():
+                dtensor_local(m.sharded).copy_(rows_of(torch.cat([o["param"] for o in old], d), m.spec))
+            state: dict[str, Any] = {}
+            for key in old[0]["rows"]:
+                full = torch.cat([o["rows"][key] for o in old], d)
+                local = rows_of(full, m.spec).to(unit.config.shard_device).contiguous()
+                state[key] = unit.to_dtensor(local, m.spec)
+            for key, value in old[0]["values"].items():
+                state[key] = value.clone() if torch.is_tensor(value) else value
+            if state:
+                optimizer.state[m.sharded] = state
+            else:
+                optimizer.state.pop(m.sharded, None)
+
+
+def _unit_piece(shard: dict[str, Any], index: int) -> Any:
+    """The piece of unit ``index`` in a shard of :func:`fsdp_shard`."""
+    return shard["units"][index]
