@@ -244,18 +244,6 @@ def test_shrink_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_two_successive_losses(tmp_path: Path) -> None:
-    results = _run(tmp_path, {1: 1, 2: 3})
-    live = [r for r in results if r is not None]
-    assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
-    changes = live[0]["changes"]
-    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(1, [1], 2), (3, [1], 1)]
-    schedule = [3, 2, 2] + [1] * ((N - 6 - 8) // 2)
-    assert _schedule(changes) == schedule
-    _check_reference(live, schedule)
-    assert _used_samples(tmp_path, {"1": 1, "2": 3}) == list(range(N))
-
-
 def test_replacement_joins_and_gets_the_state(tmp_path: Path) -> None:
     results = _run(tmp_path, {1: 2}, replace=(1,), join_at=4)
     live = [r for r in results if r is not None]
@@ -270,19 +258,6 @@ def test_replacement_joins_and_gets_the_state(tmp_path: Path) -> None:
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_a_replacement_lost_while_joining(tmp_path: Path) -> None:
-    results = _run(tmp_path, {1: 2}, replace=(1,), join_dies=True, join_at=4)
-    live = [r for r in results if r is not None]
-    assert sorted(r["member"] for r in live) == ["0", "2"]
-    _check_equal_replicas(live)
-    changes = live[0]["changes"]
-    # Lost rank 1; admitted j1, which died at once; lost it again.
-    assert [c["world_size"] for c in changes] == [2, 3, 2]
-    assert changes[1]["joined"] == ["j1"] and changes[2]["lost_ranks"] == [2]
-    _check_reference(live, _schedule(changes))
-    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
-
-
 # Note [buddy copies]: ZeRO-2 copies the optimizer-state shard, fully_shard the
 # parameter shard and its state (Note [elastic fully_shard]); both recover a lost
 # rank's from its buddy, and rebuild a replacement's from the live ranks.
@@ -290,7 +265,7 @@ SHARDED = pytest.mark.parametrize("sharding", ["zero2", "fsdp"])
 
 
 def _sharded(sharding: str) -> dict[str, bool]:
-    return {"zero": True} if sharding == "zero2" else {"fsdp": True}
+    return {"ddp": {}, "zero2": {"zero": True}, "fsdp": {"fsdp": True}}[sharding]
 
 
 @SHARDED
@@ -339,8 +314,47 @@ def test_sharded_shard_and_its_buddy_lost_together_falls_back_to_the_checkpoint(
     live = [r for r in results if r is not None]
     assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
     assert live[0]["steps"] == 2 + (N - 12) // 2  # trained from step 2 again, at world 1
+    # The change says so: it goes on from the checkpoint's step, the steps since redone.
+    [change] = live[0]["changes"]
+    assert (change["lost_ranks"], change["world_size"], change["step"], change["checkpoint_step"],
+            change["steps_lost"]) == ([1, 2], 1, 2, 2, 2)
     _check_reference(live, [3, 3] + [1] * ((N - 12) // 2), zero=True)
     assert _used_samples(tmp_path, {"1": 2, "2": 2}) == list(range(N))
+
+
+# Two losses, and a loss in the middle of a rejoin, under each strategy: the
+# sharded ones recover each lost shard from its buddy copy in the world of the
+# moment (after the first loss, a world of 2 whose copies were refreshed for it).
+EVERY = pytest.mark.parametrize("sharding", ["ddp", "zero2", "fsdp"])
+
+
+@EVERY
+def test_two_successive_losses(tmp_path: Path, sharding: str) -> None:
+    results = _run(tmp_path, {1: 1, 2: 3}, **_sharded(sharding))
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"], c["checkpoint_step"]) for c in changes] == [
+        (1, [1], 2, None), (3, [1], 1, None)]
+    schedule = [3, 2, 2] + [1] * ((N - 6 - 8) // 2)
+    assert _schedule(changes) == schedule
+    _check_reference(live, schedule, zero=sharding != "ddp")
+    assert _used_samples(tmp_path, {"1": 1, "2": 3}) == list(range(N))
+
+
+@EVERY
+def test_a_replacement_lost_while_joining(tmp_path: Path, sharding: str) -> None:
+    results = _run(tmp_path, {1: 2}, replace=(1,), join_dies=True, join_at=4, **_sharded(sharding))
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "2"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    # Lost rank 1; admitted j1, which died at once; lost it again.
+    assert [c["world_size"] for c in changes] == [2, 3, 2]
+    assert changes[1]["joined"] == ["j1"] and changes[2]["lost_ranks"] == [2]
+    assert all(c["checkpoint_step"] is None for c in changes)
+    _check_reference(live, _schedule(changes), zero=sharding != "ddp")
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
 @pytest.mark.parametrize("bad", [{"min_world_size": 0}, {"beat_s": 0}, {"beat_s": 1.0, "stale_after_s": 2.0}])

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tandem.fsdp import fully_shard
+from tandem.fsdp.regroup import check_regroupable
 from tandem.testing import run_distributed
 
 WORLD = 4
@@ -199,6 +200,12 @@ def _errors(rank: int) -> dict[str, tuple[str, str] | None]:
         "unnamed": lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (2, 2))),
         "hsdp_of_tp": lambda: fully_shard(tp_layer, mesh=hsdp),
         "reshard_over_shards": lambda: fully_shard(nn.Linear(2, 2), mesh=hsdp, reshard_after_forward=4),
+        # What an elastic Trainer cannot lay out again over a new world (Note [regrouped units]).
+        "elastic_hsdp": lambda: check_regroupable(fully_shard(nn.Linear(2, 2), mesh=hsdp), rank),
+        "elastic_subgroup": lambda: check_regroupable(fully_shard(nn.Linear(2, 2), mesh=hsdp["shard"]), rank),
+        "elastic_reshard_k": lambda: check_regroupable(fully_shard(nn.Linear(2, 2), reshard_after_forward=2),
+                                                       rank),
+        "elastic_default": lambda: check_regroupable(fully_shard(nn.Linear(2, 2)), rank),
     }
     out: dict[str, tuple[str, str] | None] = {}
     for name, call in calls.items():
@@ -375,6 +382,11 @@ def test_bad_meshes_are_refused_on_every_rank_with_the_fix() -> None:
         assert "mesh=mesh['dp']" in e["hsdp_of_tp"][1]
         # reshard_after_forward=k divides the shard group (2 ranks), not the world
         assert e["reshard_over_shards"][0] == "ValueError" and "shard group of 2" in e["reshard_over_shards"][1]
+        assert e["elastic_default"] is None
+        for name, why in [("elastic_hsdp", "2-D (HSDP) mesh"), ("elastic_subgroup", "mesh of a subgroup"),
+                          ("elastic_reshard_k", "reshard_after_forward=k")]:
+            assert e[name][0] == "ValueError" and f"rank {rank}: fully_shard unit" in e[name][1], (name, e[name])
+            assert why in e[name][1] and "fully_shard over the default mesh (mesh=None)" in e[name][1], e[name]
 
 
 

@@ -121,7 +121,11 @@ class WorldChange:
     regroup_s: float
     """From then to the new group being ready, the state shared."""
     steps_lost: int
-    """Steps whose work was dropped: at most the one in flight."""
+    """Steps whose work was dropped: the one in flight, or every step since the
+    checkpoint the state came from."""
+    checkpoint_step: int | None = None
+    """Set when the state could not be recovered from live ranks (a shard and its
+    buddy copy both lost): the step of the checkpoint it was read from instead."""
 
     def describe(self) -> str:
         what = []
@@ -132,14 +136,20 @@ class WorldChange:
         return (f"elastic: {'; '.join(what) or 'regrouped'} -> world {self.previous_world_size} -> "
                 f"{self.world_size} (generation {self.generation}), going on from step {self.step}; "
                 f"failure seen after {self.detect_s:.2f} s, regroup took {self.regroup_s:.2f} s, "
-                f"{self.steps_lost} step(s) redone. Cause: {self.cause}")
+                f"{self.steps_lost} step(s) redone{self._fallback()}. Cause: {self.cause}")
+
+    def _fallback(self) -> str:
+        if self.checkpoint_step is None:
+            return ""
+        return (f", the state read from the checkpoint of step {self.checkpoint_step} (a shard and "
+                "its buddy copy were both lost)")
 
     def record(self) -> dict[str, Any]:
         return {"kind": "elastic", "step": self.step, "generation": self.generation,
                 "lost_ranks": sorted(self.lost), "joined": list(self.joined),
                 "world_size": self.world_size, "previous_world_size": self.previous_world_size,
                 "detect_s": self.detect_s, "regroup_s": self.regroup_s, "steps_lost": self.steps_lost,
-                "cause": self.cause}
+                "cause": self.cause, "checkpoint_step": self.checkpoint_step}
 
 
 class ElasticRun:
@@ -170,10 +180,11 @@ class ElasticRun:
         self.grow_pending = decision is Decision.GROW
 
     def change_world(self, cause: BaseException | None, step: int, *, in_step: bool,
-                     rebuild: Callable[[Generation, Generation], None]) -> WorldChange:
+                     rebuild: Callable[[Generation, Generation], int | None]) -> WorldChange:
         """Agree on the next generation, enter it (the default group is rebuilt) and
-        call ``rebuild(before, after)`` for what depends on the world. ``cause`` is
-        the failure (None for a planned grow); ``step`` the step to go on from."""
+        call ``rebuild(before, after)`` for what depends on the world; it returns
+        the checkpoint's step where it had to read the state from one, else None.
+        ``cause`` is the failure (None for a planned grow); ``step`` the step to go on from."""
         seen = time.monotonic()
         before = self.membership.generation
         if cause is not None:
@@ -192,14 +203,17 @@ class ElasticRun:
             detect_s=seen - self._step_started if cause is not None else 0.0,
             regroup_s=time.monotonic() - seen, steps_lost=int(in_step and cause is not None))
         self.changes.append(change)  # recorded even if a peer is lost again while rebuilding
-        rebuild(before, generation)
+        resumed = rebuild(before, generation)
         self.grow_pending = False
         change = dataclasses.replace(change, regroup_s=time.monotonic() - seen)
+        if resumed is not None:
+            change = dataclasses.replace(change, step=resumed, checkpoint_step=resumed,
+                                         steps_lost=change.steps_lost + step - resumed)
         self.changes[-1] = change
         return change
 
     def regroup(self, cause: BaseException | None, step: int, *, in_step: bool,
-                rebuild: Callable[[Generation, Generation], None],
+                rebuild: Callable[[Generation, Generation], int | None],
                 report: Callable[[WorldChange], None]) -> None:
         """:meth:`change_world` until a change completes, calling ``report`` with each:
         a member lost while the world is rebuilt (a replacement that died as it

@@ -53,19 +53,21 @@ class ElasticTrainer(TrainerCheckpoints):
         assert self._elastic is not None
         in_step, self._in_step = self._in_step, False
 
-        def rebuild(before: Generation, after: Generation) -> None:
+        def rebuild(before: Generation, after: Generation) -> int | None:
             own = self._buddy.own_shard(self._own_shard) if self._buddy is not None else None
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.optimizer.zero_grad(set_to_none=True)
             self.model.reset_process_group()  # type: ignore[operator]
+            resumed = None
             if self._buddy is not None:
                 if not is_fully_sharded(self.model):
                     self.optimizer.reset_process_group()  # type: ignore[attr-defined]
-                self._restore_shards(own)
+                resumed = self._restore_shards(own)
             self._build_loaders()
             if after.joined_since(before):
                 self._share_state()
             self._refresh_buddy()  # copies for the new world, before its first step
+            return resumed
 
         self._elastic.regroup(cause, self.state.step, in_step=in_step, rebuild=rebuild,
                               report=lambda change: self._report(change, history, progress))
@@ -88,10 +90,11 @@ class ElasticTrainer(TrainerCheckpoints):
             generation = self._elastic.membership.generation
             self._buddy.refresh(self._own_shard(), self.state.step, generation.members, self.rank)
 
-    def _restore_shards(self, own: dict[str, Any] | None) -> None:
+    def _restore_shards(self, own: dict[str, Any] | None) -> int | None:
         """Every rank's shard of a ZeRO optimizer's state, or of a fully-sharded
         model and its optimizer's state, laid out for the new world: from the
-        survivors and their buddy copies, else from the last checkpoint."""
+        survivors and their buddy copies, else from the last checkpoint (whose
+        step it returns)."""
         assert self._buddy is not None and self._elastic is not None
         members = self._elastic.membership.generation.members
         fsdp = is_fully_sharded(self.model)
@@ -108,14 +111,15 @@ class ElasticTrainer(TrainerCheckpoints):
             if fsdp:
                 self.optimizer.state.clear()  # laid out for the old world; the checkpoint has it
             self._resume()
-            return
+            return self.state.step
         if fsdp:
             load_fsdp_shards(self.model, self.optimizer,
                              functools.partial(self._buddy.gather_part, located))
-            return
+            return None
         self.optimizer.load_sharded_state_dicts(shards)  # type: ignore[attr-defined]
         if self.scaler is not None:
             self._scaled = ShardedGradients(self.optimizer, cast(Any, self.model).reducer.grad_shards)
+        return None
 
     def _share_state(self) -> None:
         """Rank 0's whole training state, on every rank (a replacement joined). A
