@@ -70,7 +70,7 @@ class ElasticAgent(LocalElasticAgent):
             if code not in (None, 0) and self._dead.get(local) != handlers[local].proc.pid:
                 self._dead[local] = handlers[local].proc.pid
                 worker = worker_group.workers[local]
-                self._on_event(f"tandem run --elastic: worker {worker.global_rank} (local {local}, "
+                self._on_event(f"elastic: worker {worker.global_rank} (local {local}, "
                                f"pid {handlers[local].proc.pid}) exited with {code}; the others go on")
                 if self._replacements_left > 0:
                     self._replace(local, worker_group)
@@ -99,10 +99,10 @@ class ElasticAgent(LocalElasticAgent):
                                          env=env, stdout=stdout, stderr=stderr, local_rank_id=local)
         context.subprocess_handlers[local] = handler
         worker_group.workers[local].id = handler.proc.pid
-        self._on_event(f"tandem run --elastic: started replacement {self._started} (pid "
+        self._on_event(f"elastic: started replacement {self._started} (pid "
                        f"{handler.proc.pid}) for local rank {local}; it joins at the next step "
-                       f"boundary ({self._replacements_left} replacement(s) left); its output: "
-                       f"{stdout or 'the console'}")
+                       f"boundary or the regroup under way ({self._replacements_left} replacement(s) "
+                       f"left); its output: {stdout or 'the console'}")
 
 
 def _beside(path: str | None, tag: str) -> str:
