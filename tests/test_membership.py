@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tandem.comm.membership import Decision, ElasticConfig, Membership, MembershipError
+from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
 CONFIG = ElasticConfig(beat_s=0.01, stale_after_s=1.0, regroup_timeout_s=5.0)
 
@@ -113,3 +114,22 @@ def test_a_replacement_after_the_job_ended_gives_up_at_once() -> None:
     clock.now += 10
     with pytest.raises(MembershipError, match="found no live member"):
         Membership.joining(store, CONFIG, clock=clock)
+
+
+def test_a_collectives_watch_judges_by_an_elastic_configs_shorter_window() -> None:
+    # Note [dead peers]: an elastic config shorter than the default window is the
+    # one a collective's wait uses; a longer one leaves the default.
+    assert CONFIG.liveness() == Liveness(beat_s=0.01, stale_after_s=1.0)
+    assert ElasticConfig().liveness() == DEFAULT_LIVENESS == Liveness(beat_s=0.25, stale_after_s=2.5)
+    store, clock = dist.HashStore(), Clock()
+    short = PeerWatch(store, 0, CONFIG.liveness(), clock=clock)
+    default = PeerWatch(store, 0, clock=clock)
+    store.set(heartbeat_key(1), "7")
+    assert short.observe([0, 1]) == {} and default.observe([0, 1]) == {}
+    clock.now += 1.0  # rank 1's beat has not moved for 1 s
+    assert short.observe([0, 1]) == {1: "stopped beating 1.0 s ago"}
+    assert default.observe([0, 1]) == {}
+    clock.now += 1.5
+    assert default.observe([0, 1]) == {1: "stopped beating 2.5 s ago"}
+    with pytest.raises(ValueError, match="at least four beats"):
+        Liveness(beat_s=0.5, stale_after_s=1.0)

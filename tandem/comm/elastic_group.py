@@ -15,7 +15,7 @@ from tandem._compat import bind_group_defaults_before_init, default_store, forge
 from tandem.comm import group_record
 from tandem.comm.device import bind_device, default_backend
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership
-from tandem.comm.monitor import stop_monitor
+from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
@@ -55,6 +55,7 @@ def elastic_membership(config: ElasticConfig) -> Membership:
     calls it). Its config becomes ``config``."""
     if not dist.is_initialized():
         raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
+    current_monitor().set_liveness(config.liveness())  # every rank: Note [dead peers] in peers.py
     member = group_record.current()
     if member is not None and member.elastic is not None:
         member.elastic.config = config

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tandem.comm.exit import install_clean_exit
 from tandem.comm.membership import Membership
 from tandem.comm.monitor import start_monitor
+from tandem.comm.peers import DEFAULT_LIVENESS
 from tandem.comm.world import WorldInfo
 
 __all__ = ["GroupRecord", "current", "forget", "last", "start_watch", "with_elastic"]
@@ -87,7 +88,8 @@ def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
                  timeout: datetime.timedelta | None, elastic: Membership | None = None) -> None:
     """What :func:`init` adds to a group it created or adopted, and the record of it."""
     global _membership
-    start_monitor(timeout_s=timeout_td.total_seconds())
+    start_monitor(timeout_s=timeout_td.total_seconds(),
+                  liveness=elastic.config.liveness() if elastic is not None else DEFAULT_LIVENESS)
     install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
     group = dist.group.WORLD
     assert group is not None, "the default group is initialised"

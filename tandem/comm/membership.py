@@ -56,6 +56,8 @@ from enum import Enum
 
 import torch.distributed as dist
 
+from tandem.comm.peers import HEARTBEAT_INTERVAL_S, STALE_AFTER_S, Liveness
+
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError"]
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,9 @@ class ElasticConfig:
     beat_s: float = 0.25
     """How often each member writes its heartbeat."""
     stale_after_s: float = 5.0
-    """A heartbeat this old means its member is dead."""
+    """A heartbeat this old means its member is dead. A death inside a
+    collective is seen sooner, after the collectives' own window (2.5 s: Note
+    [dead peers] in peers.py), or after this one where it is shorter."""
     regroup_timeout_s: float = 300.0
     """How long the survivors wait for every member to be accounted for (arrived
     or dead) before giving up."""
@@ -90,6 +94,12 @@ class ElasticConfig:
         if self.stale_after_s < 4 * self.beat_s:
             raise ValueError(f"ElasticConfig: stale_after_s={self.stale_after_s} must be at least four "
                              f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
+
+    def liveness(self) -> Liveness:
+        """The window a collective's wait judges the peers by (Note [dead peers]):
+        the default one, or this config's where it is shorter."""
+        return Liveness(beat_s=min(self.beat_s, HEARTBEAT_INTERVAL_S),
+                        stale_after_s=min(self.stale_after_s, STALE_AFTER_S))
 
 
 class Decision(Enum):

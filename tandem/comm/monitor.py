@@ -43,7 +43,7 @@ from tandem._compat import default_store
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.ledger import Ledger
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
-from tandem.comm.peers import EXITED, HEARTBEAT_INTERVAL_S, PeerWatch, heartbeat_key
+from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, heartbeat_key
 
 __all__ = ["Monitor", "current_monitor", "start_monitor", "stop_monitor"]
 
@@ -65,17 +65,19 @@ class Monitor:
         stacks_file: where SIGUSR1 dumps the Python stacks (None: not installed).
         debug: compare fingerprints before each collective.
         timeout_s: the collective timeout, which bounds debug-mode waits.
+        liveness: how often to beat, and when a silent peer is gone.
     """
 
     def __init__(self, *, rank: int, world_size: int, store: dist.Store | None,
                  progress_file: str | None = None, stacks_file: str | None = None,
-                 debug: bool = False, timeout_s: float = 600.0) -> None:
+                 debug: bool = False, timeout_s: float = 600.0, liveness: Liveness = DEFAULT_LIVENESS) -> None:
         self.rank = rank
         self.world_size = world_size
         self.pid = os.getpid()
         self.ledger = Ledger()
         self.store = store
-        self.peers = PeerWatch(store, rank) if store is not None and world_size > 1 else None
+        self.liveness = liveness
+        self.peers = PeerWatch(store, rank, liveness) if store is not None and world_size > 1 else None
         self.fingerprints = (FingerprintCheck(store, rank, self.peers, timeout_s)
                              if debug and self.peers is not None and store is not None else None)
         self._progress_file = Path(progress_file) if progress_file else None
@@ -119,8 +121,15 @@ class Monitor:
             self._stacks.close()
             self._stacks = None
 
+    def set_liveness(self, liveness: Liveness) -> None:
+        """Beat, and judge the peers' beats, by ``liveness`` from now on (every
+        rank of the group sets the same)."""
+        self.liveness = liveness
+        if self.peers is not None:
+            self.peers.liveness = liveness
+
     def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+        while not self._stop.wait(self.liveness.beat_s):
             self._beat()
             self._write_progress()
 
@@ -161,7 +170,8 @@ def _owner() -> tuple[int, int]:
     return os.getpid(), id(default_store())
 
 
-def start_monitor(*, timeout_s: float, environ: Mapping[str, str] | None = None) -> Monitor:
+def start_monitor(*, timeout_s: float, environ: Mapping[str, str] | None = None,
+                  liveness: Liveness = DEFAULT_LIVENESS) -> Monitor:
     """Build and start this process's monitor for the default process group
     (replacing one left from an earlier group)."""
     global _current
@@ -172,7 +182,7 @@ def start_monitor(*, timeout_s: float, environ: Mapping[str, str] | None = None)
         rank=dist.get_rank(), world_size=world_size,
         store=default_store() if world_size > 1 else None,
         progress_file=env.get(_PROGRESS_ENV) or None, stacks_file=env.get(_STACKS_ENV) or None,
-        debug="collectives" in debug_flags(env), timeout_s=timeout_s)
+        debug="collectives" in debug_flags(env), timeout_s=timeout_s, liveness=liveness)
     monitor.start()
     _current = (_owner(), monitor)
     return monitor

@@ -23,6 +23,10 @@ rank's first tandem call, so a peer still loading its data has not beaten yet
 (a 2.8 s gap flaked CI before this rule). It counts as gone only once gloo has
 failed the collective and the beat is still missing :data:`STALE_AFTER_S` later.
 
+An elastic job may ask for a shorter window (``ElasticConfig.stale_after_s``
+and ``beat_s`` below the defaults): its monitor then beats, and its waits
+judge, by that :class:`Liveness` (Note [elastic membership] in membership.py).
+
 A peer that is alive but stuck (a hang, not a death) keeps beating: that is the
 launcher watchdog's case (``tandem run --hang-timeout``). NCCL has its own
 watchdog and blocking semantics, so NCCL waits are not sliced.
@@ -30,6 +34,7 @@ watchdog and blocking semantics, so NCCL waits are not sliced.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import queue
 import threading
@@ -39,8 +44,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "PeerLostError", "PeerWatch", "STALE_AFTER_S", "ThreadedWait", "WAIT_SLICE_S",
-           "Waiter", "heartbeat_key", "wait_watching_peers"]
+__all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
+           "ThreadedWait", "WAIT_SLICE_S", "Waiter", "heartbeat_key", "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -52,6 +57,24 @@ EXITED = "exited"
 """The beat of a rank that left the job on purpose."""
 
 _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+
+
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+    """How often every rank beats, and how long an unchanged beat means a rank is
+    gone; the same on every rank of a group (a watcher judges its peers' beats)."""
+
+    beat_s: float = HEARTBEAT_INTERVAL_S
+    stale_after_s: float = STALE_AFTER_S
+
+    def __post_init__(self) -> None:
+        if not 0 < 4 * self.beat_s <= self.stale_after_s:
+            raise ValueError(f"Liveness: stale_after_s={self.stale_after_s} must be at least four beats "
+                             f"(beat_s={self.beat_s} > 0), or a slow beat reads as a death")
+
+
+DEFAULT_LIVENESS = Liveness()
+"""Every group's, unless an elastic job asks for a shorter window."""
 
 
 def heartbeat_key(rank: int) -> str:
@@ -84,11 +107,16 @@ class PeerWatch:
     Args:
         store: the job's c10d store.
         rank: this process's global rank (never reported as lost).
+        liveness: the group's beat and staleness window.
+        clock: monotonic seconds (a test injects its own).
     """
 
-    def __init__(self, store: dist.Store, rank: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, liveness: Liveness = DEFAULT_LIVENESS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.rank = rank
+        self.liveness = liveness
+        self._clock = clock
         self._seen: dict[int, tuple[str | None, float]] = {}
 
     def observe(self, ranks: Sequence[int], *, failed: bool = False) -> dict[int, str]:
@@ -102,7 +130,7 @@ class PeerWatch:
         Raises:
             RuntimeError: the store cannot be reached (its host is gone).
         """
-        now = time.monotonic()
+        now = self._clock()
         lost: dict[int, str] = {}
         for r, value in zip(ranks, self._read(ranks)):
             if r == self.rank:
@@ -113,19 +141,22 @@ class PeerWatch:
             previous = self._seen.get(r)
             if previous is None or previous[0] != value:
                 self._seen[r] = (value, now)
-            elif now - previous[1] >= STALE_AFTER_S and (value is not None or failed):
+            elif now - previous[1] >= self.liveness.stale_after_s and (value is not None or failed):
                 lost[r] = (f"stopped beating {now - previous[1]:.1f} s ago" if value is not None
                            else f"has not beaten in {now - previous[1]:.1f} s")
         return lost
 
-    def diagnose(self, ranks: Sequence[int], window_s: float = STALE_AFTER_S + 0.5) -> dict[int, str]:
-        """Watch ``ranks`` for up to ``window_s``; returns as soon as one is seen gone."""
-        end = time.monotonic() + window_s
+    def diagnose(self, ranks: Sequence[int], window_s: float | None = None) -> dict[int, str]:
+        """Watch ``ranks`` for up to ``window_s`` (default: the staleness window
+        and half a second); returns as soon as one is seen gone."""
+        if window_s is None:
+            window_s = self.liveness.stale_after_s + 0.5
+        end = self._clock() + window_s
         while True:
             lost = self.observe(ranks, failed=True)
-            if lost or time.monotonic() >= end:
+            if lost or self._clock() >= end:
                 return lost
-            time.sleep(HEARTBEAT_INTERVAL_S)
+            time.sleep(self.liveness.beat_s)
 
     def _read(self, ranks: Sequence[int]) -> list[str | None]:
         out: list[str | None] = []
