@@ -94,7 +94,7 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str
     torch.distributed.barrier()
     runs = {name: contender(name, args, rank) for name in CONTENDERS}
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for name, (step, _) in runs.items():
+    for step, _ in runs.values():
         for _ in range(args.warmup):
             step()
     for _ in range(args.rounds):
