@@ -1,4 +1,4 @@
-"""Step time of tandem.DistributedDataParallel against torch's, on 2 gloo ranks.
+"""Step time of tandem.DistributedDataParallel against torch's, on gloo ranks (2 by default).
 
 Run book::
 
@@ -8,12 +8,14 @@ Run book::
     python benchmarks/bench_ddp.py --models many --profile 30        # + cProfile of rank 0
     python benchmarks/bench_ddp.py --hooks none,fp16,bf16,powersgd   # communication hooks
     python benchmarks/bench_ddp.py --models transformer --compile    # + both DDPs under torch.compile
+    python benchmarks/bench_ddp.py --models transformer --world-size 4
 
-The script launches its own 2 ranks (tandem.testing.run_distributed: forkserver
-children, a gloo group, one intra-op thread per rank) and prints two Markdown
-tables from rank 0's clocks: wall-clock time per step, and the main thread's CPU
-time per step (time.thread_time), which shows what each wrapper costs the
-training thread even when other processes share the machine.
+The script launches its own ranks, 2 unless ``--world-size`` says otherwise
+(tandem.testing.run_distributed: forkserver children, a gloo group, one
+intra-op thread per rank) and prints two Markdown tables from rank 0's clocks:
+wall-clock time per step, and the main thread's CPU time per step
+(time.thread_time), which shows what each wrapper costs the training thread
+even when other processes share the machine.
 
 For each model, both wrappers are built once, on separate copies of the same
 model, with the same keyword arguments. After ``--warmup`` steps of each, the
@@ -391,13 +393,13 @@ def probe_torch_powersgd(rank: int, world_size: int, name: str, cfg: BenchConfig
     return int(logging_data.get("num_buckets_reduced", 0))
 
 
-def probe_torch_powersgd_all(cfg: BenchConfig) -> dict[str, str]:
+def probe_torch_powersgd_all(cfg: BenchConfig, world_size: int) -> dict[str, str]:
     """Per model: whether torch's powerSGD_hook survives its default buckets on
     gloo (in separate processes: when it fails, gloo aborts the process)."""
     verdicts = {}
     for name in cfg.models:
         try:
-            buckets = run_distributed(probe_torch_powersgd, world_size=2, args=(name, cfg),
+            buckets = run_distributed(probe_torch_powersgd, world_size=world_size, args=(name, cfg),
                                       timeout=600)[0]
             verdicts[name] = (f"with its default buckets ({buckets or '?'}) it ran {PROBE_STEPS} "
                               "steps this time")
@@ -552,25 +554,26 @@ def parse_ddp_kwargs(text: str) -> dict[str, Any]:
     return kwargs
 
 
-def parse_models(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in MODELS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown {unknown or text!r}; choose from {','.join(MODELS)}")
-    return names
+def name_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated, non-empty list of names from ``choices``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(s.strip() for s in text.split(",") if s.strip())
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from {','.join(choices)}")
+        return names
+
+    return parse
 
 
-def parse_hooks(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in HOOKS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from {','.join(HOOKS)}")
-    return names
+parse_models = name_list(MODELS)
+parse_hooks = name_list(HOOKS)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks, one intra-op thread each (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="unmeasured steps per contender before the rounds (default 3)")
@@ -592,8 +595,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"also time torch.compile of both DDPs (and of the plain module) on "
                              f"{', '.join(COMPILED_MODELS)}: rows '<model>+compile'")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or args.world_size < 1:
+        parser.error("--steps, --repeats and --world-size must be >= 1, --warmup >= 0")
     if args.compile and args.hooks:
         parser.error("--compile and --hooks do not combine")
     if args.compile and not set(args.models) & set(COMPILED_MODELS):
@@ -604,12 +607,12 @@ def main(argv: list[str] | None = None) -> None:
                       hooks=args.hooks, powersgd_rank=args.powersgd_rank, compile=args.compile)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    records = run_distributed(bench_rank, world_size=2, args=(cfg,), timeout=3600)[0]
-    probes = probe_torch_powersgd_all(cfg) if "powersgd" in cfg.hooks else {}
+    records = run_distributed(bench_rank, world_size=args.world_size, args=(cfg,), timeout=3600)[0]
+    probes = probe_torch_powersgd_all(cfg, args.world_size) if "powersgd" in cfg.hooks else {}
     elapsed = time.perf_counter() - started
 
     print(f"torch {torch.__version__}, Python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, 2 gloo ranks x 1 intra-op thread; "
+          f"{os.cpu_count()} CPUs, {args.world_size} gloo ranks x 1 intra-op thread; "
           f"ddp kwargs {cfg.ddp_kwargs or '(defaults)'}; "
           f"{cfg.repeats} rounds x {cfg.steps} steps per contender after {cfg.warmup} warm-up; "
           f"ran {elapsed:.0f} s; 1-min load average {load_before:.1f} before, "

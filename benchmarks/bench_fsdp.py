@@ -6,6 +6,7 @@ Run book::
     python benchmarks/bench_fsdp.py --width 768 --depth 8 --rounds 15
     python benchmarks/bench_fsdp.py --profile 10         # + cProfile of 10 steps of each FSDP, rank 0
     python benchmarks/bench_fsdp.py --compile            # + both FSDPs with each block compiled
+    python benchmarks/bench_fsdp.py --world-size 4 --contenders tandem-fsdp,torch-fsdp
 
 Launches its own ranks (tandem.testing.run_distributed: gloo, one intra-op
 thread per rank). Contenders, all with AdamW on the same model and batches: an
@@ -60,7 +61,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_ddp import profile_steps  # the sibling script, on sys.path when run
+from bench_ddp import name_list, profile_steps  # the sibling script, on sys.path when run
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -83,7 +84,9 @@ BASELINE = {"tandem-fsdp": "ddp", "tandem-fsdp-noreshard": "ddp", "ddp": "ddp",
 
 
 def contenders(args: argparse.Namespace) -> tuple[str, ...]:
-    return CONTENDERS + COMPILED if args.compile else CONTENDERS
+    """The contenders to run, in CONTENDERS order: ``--contenders`` if given, else all."""
+    names = CONTENDERS + COMPILED if args.compile else CONTENDERS
+    return tuple(n for n in names if n in args.contenders) if args.contenders else names
 
 
 class Block(nn.Module):
@@ -215,8 +218,17 @@ def bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str
     result = {"times": times, "bytes": {name: h() for name, (_, h) in runs.items()}}
     if args.profile:
         result["profile"] = {name: profile_steps(runs[name][0], args.profile, rank)
-                             for name in ("tandem-fsdp", "torch-fsdp")}
+                             for name in ("tandem-fsdp", "torch-fsdp") if name in runs}
     return result
+
+
+def vs_torch(times: dict[str, list[float]], name: str) -> dict[str, Any]:
+    """Contender ``name`` against its torch counterpart (COUNTERPART), from their
+    per-round mean step times: the median of the per-round ratios, their quartiles
+    (None with fewer than 2 rounds), and the ratio of the two medians."""
+    per_round = [a / b for a, b in zip(times[name], times[COUNTERPART[name]])]
+    return {"per_round": statistics.median(per_round), "quartiles": quartiles(per_round),
+            "of_medians": statistics.median(times[name]) / statistics.median(times[COUNTERPART[name]])}
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
@@ -227,25 +239,28 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for name in times:
         t = statistics.median(times[name])
         ratio = ""
-        if name in COUNTERPART:
-            torch_times = times[COUNTERPART[name]]
-            per_round = [a / b for a, b in zip(times[name], torch_times)]
-            ratio = (f"**{statistics.median(per_round):.2f}** {_quartiles(per_round, '.2f')}; "
-                     f"{t / statistics.median(torch_times):.2f}")
+        if COUNTERPART.get(name) in times:
+            r = vs_torch(times, name)
+            ratio = f"**{r['per_round']:.2f}** {_bracket(r['quartiles'], '.2f')}; {r['of_medians']:.2f}"
+        baseline = f"{t / statistics.median(times[BASELINE[name]]):.2f}x" if BASELINE[name] in times else ""
         held = [r["bytes"][name] for r in results]
         cells = [_per_rank([h[k] for h in held]) for k in ("params", "grads", "optimizer")]
         total = _per_rank([sum(h.values()) for h in held])
-        rows.append(f"| {name} | {t * 1e3:.1f} {_quartiles([x * 1e3 for x in times[name]], '.1f')} "
-                    f"| {ratio} | {t / statistics.median(times[BASELINE[name]]):.2f}x "
-                    f"| {' | '.join(cells)} | {total} |")
+        rows.append(f"| {name} | {t * 1e3:.1f} {_bracket(quartiles([x * 1e3 for x in times[name]]), '.1f')} "
+                    f"| {ratio} | {baseline} | {' | '.join(cells)} | {total} |")
     return "\n".join(rows)
 
 
-def _quartiles(values: list[float], fmt: str) -> str:
+def quartiles(values: list[float]) -> tuple[float, float] | None:
+    """First and third quartiles, None with fewer than 2 values."""
     if len(values) < 2:
-        return ""
+        return None
     q1, _, q3 = statistics.quantiles(values, n=4)
-    return f"[{q1:{fmt}}-{q3:{fmt}}]"
+    return q1, q3
+
+
+def _bracket(q: tuple[float, float] | None, fmt: str) -> str:
+    return "" if q is None else f"[{q[0]:{fmt}}-{q[1]:{fmt}}]"
 
 
 def _per_rank(values: list[int]) -> str:
@@ -259,7 +274,8 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, also what bench_scale.py builds this script's settings with."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--width", type=int, default=512)
@@ -273,7 +289,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="after measuring, cProfile N steps of tandem-fsdp and torch-fsdp on rank 0")
     parser.add_argument("--compile", action="store_true",
                         help="also time both FSDPs with each block compiled (torch.compile, before sharding)")
+    parser.add_argument("--contenders", type=name_list(CONTENDERS + COMPILED), default=(),
+                        help="comma-separated subset to run, e.g. tandem-fsdp,torch-fsdp (default all; "
+                             "with --compile the compiled ones are named too)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if not contenders(args):
+        parser.error("--contenders names only compiled contenders: add --compile")
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     results = run_distributed(bench_rank, args.world_size, args=(args,), timeout=3600)
