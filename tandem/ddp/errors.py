@@ -5,9 +5,11 @@ from __future__ import annotations
 __all__ = ["gradient_twice", "missing_gradients", "unfinished_backward"]
 
 
-def missing_gradients(rank: int, per_rank: list[list[str]] | None, mine: list[str] | None = None) -> str:
+def missing_gradients(rank: int, per_rank: list[list[str]] | None, mine: list[str] | None = None,
+                      late: bool = False) -> str:
     """Parameters that received no gradient, per rank (Note [missing-gradient flag] in finish.py);
-    ``per_rank`` None: only this rank's (``mine``) are known (inside tandem.join)."""
+    ``per_rank`` None: only this rank's (``mine``) are known (inside tandem.join); ``late``: found
+    at the end of the next backward (on CUDA, Note [late flag] in late_flag.py)."""
     if per_rank is None:
         lines = [f"  rank {rank}: {', '.join(repr(n) for n in mine)}" if mine else
                  f"  rank {rank}: none; another rank still training is missing some"]
@@ -15,7 +17,9 @@ def missing_gradients(rank: int, per_rank: list[list[str]] | None, mine: list[st
     else:
         lines = [f"  rank {r}: {', '.join(repr(n) for n in names)}" for r, names in enumerate(per_rank) if names]
     return (f"rank {rank}: DistributedDataParallel: these parameters received no "
-            "gradient in this backward:\n" + "\n".join(lines) + "\n"
+            + ("gradient in the previous backward (on CUDA this check is read one backward later, "
+               "so that backward never waits for the GPU; their gradients in that step were zeros):\n"
+               if late else "gradient in this backward:\n") + "\n".join(lines) + "\n"
             "Either they were not used in forward, or the outputs that use them did not reach "
             "the loss. If some parameters are legitimately unused, pass "
             "find_unused_parameters=True (or set requires_grad=False on parameters that never "

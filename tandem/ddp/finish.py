@@ -13,6 +13,8 @@ the last bucket, which the reduction sums like any gradient. Every rank reads th
 flag after waiting for the last bucket; if any rank raised it, all ranks gather
 the missing names (a collective only on this error path) and raise the same
 error, naming the parameters and the ranks. The check costs no extra collective.
+On a CUDA device the flag is read one step later, at the end of the next
+backward, so that the host never waits for the GPU (Note [late flag] in late_flag.py).
 
 # Note [recovered reduction failures]
 In an elastic loop (Note [elastic prepare] in tandem/train/prepare_elastic.py) a
@@ -109,7 +111,8 @@ class Finishing(Readiness):
         # flag on one rank (Note [zero reduction] in launch.py): the flag travels alone.
         flag_alone = self._comm_hook is not None or self._zero
         if flag_alone and self._check is None:
-            flag = torch.tensor([self._missing_flag], device=self.comm.device)
+            # torch.full fills on the device: no copy from the host, which waits on CUDA.
+            flag = torch.full((1,), self._missing_flag, device=self.comm.device)
             self.comm.all_reduce(flag, tag=FLAGS_TAG)
         # Note [fused step] in fused.py: step each bucket as soon as it lands, unless
         # a decision needs every bucket first (dropping the step, the used map).
@@ -135,7 +138,12 @@ class Finishing(Readiness):
         if flag is None:
             last = self.buckets[-1]
             flag = last.data[last.spec.numel]
-        if float(flag) > 0:
+        if isinstance(flag, torch.Tensor) and flag.is_cuda:  # Note [late flag] in late_flag.py
+            late = self._late_flag.take()  # the previous backward's
+            self._late_flag.post(flag, [self.names[i] for i in missing])
+            if late is not None:
+                self._raise_missing(late, late=True)
+        elif float(flag) > 0:
             self._raise_missing([self.names[i] for i in missing])
 
         globally_used = None if used is None else used.tolist()

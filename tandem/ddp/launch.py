@@ -98,7 +98,9 @@ class Launching(ReducerState):
                     p.grad = None
             return
         if spec.extra:
-            bucket.data[spec.numel] = self._missing_flag
+            # fill_ takes the value as a kernel argument; item assignment copies it from
+            # the host, which waits for the GPU (Note [late flag] in late_flag.py).
+            bucket.data[spec.numel].fill_(self._missing_flag)
         payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
         work = self.comm.all_reduce(payload, tag=f"bucket {bucket.index}", async_op=True)
         bucket.launched(work)

@@ -24,6 +24,7 @@ from tandem.ddp.errors import missing_gradients, unfinished_backward
 from tandem.ddp.finite import FiniteCheck
 from tandem.ddp.fused import BucketStepper
 from tandem.ddp.grad_bucket import CommHook
+from tandem.ddp.late_flag import LateFlag
 from tandem.ddp.plan import BucketPlan, ParamInfo, plan_ddp_buckets
 from tandem.ddp.write_back import foreign_grads
 from tandem.dtensor import local_grad, local_tensor, set_local_grad
@@ -106,6 +107,7 @@ class ReducerState:
         self._arrival: list[int] = []       # param indices in order of first readiness
         self._pending_unused: list[int] = []  # marked ready when backward starts
         self._missing_flag = 0.0            # Note [missing-gradient flag] in finish.py
+        self._late_flag = LateFlag()        # the flag on its way to the host (CUDA: Note [late flag])
         self._name_ranks = True             # every rank takes part in error paths (not inside join)
         self._in_place = False              # Note [in-place reduction] in launch.py, decided in arm
         self._rebuild_pending = False
@@ -196,13 +198,13 @@ class ReducerState:
         self._bytes += gradient_bytes(event)
 
     # ------------------------------------------------------------------ errors
-    def _raise_missing(self, mine: list[str]) -> None:
+    def _raise_missing(self, mine: list[str], late: bool = False) -> None:
         if not self._name_ranks:
             # Inside tandem.join the joined ranks mirror only the reduction's
             # collectives: a gather here would meet theirs and hang. Name this rank's.
-            raise RuntimeError(missing_gradients(self.comm.rank, None, mine))
+            raise RuntimeError(missing_gradients(self.comm.rank, None, mine, late=late))
         per_rank = self.comm.all_gather_object(mine, tag="missing gradients")
-        raise RuntimeError(missing_gradients(self.comm.rank, per_rank))
+        raise RuntimeError(missing_gradients(self.comm.rank, per_rank, late=late))
 
     def _raise_unfinished(self) -> None:
         waiting = [n for b in self.buckets if b.state is BucketState.FILLING for n in b.missing()]

@@ -12,7 +12,11 @@ collectives; and each rank's block carries one extra element per parameter,
 how many ranks did: none leaves the sharded ``.grad`` untouched (None stays
 None, as for an unused parameter in torch), any gives the average over all
 ranks with zeros for the ranks that did not use it, which is the gradient of
-the global batch's mean loss.
+the global batch's mean loss. The flags are filled on the device and their sums
+read back only by a rank that lacked some gradient itself: a rank with every
+gradient knows every sum is at least one, so in the common step (every rank
+uses every parameter) no rank reads a device value and a CUDA host never waits
+for the GPU.
 
 # Note [hybrid sharding]
 With a 2-D mesh ``(replicate, shard)`` (HSDP, as torch's FSDP2 takes it) a
@@ -64,7 +68,14 @@ class UnitReduce(UnitState):
             if g is None:
                 g = torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
             grads.append(self._blocks(g, m.spec) if m.spec.shard_dim else g)
-        flag_rows = torch.tensor(flags, dtype=self.param_dtype, device=self.config.device).expand(world, -1)
+        # Filled on the device, not copied from a host list: a copy from pageable
+        # memory stops the host on CUDA (Note [gradient flags]).
+        flag_row = torch.ones(len(flags), dtype=self.param_dtype, device=self.config.device)
+        for i, f in enumerate(flags):
+            if not f:
+                flag_row[i].fill_(0.0)  # not flag_row[i] = 0: a copy from the host
+        self._all_local = all(flags)
+        flag_rows = flag_row.expand(world, -1)
         inp = torch.empty(world, self.layout.shard_numel + len(flags), dtype=self.reduce_dtype,
                           device=self.config.device)
         chunk_cat(grads + [flag_rows], world, inp)
@@ -120,7 +131,10 @@ class UnitReduce(UnitState):
 
     def _set_grads(self, output: torch.Tensor, divide_factor: float) -> None:
         n = self.layout.shard_numel
-        flags = output[n:].tolist()
+        # Every flag's sum is at least this rank's: where this rank has every
+        # gradient, none is 0 and nothing needs reading, which on CUDA would stop
+        # the host (Note [gradient flags]); the sums are read only where it does not.
+        flags = [1.0] * len(self.managed) if self._all_local else output[n:].tolist()
         grads = output[:n]
         if divide_factor != 1:
             grads.div_(divide_factor)

@@ -140,6 +140,7 @@ class UnitState:
         self.requires_grad_sync = True
         self.requires_all_reduce = True   # Note [hybrid sharding] in unit_reduce.py
         self._partial: torch.Tensor | None = None
+        self._all_local = True  # this rank had every gradient in its last reduce-scatter (unit_reduce.py)
         self.divide_factor: float | None = None
         self.schedule: Any = None  # the root's Schedule, set at the root's first forward
         self.modules: tuple[nn.Module, ...] = ()  # the module(s) fully_shard was called on
