@@ -35,6 +35,8 @@ from torch import nn
 import tandem
 from tandem.checkpoint import MARKER, commit, committed_steps, load_committed, load_sharded_checkpoint, \
     save_committed, save_sharded_checkpoint, step_directory
+from tandem.comm.monitor import current_monitor
+from tandem.comm.peers import Liveness
 from tandem.testing import run_distributed, still_running
 from tandem.testing.models import IN, MLP, OUT
 from tandem.zero import ZeroOptimizer
@@ -82,6 +84,11 @@ def _assert_gone(pids: list[int]) -> None:
     assert still_running(pids, wait=10.0) == []
 
 
+# The survivor of a killed rank finds it gone once its beat is stale: a 1 s
+# window (as the elastic tests use) instead of the default 2.5 s, set on every rank.
+FAST_LIVENESS = Liveness(beat_s=0.25, stale_after_s=1.0)
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -116,6 +123,7 @@ def _same(a: Any, b: Any) -> bool:
 def _zero_save_then_die(rank: int, world_size: int, root: str, kill: str) -> str:
     root_path = Path(root)
     _record_pid(root_path.parent / f"pids-{root_path.name}", rank)
+    current_monitor().set_liveness(FAST_LIVENESS)
     model, ddp, opt = _zero(seed=0)
     _train(ddp, opt, range(SAVED), rank, world_size)
     assert opt.save_sharded(root, step=SAVED) == step_directory(root, SAVED)
@@ -317,6 +325,7 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _dcp_save_then_die(rank: int, world_size: int, root: str) -> str:
     _record_pid(Path(root).parent / "pids-dcp", rank)
+    current_monitor().set_liveness(FAST_LIVENESS)
     model, opt = _sharded(seed=0)
     _train(model, opt, range(SAVED), rank, world_size)
     save_sharded_checkpoint(root, model, opt, step=SAVED)

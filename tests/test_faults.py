@@ -33,8 +33,9 @@ from torch import nn
 import tandem as tdm
 from tandem.comm.fingerprint import CollectiveMismatchError
 from tandem.comm.group import GroupComm
-from tandem.comm.monitor import current_monitor
-from tandem.comm.peers import STALE_AFTER_S, PeerLostError, Waiter
+from tandem.comm.monitor import current_monitor, start_monitor
+from tandem.comm.peers import Liveness, PeerLostError, Waiter
+from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.testing import run_distributed, still_running
 
 
@@ -83,12 +84,18 @@ def test_debug_mode_names_both_sides_of_a_skipped_or_reshaped_collective_on_ever
 # ---------------------------------------------------------------- dead peers
 
 
+# A 1 s staleness window (as the elastic tests use), not the default 2.5 s:
+# the same detection, sooner.
+FAST_LIVENESS = Liveness(beat_s=0.25, stale_after_s=1.0)
+
+
 def _killed_inside_all_reduce(rank: int, world_size: int, workdir: str) -> dict:
     if rank == 3:
         # Late to its first tandem call (its monitor starts there): the others wait
         # in the warm-up for longer than a beat takes to go stale, and must not
         # report a rank that has not beaten yet as dead.
-        time.sleep(STALE_AFTER_S + 1.5)
+        time.sleep(FAST_LIVENESS.stale_after_s + 1.5)
+    start_monitor(timeout_s=DEFAULT_TIMEOUT.total_seconds(), liveness=FAST_LIVENESS)
     comm = GroupComm()
     big = torch.ones(4_000_000)
     comm.all_reduce(big, tag="warm-up")
