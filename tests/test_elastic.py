@@ -4,7 +4,9 @@ from a live peer; under DDP, ZeRO-2 and fully_shard (the sharded ones through
 buddy copies: Notes [buddy copies] and [elastic fully_shard]).
 
 Each scenario is one spawned world of 3 ranks on gloo, with the harness's
-timeout and an orphan check. The survivors' parameters are compared with a
+timeout and an orphan check. The scenarios mostly wait (for a 1 s staleness
+window, for a replacement to start), so a module fixture runs them three at a
+time, each in a directory of its own; each test checks its own scenario. The survivors' parameters are compared with a
 reference computed here, in one process, from the epoch's order alone: step i
 of a world of W ranks with batch B trains on positions [c, c + W*B) of the
 order, c being what earlier steps consumed. The world size of each step comes
@@ -14,10 +16,13 @@ it admitted the replacement (a wrong report gives different parameters).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -27,7 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tandem.comm.membership import ElasticConfig
-from tandem.testing import run_distributed
+from tandem.testing import run_distributed, start_concurrently
 from tandem.testing.harness import still_running
 
 N, BATCH, FEATURES = 48, 2, 6
@@ -226,8 +231,40 @@ def _check_reference(live: list[dict], schedule: list[int], zero: bool = False) 
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-def test_shrink_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
-    results = _run(tmp_path, {1: 2})
+def _sharded(sharding: str) -> dict[str, bool]:
+    return {"ddp": {}, "zero2": {"zero": True}, "fsdp": {"fsdp": True}}[sharding]
+
+
+JOIN = {"replace": (1,), "join_at": 4}
+SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's keywords)
+    "shrink": ({1: 2}, {}),
+    "replacement": ({1: 2}, JOIN),
+    **{f"sharded-shrink-{s}": ({1: 2}, _sharded(s)) for s in ("zero2", "fsdp")},
+    **{f"sharded-replacement-{s}": ({1: 2}, {**JOIN, **_sharded(s)}) for s in ("zero2", "fsdp")},
+    **{f"buddy-lost-{s}": ({1: 3, 2: 3}, {"checkpoint_every": 2, **_sharded(s)}) for s in ("zero2", "fsdp")},
+    **{f"two-losses-{s}": ({1: 1, 2: 3}, _sharded(s)) for s in ("ddp", "zero2", "fsdp")},
+    **{f"lost-joining-{s}": ({1: 2}, {**JOIN, "join_dies": True, **_sharded(s)}) for s in ("ddp", "zero2", "fsdp")},
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Future]]]:
+    """Every scenario, started three at a time when the first test asks."""
+    paths = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}
+    calls = {name: functools.partial(_run, paths[name], deaths, **kwargs)
+             for name, (deaths, kwargs) in SCENARIOS.items()}
+    with start_concurrently(calls) as runs:
+        yield {name: (paths[name], runs[name]) for name in SCENARIOS}
+
+
+def _launched(scenarios: dict[str, tuple[Path, Future]], name: str) -> tuple[Path, list[dict]]:
+    """Scenario ``name``'s directory and per-rank results (or its failure, raised)."""
+    path, future = scenarios[name]
+    return path, future.result()
+
+
+def test_shrink_after_a_rank_dies_in_backward(scenarios: dict) -> None:
+    tmp_path, results = _launched(scenarios, "shrink")
     live = [r for r in results if r is not None]
     assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
     _check_equal_replicas(live)
@@ -244,8 +281,8 @@ def test_shrink_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_replacement_joins_and_gets_the_state(tmp_path: Path) -> None:
-    results = _run(tmp_path, {1: 2}, replace=(1,), join_at=4)
+def test_replacement_joins_and_gets_the_state(scenarios: dict) -> None:
+    tmp_path, results = _launched(scenarios, "replacement")
     live = [r for r in results if r is not None]
     assert sorted(r["member"] for r in live) == ["0", "2", "j"]
     assert all(r["world_size"] == 3 for r in live)
@@ -264,13 +301,9 @@ def test_replacement_joins_and_gets_the_state(tmp_path: Path) -> None:
 SHARDED = pytest.mark.parametrize("sharding", ["zero2", "fsdp"])
 
 
-def _sharded(sharding: str) -> dict[str, bool]:
-    return {"ddp": {}, "zero2": {"zero": True}, "fsdp": {"fsdp": True}}[sharding]
-
-
 @SHARDED
-def test_sharded_shrink_recovers_the_lost_shard_from_its_buddy(tmp_path: Path, sharding: str) -> None:
-    results = _run(tmp_path, {1: 2}, **_sharded(sharding))
+def test_sharded_shrink_recovers_the_lost_shard_from_its_buddy(scenarios: dict, sharding: str) -> None:
+    tmp_path, results = _launched(scenarios, f"sharded-shrink-{sharding}")
     live = [r for r in results if r is not None]
     assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
     _check_equal_replicas(live)
@@ -293,8 +326,8 @@ def test_sharded_shrink_recovers_the_lost_shard_from_its_buddy(tmp_path: Path, s
 
 
 @SHARDED
-def test_sharded_replacement_joins_with_its_shard(tmp_path: Path, sharding: str) -> None:
-    results = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, **_sharded(sharding))
+def test_sharded_replacement_joins_with_its_shard(scenarios: dict, sharding: str) -> None:
+    tmp_path, results = _launched(scenarios, f"sharded-replacement-{sharding}")
     live = [r for r in results if r is not None]
     assert sorted(r["member"] for r in live) == ["0", "2", "j"]
     assert all(r["world_size"] == 3 for r in live)
@@ -306,11 +339,11 @@ def test_sharded_replacement_joins_with_its_shard(tmp_path: Path, sharding: str)
 
 
 @SHARDED
-def test_sharded_shard_and_its_buddy_lost_together_falls_back_to_the_checkpoint(tmp_path: Path,
+def test_sharded_shard_and_its_buddy_lost_together_falls_back_to_the_checkpoint(scenarios: dict,
                                                                               sharding: str) -> None:
     # Ranks 1 and 2 die in the same step: rank 1's shard and rank 2's copy of it are
     # both gone. Rank 0 goes on alone from the checkpoint of step 2, saying so.
-    results = _run(tmp_path, {1: 3, 2: 3}, checkpoint_every=2, **_sharded(sharding))
+    tmp_path, results = _launched(scenarios, f"buddy-lost-{sharding}")
     live = [r for r in results if r is not None]
     assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
     assert live[0]["steps"] == 2 + (N - 12) // 2  # trained from step 2 again, at world 1
@@ -329,8 +362,8 @@ EVERY = pytest.mark.parametrize("sharding", ["ddp", "zero2", "fsdp"])
 
 
 @EVERY
-def test_two_successive_losses(tmp_path: Path, sharding: str) -> None:
-    results = _run(tmp_path, {1: 1, 2: 3}, **_sharded(sharding))
+def test_two_successive_losses(scenarios: dict, sharding: str) -> None:
+    tmp_path, results = _launched(scenarios, f"two-losses-{sharding}")
     live = [r for r in results if r is not None]
     assert [r["member"] for r in live] == ["0"] and live[0]["world_size"] == 1
     changes = live[0]["changes"]
@@ -343,8 +376,8 @@ def test_two_successive_losses(tmp_path: Path, sharding: str) -> None:
 
 
 @EVERY
-def test_a_replacement_lost_while_joining(tmp_path: Path, sharding: str) -> None:
-    results = _run(tmp_path, {1: 2}, replace=(1,), join_dies=True, join_at=4, **_sharded(sharding))
+def test_a_replacement_lost_while_joining(scenarios: dict, sharding: str) -> None:
+    tmp_path, results = _launched(scenarios, f"lost-joining-{sharding}")
     live = [r for r in results if r is not None]
     assert sorted(r["member"] for r in live) == ["0", "2"]
     _check_equal_replicas(live)

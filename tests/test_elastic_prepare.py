@@ -5,15 +5,19 @@ backward, and grows back when a replacement joins.
 The scenarios, the reference (one process training on the same sample order at
 the world size of each step) and the count of samples are test_elastic.py's,
 whose helpers these tests use: the loop here records what it trained on in the
-same form as the Trainer's test does.
+same form as the Trainer's test does. As there, a module fixture runs the
+scenarios three at a time, each in a directory of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
 from tandem.data.sampler import DistributedSampler
-from tandem.testing import run_distributed
+from tandem.testing import run_distributed, start_concurrently
 from tandem.testing.harness import still_running
 
 
@@ -107,8 +111,33 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
     return [r for r in results if r is not None]
 
 
-def test_own_loop_shrinks_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
-    live = _run(tmp_path, {1: 2})
+JOIN = {"replace": (1,), "join_at": 4}
+SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's keywords)
+    "shrink": ({1: 2}, {}),
+    "fails-in-forward": ({1: 1}, {"before_forward": True}),
+    "replacement": ({1: 2}, {**JOIN, "epochs": 2}),
+    "lost-joining": ({1: 2}, {**JOIN, "join_dies": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Future]]]:
+    """Every scenario, started three at a time when the first test asks."""
+    paths = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}
+    calls = {name: functools.partial(_run, paths[name], deaths, **kwargs)
+             for name, (deaths, kwargs) in SCENARIOS.items()}
+    with start_concurrently(calls) as runs:
+        yield {name: (paths[name], runs[name]) for name in SCENARIOS}
+
+
+def _launched(scenarios: dict[str, tuple[Path, Future]], name: str) -> tuple[Path, list[dict]]:
+    """Scenario ``name``'s directory and its live ranks' results (or its failure, raised)."""
+    path, future = scenarios[name]
+    return path, future.result()
+
+
+def test_own_loop_shrinks_after_a_rank_dies_in_backward(scenarios: dict) -> None:
+    tmp_path, live = _launched(scenarios, "shrink")
     assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
     assert all(r["abandoned"] == 1 for r in live)  # step 2, dropped once and redone
     _check_equal_replicas(live)
@@ -123,10 +152,10 @@ def test_own_loop_shrinks_after_a_rank_dies_in_backward(tmp_path: Path) -> None:
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_own_loop_recovers_from_a_collective_that_fails_in_forward(tmp_path: Path) -> None:
+def test_own_loop_recovers_from_a_collective_that_fails_in_forward(scenarios: dict) -> None:
     # Rank 1 dies between steps 0 and 1; step 1's forward broadcasts the bucket order
     # (DDP re-plans after its first step), which fails on rank 0 inside forward.
-    live = _run(tmp_path, {1: 1}, before_forward=True)
+    tmp_path, live = _launched(scenarios, "fails-in-forward")
     assert [r["member"] for r in live] == ["0", "2"] and all(r["abandoned"] == 1 for r in live)
     _check_equal_replicas(live)
     changes = live[0]["changes"]
@@ -137,9 +166,9 @@ def test_own_loop_recovers_from_a_collective_that_fails_in_forward(tmp_path: Pat
     assert _used_samples(tmp_path, {"1": 1}) == list(range(N))
 
 
-def test_own_loop_admits_a_replacement_that_gets_the_state(tmp_path: Path) -> None:
+def test_own_loop_admits_a_replacement_that_gets_the_state(scenarios: dict) -> None:
     # Two epochs: the replacement joins in the first and takes up the members' epoch.
-    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, epochs=2)
+    tmp_path, live = _launched(scenarios, "replacement")
     assert sorted(r["member"] for r in live) == ["0", "2", "j"]
     assert all(r["world_size"] == 3 for r in live)
     _check_equal_replicas(live)
@@ -155,10 +184,10 @@ def test_own_loop_admits_a_replacement_that_gets_the_state(tmp_path: Path) -> No
     assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)
 
 
-def test_own_loop_survives_a_replacement_lost_while_joining(tmp_path: Path) -> None:
+def test_own_loop_survives_a_replacement_lost_while_joining(scenarios: dict) -> None:
     # Admitted, the replacement dies before prepare's collectives, which the members
     # mirror for it: they lose it again and go on at world 2.
-    live = _run(tmp_path, {1: 2}, replace=(1,), join_at=4, join_dies=True)
+    tmp_path, live = _launched(scenarios, "lost-joining")
     assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
     _check_equal_replicas(live)
     changes = live[0]["changes"]

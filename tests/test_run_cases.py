@@ -105,3 +105,26 @@ def test_a_rank_that_dies_fails_its_case_alone(results):
         results["dies"]
     assert "process exited with code 7" in info.value.tracebacks[1]
     assert results["after_death"] == [3.0, 3.0]
+
+
+def test_start_concurrently_runs_calls_together_and_keeps_each_outcome_apart() -> None:
+    import threading
+
+    from tandem.testing import start_concurrently
+
+    together = threading.Barrier(2, timeout=10)  # passes only if both calls run at once
+
+    def meet(value: int) -> int:
+        together.wait()
+        return value
+
+    def fail() -> int:
+        raise KeyError("its own failure")
+
+    with start_concurrently({"a": lambda: meet(1), "b": lambda: meet(2), "c": fail}, at_once=2) as runs:
+        assert runs["a"].result() == 1 and runs["b"].result() == 2
+        with pytest.raises(KeyError, match="its own failure"):
+            runs["c"].result()
+    with pytest.raises(ValueError, match="at_once must be >= 1, got 0"):
+        with start_concurrently({}, at_once=0):
+            pass

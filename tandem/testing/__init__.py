@@ -2,6 +2,8 @@
 
 from tandem.testing.cases import Case, CaseResults, run_cases
 from tandem.testing.compare import max_abs_diff
+from tandem.testing.concurrent import start_concurrently
 from tandem.testing.harness import RankFailure, run_distributed, still_running
 
-__all__ = ["Case", "CaseResults", "RankFailure", "max_abs_diff", "run_cases", "run_distributed", "still_running"]
+__all__ = ["Case", "CaseResults", "RankFailure", "max_abs_diff", "run_cases", "run_distributed", "start_concurrently",
+           "still_running"]
