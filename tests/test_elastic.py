@@ -16,14 +16,16 @@ it admitted the replacement (a wrong report gives different parameters).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -247,14 +249,23 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
 }
 
 
+@contextlib.contextmanager
+def launch_all(factory: pytest.TempPathFactory, run: Callable[..., Any],
+               scenarios: dict[str, tuple[dict[int, int], dict]]) -> Iterator[dict[str, tuple[Path, Future]]]:
+    """``run(directory, deaths, **keywords)`` for every scenario, three at a time,
+    each in a new directory: the directory and future of each, by name."""
+    paths = {name: factory.mktemp(name) for name in scenarios}
+    calls = {name: functools.partial(run, paths[name], deaths, **kwargs)
+             for name, (deaths, kwargs) in scenarios.items()}
+    with start_concurrently(calls) as runs:
+        yield {name: (paths[name], runs[name]) for name in scenarios}
+
+
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Future]]]:
-    """Every scenario, started three at a time when the first test asks."""
-    paths = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}
-    calls = {name: functools.partial(_run, paths[name], deaths, **kwargs)
-             for name, (deaths, kwargs) in SCENARIOS.items()}
-    with start_concurrently(calls) as runs:
-        yield {name: (paths[name], runs[name]) for name in SCENARIOS}
+    """Every scenario, started when the first test asks."""
+    with launch_all(tmp_path_factory, _run, SCENARIOS) as runs:
+        yield runs
 
 
 def _launched(scenarios: dict[str, tuple[Path, Future]], name: str) -> tuple[Path, list[dict]]:

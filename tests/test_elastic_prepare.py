@@ -11,7 +11,6 @@ scenarios three at a time, each in a directory of its own.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -24,13 +23,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_elastic import (BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
-                          _reference, _schedule, _used_samples, make_model, make_optimizer)
+from test_elastic import (BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference, _launched,
+                          _reference, _schedule, _used_samples, launch_all, make_model, make_optimizer)
 from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
 from tandem.data.sampler import DistributedSampler
-from tandem.testing import run_distributed, start_concurrently
+from tandem.testing import run_distributed
 from tandem.testing.harness import still_running
 
 
@@ -122,18 +121,9 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Future]]]:
-    """Every scenario, started three at a time when the first test asks."""
-    paths = {name: tmp_path_factory.mktemp(name) for name in SCENARIOS}
-    calls = {name: functools.partial(_run, paths[name], deaths, **kwargs)
-             for name, (deaths, kwargs) in SCENARIOS.items()}
-    with start_concurrently(calls) as runs:
-        yield {name: (paths[name], runs[name]) for name in SCENARIOS}
-
-
-def _launched(scenarios: dict[str, tuple[Path, Future]], name: str) -> tuple[Path, list[dict]]:
-    """Scenario ``name``'s directory and its live ranks' results (or its failure, raised)."""
-    path, future = scenarios[name]
-    return path, future.result()
+    """Every scenario, started when the first test asks."""
+    with launch_all(tmp_path_factory, _run, SCENARIOS) as runs:
+        yield runs
 
 
 def test_own_loop_shrinks_after_a_rank_dies_in_backward(scenarios: dict) -> None:
