@@ -61,9 +61,10 @@ def test_environment_and_init_as_under_torchrun(tmp_path):
     path = script(tmp_path, "contract.py", CONTRACT)
     (tmp_path / "ours").mkdir()
     (tmp_path / "theirs").mkdir()
-    ours = tandem(["--nproc-per-node", "2", str(path), "ours"], cwd=tmp_path)
-    theirs = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", str(path), "theirs"],
-                 cwd=tmp_path)
+    # Both launchers at once: each job has its own ports and directory.
+    ours_job = Job(TANDEM + ["--nproc-per-node", "2", str(path), "ours"], cwd=tmp_path)
+    theirs_job = Job(TORCHRUN + ["--standalone", "--nproc-per-node", "2", str(path), "theirs"], cwd=tmp_path)
+    ours, theirs = ours_job.finish(60), theirs_job.finish(60)
     assert ours.returncode == 0, ours
     assert theirs.returncode == 0, theirs
     mine, ref = results(tmp_path / "ours"), results(tmp_path / "theirs")
@@ -239,14 +240,31 @@ def test_port_in_use_is_reported(tmp_path):
     assert f"port {port} is already in use" in r.stderr and "--master-port" in r.stderr
 
 
-@pytest.mark.parametrize("flags", [["--master-port", "{port}", "--node-rank", "0"],
-                                   ["--rdzv-endpoint", "127.0.0.1:{port}"]],
-                         ids=["static", "c10d"])
-def test_nodes_that_never_come_time_out(tmp_path, flags):
-    path = script(tmp_path, "hello.py", "print('hi')\n")
-    port = str(free_port())
-    r = tandem(["--nnodes", "2", "--rdzv-timeout", "2"] + [f.format(port=port) for f in flags]
-               + [str(path)], cwd=tmp_path, timeout=40)
+NEVER_COME = {"static": ["--master-port", "{port}", "--node-rank", "0"],
+              "c10d": ["--rdzv-endpoint", "127.0.0.1:{port}"]}
+
+
+@pytest.fixture(scope="module")
+def lone_nodes(tmp_path_factory):
+    """One node of two under each rendezvous, started at once: each waits 2 s for
+    a node that never comes."""
+    ports: list[int] = []
+    while len(ports) < len(NEVER_COME):  # two different ports, one per job
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    jobs = {}
+    for (name, flags), port in zip(NEVER_COME.items(), ports):
+        cwd = tmp_path_factory.mktemp(f"lone-{name}")
+        path = script(cwd, "hello.py", "print('hi')\n")
+        jobs[name] = Job(TANDEM + ["--nnodes", "2", "--rdzv-timeout", "2"]
+                         + [f.format(port=port) for f in flags] + [str(path)], cwd=cwd)
+    return {name: job.finish(40) for name, job in jobs.items()}
+
+
+@pytest.mark.parametrize("rendezvous", list(NEVER_COME))
+def test_nodes_that_never_come_time_out(lone_nodes, rendezvous):
+    r = lone_nodes[rendezvous]
     assert r.returncode == 1, r
     assert "waiting up to 2 s" in r.stderr
     assert "did not complete within 2 s" in r.stderr and "--rdzv-timeout" in r.stderr
