@@ -18,13 +18,26 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 DIGITS = ["-m", "tandem.examples.digits", "--no-progress"]
 
 
-def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+def _start(argv: list[str], cwd: Path | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    assert "terminate called" not in proc.stderr
-    return proc
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish within 240 s\n{out[-3000:]}{err[-4000:]}") from None
+    assert proc.returncode == 0, out[-3000:] + err[-4000:]
+    assert "terminate called" not in err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return _finish(_start(argv, cwd))
 
 
 def _printed(stdout: str, pattern: str) -> str:
@@ -47,13 +60,24 @@ def test_main_job_reaches_the_accuracy_the_readme_states(tmp_path):
 
 def test_main_job_resumes_exactly_across_launchers(tmp_path):
     short = ["--epochs", "3", "--output-dir"]
-    # Stopped mid-epoch under torchrun, resumed under tandem run ...
-    stopped = _run(TORCHRUN + DIGITS + short + ["parted", "--max-steps", "30"], cwd=tmp_path)
-    assert "trained 1 epoch(s), 30 steps" in stopped.stdout
-    resumed = _run(TANDEM_RUN + DIGITS + short + ["parted"], cwd=tmp_path)
-    assert "resumed from parted/checkpoints/step-00000030.pt (epoch 1, step 30)" in resumed.stdout
-    # ... ends where one uninterrupted run ends.
-    whole = _run(TANDEM_RUN + DIGITS + short + ["whole"], cwd=tmp_path)
+    # One uninterrupted run (in the background, in a directory of its own) ...
+    whole_job = _start(TANDEM_RUN + DIGITS + short + ["whole"], cwd=tmp_path)
+    try:
+        # ... and one stopped mid-epoch under torchrun, resumed under tandem run ...
+        stopped = _run(TORCHRUN + DIGITS + short + ["parted", "--max-steps", "30"], cwd=tmp_path)
+        assert "trained 1 epoch(s), 30 steps" in stopped.stdout
+        resumed = _run(TANDEM_RUN + DIGITS + short + ["parted"], cwd=tmp_path)
+        assert "resumed from parted/checkpoints/step-00000030.pt (epoch 1, step 30)" in resumed.stdout
+    except BaseException:
+        whole_job.terminate()  # tandem run forwards SIGTERM to its workers
+        try:
+            whole_job.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            whole_job.kill()
+            whole_job.communicate()
+        raise
+    # ... ends where the uninterrupted run ends.
+    whole = _finish(whole_job)
     pattern = r"test accuracy ([\d.]+% on \d+ images, test loss [\d.]+)"
     assert _printed(resumed.stdout, pattern) == _printed(whole.stdout, pattern)
     assert "trained 3 epoch(s), 69 steps, over 2 rank(s)" in resumed.stdout
