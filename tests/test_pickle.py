@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
+from tandem.comm.group import GroupComm
 from tandem.testing import max_abs_diff, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
@@ -258,6 +259,12 @@ def _side_by_side(rank: int, world_size: int) -> dict[str, Any]:
     out["tandem ddp subgroup"] = _attempt(lambda: copy.deepcopy(sub))
     out["tandem ddp subgroup save"] = _attempt(lambda: torch.save(sub, io.BytesIO()))
 
+    # A hook whose state is another GroupComm: refused, saying what holds the group and what to do.
+    hooked = tandem.DistributedDataParallel(make_model("mlp", 0))
+    hooked.register_comm_hook(GroupComm(group), tandem.comm_hooks.allreduce_hook)  # type: ignore[operator]
+    out["tandem ddp foreign comm hook deepcopy"] = _attempt(lambda: copy.deepcopy(hooked))
+    out["tandem ddp foreign comm hook save"] = _attempt(lambda: torch.save(hooked, io.BytesIO()))
+
     # torch's ZeroRedundancyOptimizer copies, but the copy cannot step.
     ddp = TorchDDP(make_model("mlp", 0))
     zro = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
@@ -374,6 +381,11 @@ def test_side_by_side_with_torch(side_by_side: list[dict[str, Any]]) -> None:
             assert out[key].startswith(f"RuntimeError: rank {rank}: a DistributedDataParallel over a process "
                                        "group other than the default one"), out[key]
             assert "copy.deepcopy(ddp.module)" in out[key]
+        # A comm hook whose state is a GroupComm other than the model's own.
+        for key in ("tandem ddp foreign comm hook deepcopy", "tandem ddp foreign comm hook save"):
+            assert out[key].startswith(f"TypeError: rank {rank}: a GroupComm over process group "), out[key]
+            assert "(ranks [0, 1]) cannot be pickled or deep-copied" in out[key], out[key]
+            assert "register the hook on the copy" in out[key], out[key]
         # torch's ZeroRedundancyOptimizer: the copy is made, and breaks at its first step;
         # tandem's ZeroOptimizer copies train on (test_copies_train_on_equal_*).
         assert out["torch zero copy step"].startswith("AttributeError"), out["torch zero copy step"]

@@ -117,6 +117,17 @@ class GroupComm:
             dist.get_backend(group) == "gloo"
         self._waiter = Waiter()  # its thread starts at the first reduce-scatter watched
 
+    def __reduce__(self) -> Any:
+        # A live process group cannot travel: say what holds it and what to do,
+        # not pickle's "cannot pickle 'ProcessGroup' object".
+        raise TypeError(
+            f"rank {self.rank}: a GroupComm over process group {self.label!r} (ranks {self.members}) cannot be "
+            "pickled or deep-copied: it holds a "
+            "live process group. A DistributedDataParallel whose communication hook state is (or holds) "
+            "a GroupComm other than the model's own (ddp.comm) cannot be copied with its hook: remove "
+            "the hook or copy the wrapped module (ddp.module), and register the hook on the copy with a "
+            "GroupComm of its own")
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank ``group_rank``."""
         if self.group is None:
