@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch_support import clean_env, script, tandem
+from test_launch_support import TANDEM, Job, clean_env, script, tandem
 from torch import nn
 
 import tandem as tdm
@@ -278,9 +278,13 @@ def _done_lines(stdout: str) -> dict[int, str]:
 def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_and_completes(tmp_path):
     path = script(tmp_path, "hangs.py", HANGS)
     logs = tmp_path / "logs"
+    # The uninterrupted run to compare with goes alongside (its own port and
+    # output directory): the hanging job mostly waits for its timeout.
+    ref_job = Job(TANDEM + ["--nproc-per-node", "2", str(path), str(tmp_path / "ref")], cwd=tmp_path)
     r = tandem(["--nproc-per-node", "2", "--hang-timeout", "4", "--max-restarts", "1",
                 "--log-dir", str(logs), str(path), str(tmp_path / "out")], cwd=tmp_path, timeout=120,
                env=clean_env(SLEEP="1"))
+    ref = ref_job.finish(90)
     assert r.returncode == 0, r
     report = (logs / "hang-report-attempt_0.txt").read_text()
     assert "attempt 0 hung" in r.stderr and report.splitlines()[0] in r.stderr
@@ -298,8 +302,6 @@ def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_an
     assert sorted(done) == [0, 1] and {d["attempt"] for d in done.values()} == {"1"}
     assert "resumed from" in r.stdout
     # The resumed job ends where an uninterrupted one does.
-    ref = tandem(["--nproc-per-node", "2", str(path), str(tmp_path / "ref")], cwd=tmp_path,
-                 timeout=90)
     assert ref.returncode == 0, ref
     expected = _done_lines(ref.stdout)
     for rank in (0, 1):
