@@ -10,7 +10,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TANDEM_RUN = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", "2"]
@@ -40,15 +43,49 @@ def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProces
     return _finish(_start(argv, cwd))
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a job still running (tandem run forwards SIGTERM to its workers)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+INDEPENDENT = {  # the module's jobs that need nothing from each other: started together
+    "accuracy": TANDEM_RUN + DIGITS,
+    "one_process": [sys.executable] + DIGITS + ["--epochs", "1"],
+    "plain_ddp": TORCHRUN + ["-m", "tandem.examples.ddp_regression", "--steps", "60", "--log-every", "20"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, subprocess.Popen]]]:
+    """Each independent job's directory and process, all started at the first
+    test that asks (a job's test waits for its own: :func:`_finish`)."""
+    started = {}
+    for name, argv in INDEPENDENT.items():
+        cwd = tmp_path_factory.mktemp(name)
+        started[name] = (cwd, _start(argv, cwd))
+    try:
+        yield started
+    finally:
+        for _, proc in started.values():
+            _stop(proc)
+
+
 def _printed(stdout: str, pattern: str) -> str:
     found = re.findall(pattern, stdout)
     assert len(found) == 1, f"expected one match of {pattern!r} in:\n{stdout[-3000:]}"
     return found[0]
 
 
-def test_main_job_reaches_the_accuracy_the_readme_states(tmp_path):
+def test_main_job_reaches_the_accuracy_the_readme_states(jobs):
     stated = float(_printed(README.read_text(), r"test accuracy of\s+([\d.]+)%"))
-    proc = _run(TANDEM_RUN + DIGITS, cwd=tmp_path)
+    tmp_path, job = jobs["accuracy"]
+    proc = _finish(job)
     printed = float(_printed(proc.stdout, r"\[rank 0\] test accuracy ([\d.]+)%"))
     # The run is deterministic on one machine; another CPU may round differently.
     assert abs(printed - stated) <= 1.0, (printed, stated)
@@ -69,12 +106,7 @@ def test_main_job_resumes_exactly_across_launchers(tmp_path):
         resumed = _run(TANDEM_RUN + DIGITS + short + ["parted"], cwd=tmp_path)
         assert "resumed from parted/checkpoints/step-00000030.pt (epoch 1, step 30)" in resumed.stdout
     except BaseException:
-        whole_job.terminate()  # tandem run forwards SIGTERM to its workers
-        try:
-            whole_job.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            whole_job.kill()
-            whole_job.communicate()
+        _stop(whole_job)
         raise
     # ... ends where the uninterrupted run ends.
     whole = _finish(whole_job)
@@ -83,11 +115,11 @@ def test_main_job_resumes_exactly_across_launchers(tmp_path):
     assert "trained 3 epoch(s), 69 steps, over 2 rank(s)" in resumed.stdout
 
 
-def test_main_job_runs_as_one_process(tmp_path):
-    proc = _run([sys.executable] + DIGITS + ["--epochs", "1"], cwd=tmp_path)
+def test_main_job_runs_as_one_process(jobs):
+    proc = _finish(jobs["one_process"][1])
     assert "over 1 rank(s)" in proc.stdout and "test accuracy" in proc.stdout
 
 
-def test_plain_ddp_example_exits_cleanly_under_torchrun():
-    proc = _run(TORCHRUN + ["-m", "tandem.examples.ddp_regression", "--steps", "60", "--log-every", "20"])
+def test_plain_ddp_example_exits_cleanly_under_torchrun(jobs):
+    proc = _finish(jobs["plain_ddp"][1])
     assert "over 2 rank(s)" in proc.stdout
