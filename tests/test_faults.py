@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch_support import TANDEM, Job, clean_env, script, tandem
+from test_launch_support import TANDEM, Job, clean_env, finish_all, script
 from torch import nn
 
 import tandem as tdm
@@ -280,21 +280,22 @@ def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_an
     logs = tmp_path / "logs"
     # The uninterrupted run to compare with goes alongside (its own port and
     # output directory): the hanging job mostly waits for its timeout.
-    ref_job = Job(TANDEM + ["--nproc-per-node", "2", str(path), str(tmp_path / "ref")], cwd=tmp_path)
-    r = tandem(["--nproc-per-node", "2", "--hang-timeout", "4", "--max-restarts", "1",
-                "--log-dir", str(logs), str(path), str(tmp_path / "out")], cwd=tmp_path, timeout=120,
-               env=clean_env(SLEEP="1"))
-    ref = ref_job.finish(90)
+    runs = finish_all({
+        "hangs": Job(TANDEM + ["--nproc-per-node", "2", "--hang-timeout", "4", "--max-restarts", "1",
+                               "--log-dir", str(logs), str(path), str(tmp_path / "out")],
+                     cwd=tmp_path, env=clean_env(SLEEP="1")),
+        "ref": Job(TANDEM + ["--nproc-per-node", "2", str(path), str(tmp_path / "ref")], cwd=tmp_path)}, 120)
+    r, ref = runs["hangs"], runs["ref"]
     assert r.returncode == 0, r
     report = (logs / "hang-report-attempt_0.txt").read_text()
     assert "attempt 0 hung" in r.stderr and report.splitlines()[0] in r.stderr
-    asleep = next(l for l in report.splitlines() if l.startswith("  rank 1:"))
+    asleep = next(line for line in report.splitlines() if line.startswith("  rank 1:"))
     assert "last completed #" in asleep and "now in Python at" in asleep
     assert f"{path}:" in asleep and "in forward" in asleep
-    waiting = next(l for l in report.splitlines() if l.startswith("  rank 0:"))
+    waiting = next(line for line in report.splitlines() if line.startswith("  rank 0:"))
     assert "waiting in #" in waiting and "all_reduce 'bucket 0'" in waiting
     # Detected within the timeout + 5 s of rank 1 falling asleep.
-    slept_at = float(next(l for l in r.stdout.splitlines() if "sleeping at" in l).split()[-1])
+    slept_at = float(next(line for line in r.stdout.splitlines() if "sleeping at" in line).split()[-1])
     detected = (logs / "hang-report-attempt_0.txt").stat().st_mtime
     # (Not early either: the newest progress may precede the sleep by a monitor tick.)
     assert 3.5 <= detected - slept_at <= 9.0, detected - slept_at

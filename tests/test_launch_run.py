@@ -18,6 +18,7 @@ from test_launch_support import (
     TORCHRUN,
     Job,
     clean_env,
+    finish_all,
     free_port,
     lines_with,
     processes_mentioning,
@@ -62,9 +63,10 @@ def test_environment_and_init_as_under_torchrun(tmp_path):
     (tmp_path / "ours").mkdir()
     (tmp_path / "theirs").mkdir()
     # Both launchers at once: each job has its own ports and directory.
-    ours_job = Job(TANDEM + ["--nproc-per-node", "2", str(path), "ours"], cwd=tmp_path)
-    theirs_job = Job(TORCHRUN + ["--standalone", "--nproc-per-node", "2", str(path), "theirs"], cwd=tmp_path)
-    ours, theirs = ours_job.finish(60), theirs_job.finish(60)
+    runs = finish_all({"ours": Job(TANDEM + ["--nproc-per-node", "2", str(path), "ours"], cwd=tmp_path),
+                       "theirs": Job(TORCHRUN + ["--standalone", "--nproc-per-node", "2", str(path), "theirs"],
+                                     cwd=tmp_path)}, 60)
+    ours, theirs = runs["ours"], runs["theirs"]
     assert ours.returncode == 0, ours
     assert theirs.returncode == 0, theirs
     mine, ref = results(tmp_path / "ours"), results(tmp_path / "theirs")
@@ -142,7 +144,7 @@ def test_output_is_prefixed_by_rank_and_filtered(tmp_path):
     shown = tandem(["--nproc-per-node", "3", "--ranks", "1", "--log-dir", str(tmp_path / "logs"),
                     str(path)], cwd=tmp_path)
     assert shown.returncode == 0, shown
-    assert [l for l in shown.stdout.splitlines() if l.startswith("[rank")] == [
+    assert [line for line in shown.stdout.splitlines() if line.startswith("[rank")] == [
         "[rank 1] hello from 1", "[rank 1] half from 1 and the rest"]
     # The log files keep every rank.
     assert (tmp_path / "logs/attempt_0/rank_2/stdout.log").read_text().startswith("hello from 2")
@@ -180,8 +182,8 @@ def test_failure_summary_and_fail_fast(tmp_path):
     lines = summary.splitlines()
     assert "rank 1 (local rank 1 on" in lines[0] and "exit code 1" in lines[0], summary
     assert "    ValueError: corrupt batch at step 7" in lines, summary
-    assert any("load_batch" in l for l in lines), summary
-    log = next(l for l in lines if l.startswith("  full log: ")).split(": ", 1)[1]
+    assert any("load_batch" in line for line in lines), summary
+    log = next(line for line in lines if line.startswith("  full log: ")).split(": ", 1)[1]
     assert log == str(tmp_path / "logs/attempt_0/rank_1/stderr.log")
     assert "corrupt batch" in open(log).read()
     assert "rank 2 (stopped by the launcher)" in summary
@@ -259,7 +261,7 @@ def lone_nodes(tmp_path_factory):
         path = script(cwd, "hello.py", "print('hi')\n")
         jobs[name] = Job(TANDEM + ["--nnodes", "2", "--rdzv-timeout", "2"]
                          + [f.format(port=port) for f in flags] + [str(path)], cwd=cwd)
-    return {name: job.finish(40) for name, job in jobs.items()}
+    return finish_all(jobs, 40)
 
 
 @pytest.mark.parametrize("rendezvous", list(NEVER_COME))

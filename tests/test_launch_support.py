@@ -137,6 +137,22 @@ class Job:
             pass
 
 
+def finish_all(jobs: dict[str, Job], timeout: float) -> dict[str, Run]:
+    """Finish every job of ``jobs``, each within ``timeout``. A job that fails
+    its test (pytest.fail: it overran and was killed) does not leave the others
+    running: they are still finished, or killed, before the first failure is raised."""
+    runs: dict[str, Run] = {}
+    failure: BaseException | None = None
+    for name, job in jobs.items():
+        try:
+            runs[name] = job.finish(timeout)
+        except BaseException as e:  # noqa: BLE001 - raised below, once every job is done
+            failure = failure or e
+    if failure is not None:
+        raise failure
+    return runs
+
+
 def run(argv: list[str], *, cwd: Path, timeout: float = 60.0, env: dict[str, str] | None = None,
         marker: str | None = None) -> Run:
     """Run ``argv`` in ``cwd`` to completion within ``timeout`` (else fail the test,

@@ -232,7 +232,7 @@ def test_saved_at_world_2_resumed_at_world_3_equals_uninterrupted_training(resul
     # The records after the resume: the same steps, the same global-batch losses.
     resumed = r["three"][0][kind]["second"]["losses"]
     assert [s for s, _ in resumed] == [s for s, _ in full["losses"]]  # history restored, then continued
-    assert [l for _, l in resumed] == pytest.approx([l for _, l in full["losses"]], abs=TOL)
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in full["losses"]], abs=TOL)
 
 
 @pytest.mark.parametrize("kind", KINDS)
