@@ -117,8 +117,15 @@ def test_the_watchdog_fires_when_the_newest_progress_is_older_than_the_timeout(t
     patient = Watchdog(timeout_s=90)
     assert patient.stalled_for(attempt, now=t0) is None
     assert patient.stalled_for(attempt, now=t0 + 89) is None
-    # A rank that progressed recently keeps the job alive; the newest file counts.
+    # A rank that progressed while another is still starting (no file yet) has
+    # not hung: its peer may still be importing torch; after the grace it has.
     attempt.ranks[0].progress.write_text("{}")
+    os.utime(attempt.ranks[0].progress, (t0 + 1, t0 + 1))
+    slow_start = Watchdog(timeout_s=10)
+    assert slow_start.stalled_for(attempt, now=t0) is None
+    assert slow_start.stalled_for(attempt, now=t0 + 30) is None
+    assert slow_start.stalled_for(attempt, now=t0 + STARTUP_GRACE_S + 1) == pytest.approx(STARTUP_GRACE_S)
+    # A rank that progressed recently keeps the job alive; the newest file counts.
     os.utime(attempt.ranks[0].progress, (t0 + 20, t0 + 20))
     attempt.ranks[1].progress.write_text("{}")
     os.utime(attempt.ranks[1].progress, (t0 + 5, t0 + 5))

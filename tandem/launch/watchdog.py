@@ -7,12 +7,17 @@ the rank's log directory) a few times a second while the rank makes progress:
 a collective completed or a step began (:mod:`tandem.comm.monitor`). A stuck
 collective cannot stop that file from being read, and the launcher needs no
 collective or store to read it: it looks at the files' modification times.
-When the newest is older than the timeout, no rank has progressed. Before any
-file exists the workers are still starting (importing torch and tandem takes
-seconds of CPU each, tens of seconds on a loaded host, and a worker writes its
-first progress at ``tandem.init()``), so the attempt's start counts only after
-``max(timeout, STARTUP_GRACE_S)``; a restarted attempt on a busy two-core host
-was otherwise reported hung before its workers had started. Once progressed: the watchdog sends SIGUSR1 to the workers
+When the newest is older than the timeout, no rank has progressed. A worker
+that has written no file yet is still starting (importing torch and tandem
+takes seconds of CPU each, tens of seconds on a loaded host, and a worker writes
+its first progress at ``tandem.init()``). While any of this node's workers is,
+the attempt has not hung before ``max(timeout, STARTUP_GRACE_S)`` from its
+start: a rank waiting in ``tandem.init`` for a peer still importing torch is not
+stuck. (Counting from the first file alone, rank 0 was reported hung under a 4 s
+timeout while rank 1 was still importing, on a two-core host running three test
+processes; before any file, a restarted attempt on a busy host was reported hung
+before its workers had started.) Workers on other nodes are not seen: each
+node's watchdog judges its own. Once progressed: the watchdog sends SIGUSR1 to the workers
 that wrote a file (their ``faulthandler`` dumps every thread's stack; a worker
 that wrote none has no handler, and SIGUSR1 would kill it), reads the files
 and builds the report (:mod:`tandem.launch.hang`).
@@ -78,17 +83,15 @@ class Watchdog:
         if now < self._next_check:
             return None
         self._next_check = now + CHECK_INTERVAL_S
-        latest: float | None = None
+        written: list[float] = []
         for logs in attempt.ranks.values():
             try:
-                mtime = logs.progress.stat().st_mtime
+                written.append(logs.progress.stat().st_mtime)
             except OSError:
                 continue
-            latest = mtime if latest is None else max(latest, mtime)
-        if latest is None:  # still starting: Note [progress without a collective]
-            stalled = now - self._started
-            return stalled if stalled >= max(self.timeout_s, STARTUP_GRACE_S) else None
-        stalled = now - max(latest, self._started)
+        if len(written) < len(attempt.ranks) and now - self._started < max(self.timeout_s, STARTUP_GRACE_S):
+            return None  # a worker is still starting: Note [progress without a collective]
+        stalled = now - max([*written, self._started])
         return stalled if stalled >= self.timeout_s else None
 
     def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float) -> str:
