@@ -3,6 +3,7 @@ decision, and the launcher flags, in one process."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -117,17 +118,23 @@ def test_the_watchdog_fires_when_the_newest_progress_is_older_than_the_timeout(t
     patient = Watchdog(timeout_s=90)
     assert patient.stalled_for(attempt, now=t0) is None
     assert patient.stalled_for(attempt, now=t0 + 89) is None
-    # A rank that progressed while another is still starting (no file yet) has
-    # not hung: its peer may still be importing torch; after the grace it has.
-    attempt.ranks[0].progress.write_text("{}")
+    # A rank that progressed while another is still starting has not hung: its
+    # peer may still be importing torch, before its first progress file or after
+    # it (tandem.init writes one), before its first collective. After the grace it has.
+    progressed, starting_file = json.dumps({"completed": 3, "step": 1}), json.dumps({"completed": 0, "step": 0})
+    attempt.ranks[0].progress.write_text(progressed)
     os.utime(attempt.ranks[0].progress, (t0 + 1, t0 + 1))
-    slow_start = Watchdog(timeout_s=10)
-    assert slow_start.stalled_for(attempt, now=t0) is None
-    assert slow_start.stalled_for(attempt, now=t0 + 30) is None
-    assert slow_start.stalled_for(attempt, now=t0 + STARTUP_GRACE_S + 1) == pytest.approx(STARTUP_GRACE_S)
+    for peer in (None, starting_file):
+        if peer is not None:
+            attempt.ranks[1].progress.write_text(peer)
+            os.utime(attempt.ranks[1].progress, (t0 + 1, t0 + 1))
+        slow_start = Watchdog(timeout_s=10)
+        assert slow_start.stalled_for(attempt, now=t0) is None
+        assert slow_start.stalled_for(attempt, now=t0 + 30) is None, peer
+        assert slow_start.stalled_for(attempt, now=t0 + STARTUP_GRACE_S + 1) == pytest.approx(STARTUP_GRACE_S)
     # A rank that progressed recently keeps the job alive; the newest file counts.
     os.utime(attempt.ranks[0].progress, (t0 + 20, t0 + 20))
-    attempt.ranks[1].progress.write_text("{}")
+    attempt.ranks[1].progress.write_text(progressed)
     os.utime(attempt.ranks[1].progress, (t0 + 5, t0 + 5))
     assert dog.stalled_for(attempt, now=t0 + 29) is None
     assert dog.stalled_for(attempt, now=t0 + 31) == pytest.approx(11)

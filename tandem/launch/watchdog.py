@@ -8,16 +8,19 @@ a collective completed or a step began (:mod:`tandem.comm.monitor`). A stuck
 collective cannot stop that file from being read, and the launcher needs no
 collective or store to read it: it looks at the files' modification times.
 When the newest is older than the timeout, no rank has progressed. A worker
-that has written no file yet is still starting (importing torch and tandem
-takes seconds of CPU each, tens of seconds on a loaded host, and a worker writes
-its first progress at ``tandem.init()``). While any of this node's workers is,
-the attempt has not hung before ``max(timeout, STARTUP_GRACE_S)`` from its
-start: a rank waiting in ``tandem.init`` for a peer still importing torch is not
-stuck. (Counting from the first file alone, rank 0 was reported hung under a 4 s
-timeout while rank 1 was still importing, on a two-core host running three test
-processes; before any file, a restarted attempt on a busy host was reported hung
-before its workers had started.) Workers on other nodes are not seen: each
-node's watchdog judges its own. Once progressed: the watchdog sends SIGUSR1 to the workers
+that has not yet completed a collective or begun a step is still starting:
+importing torch and tandem takes seconds of CPU each, tens of seconds on a
+loaded host, and many scripts import more after ``tandem.init()`` (which writes
+the first progress) and before their first collective. While any of this node's
+workers is still starting, the attempt has not hung before ``max(timeout,
+STARTUP_GRACE_S)`` from its start: a rank waiting in its first collective for a
+peer still importing is not stuck. (Counting from the first file, rank 0 was
+reported hung under a 4 s timeout while rank 1 was still importing, on a
+two-core host running three test processes; before any file, a restarted attempt
+on a busy host was reported hung before its workers had started.) The price: a
+rank stuck before its first collective is reported after the grace, not the
+timeout. Workers on other nodes are not seen: each node's watchdog judges its
+own. Once progressed: the watchdog sends SIGUSR1 to the workers
 that wrote a file (their ``faulthandler`` dumps every thread's stack; a worker
 that wrote none has no handler, and SIGUSR1 would kill it), reads the files
 and builds the report (:mod:`tandem.launch.hang`).
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.launch.hang import format_hang_report
-from tandem.launch.logs import Attempt
+from tandem.launch.logs import Attempt, RankLogs
 
 __all__ = ["Watchdog"]
 
@@ -89,10 +92,13 @@ class Watchdog:
                 written.append(logs.progress.stat().st_mtime)
             except OSError:
                 continue
-        if len(written) < len(attempt.ranks) and now - self._started < max(self.timeout_s, STARTUP_GRACE_S):
-            return None  # a worker is still starting: Note [progress without a collective]
         stalled = now - max([*written, self._started])
-        return stalled if stalled >= self.timeout_s else None
+        if stalled < self.timeout_s:
+            return None
+        if now - self._started < max(self.timeout_s, STARTUP_GRACE_S) and not all(
+                _has_progressed(logs) for logs in attempt.ranks.values()):
+            return None  # a worker is still starting: Note [progress without a collective]
+        return stalled
 
     def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float) -> str:
         """Ask the workers for their stacks, then build the report text."""
@@ -144,6 +150,13 @@ def _library_paths() -> tuple[str, ...]:
     tandem_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = {found["stdlib"], found["purelib"], found["platlib"], tandem_dir}
     return tuple(sorted(p for p in paths if p))
+
+
+def _has_progressed(logs: RankLogs) -> bool:
+    """Whether the worker has completed a collective or begun a step (its
+    progress file says so), which a worker still starting has not."""
+    snapshot = _read_json(logs.progress)
+    return snapshot is not None and (snapshot.get("completed", 0) > 0 or snapshot.get("step", 0) > 0)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
