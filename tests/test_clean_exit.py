@@ -35,6 +35,16 @@ SHAPES = """
 # shuts down, aborted the process). "late": rank 0 comes to step 3's
 # collectives only after LATE_S (rank 1 used to wait for it while exiting).
 MID_BACKWARD = """
+    import atexit, os
+
+    def told_at_exit():  # registered first, so run last of the atexit handlers
+        from tandem._compat import default_store
+        from tandem.comm.peers import EXITED, heartbeat_key
+        told = default_store().get(heartbeat_key(int(os.environ["RANK"]))).decode() == EXITED
+        print(f"peers told before the last atexit handler: {told}", flush=True)
+
+    atexit.register(told_at_exit)
+
     import sys, time, torch, torch.nn as nn, tandem
 
     ahead, LATE_S = sys.argv[1], 300
@@ -96,6 +106,10 @@ def test_rank_failing_mid_backward_exits_with_code_1(tmp_path, ahead):
     r = tandem(["--nproc-per-node", "2", str(path), ahead], cwd=tmp_path, timeout=120)
     first, _ = _check_clean_failure(r, path, error="RuntimeError: rank 1: bad gradient at step 3")
     assert first == 1, r
+    # The failed rank tells its peers it has left last of all, after the atexit
+    # handlers (Note [exit on an uncaught exception]): by the time rank 0 fails
+    # of it, rank 1 is all but gone, and the summary names it first.
+    assert "[rank 1] peers told before the last atexit handler: False" in r.stdout.splitlines(), r
     # Not after rank 0's LATE_S (300 s), nor after a collective timeout.
     assert r.seconds < 60, r
 

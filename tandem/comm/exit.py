@@ -39,6 +39,13 @@ Python's shutdown does up to that point, and then ends the process:
   multiprocessing's cleanup of its children, ``weakref.finalize``;
 - files left open, stdout and stderr are flushed, as the modules' teardown
   would have done;
+- last, the monitor marks this rank as left in the job's store, which peers
+  waiting on it read as "has left the job" and fail with. Python's own order
+  would mark it among the ``atexit`` handlers, before the others and the scan
+  for open files had run: on a loaded host a peer then failed, exited and was
+  reported by ``tandem run`` as the rank that failed first, while this rank, the
+  cause, was still exiting and was "stopped by the launcher". Marked last, its
+  traceback is written and its exit a moment away when a peer learns of it;
 - ``os._exit(1)``, or death by SIGINT after a ``KeyboardInterrupt``, as Python
   itself ends then. The kernel closes the sockets, so a peer waiting in a
   collective with this rank gets "connection closed" at once.
@@ -74,6 +81,8 @@ from types import TracebackType
 from typing import NoReturn
 
 import torch.distributed as dist
+
+from tandem.comm.monitor import leave_at_exit
 
 __all__ = ["install_clean_exit", "uninstall_clean_exit"]
 
@@ -149,7 +158,8 @@ def _leave(exc_type: type[BaseException]) -> NoReturn:
     # thread): it is skipped, and the process still ends. atexit._run_exitfuncs
     # is the interpreter's own way into the handlers (private; CPython 3.0 to
     # 3.13): it runs them once, last registered first, and forgets them.
-    for step in (_join_threads, atexit._run_exitfuncs, _flush_open_files):
+    atexit.unregister(leave_at_exit)  # run last, below
+    for step in (_join_threads, atexit._run_exitfuncs, _flush_open_files, leave_at_exit):
         try:
             step()
         except BaseException:  # noqa: BLE001, S110 - see above

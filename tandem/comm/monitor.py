@@ -206,8 +206,10 @@ def current_monitor() -> Monitor:
 
 
 @atexit.register
-def _leave_at_exit() -> None:
-    # A process that ends without tandem.shutdown() (an exception, sys.exit) has
-    # still left on purpose as far as its peers' waits are concerned: its
-    # collectives will never come, and "has left" is the truthful diagnosis.
+def leave_at_exit() -> None:
+    """Tell peers this rank left: run at exit. A process that ends without
+    tandem.shutdown() (an exception, sys.exit) has still left on purpose as far as
+    its peers' waits are concerned: its collectives will never come, and "has
+    left" is the truthful diagnosis. After an uncaught exception it runs last of
+    all instead (Note [exit on an uncaught exception])."""
     stop_monitor(left=True)
