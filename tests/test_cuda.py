@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.testing import Case, run_cases, run_distributed
+from tandem.testing.models import TinyLM
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -62,18 +63,9 @@ class Block(nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-class Net(nn.Module):
+class Net(TinyLM):
     def __init__(self, depth: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList(Block() for _ in range(depth))
-        self.head = nn.Linear(D, V)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.layers:
-            h = block(h)
-        return self.head(h)
+        super().__init__(V, D, [Block() for _ in range(depth)])
 
 
 class WithUnused(Net):
@@ -179,7 +171,7 @@ def _fsdp_model(impl: str, bf16: bool) -> nn.Module:
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _net()
-    for block in model.layers:
+    for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -364,7 +356,7 @@ def _gloo_cuda(rank: int, world_size: int, what: str) -> dict[str, Any]:
             return {"params": _params(ddp)}
         model = _net()
         mesh = init_device_mesh("cuda", (world_size,))
-        for block in model.layers:
+        for block in model.blocks:
             fully_shard(block, mesh=mesh, min_unit_bytes=0)
         fully_shard(model, mesh=mesh)
         _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rank=rank,
