@@ -56,6 +56,8 @@ class ManagedParam:
     unsharded: nn.Parameter                # a view of the unsharded buffer
     requires_grad: bool
     tp: TensorParallelParam | None = None  # Note [2-D parameters] in tensor_parallel.py
+    # Gradients of backwards without sync, kept in reduce_dtype (Note [accumulation dtype] in unit_reduce.py).
+    accumulated: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
