@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from tandem.fsdp import fully_shard
 from tandem.fsdp.regroup import check_regroupable
-from tandem.testing import run_distributed
+from tandem.testing import raised_by, run_distributed
 
 WORLD = 4
 TOL = 1e-5
@@ -207,14 +207,7 @@ def _errors(rank: int) -> dict[str, tuple[str, str] | None]:
                                                        rank),
         "elastic_default": lambda: check_regroupable(fully_shard(nn.Linear(2, 2)), rank),
     }
-    out: dict[str, tuple[str, str] | None] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
+    return raised_by(calls)
 
 
 # ---------------------------------------------------------------------- tandem plan --hsdp, measured

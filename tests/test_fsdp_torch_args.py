@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tandem.fsdp import fully_shard
-from tandem.testing import run_distributed
+from tandem.testing import raised_by, run_distributed
 
 WORLD, V, D, E, H, BATCH, SEQ = 2, 19, 8, 3, 6, 8, 5
 TOL = 1e-5
@@ -216,14 +216,7 @@ def _refusals(rank: int) -> dict[str, tuple[str, str] | None]:
         "group_as_root": lambda: _group_root(),
         "dp_mesh_dims": lambda: fully_shard(nn.Linear(2, 2), dp_mesh_dims=("dp",)),
     }
-    out: dict[str, tuple[str, str] | None] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
+    return raised_by(calls)
 
 
 def _group_root() -> None:

@@ -182,28 +182,44 @@ class GroupComm:
         return out
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
-                       async_op: bool = False) -> Work:
+                       async_op: bool = False, via: Any = None) -> Work:
         """Sum ``input`` (``size`` equal chunks) across ranks; this rank's chunk of
         the sum lands in ``output``. ``output`` must not alias ``input``. A group
-        of one copies."""
+        of one copies. ``via``: a callable issuing it instead of torch's
+        collective, with torch's ``ReduceScatter`` signature (fully_shard's
+        ``set_custom_reduce_scatter``), still written to the ledger."""
         entry = self._issue("reduce_scatter", input, tag)
         if self.size == 1:
             output.copy_(input)
             return self._issued(None, entry, False)
-        work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
+        if via is not None:
+            work = via(output_tensor=output, input_tensor=input, group=self._process_group(),
+                       op=dist.ReduceOp.SUM, async_op=True)
+        else:
+            work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
         # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
         return self._issued(self._waiter.submit(work) if self._watched else work, entry, async_op)
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
-                        async_op: bool = False) -> Work:
+                        async_op: bool = False, via: Any = None) -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``size`` times its
-        length), in rank order. A group of one copies."""
+        length), in rank order. A group of one copies. ``via``: a callable
+        issuing it instead of torch's collective, with torch's ``AllGather``
+        signature (fully_shard's ``set_custom_all_gather``), still written to
+        the ledger."""
         entry = self._issue("all_gather_into", input, tag)
         if self.size == 1:
             output.copy_(input)
             return self._issued(None, entry, False)
-        return self._issued(_all_gather_into_tensor(output, input, group=self.group, async_op=True),
-                            entry, async_op)
+        if via is not None:
+            work = via(output_tensor=output, input_tensor=input, group=self._process_group(), async_op=True)
+        else:
+            work = _all_gather_into_tensor(output, input, group=self.group, async_op=True)
+        return self._issued(work, entry, async_op)
+
+    def _process_group(self) -> dist.ProcessGroup:
+        """The process group object (the default one for ``group=None``)."""
+        return self.group if self.group is not None else dist.group.WORLD  # type: ignore[return-value]
 
     def all_gather_object(self, obj: Any, *, tag: str = "") -> list[Any]:
         """Gather a picklable object from every rank (slow; for set-up and error paths)."""

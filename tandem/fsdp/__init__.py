@@ -10,13 +10,14 @@ and the root's lazy init (hooks.py), the order of a root's units in an
 iteration (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
 in and out (state_dict.py), random init of sharded parameters (init.py), the
 units laid out again over a new group in an elastic job (regroup.py), and the
-public function and module methods (api.py).
+public function (api.py) and the methods it adds to a module (module.py).
 """
 
 from tandem._compat import fsdp_policies
-from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, FSDPModule, UnshardHandle, fully_shard
+from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, fully_shard
 from tandem.fsdp.init import init_like_unsharded
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
+from tandem.fsdp.module import FSDPModule, UnshardHandle
 from tandem.fsdp.state_dict import load_full_state_dict
 
 MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy = fsdp_policies()

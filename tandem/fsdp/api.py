@@ -1,4 +1,5 @@
-"""``tandem.fully_shard``: torch's FSDP2 API over tandem's units and schedule.
+"""``tandem.fully_shard``: torch's FSDP2 API over tandem's units and schedule
+(the methods it adds to a module: module.py).
 
 # Note [tiny units]
 Every unit costs hooks and two or three collectives per step whatever its size;
@@ -34,23 +35,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-import torch.distributed as dist
 from torch import nn
 
 from tandem.comm.group import GroupComm
 from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_meshes, default_mesh, modules_of, \
     move_to_device, shard_dims, tensor_parallel_layouts, unit_config
-from tandem.fsdp.convert import adopt_sharded_tensors
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.hooks import post_forward, pre_forward
-from tandem.fsdp.regroup import reset_process_group, units_of
+from tandem.fsdp.module import FSDPModule
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import UNIT_ATTR, ShardedUnit, unit_of
-from tandem.fsdp.unit_state import ShardState
 
-__all__ = ["DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "UnshardHandle", "fully_shard"]
+__all__ = ["DEFAULT_MIN_UNIT_BYTES", "fully_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,156 +186,6 @@ def _attach(module: nn.Module, unit: ShardedUnit) -> None:
     ]
     cls: type = type(module)  # as a plain type: mypy sees type[Module] as unhashable
     module.__class__ = _fsdp_class(cls)
-
-
-class UnshardHandle:
-    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes the gather."""
-
-    def __init__(self, unit: ShardedUnit) -> None:
-        self._unit = unit
-
-    def wait(self) -> None:
-        if self._unit.state is ShardState.GATHERING:
-            self._unit.wait_gather()
-
-
-class FSDPModule:
-    """The methods ``fully_shard`` adds to a module (torch's ``FSDPModule`` API)."""
-
-    def reshard(self) -> None:
-        """Free the full parameters now (registering the sharded ones)."""
-        _unit(self).reshard()
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather the full parameters now; with ``async_op`` return a handle to wait on."""
-        unit = _unit(self)
-        if unit.state in (ShardState.SHARDED, ShardState.GROUP_SHARDED):
-            unit.launch_gather()
-        handle = UnshardHandle(unit)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward accumulates full gradients locally, without communication
-        (torch DDP's ``no_sync``); the next backward with True reduces the sum."""
-        for unit in _units(self, recurse):
-            unit.requires_grad_sync = bool(requires_gradient_sync)
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: False reduce-scatters the gradients in backward but keeps the
-        result as a partial sum instead of all-reducing it across the replicas;
-        the next backward with True all-reduces the sum (torch's method: Note
-        [hybrid sharding] in unit_reduce.py). No effect on a 1-D mesh."""
-        for unit in _units(self, recurse):
-            unit.requires_all_reduce = bool(requires_all_reduce)
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        for unit in _units(self, recurse):
-            unit.reshard_after_forward = check_reshard(reshard_after_forward, unit.comm.size) is not False
-            unit.auto_reshard_after_forward = False
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False keeps the full parameters after a backward without gradient sync
-        (while accumulating with ``set_requires_gradient_sync(False)``, the next
-        forward then needs no gather). A backward that syncs gradients always
-        reshards: the optimizer step that follows would leave kept parameters stale."""
-        for unit in _units(self, recurse):
-            unit.reshard_after_backward = bool(reshard_after_backward)
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these modules' units when this one's forward starts (default: the
-        unit that ran next in the previous iteration)."""
-        _unit(self).forward_prefetch = [_unit(m) for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these modules' units when this one's backward starts (default: the
-        unit whose forward finished just before this one's)."""
-        _unit(self).backward_prefetch = [_unit(m) for m in modules]
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by ``factor`` instead of the world size."""
-        if factor <= 0:
-            raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        for unit in _units(self, True):
-            unit.divide_factor = float(factor)
-
-    set_reduce_scatter_divide_factor = set_gradient_divide_factor
-
-    def reset_process_group(self) -> None:
-        """Lay every unit under this module out again over the current default
-        group, after an elastic job replaced it (Note [regrouped units] in
-        regroup.py): the same parameter objects, with zeros in the shards until
-        the caller loads them. No communication.
-
-        Raises:
-            RuntimeError: a sharded parameter still holds a gradient.
-        """
-        reset_process_group(cast(nn.Module, self))
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for torch compatibility; every backward finishes its reductions."""
-
-    # Note [copying a sharded model]: torch's fully_shard refuses deepcopy
-    # ("FSDP does not support deepcopy. Please use state dict for
-    # serialization.") and its modules fail to pickle (their FSDP<class> cannot
-    # be looked up); so do tandem's, with an error that names the fix. A copy
-    # would need its own units, shard buffers and schedule over the group, which
-    # rebuilding the model does better. A shallow copy.copy works, as in torch.
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise _cannot_copy(self, "deep-copied")
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _cannot_copy(self, "pickled (torch.save)")
-
-    def __copy__(self) -> Any:
-        cls = type(self)
-        new = cls.__new__(cls)
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        """``to_empty``/``to``/``cuda`` on a sharded model (Note [meta init])."""
-        # nn.Module._apply calls each child's _apply before converting this module's
-        # own parameters; a child whose tiny unit was merged into this module's
-        # (Note [tiny units]) would adopt the unit half converted. The outermost
-        # call adopts each unit once, when all of its parameters are converted.
-        units = [unit for unit in _units(self, True) if not unit.applying]
-        for unit in units:
-            unit.reshard()
-            unit.applying = True
-        try:
-            result = super()._apply(fn, recurse)  # type: ignore[misc]
-        finally:
-            for unit in units:
-                unit.applying = False
-        for unit in units:
-            adopt_sharded_tensors(unit)
-        return result
-
-
-# ---------------------------------------------------------------------- helpers
-
-def _unit(module: Any) -> ShardedUnit:
-    unit = unit_of(module)
-    if unit is None:
-        raise ValueError(f"{type(module).__name__} is not a fully_shard module")
-    return unit
-
-
-def _cannot_copy(module: Any, how: str) -> TypeError:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return TypeError(
-        f"rank {rank}: a {type(module).__name__} sharded by tandem.fully_shard cannot be {how}: its "
-        "parameters are this rank's shards, bound to its process group (torch's fully_shard refuses "
-        "this too). Copy its state instead: build the model again, fully_shard it the same way and "
-        "load_state_dict(model.state_dict()) (sharded, no communication), or save model.state_dict() "
-        "with torch.distributed.checkpoint (its DTensors' full_tensor() gathers a full one, a collective)")
-
-
-def _units(module: Any, recurse: bool) -> list[ShardedUnit]:
-    return units_of(module) if recurse else [_unit(module)]
 
 
 @functools.cache

@@ -156,6 +156,10 @@ class Schedule:
         return map_tensors(swap, args), map_tensors(swap, kwargs)
 
     def _begin_forward(self) -> None:
+        event = self.root.overrides.gather_after  # set_post_optim_event: waited once, then dropped
+        if event is not None:
+            event.wait()
+            self.root.overrides.gather_after = None
         self.in_forward = True
         self.pre_forward_order = []
         self.post_forward_order = []
@@ -180,12 +184,13 @@ class Schedule:
         self._enter_backward()
         if unit.training is not TrainingState.PRE_BACKWARD:
             unit.training = TrainingState.PRE_BACKWARD
-            unit.unshard()
+            if unit.unshard_in_backward:  # False: its backward reads no parameter (set_unshard_in_backward)
+                unit.unshard()
             targets = unit.backward_prefetch
             if targets is None:
                 targets = _before(self.post_forward_order, unit)
             for target in targets:
-                if (target.training is not TrainingState.PRE_BACKWARD
+                if (target.training is not TrainingState.PRE_BACKWARD and target.unshard_in_backward
                         and target.state in (ShardState.SHARDED, ShardState.GROUP_SHARDED)):
                     target.launch_gather()
         return grad
@@ -230,7 +235,7 @@ class Schedule:
             if unit.reduce_state is not ReduceState.READY:
                 return
             if unit.requires_grad_sync:
-                self._finish_reductions(keep=1)  # Note [two reductions in flight]
+                self._finish_reductions(keep=unit.max_reduce_buffers - 1)  # Note [two reductions in flight]
                 unit.launch_reduce()
             else:
                 unit.skip_reduce()
@@ -246,7 +251,8 @@ class Schedule:
         two such buffers alive instead of one per unit, and waits only when the
         one launched a unit earlier has not completed yet: waiting for the
         previous one at every launch stalled backward for a tenth of the step
-        on 2 gloo ranks (BENCHMARKS.md).
+        on 2 gloo ranks (BENCHMARKS.md). ``set_reduce_scatter_max_input_buffers(k)``
+        (torch's name) keeps at most ``k`` instead of two.
 
         Under HSDP a reduction has two stages (Note [hybrid sharding] in
         unit_reduce.py): a completed reduce-scatter launches its all-reduce here, and
@@ -266,6 +272,20 @@ class Schedule:
                     break
                 unit.advance_reduce(factor)
             held_back = held_back or unit.reduce_state is ReduceState.IN_FLIGHT
+
+    def reset(self) -> None:
+        """Forget an iteration that an exception stopped (FSDPModule.reset_iter_state):
+        finish the collectives in flight, drop their gradients, reshard every
+        unit, and clear what the hooks track; the next forward starts afresh."""
+        for unit in self.units:
+            unit.discard_reduce()
+            unit.reshard()
+            unit.training = TrainingState.IDLE
+            unit.pending_forward.clear()
+            unit.forward_calls = unit.untracked_calls = unit.inputs_done = 0
+        self.pre_forward_order, self.post_forward_order = [], []
+        self.reduce_order, self.next_reduce = [], 0
+        self.in_forward = self.in_backward = self._callback_queued = False
 
     def _finish_backward(self) -> None:
         for unit in self.reduce_order[self.next_reduce:]:

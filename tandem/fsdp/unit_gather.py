@@ -28,13 +28,15 @@ class UnitGather(UnitState):
             return
         elif self.state is ShardState.GROUP_SHARDED:
             assert self._group_shard is not None and self.group_comm is not None
-            out = torch.empty_like(self.unsharded_flat, memory_format=torch.contiguous_format)
-            work = self.group_comm.all_gather_into(out, self._group_shard, tag=tag, async_op=True)
+            custom = self.overrides.all_gather
+            out = self.overrides.allocate(custom, self.layout.unsharded_numel, self.param_dtype, self.config.device)
+            work = self.group_comm.all_gather_into(out, self._group_shard, tag=tag, async_op=True, via=custom)
             self._gather = PendingGather(work, out, self._group_shard, direct=True)
         else:
             inp = self.shard_flat.to(self.config.device, self.param_dtype, non_blocking=True)
-            out = torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=self.config.device)
-            work = self.comm.all_gather_into(out, inp, tag=tag, async_op=True)
+            custom = self.overrides.all_gather
+            out = self.overrides.allocate(custom, self.layout.unsharded_numel, self.param_dtype, self.config.device)
+            work = self.comm.all_gather_into(out, inp, tag=tag, async_op=True, via=custom)
             self._gather = PendingGather(work, out, inp, direct=False)
         self.state = ShardState.GATHERING
 

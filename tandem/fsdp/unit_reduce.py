@@ -97,14 +97,15 @@ class UnitReduce(UnitState):
                 flag_row[i].fill_(0.0)  # not flag_row[i] = 0: a copy from the host
         self._all_local = all(flags)
         flag_rows = flag_row.expand(world, -1)
-        inp = torch.empty(world, self.layout.shard_numel + len(flags), dtype=self.reduce_dtype,
-                          device=self.config.device)
+        custom = self.overrides.reduce_scatter
+        width = self.layout.shard_numel + len(flags)
+        inp = self.overrides.allocate(custom, world * width, self.reduce_dtype, self.config.device).view(world, width)
         chunk_cat(grads + [flag_rows], world, inp)
         for m in self.managed:
             m.unsharded.grad = None
             m.accumulated = None
-        out = torch.empty(inp.shape[1], dtype=self.reduce_dtype, device=self.config.device)
-        work = self.reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {self.name}", async_op=True)
+        out = self.overrides.allocate(custom, width, self.reduce_dtype, self.config.device)
+        work = self.reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {self.name}", async_op=True, via=custom)
         self._reduce = PendingReduce(work, out, inp)
         self.reduce_state = ReduceState.IN_FLIGHT
 
@@ -158,11 +159,20 @@ class UnitReduce(UnitState):
         # the host (Note [gradient flags]); the sums are read only where it does not.
         flags = [1.0] * len(self.managed) if self._all_local else output[n:].tolist()
         grads = output[:n]
+        # torch's set_all_reduce_hook sees the mean, or with set_force_sum_reduction_for_comms
+        # the sum before the division; the gradients are summed and then divided either way.
+        hook = self.overrides.all_reduce_hook
+        if hook is not None and self.overrides.force_sum:
+            hook(grads)
         if divide_factor != 1:
             grads.div_(divide_factor)
+        if hook is not None and not self.overrides.force_sum:
+            hook(grads)
         grads = grads.to(self.config.shard_device, self.orig_dtype)
         for m, flag in zip(self.managed, flags):
-            if flag == 0 or not m.requires_grad:
+            # No rank produced it: None stays None, unless set_reduce_scatter_unused_params
+            # asked for the zeros every rank sent (Note [gradient flags]).
+            if (flag == 0 and not self.reduce_scatter_unused_params) or not m.requires_grad:
                 continue
             local = grads.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
             if m.sharded.grad is None:
@@ -192,6 +202,20 @@ class UnitReduce(UnitState):
             if g is not None:
                 m.accumulated += g
                 m.unsharded.grad = None
+
+    def discard_reduce(self) -> None:
+        """Drop this iteration's gradients (FSDPModule.reset_iter_state): wait for
+        a reduction in flight and forget it, the HSDP partial sum and the
+        unsynced gradients; the sharded ``.grad`` of earlier steps stays."""
+        if self._reduce is not None:
+            self._reduce.work.wait()
+        self._reduce = None
+        self._partial = None
+        self.reduce_state = ReduceState.IDLE
+        for m in self.managed:
+            m.unsharded.grad = None
+            m.accumulated = None
+        self.reset_step()
 
     def mark_ready(self) -> None:
         """This backward is over for the unit: queue its reduction (once per backward)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,8 +22,8 @@ from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 from tandem.fsdp.tensor_parallel import TensorParallelParam
 from tandem.fsdp.units import ParamEntry
 
-__all__ = ["ManagedParam", "PendingGather", "PendingReduce", "ReduceState", "ShardState", "TrainingState", "UnitConfig",
-           "UnitState"]
+__all__ = ["CommOverrides", "ManagedParam", "PendingGather", "PendingReduce", "ReduceState", "ShardState",
+           "TrainingState", "UnitConfig", "UnitState"]
 
 
 class ShardState(Enum):
@@ -71,6 +72,23 @@ class UnitConfig:
     pin_memory: bool                    # pin the offloaded shards (CUDA only)
     cast_forward_inputs: bool = True    # MixedPrecisionPolicy.cast_forward_inputs
     output_dtype: torch.dtype | None = None  # MixedPrecisionPolicy.output_dtype
+
+
+@dataclass
+class CommOverrides:
+    """What FSDPModule's setters change in a unit's collectives (torch's FSDP2 names)."""
+
+    all_gather: Any = None         # set_custom_all_gather: torch's AllGather (allocate, __call__)
+    reduce_scatter: Any = None     # set_custom_reduce_scatter: torch's ReduceScatter
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # set_all_reduce_hook
+    force_sum: bool = False        # set_force_sum_reduction_for_comms: the hook sees sums, not means
+    gather_after: Any = None       # set_post_optim_event: the root's next gathers wait for it, once
+
+    def allocate(self, comm: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer for a collective: from the custom one's ``allocate`` if it has one."""
+        if comm is not None:
+            return comm.allocate((numel,), dtype=dtype, device=device)
+        return torch.empty(numel, dtype=dtype, device=device)
 
 
 @dataclass
@@ -123,7 +141,7 @@ class UnitState:
         self._copy_out_dst = self._copy_out_views()
         self._free_unsharded()  # views are made first: a view of a freed storage fails its bounds check
         self.state = ShardState.SHARDED
-        self.applying = False  # inside FSDPModule._apply of the module that owns it (api.py)
+        self.applying = False  # inside FSDPModule._apply of the module that owns it (module.py)
         self.reduce_state = ReduceState.IDLE
         self.training = TrainingState.IDLE
         self._gather: PendingGather | None = None
@@ -141,6 +159,10 @@ class UnitState:
         self.reshard_after_backward = True
         self.requires_grad_sync = True
         self.requires_all_reduce = True   # Note [hybrid sharding] in unit_reduce.py
+        self.unshard_in_backward = True   # False: backward needs no parameter values (an embedding)
+        self.reduce_scatter_unused_params = False  # zeros, not None, for a gradient no rank produced
+        self.max_reduce_buffers = 2       # Note [two reductions in flight] in schedule.py
+        self.overrides = CommOverrides()
         self._partial: torch.Tensor | None = None
         self._all_local = True  # this rank had every gradient in its last reduce-scatter (unit_reduce.py)
         self.divide_factor: float | None = None

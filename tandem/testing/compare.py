@@ -1,12 +1,14 @@
-"""Comparing training results: the largest difference between two named sets of tensors."""
+"""Comparing results: the largest difference between two named sets of tensors,
+and what each of several calls raised."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-__all__ = ["max_abs_diff"]
+__all__ = ["max_abs_diff", "raised_by"]
 
 
 def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Tensor | None]) -> float:
@@ -26,3 +28,17 @@ def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Ten
         if x is not None and y is not None:
             worst = max(worst, (x.double() - y.double()).abs().max().item())
     return worst
+
+
+def raised_by(calls: Mapping[str, Callable[[], Any]]) -> dict[str, tuple[str, str] | None]:
+    """Call each; what it raised as ``(type name, message)``, or None where it
+    returned: for tests of refusals, which compare types and messages (the
+    result pickles across ranks, the exceptions may not)."""
+    out: dict[str, tuple[str, str] | None] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the caller inspects the type and message
+            out[name] = (type(e).__name__, str(e))
+    return out
