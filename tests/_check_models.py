@@ -34,6 +34,17 @@ def blocks() -> nn.Module:
     return Blocks()
 
 
+class BlocksBF16(Blocks):
+    """Blocks cast to bfloat16 before sharding, as ``model.to(torch.bfloat16)`` does: fp32 data in, fp32 out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(torch.bfloat16)).float()
+
+
+def blocks_bf16() -> nn.Module:
+    return BlocksBF16().to(torch.bfloat16)
+
+
 def batchnorm() -> nn.Module:
     return nn.Sequential(OrderedDict(fc=nn.Linear(IN, HIDDEN), bn=nn.BatchNorm1d(HIDDEN), act=nn.ReLU(),
                                      head=nn.Linear(HIDDEN, OUT)))

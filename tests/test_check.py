@@ -237,17 +237,23 @@ def _api_cases() -> dict[str, dict]:
         return _make_spec(f"_check_models:{model}", f"_check_models:{data}", strategies=strategies, steps=steps,
                           **args)
 
-    mlp, bn, dropout, same = _check_specs([
+    from tandem.fsdp import MixedPrecisionPolicy
+
+    mlp, bn, dropout, same, bf16 = _check_specs([
         spec("blocks", "regression", ("ddp", "zero1", "zero2", "fsdp"), steps=4),
         spec("batchnorm", "regression"),
         spec("dropout_per_rank", "strided_shards", optimizer="adam", lr=1e-3),
         spec("mlp", "same_shard_everywhere", steps=2),
+        spec("blocks_bf16", "regression", ("fsdp",), steps=2, mp_policy=MixedPrecisionPolicy(
+            reduce_dtype=torch.float32)),
     ], nproc=2)
     out = {f"mlp-{s}": plain(r) for s, r in mlp.items()}
     out["plain torch losses"] = _plain_torch_losses(steps=4)
     out["batchnorm"] = plain(bn["ddp"])
     out["dropout-per-rank-own-shards"] = plain(dropout["ddp"])
     out["same-shard-everywhere"] = plain(same["ddp"])
+    out["bf16-model-fp32-reduce"] = plain(bf16["fsdp"])
+    out["bf16-model-fp32-reduce"]["precision"] = [[f.level.name, f.issue.name, f.unit] for f in bf16["fsdp"].precision]
     return out
 
 
@@ -289,6 +295,31 @@ def test_a_correct_model_trains_the_same_under_every_strategy(api_cases, strateg
     assert [many for _, many in case["losses"]] == pytest.approx(api_cases["plain torch losses"], abs=1e-6)
     assert "verdict: equal within tolerance over 4 steps" in case["text"]
     assert "tolerance: |distributed - single| <= 1e-05 + 1e-05 * |single| (float32 default)" in case["text"]
+    assert "precision" not in case["text"]  # float32 throughout: fully_shard's precision audit finds nothing
+
+
+def test_fsdp_lists_the_precision_audit_of_a_model_cast_to_bf16_before_sharding(api_cases):
+    case = api_cases["bf16-model-fp32-reduce"]
+    # The tiny layers' units merged into the root's: one unit, whose fp32-reduced gradients land in bf16.
+    assert case["precision"] == [["WARNING", "REDUCED_THEN_ROUNDED", "BlocksBF16"]], case["text"]
+    assert ("precision warning: fully_shard unit 'BlocksBF16' (parameters 'layers.0.weight', 'layers.0.bias', "
+            "'layers.1.weight', ... (6 in all)): gradients are reduced in float32, then rounded to bfloat16"
+            in case["text"])
+    assert "Fix: keep the model in float32" in case["text"]
+    assert "mp_policy(reduce_dtype=float32)" in case["text"]
+    # The audit is not the verdict: the ranks train what one bf16 process does, within bf16's tolerance.
+    assert case["equal"], case["text"]
+    assert "(bfloat16 default)" in case["text"]  # the model's dtype; the policy's fp32 loosens nothing
+
+
+def test_a_policy_that_computes_below_the_parameters_loosens_the_default_tolerance():
+    from tandem.fsdp import MixedPrecisionPolicy
+    from tandem.tools.check.api import _mixed_precision_tolerance
+
+    bf16 = _mixed_precision_tolerance([torch.float32], MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                            reduce_dtype=torch.float32))
+    assert (bf16.rtol, bf16.atol, bf16.source) == (2e-2, 2e-2, "bfloat16 default, from mp_policy")
+    assert _mixed_precision_tolerance([torch.float32], MixedPrecisionPolicy()) == default_tolerance([torch.float32])
 
 
 def test_batchnorm_without_syncbatchnorm_diverges_and_is_named(api_cases):
@@ -345,6 +376,10 @@ def test_cli_usage_errors_exit_2():
     assert main(["--model", "_check_models:mlp", "--data", "_check_models:regression",
                  "--strategy", "zero3"]) == 2
     assert main(["--model", "_check_models:mlp", "--data", "_check_models:regression", "--nproc", "5"]) == 2
+    assert main(["--model", "_check_models:mlp", "--data", "_check_models:regression",
+                 "--reduce-dtype", "fp32"]) == 2                              # a policy, and strategy ddp
+    assert main(["--model", "_check_models:mlp", "--data", "_check_models:regression", "--strategy", "fsdp",
+                 "--param-dtype", "int8"]) == 2
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from tandem.testing import max_abs_diff, run_distributed
+from tandem.testing import first_difference, max_abs_diff, run_distributed
 
 WORLD, V, D, BATCH, SEQ, STEPS = 4, 23, 16, 8, 8, 2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -239,19 +239,11 @@ def _results() -> dict:
     return run_distributed(_worker, WORLD, timeout=400)[0]
 
 
-def _first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str:
-    assert a.keys() == b.keys()
-    for k in a:
-        if not torch.equal(a[k], b[k]):
-            return f"{k}: max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
-    return ""
-
-
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.mesh != "four"])
 def test_equal_to_torchs_fsdp2_bit_for_bit(name: str) -> None:
     (ours, our_params), (theirs, their_params) = (_results()["cases"][name][impl] for impl in ("tandem", "torch"))
     assert ours == theirs, (ours, theirs)
-    assert not _first_difference(our_params, their_params), _first_difference(our_params, their_params)
+    assert not first_difference(our_params, their_params), first_difference(our_params, their_params)
 
 
 def test_a_shard_group_of_four_equals_torch_within_rounding() -> None:
@@ -273,5 +265,5 @@ def test_unsynced_gradients_accumulate_in_reduce_dtype() -> None:
 def test_the_matrix_tells_the_accumulation_dtypes_apart() -> None:
     """Not a vacuous matrix: accumulating in bf16 or fp32 gives other parameters."""
     cases = _results()["cases"]
-    assert _first_difference(cases["bf16_fp32_micro4"]["torch"][1], cases["bf16_micro4"]["torch"][1])
-    assert _first_difference(cases["bf16_fp32_micro4"]["torch"][1], cases["fp32_micro4"]["torch"][1])
+    assert first_difference(cases["bf16_fp32_micro4"]["torch"][1], cases["bf16_micro4"]["torch"][1])
+    assert first_difference(cases["bf16_fp32_micro4"]["torch"][1], cases["fp32_micro4"]["torch"][1])

@@ -9,8 +9,9 @@ unit_gather.py, its gradients' reduction in unit_reduce.py), the forward hooks
 and the root's lazy init (hooks.py), the order of a root's units in an
 iteration (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
 in and out (state_dict.py), random init of sharded parameters (init.py), the
-units laid out again over a new group in an elastic job (regroup.py), and the
-public function (api.py) and the methods it adds to a module (module.py).
+units laid out again over a new group in an elastic job (regroup.py), the
+audit of a unit's mixed-precision policy (precision.py), and the public
+function (api.py) and the methods it adds to a module (module.py).
 """
 
 from tandem._compat import fsdp_policies

@@ -45,6 +45,7 @@ from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_m
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.fsdp.hooks import post_forward, pre_forward
 from tandem.fsdp.module import FSDPModule
+from tandem.fsdp.precision import unit_findings, warn_precision
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import UNIT_ATTR, ShardedUnit, unit_of
 
@@ -173,6 +174,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
         _attach(member, unit)
     logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
                  name, len(unit.managed), unit.layout.numel, len(absorbed))
+    warn_precision(unit_findings(unit))  # Note [precision of a unit] in precision.py
     return module
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["max_abs_diff", "raised_by"]
+__all__ = ["first_difference", "max_abs_diff", "raised_by"]
 
 
 def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Tensor | None]) -> float:
@@ -28,6 +28,20 @@ def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Ten
         if x is not None and y is not None:
             worst = max(worst, (x.double() - y.double()).abs().max().item())
     return worst
+
+
+def first_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> str:
+    """The first name whose tensors are not equal bit for bit, with their
+    largest difference; "" when every one is (for bit-for-bit comparisons).
+
+    Raises:
+        AssertionError: the two mappings have different names.
+    """
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    for k in a:
+        if not torch.equal(a[k], b[k]):
+            return f"{k}: max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
+    return ""
 
 
 def raised_by(calls: Mapping[str, Callable[[], Any]]) -> dict[str, tuple[str, str] | None]:

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem._compat import fsdp_policies
 from tandem.tools.check.inputs import _LOSSES, _optimizer_class, _Spec
-from tandem.tools.check.compare import Tolerance
+from tandem.tools.check.compare import Tolerance, default_tolerance
 from tandem.tools.check.report import CheckReport, build_report
 from tandem.tools.check.run import STRATEGIES, _rank_main, _reference
 
@@ -26,7 +27,7 @@ __all__ = ["check", "check_strategies"]
 
 def _make_spec(model: Any, data: Any, *, strategies: Sequence[str], nproc: int, steps: int, loss: Any,
                optimizer: Any, lr: float, optimizer_kwargs: Mapping[str, Any] | None, batch_size: int | None,
-               seed: int, rtol: float | None, atol: float | None) -> _Spec:
+               seed: int, rtol: float | None, atol: float | None, mp_policy: Any = None) -> _Spec:
     """Validate :func:`check`'s arguments into what the ranks are sent."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
@@ -38,11 +39,19 @@ def _make_spec(model: Any, data: Any, *, strategies: Sequence[str], nproc: int, 
     if (rtol is None) != (atol is None):
         raise ValueError(f"give both rtol and atol, or neither (got rtol={rtol!r}, atol={atol!r})")
     tolerance = None if rtol is None or atol is None else Tolerance(rtol, atol)
+    if mp_policy is not None:
+        MixedPrecisionPolicy, _, _ = fsdp_policies()
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise ValueError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}")
+        others = [s for s in strategies if s != "fsdp"]
+        if others:
+            raise ValueError(f"mp_policy is fully_shard's and applies to strategy fsdp only, not {', '.join(others)}; "
+                             "check those in a separate call without it")
     if isinstance(loss, str) and loss not in _LOSSES and loss != "auto" and ":" not in loss:
         raise ValueError(f"loss {loss!r} is not auto, {', '.join(_LOSSES)} or an entry point 'module:function'")
     spec = _Spec(model=model, data=data, batch_size=batch_size, loss=loss, optimizer=_optimizer_class(optimizer),
                  optimizer_kwargs={"lr": lr, **dict(optimizer_kwargs or {})}, steps=steps, seed=seed,
-                 strategies=tuple(strategies), tolerance=tolerance)
+                 strategies=tuple(strategies), tolerance=tolerance, mp_policy=mp_policy)
     for name in ("model", "data", "loss"):
         value = getattr(spec, name)
         main = sys.modules.get("__main__")
@@ -79,20 +88,37 @@ def _check_specs(specs: Sequence[_Spec], nproc: int) -> list[dict[str, CheckRepo
     for k, (spec, (reference, per_rank)) in enumerate(zip(specs, references)):
         kwargs = ", ".join(f"{key}={v!r}" for key, v in spec.optimizer_kwargs.items())
         setup = f"{spec.optimizer.__name__}({kwargs}), loss {reference.loss_name}"
-        reports.append({s: build_report(reference, [r[k][s] for r in records], strategy=s, tolerance=spec.tolerance,
+        tolerance = spec.tolerance
+        if spec.mp_policy is not None:
+            mp = spec.mp_policy
+            fields = [f"{f}={str(getattr(mp, f)).removeprefix('torch.')}" for f in
+                      ("param_dtype", "reduce_dtype", "output_dtype") if getattr(mp, f) is not None]
+            setup += f", mp_policy({', '.join(fields)})"
+            if tolerance is None:
+                tolerance = _mixed_precision_tolerance(reference.param_dtypes, mp)
+        reports.append({s: build_report(reference, [r[k][s] for r in records], strategy=s, tolerance=tolerance,
                                         setup=setup, ranks_shard_data=per_rank) for s in spec.strategies})
     return reports
+
+
+def _mixed_precision_tolerance(param_dtypes: Sequence[torch.dtype], mp_policy: Any) -> Tolerance:
+    """The default tolerance when the ranks compute or reduce in the policy's
+    dtypes and the one process in the parameters': the loosest of them all."""
+    policy = [d for d in (mp_policy.param_dtype, mp_policy.reduce_dtype, mp_policy.output_dtype) if d is not None]
+    own, tol = default_tolerance(param_dtypes), default_tolerance([*param_dtypes, *policy])
+    return tol if tol == own else Tolerance(tol.rtol, tol.atol, f"{tol.source}, from mp_policy")
 
 
 def check_strategies(model: Callable[[], nn.Module] | str, data: Any, *, strategies: Sequence[str] = ("ddp",),
                      nproc: int = 2, steps: int = 5, loss: Callable[[Any, Any], torch.Tensor] | str = "auto",
                      optimizer: str | type[torch.optim.Optimizer] = "sgd", lr: float = 0.1,
                      optimizer_kwargs: Mapping[str, Any] | None = None, batch_size: int | None = None,
-                     seed: int = 0, rtol: float | None = None, atol: float | None = None) -> dict[str, CheckReport]:
+                     seed: int = 0, rtol: float | None = None, atol: float | None = None,
+                     mp_policy: Any = None) -> dict[str, CheckReport]:
     """:func:`check` for several strategies in one launch of the ranks: a report for each."""
     spec = _make_spec(model, data, strategies=strategies, nproc=nproc, steps=steps, loss=loss, optimizer=optimizer,
                       lr=lr, optimizer_kwargs=optimizer_kwargs, batch_size=batch_size, seed=seed, rtol=rtol,
-                      atol=atol)
+                      atol=atol, mp_policy=mp_policy)
     return _check_specs([spec], nproc)[0]
 
 
@@ -100,7 +126,7 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
           steps: int = 5, loss: Callable[[Any, Any], torch.Tensor] | str = "auto",
           optimizer: str | type[torch.optim.Optimizer] = "sgd", lr: float = 0.1,
           optimizer_kwargs: Mapping[str, Any] | None = None, batch_size: int | None = None, seed: int = 0,
-          rtol: float | None = None, atol: float | None = None) -> CheckReport:
+          rtol: float | None = None, atol: float | None = None, mp_policy: Any = None) -> CheckReport:
     """Train ``steps`` steps as one process on the global batch and as ``nproc``
     ranks under ``strategy``, and compare the parameters after every step.
 
@@ -129,6 +155,11 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
             (:data:`DEFAULT_TOLERANCES`, 1e-5 for float32).
         atol: the absolute tolerance; None: from the parameters' dtype
             (1e-5 for float32).
+        mp_policy: ``strategy="fsdp"`` only: torch's ``MixedPrecisionPolicy``
+            for every ``fully_shard`` call. The one process trains without it,
+            so the default tolerance is the loosest of the parameters' and the
+            policy's dtypes. The report lists fully_shard's precision audit of
+            the units either way (``report.precision``).
 
     Returns:
         The :class:`CheckReport`: ``report.equal``, ``report.verdict``,
@@ -136,7 +167,8 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
 
     Raises:
         ValueError: a bad argument or entry point, a batch that does not split
-            into ``nproc`` equal shards.
+            into ``nproc`` equal shards, an ``mp_policy`` with a strategy other
+            than ``fsdp``.
         tandem.launch.spawn.SpawnError: a rank failed (its traceback included).
 
     .. warning:: Dropout cannot match draw for draw: dropout modules are off for
@@ -146,4 +178,4 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
     """
     return check_strategies(model, data, strategies=(strategy,), nproc=nproc, steps=steps, loss=loss,
                             optimizer=optimizer, lr=lr, optimizer_kwargs=optimizer_kwargs, batch_size=batch_size,
-                            seed=seed, rtol=rtol, atol=atol)[strategy]
+                            seed=seed, rtol=rtol, atol=atol, mp_policy=mp_policy)[strategy]

@@ -8,6 +8,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from tandem._compat import fsdp_policies
 from tandem.tools.check.api import check_strategies
 from tandem.tools.check.run import STRATEGIES
 from tandem.tools.entry import load_entry
@@ -48,7 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds every generator before the model factory (default 0)")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: from the dtype)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: from the dtype)")
+    for field, what in (("param", "gathers and computes in"), ("reduce", "reduces gradients in"),
+                        ("output", "casts each unit's outputs to")):
+        p.add_argument(f"--{field}-dtype", type=_dtype, default=None, metavar="DTYPE",
+                       help=f"fsdp only: fully_shard's MixedPrecisionPolicy {what} DTYPE ({', '.join(_DTYPES)})")
     return p
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "float64": "float64", "fp64": "float64"}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name.lower() not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(_DTYPES)}")
+    return getattr(torch, _DTYPES[name.lower()])
+
+
+def _mp_policy(args: argparse.Namespace) -> Any:
+    """fully_shard's MixedPrecisionPolicy from --param/reduce/output-dtype; None when none is given."""
+    dtypes = {"param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype, "output_dtype": args.output_dtype}
+    if all(d is None for d in dtypes.values()):
+        return None
+    MixedPrecisionPolicy, _, _ = fsdp_policies()
+    return MixedPrecisionPolicy(**dtypes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("give both --rtol and --atol, or neither")
         reports = check_strategies(args.model, data, strategies=strategies, nproc=args.nproc, steps=args.steps,
                                    loss=args.loss, optimizer=args.optimizer, lr=args.lr, optimizer_kwargs=kwargs,
-                                   batch_size=args.batch_size, seed=args.seed, rtol=args.rtol, atol=args.atol)
+                                   batch_size=args.batch_size, seed=args.seed, rtol=args.rtol, atol=args.atol,
+                                   mp_policy=_mp_policy(args))
     except ValueError as e:
         print(f"tandem check: error: {e}", file=sys.stderr)
         return EXIT_USAGE

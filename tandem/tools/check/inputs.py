@@ -55,6 +55,7 @@ class _Spec:
     seed: int
     strategies: tuple[str, ...]
     tolerance: Tolerance | None
+    mp_policy: Any = None  # fully_shard's MixedPrecisionPolicy (fsdp only)
 
 _LOSSES: dict[str, Callable[..., torch.Tensor]] = {
     "mse": nn.functional.mse_loss, "cross_entropy": nn.functional.cross_entropy, "l1": nn.functional.l1_loss}

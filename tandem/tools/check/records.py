@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.fsdp.precision import PrecisionFinding
+
 __all__ = ["RankRecord", "ReferenceRun"]
 
 
@@ -27,6 +29,9 @@ class RankRecord:
     compare.py)."""
     snapshots: tuple[dict[str, torch.Tensor], ...] = ()
     """Rank 0 only: the full tensors after each step (0: initial)."""
+    precision: tuple[PrecisionFinding, ...] = ()
+    """fsdp: the precision audit of the units the run built (the same on every rank; Note [precision of a
+    unit] in tandem/fsdp/precision.py)."""
 
 
 @dataclass(frozen=True)

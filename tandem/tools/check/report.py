@@ -1,12 +1,15 @@
 """The report of ``tandem check`` (pure): both runs' records in
 (records.py), a :class:`CheckReport` out: the comparison (compare.py), the
-losses, the problems and the likely cause (diagnose.py), and the text."""
+losses, the problems and the likely cause (diagnose.py), fully_shard's
+precision audit (tandem/fsdp/precision.py), and the text."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.fsdp.precision import PrecisionFinding
 from tandem.tools.check.compare import Comparison, Divergence, Tolerance, compare_snapshots, default_tolerance
 from tandem.tools.check.diagnose import first_module, noise_gradients, sharding_problems
 from tandem.tools.check.records import RankRecord, ReferenceRun
@@ -35,6 +38,9 @@ class CheckReport:
     """What was changed for the check, and warnings."""
     setup: str = ""
     """The optimizer and loss, for the header."""
+    precision: tuple[PrecisionFinding, ...] = ()
+    """fsdp: where the units hold or reduce gradients or optimizer state in less precision than the
+    policy says, or worth a note (Note [precision of a unit] in tandem/fsdp/precision.py); not judged."""
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -84,6 +90,7 @@ class CheckReport:
                  f"global batch, {self.steps} steps{', ' + self.setup if self.setup else ''}",
                  f"tolerance: {self.tolerance.describe()}"]
         lines += [f"note: {n}" for n in self.notes]
+        lines += _precision_lines(self.precision)
         lines.append(f"{'step':>4}  {'loss, 1 process':>15}  {f'loss, {self.world_size} ranks':>15}  "
                      f"{'max |diff|':>10}  in")
         for step, (diff, name) in enumerate(self.per_step()):
@@ -110,6 +117,24 @@ class CheckReport:
         if self.cause is not None and not self.equal:
             lines.append(f"  likely cause: {self.cause}")
         return "\n".join(lines)
+
+
+def _precision_lines(findings: Sequence[PrecisionFinding]) -> list[str]:
+    """One line per issue: the units of a stack of identical blocks share theirs."""
+    groups: dict[tuple[str, ...], list[PrecisionFinding]] = {}
+    for f in findings:
+        groups.setdefault((f.issue.name, f.what, f.why, f.fix), []).append(f)
+    lines = []
+    for same in groups.values():
+        f = same[0]
+        if len(same) == 1:
+            text = f.describe()
+        else:
+            units = collections.Counter(g.unit for g in same)
+            where = ", ".join(f"'{u}'" + (f" (x{n})" if n > 1 else "") for u, n in units.items())
+            text = f"fully_shard units {where}: {f.what}; {f.why}. Fix: {f.fix}"
+        lines.append(f"precision {f.level.name.lower()}: {text}")
+    return lines
 
 
 def _sortable(x: float) -> float:
@@ -169,4 +194,4 @@ def build_report(reference: ReferenceRun, ranks: Sequence[RankRecord], *, strate
         cause = first_module(reference, ranks, tol)
     return CheckReport(strategy=strategy, world_size=world, steps=len(reference.losses), tolerance=tol,
                        comparison=comparison, losses=tuple(losses), problems=tuple(problems), cause=cause,
-                       notes=tuple(notes), setup=setup)
+                       notes=tuple(notes), setup=setup, precision=ranks[0].precision if ranks else ())

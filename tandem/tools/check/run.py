@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.fsdp.precision import PrecisionFinding, unit_findings
 from tandem.tools.check.inputs import (
     _Batches,
     _build_model,
@@ -48,7 +49,8 @@ __all__ = ["STRATEGIES"]
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 """``tandem.DistributedDataParallel``, with ``zero_stage=1`` or ``2`` and a
 :class:`tandem.ZeroOptimizer`, and ``tandem.fully_shard`` (each item of every
-``nn.ModuleList`` a unit, then the root, as ``tandem plan`` assumes)."""
+``nn.ModuleList`` a unit, then the root, as ``tandem plan`` assumes; with
+``mp_policy`` where given, and the precision audit of its units in the report)."""
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
@@ -183,8 +185,8 @@ def _wrap(strategy: str, model: nn.Module, spec: _Spec) -> tuple[nn.Module, Any]
     from tandem.tools.plan import default_fsdp_units
 
     for name in default_fsdp_units(model):
-        fully_shard(model.get_submodule(name))
-    fully_shard(model)
+        fully_shard(model.get_submodule(name), mp_policy=spec.mp_policy)
+    fully_shard(model, mp_policy=spec.mp_policy)
     return model, opt_class(model.parameters(), **spec.optimizer_kwargs)
 
 
@@ -200,9 +202,19 @@ def _rank_run(rank: int, spec: _Spec, strategy: str) -> RankRecord:
     rng = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16).digest()
     _dropout_off(model)
     wrapped, optimizer = _wrap(strategy, model, spec)
+    precision = _precision(model) if strategy == "fsdp" else ()
     losses, snapshots, outputs, keys = _train(
         model, wrapped, optimizer, functools.partial(batches.rank_batch, rank=rank, world_size=world_size),
         _loss_fn(spec.loss), spec.steps)
     dist.barrier()
     return RankRecord(rank=rank, losses=tuple(losses), sample_keys=tuple(keys), rng_state=rng,
-                      outputs=tuple(outputs), snapshots=tuple(snapshots) if rank == 0 else ())
+                      outputs=tuple(outputs), snapshots=tuple(snapshots) if rank == 0 else (),
+                      precision=precision)
+
+
+def _precision(model: nn.Module) -> tuple[PrecisionFinding, ...]:
+    """The precision audit of every unit fully_shard built under ``model``
+    (after tiny units merged: Note [tiny units] in tandem/fsdp/api.py)."""
+    from tandem.fsdp.regroup import units_of
+
+    return tuple(f for unit in units_of(model) for f in unit_findings(unit))
