@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tandem
+from tandem.comm.peers import PeerLostError
 from tandem.testing import run_distributed
 
 Pair = collections.namedtuple("Pair", "hidden mask")
@@ -87,3 +88,66 @@ def test_messages_of_changing_shapes_and_structures_arrive_whole() -> None:
                                 "not a tandem message"), r1["raw"]
     assert r0["self"] == "ValueError: rank 0: cannot send to itself (rank 0); pass another rank", r0["self"]
     assert r0["range"] == "ValueError: rank 0: cannot send to rank 5: ranks are 0..2", r0["range"]
+
+
+# ---------------------------------------------------------------------- late, dead and foreign peers
+
+LATE_S = (0.5, 2.5, 8.0)   # how long after the receive was posted each message is sent
+RAW_BYTES = (8, 16, 24, 4096)
+
+
+def _late_dead_and_foreign(rank: int, world_size: int) -> dict[str, object]:
+    """Rank 0 sends three messages to rank 1 late (the receives posted first,
+    Note [late peers] in tandem/comm/p2p.py), then raw torch.distributed sends
+    of several sizes; rank 2 dies while rank 1 waits for its message."""
+    import os
+    import signal
+    import time
+
+    from tandem._compat import default_store
+    store = default_store()
+    out: dict[str, object] = {}
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 0:
+        for i, late in enumerate(LATE_S):
+            time.sleep(max(0.0, start + late - time.monotonic()))
+            tandem.send(_message(300 + i), 1)
+        out["sync late"] = "sent"
+        time.sleep(2.5)
+        tandem.send(_message(400), 1)   # to a receive that waits, not a posted one
+        for n in RAW_BYTES:
+            dist.send(torch.full((n,), 7, dtype=torch.uint8), 1)
+    elif rank == 1:
+        posted = [tandem.irecv(0) for _ in LATE_S]
+        out["late"] = [_same(_message(300 + i), p.wait()) for i, p in enumerate(posted)]
+        out["waited"] = time.monotonic() - start
+        out["sync late"] = _same(_message(400), tandem.recv(0))
+        out["raw"] = [_error(lambda: tandem.recv(0)) for _ in RAW_BYTES]
+        pending = tandem.irecv(2)
+        store.set("tandem-test/receiving", "1")
+        try:
+            pending.wait()
+            out["dead"] = "no error"
+        except PeerLostError as e:
+            out["dead"] = str(e)
+            out["seen after"] = time.time() - float(store.get("tandem-test/killed_at").decode())
+    else:
+        store.wait(["tandem-test/receiving"])
+        time.sleep(1.0)
+        store.set("tandem-test/killed_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)   # while rank 1 waits in recv from it
+    return out
+
+
+def test_late_senders_deliver_dead_ones_are_named_and_foreign_messages_are_refused() -> None:
+    results = run_distributed(_late_dead_and_foreign, 3, timeout=90, may_die=[2])
+    r1 = results[1]
+    # late by 0.5, 2.5 and 8 s: each waited for, none taken for a lost peer
+    assert r1["late"] == [True, True, True] and r1["sync late"] is True, r1
+    assert r1["waited"] >= LATE_S[-1]
+    for got in r1["raw"]:
+        assert got.startswith("RuntimeError: rank 1: tandem.recv from rank 0 got a header"), got
+        assert "not a tandem message" in got, got
+    assert "rank 2" in r1["dead"] and "tandem.recv of the header of a message from rank 2" in r1["dead"], r1["dead"]
+    assert r1["seen after"] < 5.0, r1["seen after"]

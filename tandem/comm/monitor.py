@@ -35,7 +35,7 @@ import socket
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch.distributed as dist
 
@@ -43,7 +43,7 @@ from tandem._compat import default_store
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.ledger import Ledger
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
-from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, heartbeat_key
+from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key
 
 __all__ = ["Monitor", "current_monitor", "start_monitor", "stop_monitor"]
 
@@ -87,10 +87,21 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._beats = 0
         self._written: tuple[int, int, int] | None = None
+        self._p2p_waiters: dict[tuple[int, str, int], Waiter] = {}
 
     @property
     def debug(self) -> bool:
         return self.fingerprints is not None
+
+    def p2p_waiter(self, peer: int, direction: str, group: Any = None) -> Waiter:
+        """The thread that waits on this rank's sends to (``direction="send"``)
+        or receives from ``peer`` in ``group``, in the order they complete (Note
+        [late peers] in p2p.py): one per peer, direction and group, started on
+        first use."""
+        key = (peer, direction, id(group))
+        if key not in self._p2p_waiters:
+            self._p2p_waiters[key] = Waiter()
+        return self._p2p_waiters[key]
 
     def start(self) -> None:
         if self._stacks_path:

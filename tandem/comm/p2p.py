@@ -24,10 +24,28 @@ an error naming both ranks. Received tensors are leaves; a slot's
 them). Messages between two ranks arrive in the order they were sent; receives
 from one peer must be completed (``wait``) in the order they were posted.
 
+The header is received into a buffer of :data:`HEADER_CAPACITY` bytes, far
+more than a header's 16: gloo fills a larger receive buffer with a shorter
+message, but aborts the process (``gloo::EnforceNotMet``, SIGABRT) when a
+message is longer than the buffer posted for it. A foreign message of up to
+that many bytes is therefore refused with tandem's error; a longer one
+still aborts inside gloo.
+
 These are not collectives: they are not written to the ledger, whose sequence
-numbers are equal across all ranks (Note [sequence numbers] in ledger.py). A
-gloo receive still watches its peer: if the sender dies, it raises
-PeerLostError within seconds instead of waiting for the timeout.
+numbers are equal across all ranks (Note [sequence numbers] in ledger.py).
+
+# Note [late peers]
+A gloo send or receive waits for its peer as long as the group's timeout, and
+still notices within seconds a peer that died. A watched wait looks at the
+peers' heartbeats between slices of half a second (Note [dead peers] in
+peers.py); but gloo's ``wait(timeout)`` on a send or receive that times out
+closes the connection (the peer's send then fails with "Connection closed by
+peer"), and its ``is_completed()`` stays False until the work is waited on.
+So a send's or receive's work is never waited on with a timeout here: a
+:class:`~tandem.comm.peers.Waiter` thread, one per peer and direction (the
+works of one pair complete in the order they were posted), waits on it
+without one, and the caller's slices wait on that thread. A sender late by
+seconds is waited for; one that died is named by its heartbeat.
 """
 
 from __future__ import annotations
@@ -42,9 +60,12 @@ import torch
 import torch.distributed as dist
 
 from tandem.comm.monitor import current_monitor
-from tandem.comm.peers import wait_watching_peers
+from tandem.comm.peers import PeerLostError, wait_watching_peers
 
-__all__ = ["PendingRecv", "PendingSend", "irecv", "isend", "recv", "send"]
+__all__ = ["HEADER_CAPACITY", "PendingRecv", "PendingSend", "irecv", "isend", "recv", "send"]
+
+HEADER_CAPACITY = 64 * 1024
+"""Bytes posted for a header: a foreign message up to this long is refused, not an abort (Note [shape handshake])."""
 
 _MAGIC = 0x7A4D5032  # "tandem p2p", version 2 of the header
 # The header goes with torch's default tag, so that a raw dist.send meets the magic check.
@@ -68,13 +89,15 @@ class _Spec:
 class PendingSend:
     """An :func:`isend` in flight; :meth:`wait` returns once every part has gone."""
 
-    def __init__(self, works: list[Any], keep: list[torch.Tensor]) -> None:
+    def __init__(self, works: list[Any], keep: list[torch.Tensor], dst: int, group: dist.ProcessGroup | None) -> None:
         self._works = works
         self._keep = keep  # the buffers must live until the sends complete
+        self._dst, self._group = dst, group
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        for work, what in zip(self._works, ("the header", "the spec", *["the data"] * (len(self._works) - 2))):
+            _wait(work, self._dst, self._group, "send", f"tandem.send of {what} of a message to rank {self._dst}")
+        self._works = []
         self._keep = []
 
     def is_completed(self) -> bool:
@@ -86,23 +109,17 @@ class PendingRecv:
 
     def __init__(self, src: int, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
         self._src, self._group, self._device = src, group, device
-        self._header = torch.zeros(2, dtype=torch.int64)
-        self._work = dist.irecv(self._header, src=src, group=group, tag=_TAG_HEADER)
+        self._header = torch.zeros(HEADER_CAPACITY // 8, dtype=torch.int64)
+        self._work = _post(lambda: dist.irecv(self._header, src=src, group=group, tag=_TAG_HEADER), src,
+                           f"tandem.recv from rank {src}")
         self._result: Any = None
         self._done = False
 
     def wait(self) -> Any:
         if not self._done:
-            try:
-                _wait(self._work, self._src, "the header of a message")
-            except RuntimeError as e:
-                if "size" not in str(e):
-                    raise
-                raise RuntimeError(
-                    f"rank {dist.get_rank()}: tandem.recv from rank {self._src} got something that is not a "
-                    f"tandem message ({e}): rank {self._src} sent with torch.distributed.send; send with "
-                    "tandem.send on one side and receive with tandem.recv on the other") from e
-            self._result = _finish_recv(self._header, self._src, self._group, self._device)
+            _wait(self._work, self._src, self._group, "recv",
+                  f"tandem.recv of the header of a message from rank {self._src}")
+            self._result = _finish_recv(self._header[:2], self._src, self._group, self._device)
             self._done = True
         return self._result
 
@@ -123,10 +140,13 @@ def isend(obj: Any, dst: int, *, group: dist.ProcessGroup | None = None) -> Pend
     spec = _encode(_Spec(sender=me, structure=structure))
     header = torch.tensor([_MAGIC, spec.numel()], dtype=torch.int64)
     data = [t.detach().contiguous() for t in tensors]
-    works = [dist.isend(header, dst=dst, group=group, tag=_TAG_HEADER),
-             dist.isend(spec, dst=dst, group=group, tag=_TAG_SPEC)]
-    works += [dist.isend(t, dst=dst, group=group, tag=_TAG_DATA) for t in data if t.numel()]
-    return PendingSend(works, [header, spec, *data])
+    def post() -> list[Any]:
+        works = [dist.isend(header, dst=dst, group=group, tag=_TAG_HEADER),
+                 dist.isend(spec, dst=dst, group=group, tag=_TAG_SPEC)]
+        return works + [dist.isend(t, dst=dst, group=group, tag=_TAG_DATA) for t in data if t.numel()]
+
+    works = _post(post, dst, f"tandem.send to rank {dst}")
+    return PendingSend(works, [header, spec, *data], dst, group)
 
 
 def recv(src: int, *, group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> Any:
@@ -213,7 +233,8 @@ def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None
             f"message: rank {src} sent with torch.distributed.send (or a message was cut short); "
             "send with tandem.send on one side and receive with tandem.recv on the other")
     payload = torch.empty(length, dtype=torch.uint8)
-    _wait(dist.irecv(payload, src=src, group=group, tag=_TAG_SPEC), src, "the spec of a message")
+    _wait(dist.irecv(payload, src=src, group=group, tag=_TAG_SPEC), src, group, "recv",
+          f"tandem.recv of the spec of a message from rank {src}")
     spec = pickle.loads(payload.numpy().tobytes())
     if not isinstance(spec, _Spec) or spec.sender != src:
         sender = spec.sender if isinstance(spec, _Spec) else "?"
@@ -230,7 +251,7 @@ def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None
 
     obj = _fill(spec.structure, make)
     for work in works:
-        _wait(work, src, "the data of a message")
+        _wait(work, src, group, "recv", f"tandem.recv of the data of a message from rank {src}")
     return _fill_requires_grad(obj, spec.structure)
 
 
@@ -253,9 +274,24 @@ def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _wait(work: Any, src: int, what: str) -> None:
+def _post(post: Callable[[], Any], peer: int, during: str) -> Any:
+    """Post a send or receive; gloo refuses at once one to a peer whose
+    connection closed: name the peer if its heartbeat says it is gone."""
+    try:
+        return post()
+    except RuntimeError as e:
+        monitor = current_monitor()
+        lost = monitor.peers.diagnose([peer]) if monitor.peers is not None else {}
+        if lost:
+            raise PeerLostError(dist.get_rank(), lost, during) from e
+        raise
+
+
+def _wait(work: Any, peer: int, group: dist.ProcessGroup | None, direction: str, during: str) -> None:
+    """Wait for a send or receive of gloo watching ``peer`` (Note [late peers])."""
     monitor = current_monitor()
-    if monitor.peers is None or dist.get_backend() != "gloo":
+    if monitor.peers is None or dist.get_backend(group) != "gloo":
         work.wait()
         return
-    wait_watching_peers(work, monitor.peers, [src], lambda: f"tandem.recv of {what} from rank {src}")
+    threaded = monitor.p2p_waiter(peer, direction, group).submit(work)
+    wait_watching_peers(threaded, monitor.peers, [peer], lambda: during)

@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
-           "ThreadedWait", "WAIT_SLICE_S", "Waiter", "heartbeat_key", "wait_watching_peers"]
+           "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "heartbeat_key", "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -99,6 +99,10 @@ class PeerLostError(RuntimeError):
             f"the cause is in the log of rank {names} (killed, out of memory, or crashed). "
             "Under `tandem run --max-restarts K` the group restarts and resumes from the "
             "last checkpoint")
+
+
+class SliceEnded(RuntimeError):
+    """A :class:`ThreadedWait` slice ended with the work still running: nothing failed."""
 
 
 class PeerWatch:
@@ -183,7 +187,9 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
             work.wait(_SLICE)
             return
         except RuntimeError as e:
-            sliced = "Operation timed out" in str(e)
+            # A slice of a ThreadedWait says so by its type; a gloo collective's own
+            # wait(timeout) only by its text (torch 2.4 to 2.13).
+            sliced = isinstance(e, SliceEnded) or "Operation timed out" in str(e)
             try:
                 lost = watch.observe(ranks) if sliced else watch.diagnose(ranks)
             except RuntimeError as store_error:
@@ -197,15 +203,18 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
 
 
 class ThreadedWait:
-    """A collective's work whose own ``wait(timeout)`` ignores the timeout, waited
-    on by a :class:`Waiter` thread so that a watched wait's slices still end.
+    """A work whose own ``wait(timeout)`` cannot be sliced, waited on by a
+    :class:`Waiter` thread so that a watched wait's slices still end.
 
     gloo's reduce-scatter (``reduce_scatter_single``/``reduce_scatter_tensor``,
     torch 2.4 to 2.13) blocks in ``wait(timeout)`` until it completes or fails,
     and its ``is_completed()`` stays False: a rank whose reduce-scatter waits on
     a live peer that has given up (the dead rank was the peer's neighbour, not
     this rank's) would wait for the group's timeout, not the seconds of Note
-    [dead peers].
+    [dead peers]. gloo's send and receive are worse: ``wait(timeout)`` that
+    times out closes the connection, so a peer late by one slice was lost
+    (Note [late peers] in p2p.py); their ``is_completed()`` stays False until
+    waited on.
     """
 
     __slots__ = ("_work", "_done", "_error")
@@ -225,7 +234,7 @@ class ThreadedWait:
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._done.wait(None if timeout is None else timeout.total_seconds()):
-            raise RuntimeError("Operation timed out (tandem's threaded wait)")
+            raise SliceEnded("Operation timed out (tandem's threaded wait)")
         if self._error is not None:
             raise self._error
         return True
