@@ -10,6 +10,7 @@ The expected messages are built on both sides by the same plain function.
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 import torch.distributed as dist
@@ -151,3 +152,39 @@ def test_late_senders_deliver_dead_ones_are_named_and_foreign_messages_are_refus
         assert "not a tandem message" in got, got
     assert "rank 2" in r1["dead"] and "tandem.recv of the header of a message from rank 2" in r1["dead"], r1["dead"]
     assert r1["seen after"] < 5.0, r1["seen after"]
+
+
+def _mismatched(rank: int, world_size: int) -> str:
+    """Ranks 0 and 1: rank 0 in a collective (tandem.all_reduce_sum over the
+    pair), rank 1 receiving from it; ranks 2 and 3: each receiving from the
+    other. No rank is lost; every one should name the mismatch."""
+    pair = dist.new_group([0, 1])   # every rank creates both groups
+    dist.new_group([2, 3])
+    dist.barrier()
+    try:
+        if rank == 0:
+            tandem.all_reduce_sum(torch.ones(3), group=pair)
+        elif rank == 1:
+            tandem.recv(0)
+        else:
+            tandem.recv(5 - rank)
+    except Exception as e:  # noqa: BLE001 - the test reads type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_ranks_waiting_on_each_other_in_different_operations_are_named() -> None:
+    from tandem.comm.wait_board import MISMATCH_AFTER_S
+    start = time.monotonic()
+    errors = run_distributed(_mismatched, 4, timeout=90)
+    for rank, error in enumerate(errors):
+        assert error.startswith(f"MismatchError: rank {rank}: mismatched calls: "), error
+    pair = "rank 0 waits in #"   # the all-reduce's ledger entry
+    for error in errors[:2]:
+        assert pair in error and "all_reduce" in error, error
+        assert "rank 1 waits in tandem.recv of the header of a message from rank 0" in error, error
+    for error in errors[2:]:
+        assert ("rank 2 waits in tandem.recv of the header of a message from rank 3" in error
+                and "rank 3 waits in tandem.recv of the header of a message from rank 2" in error), error
+    # named once both have waited MISMATCH_AFTER_S, not at the group's timeout (10 minutes)
+    assert time.monotonic() - start < MISMATCH_AFTER_S + 60

@@ -118,7 +118,7 @@ class PendingRecv:
     def wait(self) -> Any:
         if not self._done:
             _wait(self._work, self._src, self._group, "recv",
-                  f"tandem.recv of the header of a message from rank {self._src}")
+                  f"tandem.recv of the header of a message from rank {self._src}", header=True)
             self._result = _finish_recv(self._header[:2], self._src, self._group, self._device)
             self._done = True
         return self._result
@@ -287,11 +287,14 @@ def _post(post: Callable[[], Any], peer: int, during: str) -> Any:
         raise
 
 
-def _wait(work: Any, peer: int, group: dist.ProcessGroup | None, direction: str, during: str) -> None:
-    """Wait for a send or receive of gloo watching ``peer`` (Note [late peers])."""
+def _wait(work: Any, peer: int, group: dist.ProcessGroup | None, direction: str, during: str,
+          header: bool = False) -> None:
+    """Wait for a send or receive of gloo watching ``peer`` (Note [late peers]);
+    ``header``: the receive of a message's header (Note [mismatched waits] in
+    wait_board.py)."""
     monitor = current_monitor()
     if monitor.peers is None or dist.get_backend(group) != "gloo":
         work.wait()
         return
     threaded = monitor.p2p_waiter(peer, direction, group).submit(work)
-    wait_watching_peers(threaded, monitor.peers, [peer], lambda: during)
+    wait_watching_peers(threaded, monitor.peers, [peer], lambda: during, header=header)

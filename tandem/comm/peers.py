@@ -44,6 +44,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
+
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
            "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "heartbeat_key", "wait_watching_peers"]
 
@@ -122,6 +124,7 @@ class PeerWatch:
         self.liveness = liveness
         self._clock = clock
         self._seen: dict[int, tuple[str | None, float]] = {}
+        self.board = WaitBoard(store, rank)  # where each rank waits (Note [mismatched waits])
 
     def observe(self, ranks: Sequence[int], *, failed: bool = False) -> dict[int, str]:
         """Read the beats of ``ranks`` now; returns the ones that are gone, with why.
@@ -176,30 +179,50 @@ class PeerWatch:
 
 
 def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
-                        during: Callable[[], str]) -> None:
-    """``work.wait()`` for a gloo collective, raising :class:`PeerLostError`
-    within seconds when a peer in ``ranks`` dies (Note [dead peers]).
+                        during: Callable[[], str], *, header: bool = False) -> None:
+    """``work.wait()`` for a gloo collective or send or receive, raising
+    :class:`PeerLostError` within seconds when a peer in ``ranks`` dies (Note
+    [dead peers]), and :class:`MismatchError` when it waits on this rank in
+    another operation (Note [mismatched waits] in wait_board.py; ``header``:
+    this is the receive of a message's header).
 
     Other failures of the collective are re-raised unchanged.
     """
-    while True:
-        try:
-            work.wait(_SLICE)
-            return
-        except RuntimeError as e:
-            # A slice of a ThreadedWait says so by its type; a gloo collective's own
-            # wait(timeout) only by its text (torch 2.4 to 2.13).
-            sliced = isinstance(e, SliceEnded) or "Operation timed out" in str(e)
+    note: WaitNote | None = None
+    try:
+        while True:
             try:
-                lost = watch.observe(ranks) if sliced else watch.diagnose(ranks)
-            except RuntimeError as store_error:
-                if sliced:
-                    raise store_error from e
-                raise e from store_error
-            if lost:
-                raise PeerLostError(watch.rank, lost, during()) from (None if sliced else e)
-            if not sliced:
-                raise
+                work.wait(_SLICE)
+                return
+            except RuntimeError as e:
+                # A slice of a ThreadedWait says so by its type; a gloo collective's own
+                # wait(timeout) only by its text (torch 2.4 to 2.13).
+                sliced = isinstance(e, SliceEnded) or "Operation timed out" in str(e)
+                try:
+                    lost = watch.observe(ranks) if sliced else watch.diagnose(ranks)
+                except RuntimeError as store_error:
+                    if sliced:
+                        raise store_error from e
+                    raise e from store_error
+                if lost:
+                    raise PeerLostError(watch.rank, lost, during()) from (None if sliced else e)
+                if not sliced:
+                    raise
+            if note is None:  # a wait longer than one slice: say where this rank waits
+                note = WaitNote(during(), tuple(r for r in ranks if r != watch.rank), time.time() - WAIT_SLICE_S,
+                                header)
+                watch.board.post(note)
+            else:
+                waits = watch.board.mismatch(note)
+                if waits:
+                    note = None  # stays posted: the peers read it to name the mismatch too
+                    raise MismatchError(watch.rank, waits)
+    finally:
+        if note is not None:
+            try:
+                watch.board.clear()
+            except Exception:  # noqa: BLE001 - the store is gone: what is propagating says more
+                pass
 
 
 class ThreadedWait:
