@@ -108,6 +108,9 @@ def _late_dead_and_foreign(rank: int, world_size: int) -> dict[str, object]:
     from tandem._compat import default_store
     store = default_store()
     out: dict[str, object] = {}
+    if rank == 0:   # a collective's late peer is waited for too, not taken for lost
+        time.sleep(2.5)
+    out["collective"] = tandem.all_reduce_sum(torch.ones(2)).tolist()
     dist.barrier()
     start = time.monotonic()
     if rank == 0:
@@ -144,6 +147,7 @@ def _late_dead_and_foreign(rank: int, world_size: int) -> dict[str, object]:
 def test_late_senders_deliver_dead_ones_are_named_and_foreign_messages_are_refused() -> None:
     results = run_distributed(_late_dead_and_foreign, 3, timeout=90, may_die=[2])
     r1 = results[1]
+    assert [r["collective"] for r in results[:2]] == [[3.0, 3.0]] * 2
     # late by 0.5, 2.5 and 8 s: each waited for, none taken for a lost peer
     assert r1["late"] == [True, True, True] and r1["sync late"] is True, r1
     assert r1["waited"] >= LATE_S[-1]
