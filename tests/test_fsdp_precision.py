@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -97,17 +98,25 @@ CASES.update({
 })
 
 
+@functools.cache
+def _mesh(kind: str) -> Any:
+    """One mesh of each kind per rank, shared by the cases: a mesh's process
+    groups cost a rendezvous each, and a mesh holds no state of a model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if kind == "four":
+        return init_device_mesh("cpu", (WORLD,))
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
 def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
     return torch.randint(0, V, (BATCH, SEQ), generator=g), torch.randint(0, V, (BATCH, SEQ), generator=g)
 
 
 def _build(impl: str, case: Case) -> tuple[Net, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(0)
     model = Net()
-    mesh = (init_device_mesh("cpu", (WORLD,)) if case.mesh == "four"
-            else init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    mesh = _mesh("four" if case.mesh == "four" else "hsdp")
     if case.mesh == "pair":
         mesh = mesh["shard"]
     if impl == "torch":
@@ -187,10 +196,9 @@ def _one_linear(rank: int) -> dict[str, torch.Tensor]:
     """The gradient of one Linear (bf16 parameters, fp32 reduce) sharded over a
     pair of ranks, after 8 micro-batches with sync off on all but the last, as
     tandem and torch compute it."""
-    from torch.distributed.device_mesh import init_device_mesh
     out = {}
     for impl in ("tandem", "torch"):
-        pair = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))["shard"]
+        pair = _mesh("hsdp")["shard"]
         torch.manual_seed(0)
         lin = nn.Linear(64, 64, bias=False)
         if impl == "torch":
