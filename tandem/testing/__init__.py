@@ -1,9 +1,11 @@
-"""Tools for testing distributed code: a multi-process harness and a collective recorder."""
+"""Tools for testing distributed code: a multi-process harness, comparisons,
+and nodes on one machine as network namespaces."""
 
 from tandem.testing.cases import Case, CaseResults, run_cases
+from tandem.testing.cluster import Cluster, cluster_unavailable
 from tandem.testing.compare import first_difference, max_abs_diff, raised_by
 from tandem.testing.concurrent import start_concurrently
 from tandem.testing.harness import RankFailure, run_distributed, still_running
 
-__all__ = ["Case", "CaseResults", "RankFailure", "first_difference", "max_abs_diff", "raised_by", "run_cases",
-           "run_distributed", "start_concurrently", "still_running"]
+__all__ = ["Case", "CaseResults", "Cluster", "RankFailure", "cluster_unavailable", "first_difference", "max_abs_diff",
+           "raised_by", "run_cases", "run_distributed", "start_concurrently", "still_running"]
