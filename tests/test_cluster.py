@@ -81,3 +81,37 @@ def test_nothing_is_left_behind_when_the_test_inside_fails() -> None:
         raise RuntimeError("a failure inside the cluster")
     assert sleeper.poll() is not None
     assert cluster.leftovers() == []
+
+
+WORLD = """
+import torch, torch.distributed as dist, tandem
+world = tandem.init()
+t = torch.tensor([float(world.rank + 1)])
+dist.all_reduce(t)
+print(f"WORLD rank={world.rank} size={world.world_size} sum={t.item():g}", flush=True)
+tandem.shutdown()
+"""
+
+
+@pytest.mark.parametrize("local_addr", [True, False])
+def test_two_nodes_with_their_own_addresses_form_one_world(tmp_path, local_addr: bool) -> None:
+    """The docs' "Many nodes" commands (static rendezvous on node 0's address):
+    gloo must advertise each node's own address, not the loopback its hostname
+    resolves to (Note [the address a node gives] in tandem/launch/machine.py),
+    whether --local-addr names it or the route to the rendezvous host does."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD)
+    with Cluster(2) as cluster:
+        procs = []
+        for node in range(2):
+            argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--nproc-per-node", "1",
+                    "--node-rank", str(node), "--master-addr", cluster.address(0), "--master-port", "29500",
+                    "--rdzv-timeout", "30", str(script)]
+            if local_addr:
+                argv[-1:-1] = ["--local-addr", cluster.address(node)]
+            procs.append(cluster.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-3000:]
+        assert f"WORLD rank={node} size=2 sum=3" in out, out[-3000:]
+    assert cluster.leftovers() == []

@@ -31,10 +31,11 @@ from tandem.launch.flags import (
     parse_rdzv_conf,
     resolve_nproc,
     resolve_rendezvous,
+    split_endpoint,
     threads_per_worker,
 )
 from tandem.launch.logs import WorkerLogs
-from tandem.launch.machine import usable_cpus, visible_gpus
+from tandem.launch.machine import socket_interface_env, usable_cpus, visible_gpus
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 
@@ -203,6 +204,9 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     output = RankOutput(stdout, stderr, ranks=config.output_ranks,
                         local_ranks=config.output_local_ranks)
     worker_env = dict(config.worker_env)
+    if config.max_nodes > 1:  # Note [the address a node gives] in machine.py
+        rendezvous = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
+        worker_env.update(socket_interface_env(config.local_addr, rendezvous))
     if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"
     logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow,

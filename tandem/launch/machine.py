@@ -1,13 +1,29 @@
-"""What this machine offers the workers: CPU cores and GPUs.
+"""What this machine offers the workers: CPU cores, GPUs, and the network
+interface the other nodes reach it by.
 
 Measured here, passed into the pure rules of :mod:`tandem.launch.config`.
+
+# Note [the address a node gives]
+gloo (and NCCL's bootstrap) advertise to the other nodes the address their
+hostname resolves to; in many containers, and in every namespace of
+``tandem.testing.Cluster``, that is 127.0.0.1, so the other nodes connect to
+themselves ("Gloo connectFullMesh failed ... Connection refused,
+remote=[127.0.0.1]"), although ``--local-addr`` said which address to use.
+So a launcher of a job of several nodes gives its workers
+``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``: the interface that holds
+``--local-addr``, or else the one the route to the rendezvous host leaves by.
+A name already set by the user wins; a loopback interface (every node on this
+machine's loopback) is left to the defaults.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
-__all__ = ["usable_cpus", "visible_gpus"]
+__all__ = ["address_toward", "interface_of", "socket_interface_env", "usable_cpus", "visible_gpus"]
+
+_SIOCGIFADDR = 0x8915
 
 
 def usable_cpus() -> int:
@@ -23,3 +39,47 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface holding ``address`` (a
+    host name or IPv4 address); None if none does (Linux only)."""
+    try:
+        import fcntl
+        import struct
+
+        target = socket.inet_aton(socket.gethostbyname(address))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    found = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))[20:24]
+                except OSError:
+                    continue  # no IPv4 address on it
+                if found == target:
+                    return name
+    except (OSError, ImportError):
+        return None
+    return None
+
+
+def address_toward(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def socket_interface_env(local_addr: str | None, rendezvous: tuple[str, int],
+                         environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` for the workers of a
+    job across nodes (Note [the address a node gives]); empty where the
+    interface is loopback or cannot be found, and without the names the user set."""
+    env = os.environ if environ is None else environ
+    address = local_addr or address_toward(*rendezvous)
+    name = interface_of(address) if address else None
+    if name is None or name == "lo" or (address or "").startswith("127."):
+        return {}
+    return {key: name for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in env}
