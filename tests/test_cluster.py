@@ -93,25 +93,31 @@ tandem.shutdown()
 """
 
 
-@pytest.mark.parametrize("local_addr", [True, False])
-def test_two_nodes_with_their_own_addresses_form_one_world(tmp_path, local_addr: bool) -> None:
-    """The docs' "Many nodes" commands (static rendezvous on node 0's address):
-    gloo must advertise each node's own address, not the loopback its hostname
-    resolves to (Note [the address a node gives] in tandem/launch/machine.py),
-    whether --local-addr names it or the route to the rendezvous host does."""
+@pytest.mark.parametrize("form,local_addr", [("node-rank", True), ("node-rank", False), ("endpoint", True)])
+def test_two_nodes_with_their_own_addresses_form_one_world(tmp_path, form: str, local_addr: bool) -> None:
+    """The docs' "Many nodes" commands, with the rendezvous on node 0's
+    address: gloo must advertise each node's own address, not the loopback its
+    hostname resolves to, whether --local-addr names it or the route to the
+    rendezvous host does; and with a c10d endpoint, the node holding its
+    address hosts the store (Note [the address a node gives] in
+    tandem/launch/machine.py)."""
     script = tmp_path / "world.py"
     script.write_text(WORLD)
     with Cluster(2) as cluster:
         procs = []
         for node in range(2):
-            argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--nproc-per-node", "1",
-                    "--node-rank", str(node), "--master-addr", cluster.address(0), "--master-port", "29500",
+            meet = (["--node-rank", str(node), "--master-addr", cluster.address(0), "--master-port", "29500"]
+                    if form == "node-rank" else
+                    ["--rdzv-endpoint", f"{cluster.address(0)}:29400", "--rdzv-id", "two-namespaces"])
+            argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--nproc-per-node", "1", *meet,
                     "--rdzv-timeout", "30", str(script)]
             if local_addr:
                 argv[-1:-1] = ["--local-addr", cluster.address(node)]
             procs.append(cluster.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=60)[0] for p in procs]
-    for node, (p, out) in enumerate(zip(procs, outs)):
+    for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-        assert f"WORLD rank={node} size=2 sum=3" in out, out[-3000:]
+    ranks = sorted(line.split("WORLD rank=")[1].split()[0] for out in outs for line in out.splitlines()
+                   if "WORLD rank=" in line and "size=2 sum=3" in line)
+    assert ranks == ["0", "1"], outs
     assert cluster.leftovers() == []

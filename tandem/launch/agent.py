@@ -39,6 +39,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from tandem.launch.config import LaunchConfig
+from tandem.launch.flags import split_endpoint
+from tandem.launch.machine import interface_of
 from tandem.launch.elastic_agent import ElasticAgent
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.rendezvous import FreshWorkerStore
@@ -126,10 +128,15 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         SignalException: the launcher got SIGTERM, SIGINT, SIGHUP or SIGQUIT
             while the workers ran; they were sent the same signal and have exited.
     """
+    options = config.rendezvous_options()
+    if config.rdzv_backend == "c10d" and "is_host" not in options and _holds_endpoint(config):
+        # Note [the address a node gives] in machine.py: torch decides by the hostname,
+        # which in a container may not resolve to the endpoint's address.
+        options["is_host"] = True
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.rdzv_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-        **config.rendezvous_options())
+        **options)
     logger.info("tandem.launch: %s", config.describe())
     timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
     with _rendezvous_errors(config):
@@ -169,6 +176,14 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
                           f"{config.rdzv_endpoint}, id {config.rdzv_id!r}): {config.max_nodes} "
                           "node(s) had already joined; check --nnodes")
     return result
+
+
+def _holds_endpoint(config: LaunchConfig) -> bool:
+    """This node holds the c10d endpoint's address (so it hosts the store)."""
+    host, _ = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
+    if host in ("localhost", "127.0.0.1") or host.startswith("127."):
+        return False  # torch's own rule already says yes
+    return host == config.local_addr or interface_of(host) is not None
 
 
 @contextlib.contextmanager

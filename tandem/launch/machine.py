@@ -13,7 +13,10 @@ So a launcher of a job of several nodes gives its workers
 ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``: the interface that holds
 ``--local-addr``, or else the one the route to the rendezvous host leaves by.
 A name already set by the user wins; a loopback interface (every node on this
-machine's loopback) is left to the defaults.
+machine's loopback) is left to the defaults. Likewise torch's c10d
+rendezvous hosts the store on the node whose hostname resolves to the
+endpoint's host, which no node's does then: the node that holds the
+endpoint's address is told so (``is_host``, agent.py).
 """
 
 from __future__ import annotations
