@@ -27,6 +27,14 @@ from tandem.testing import raised_by, run_distributed
 
 WORLD, V, D = 2, 13, 8
 TANDEM_ONLY = {"reset_process_group"}   # the elastic job's (Note [regrouped units] in tandem/fsdp/regroup.py)
+TORCH_2_13 = {   # torch 2.13's public FSDPModule methods
+    "reset_iter_state", "reshard", "set_all_reduce_hook", "set_allocate_memory_from_process_group_for_comm",
+    "set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
+    "set_gradient_divide_factor", "set_is_last_backward", "set_modules_to_backward_prefetch",
+    "set_modules_to_forward_prefetch", "set_post_optim_event", "set_reduce_scatter_divide_factor",
+    "set_reduce_scatter_max_input_buffers", "set_reduce_scatter_unused_params", "set_requires_all_reduce",
+    "set_requires_gradient_sync", "set_reshard_after_backward", "set_reshard_after_forward",
+    "set_separate_reduce_scatter_group", "set_symm_mem_for_comm", "set_unshard_in_backward", "unshard"}
 
 
 # ---------------------------------------------------------------------- names
@@ -45,12 +53,14 @@ def test_every_public_method_of_torchs_fsdp_module_is_here_with_its_arguments() 
         assert got == want, (name, got, want)
 
 
-def test_what_tandem_has_beyond_this_torch_is_known() -> None:
-    """On an older torch, the names it lacks are listed here, not failed."""
+def test_tandem_adds_no_public_method_that_torch_2_13_lacks() -> None:
+    """Beyond torch's names, only the known extras; on a torch older than 2.13
+    the names it lacks are listed in the xfail, not failed."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    extra = set(_public(FSDPModule)) - set(_public(TorchFSDPModule)) - TANDEM_ONLY
-    if extra:
-        pytest.xfail(f"torch {torch.__version__} is older than these FSDPModule methods: {sorted(extra)}")
+    theirs = set(_public(TorchFSDPModule))
+    assert set(_public(FSDPModule)) - TANDEM_ONLY <= theirs | TORCH_2_13, set(_public(FSDPModule)) - theirs
+    if TORCH_2_13 - theirs:
+        pytest.xfail(f"torch {torch.__version__} is older than these FSDPModule methods: {sorted(TORCH_2_13 - theirs)}")
 
 
 def test_every_argument_of_torchs_fully_shard_is_taken() -> None:
@@ -177,10 +187,12 @@ def _custom_comms(rank: int, impl: str) -> tuple[dict, int, int]:
     return _train(model, opt, rank), gather.calls, scatter.calls
 
 
-def _unshard_in_backward(rank: int, impl: str) -> tuple[dict, int]:
-    """The embedding's backward needs no weight: it is not gathered for it."""
+def _unshard_in_backward(rank: int, impl: str, unshard: bool = False) -> tuple[dict, int]:
+    """With ``unshard=False`` the embedding, whose backward needs no weight, is
+    not gathered for it; returns the parameters and the embedding unit's
+    all-gathers (tandem's; 0 for torch)."""
     model, opt = _build(impl)
-    model.embed.set_unshard_in_backward(False)
+    model.embed.set_unshard_in_backward(unshard)
     gathers = 0
     if impl == "tandem":
         unit = model.embed._tandem_fsdp_unit
@@ -245,7 +257,7 @@ def _divide_by_one(rank: int, impl: str) -> dict:
     """torchtitan's loss is a sum over the global batch: gradients are summed, not averaged."""
     model, _ = _build(impl)
     for m in model.modules():
-        if isinstance(m, (FSDPModule,)) or type(m).__name__.startswith("FSDP"):
+        if hasattr(m, "set_force_sum_reduction_for_comms"):   # tandem's FSDPModule or torch's
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     _backward(model, rank, 0)
@@ -297,7 +309,7 @@ def _worker(rank: int, world_size: int) -> dict:
         "custom": {impl: _custom_comms(rank, impl) for impl in both},
         "plain": _train(*_build("tandem"), rank),
         "unshard": {impl: _unshard_in_backward(rank, impl) for impl in both},
-        "unshard_default": _unshard_in_backward_default(rank),
+        "unshard_default": _unshard_in_backward(rank, "tandem", unshard=True)[1],
         "unused": {(impl, z): _unused(rank, impl, z) for impl in both for z in (False, True)},
         "in_flight": {k: _max_in_flight(rank, k) for k in (None, 1, 3)},
         "recover": {(impl, w): _recovers(rank, impl, w) for impl in both for w in ("forward", "backward")},
@@ -306,16 +318,6 @@ def _worker(rank: int, world_size: int) -> dict:
         "event": _post_optim_event(rank),
         "refusals": _refusals(rank),
     }
-
-
-def _unshard_in_backward_default(rank: int) -> int:
-    model, opt = _build("tandem")
-    unit = model.embed._tandem_fsdp_unit
-    gathers = [0]
-    unit.comm.observers.append(
-        lambda e: gathers.__setitem__(0, gathers[0] + (e.op == "all_gather_into" and e.tag == f"unit {unit.name}")))
-    _train(model, opt, rank)
-    return gathers[0]
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from tandem.fsdp import fully_shard, load_full_state_dict
 from tandem.fsdp.unit_state import ShardState
 from tandem.testing import Case as Run
-from tandem.testing import run_cases, run_distributed
+from tandem.testing import raised_by, run_cases, run_distributed
 
 TOL = 1e-5
 STEPS = 4  # two on 2 ranks, two on 3
@@ -197,20 +197,13 @@ def _dim1(param: nn.Parameter) -> object:
 
 
 def _errors(model: nn.Module, world_size: int) -> dict:
-    errors = {}
-    for name, call in {
+    return raised_by({
         "twice": lambda: fully_shard(model),
         "bad_reshard": lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=world_size + 1),
         "placement": lambda: fully_shard(nn.Linear(3, 2), shard_placement_fn=_dim1),  # 3 columns, 2 ranks
         "mixed_dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
         "not_a_module": lambda: fully_shard("linear"),  # type: ignore[arg-type]
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects the type and message
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    })
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ move it between the states.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
-from collections.abc import Callable
 from typing import Any
 
 import torch

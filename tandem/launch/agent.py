@@ -39,10 +39,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from tandem.launch.config import LaunchConfig
-from tandem.launch.flags import split_endpoint
-from tandem.launch.machine import interface_of
 from tandem.launch.elastic_agent import ElasticAgent
+from tandem.launch.flags import split_endpoint
 from tandem.launch.logs import WorkerLogs
+from tandem.launch.machine import interface_of
 from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.watchdog import Watchdog
 
@@ -181,7 +181,7 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
 def _holds_endpoint(config: LaunchConfig) -> bool:
     """This node holds the c10d endpoint's address (so it hosts the store)."""
     host, _ = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
-    if host in ("localhost", "127.0.0.1") or host.startswith("127."):
+    if host == "localhost" or host.startswith("127."):
         return False  # torch's own rule already says yes
     return host == config.local_addr or interface_of(host) is not None
 
