@@ -1,0 +1,135 @@
+"""Training across nodes: ``tandem run`` on namespace nodes with their own
+addresses and a 1 Gbit/s link (tandem.testing.Cluster), the rendezvous on
+node 0's address, as the docs' "Many nodes" page writes it. DDP, ZeRO-2,
+fully_shard and HSDP (shard within a node, replicate across nodes) each end
+at the parameters of one process on the global batch (tests/_cluster_train.py
+gives both), on 2 nodes x 2 workers and on 4 nodes x 1; ``--nnodes MIN:MAX``
+starts with the nodes that came once the last call has passed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.testing import Cluster, cluster_unavailable
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _cluster_train import reference  # noqa: E402
+
+REASON = cluster_unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no cluster of namespaces here: {REASON}")
+
+JOB = str(Path(__file__).parent / "_cluster_train.py")
+STRATEGIES = "ddp,zero2,fully_shard,hsdp"
+
+
+def _launch(cluster: Cluster, nodes: list[int], nnodes: str, nproc: int, out: Path, strategies: str,
+            *extra: str) -> list[tuple[int, str]]:
+    """One ``tandem run`` per node, the c10d store on node 0's address; each
+    node's exit code and output."""
+    procs = []
+    for node in nodes:
+        argv = [sys.executable, "-m", "tandem", "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                "--rdzv-endpoint", f"{cluster.address(0)}:29400", "--rdzv-id", "train-across",
+                "--local-addr", cluster.address(node), "--rdzv-timeout", "60", *extra, JOB, str(out), strategies]
+        procs.append(cluster.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return [(p.wait(timeout=240), p.communicate()[0]) for p in procs]
+
+
+def _trained(outs: list[tuple[int, str]], strategies: str) -> dict[str, set[tuple[str, str]]]:
+    """For each strategy, the (rank, node) pairs that said they trained it."""
+    seen: dict[str, set[tuple[str, str]]] = {s: set() for s in strategies.split(",")}
+    for code, out in outs:
+        assert code == 0, out[-4000:]
+        for line in out.splitlines():
+            if "TRAINED " in line:
+                fields = dict(kv.split("=") for kv in line.split("TRAINED ")[1].split()[1:])
+                seen[line.split("TRAINED ")[1].split()[0]].add((fields["rank"], fields["node"]))
+    return seen
+
+
+def _equal_to_one_process(out: Path, strategies: str) -> None:
+    want = reference()
+    for strategy in strategies.split(","):
+        got = torch.load(out / f"{strategy}.pt")
+        assert got.keys() == want.keys(), strategy
+        for name in want:
+            # gloo adds the ranks' gradients in its own order: equal to float32 rounding.
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, s=strategy, n=name: f"{s} {n}: {m}")
+
+
+def test_two_nodes_of_two_workers_train_as_one_process(tmp_path: Path) -> None:
+    with Cluster(2, rate="1gbit") as cluster:
+        outs = _launch(cluster, [0, 1], "2", 2, tmp_path, STRATEGIES)
+    seen = _trained(outs, STRATEGIES)
+    for strategy, ranks in seen.items():
+        assert ranks == {("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")}, (strategy, ranks)
+    _equal_to_one_process(tmp_path, STRATEGIES)
+    assert cluster.leftovers() == []
+
+
+def test_four_nodes_of_one_worker_with_a_range_of_nodes(tmp_path: Path) -> None:
+    """``--nnodes 2:4`` with all four nodes started: the job waits for the
+    last call and forms a world of 4, one rank per node."""
+    with Cluster(4, rate="1gbit") as cluster:
+        outs = _launch(cluster, [0, 1, 2, 3], "2:4", 1, tmp_path, STRATEGIES)
+    seen = _trained(outs, STRATEGIES)
+    for strategy, ranks in seen.items():
+        assert {rank for rank, _ in ranks} == {"0", "1", "2", "3"}, (strategy, ranks)
+        assert len({node for _, node in ranks}) == 4, (strategy, ranks)
+    _equal_to_one_process(tmp_path, STRATEGIES)
+    assert cluster.leftovers() == []
+
+
+def test_a_range_of_nodes_starts_with_those_that_came(tmp_path: Path) -> None:
+    """``--nnodes 2:4`` and only two nodes: once the last call has passed
+    (2 s here), the job starts as a world of 2."""
+    with Cluster(2, rate="1gbit") as cluster:
+        outs = _launch(cluster, [0, 1], "2:4", 1, tmp_path, "ddp", "--rdzv-conf", "last_call_timeout=2")
+    assert _trained(outs, "ddp")["ddp"] == {("0", "0"), ("1", "1")}
+    _equal_to_one_process(tmp_path, "ddp")
+    assert cluster.leftovers() == []
+
+
+def _losses(metrics: Path) -> list[tuple[str, int, float]]:
+    import json
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [(r["kind"], r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def test_the_digits_job_across_two_nodes_as_the_docs_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's digits job with the "Many nodes" page's static commands,
+    one worker on each of two nodes, records the same losses as the same
+    world of 2 on one host (one thread per worker in both, as the launcher
+    would give each of 2 workers on one host: a convolution's sums depend on
+    the threads it runs on)."""
+    digits = ["-m", "tandem.examples.digits", "--epochs", "2", "--no-progress"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "host").mkdir()
+    host = subprocess.Popen([sys.executable, "-m", "tandem", "run", "--nproc-per-node", "2", *digits],
+                            cwd=tmp_path / "host", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with Cluster(2, rate="1gbit") as cluster:
+        procs = []
+        for node in range(2):
+            cwd = tmp_path / f"node{node}"
+            cwd.mkdir()
+            argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "1", "--master-addr", cluster.address(0), "--master-port", "29500",
+                    *digits]
+            procs.append(cluster.popen(node, argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True))
+        outs = [(p.wait(timeout=240), p.communicate()[0]) for p in procs]
+    host_out = host.communicate(timeout=240)[0]
+    assert host.returncode == 0, host_out[-3000:]
+    for code, out in outs:
+        assert code == 0, out[-3000:]
+    assert "test accuracy" in outs[0][1], outs[0][1][-3000:]
+    across = _losses(tmp_path / "node0" / "tandem-digits" / "metrics.jsonl")
+    assert len(across) >= 10 and any(kind == "eval" for kind, _, _ in across), across
+    assert across == _losses(tmp_path / "host" / "tandem-digits" / "metrics.jsonl")
+    assert cluster.leftovers() == []
