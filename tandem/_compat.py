@@ -354,7 +354,7 @@ def strided_shard(dim: int, split_factor: int) -> Any:
 
 # ---------------------------------------------------------------- the monitor (tandem.comm.monitor)
 
-__all__ += ["default_store", "group_label"]
+__all__ += ["default_store", "group_label", "own_tcp_client"]
 
 
 def default_store() -> torch.distributed.Store:
@@ -366,6 +366,25 @@ def default_store() -> torch.distributed.Store:
     through this private accessor (torch 2.0 to 2.13 at least).
     """
     return torch.distributed.distributed_c10d._get_default_store()
+
+
+def own_tcp_client(store: torch.distributed.Store, *, below_prefixes: bool = False,
+                   ) -> tuple[torch.distributed.Store, str] | None:
+    """A client of ``store`` (with ``below_prefixes``: of the TCP store below its
+    prefixes) with a connection of its own, and the TCP store's ``host:port``;
+    None when ``store`` is not a TCP store (below its prefixes) or torch lacks
+    ``Store.clone`` (before 2.7).
+
+    Why: calls of two threads on one TCP client share its socket; the
+    monitor's beats must not wait behind a call of the main thread that
+    waits for a key (Note [cut off] in ``tandem.comm.cut_off``).
+    """
+    base = store
+    while isinstance(base, torch.distributed.PrefixStore):
+        base = base.underlying_store
+    if not isinstance(base, torch.distributed.TCPStore) or not hasattr(store, "clone"):
+        return None
+    return (base if below_prefixes else store).clone(), f"{base.host}:{base.port}"
 
 
 def group_label(group: torch.distributed.ProcessGroup | None) -> str:

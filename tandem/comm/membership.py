@@ -56,6 +56,7 @@ from enum import Enum
 
 import torch.distributed as dist
 
+from tandem._compat import own_tcp_client
 from tandem.comm.peers import HEARTBEAT_INTERVAL_S, STALE_AFTER_S, Liveness
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError"]
@@ -159,6 +160,12 @@ class Membership:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The beats go through a connection of their own where the store is a TCP one:
+        # a call of another thread that waits on the shared client (a decision's
+        # wait slice, which on a timeout logs with a reverse DNS lookup held under
+        # the client's lock) must not delay them (Note [cut off] in cut_off.py).
+        own = own_tcp_client(store)
+        self._beat_store = own[0] if own is not None else store
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -226,7 +233,7 @@ class Membership:
                 return
 
     def _beat(self) -> None:
-        self.store.set(f"{PREFIX}/beat/{self.member}", repr(self._clock()))
+        self._beat_store.set(f"{PREFIX}/beat/{self.member}", repr(self._clock()))
 
     def dead(self, members: Sequence[str]) -> dict[str, str]:
         """The members among ``members`` whose beat is stale (or missing), with why."""

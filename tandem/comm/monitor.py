@@ -16,7 +16,10 @@ the launcher's variables decide.
 Variables it reads (set by ``tandem run`` for its workers, or by a user):
 
 ``TANDEM_PROGRESS_FILE``  where to write this rank's progress (JSON), a few
-                          times a second while it makes progress
+                          times a second while it makes progress; in a job of
+                          several ranks it is also posted in the job's store,
+                          at most once a second (Note [a hang on another node]
+                          in tandem/launch/watchdog.py)
 ``TANDEM_STACKS_FILE``    where ``faulthandler`` writes every thread's Python
                           stack when the process gets SIGUSR1
 ``TANDEM_DEBUG``          ``collectives``: compare fingerprints before each
@@ -33,19 +36,21 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch.distributed as dist
 
-from tandem._compat import default_store
+from tandem._compat import default_store, own_tcp_client
+from tandem.comm.cut_off import CutOffWatch, cut_off_after
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.ledger import Ledger
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key
 
-__all__ = ["Monitor", "current_monitor", "start_monitor", "stop_monitor"]
+__all__ = ["Monitor", "PROGRESS_POST_S", "current_monitor", "progress_key", "start_monitor", "stop_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +91,21 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
+        self._landed = time.monotonic()   # when the last beat reached the store
+        # Note [cut off] in cut_off.py: the beats have a connection of their own, and a
+        # rank whose beats stop landing on a TCP store stops.
+        own = own_tcp_client(store) if self.peers is not None and store is not None else None
+        self._beat_store = own[0] if own is not None else store
+        self._cut_off = (CutOffWatch(rank=rank, where=own[1], landed=lambda: self._landed,
+                                     after_s=lambda: cut_off_after(self.liveness.stale_after_s))
+                         if own is not None else None)
         self._written: tuple[int, int, int] | None = None
+        self._posted: tuple[tuple[int, int, int] | None, float] = (None, 0.0)
+        # Note [a hang on another node] in tandem/launch/watchdog.py: progress posted in the
+        # store (below its prefixes), for the launchers of other nodes.
+        posting = (own_tcp_client(store, below_prefixes=True)
+                   if progress_file and self.peers is not None and store is not None else None)
+        self._progress_store = posting[0] if posting is not None else None
         self._p2p_waiters: dict[tuple[int, str, int], Waiter] = {}
 
     @property
@@ -113,10 +132,14 @@ class Monitor:
         self._write_progress()
         self._thread = threading.Thread(target=self._run, name="tandem-monitor", daemon=True)
         self._thread.start()
+        if self._cut_off is not None:
+            self._cut_off.start()
 
     def stop(self, *, left: bool = True) -> None:
         """End the thread; with ``left``, tell peers this rank left on purpose."""
         self._stop.set()
+        if self._cut_off is not None:
+            self._cut_off.stop()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
             self._thread = None
@@ -145,11 +168,14 @@ class Monitor:
             self._write_progress()
 
     def _beat(self) -> None:
-        if self.peers is None or self.store is None:
+        if self.peers is None or self._beat_store is None:
             return
         self._beats += 1
         try:
-            self.store.set(heartbeat_key(self.rank), str(self._beats))
+            self._beat_store.set(heartbeat_key(self.rank), str(self._beats))
+            # A set is sent without an answer; a check waits for the store's (Note [cut off]).
+            if self._cut_off is not None and self._beat_store.check([heartbeat_key(self.rank)]):
+                self._landed = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
             logger.debug("rank %d: heartbeat failed: %s", self.rank, e)
 
@@ -158,6 +184,7 @@ class Monitor:
             return
         ledger = self.ledger
         state = (ledger.issued, ledger.completed, ledger.step)
+        self._post_progress(state)
         if state == self._written:
             return
         self._written = state
@@ -169,6 +196,31 @@ class Monitor:
             os.replace(tmp, self._progress_file)
         except OSError as e:
             logger.debug("rank %d: cannot write %s: %s", self.rank, self._progress_file, e)
+
+
+    def _post_progress(self, state: tuple[int, int, int]) -> None:
+        """Post a short snapshot in the store when the progress changed, at most
+        once every PROGRESS_POST_S (Note [a hang on another node])."""
+        last, at = self._posted
+        now = time.monotonic()
+        if self._progress_store is None or state == last or now - at < PROGRESS_POST_S:
+            return
+        self._posted = (state, now)
+        snapshot = {"rank": self.rank, "pid": self.pid, "host": socket.gethostname(),
+                    "node": os.environ.get("GROUP_RANK"), **self.ledger.snapshot(last=2)}
+        try:
+            self._progress_store.set(progress_key(self.rank), json.dumps(snapshot))
+        except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
+            logger.debug("rank %d: cannot post progress: %s", self.rank, e)
+
+
+PROGRESS_POST_S = 1.0
+"""At most this often a rank's progress goes to the store."""
+
+
+def progress_key(rank: int) -> str:
+    """Where rank ``rank`` posts its progress, in the store below its prefixes."""
+    return f"tandem/progress/{rank}"
 
 
 # Note [one monitor per process]: the holder, with the pid and the default

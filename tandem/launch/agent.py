@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,16 +35,19 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousError,
+    RendezvousHandler,
     RendezvousParameters,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.launch.config import LaunchConfig
-from tandem.launch.elastic_agent import ElasticAgent
+from tandem.launch.elastic_agent import JOIN_ENV, ElasticAgent
 from tandem.launch.flags import split_endpoint
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of
+from tandem.launch.node_roll import JoinRunningJob, NodeRoll
 from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.watchdog import Watchdog
 
@@ -93,7 +98,8 @@ class _WatchedAgent(LocalElasticAgent):
         if stalled is None:
             return result
         pids = {w.global_rank: w.id for w in worker_group.workers if w.id is not None}
-        self._on_hang(self._watchdog.report(attempt, pids, stalled))
+        address = getattr(worker_group.spec.rdzv_handler, "workers_store", None)
+        self._on_hang(self._watchdog.report(attempt, pids, stalled, store_address=address))
         failures = {w.global_rank: ProcessFailure(
             local_rank=w.local_rank, pid=w.id, exitcode=HANG_EXITCODE,
             error_file=str(attempt.ranks[w.global_rank].error_file))
@@ -139,8 +145,21 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         **options)
     logger.info("tandem.launch: %s", config.describe())
     timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
-    with _rendezvous_errors(config):
-        handler = FreshWorkerStore(get_rendezvous_handler(params), timeout=timeout)
+    roll = (NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config))
+            if config.elastic and config.max_nodes > 1 and config.rdzv_backend == "c10d" else None)
+    hosts_endpoint = str(options.get("is_host", "")).lower() in ("1", "true", "yes", "y")
+    running = roll.running_job() if roll is not None and not hosts_endpoint else None
+    handler: RendezvousHandler
+    if running is not None:  # Note [nodes of an elastic job] in node_roll.py
+        if on_event is not None:
+            on_event(f"elastic: a job {config.rdzv_id!r} is running (its workers' store at "
+                     f"{running[0]}:{running[1]}); this node's workers join it")
+        handler = JoinRunningJob(*running, config.rdzv_id)
+        logs.add_worker_env({JOIN_ENV: "1"})
+    else:
+        with _rendezvous_errors(config):
+            handler = FreshWorkerStore(get_rendezvous_handler(params), timeout=timeout,
+                                       poll_waiting=config.max_nodes > 1)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler,
         entrypoint=entrypoint, args=tuple(args),
@@ -150,7 +169,8 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         local_addr=config.local_addr)
     if config.elastic:
         agent: LocalElasticAgent = ElasticAgent(
-            spec, logs, replacements=config.max_restarts, on_event=on_event,
+            spec, logs, replacements=config.max_restarts, on_event=on_event, roll=roll,
+            hosts_endpoint=hosts_endpoint,
             start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
     elif config.hang_timeout_s is not None:
         agent = _WatchedAgent(
@@ -163,12 +183,19 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
     try:
         with _restored_signal_handlers(), _rendezvous_errors(config):
             result = agent.run()
+        # Workers cut off from the job's store (Note [cut off] in tandem/comm/cut_off.py):
+        # the rendezvous store is likely out of reach too, and the job goes on elsewhere.
+        codes = {int(getattr(f, "exitcode", 0)) for f in (result.failures.values() if result else ())}
+        if codes == {CUT_OFF_EXITCODE}:
+            close_rendezvous = False
     except SignalException:
         # Like torchrun: a node stopped by a signal leaves the rendezvous open, so
         # that the other nodes see a departure rather than the end of the job.
         close_rendezvous = False
         raise
     finally:
+        if roll is not None:
+            roll.leave()
         if close_rendezvous:
             handler.shutdown()
     if result is None:
@@ -176,6 +203,10 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
                           f"{config.rdzv_endpoint}, id {config.rdzv_id!r}): {config.max_nodes} "
                           "node(s) had already joined; check --nnodes")
     return result
+
+
+def _node_id(config: LaunchConfig) -> str:
+    return f"{config.local_addr or socket.gethostname()}-{os.getpid()}"
 
 
 def _holds_endpoint(config: LaunchConfig) -> bool:

@@ -11,13 +11,20 @@ uses too), and nothing else:
 
 - it reads the workers' exit codes itself, before torch's process context
   would see a failure and close the others;
-- a worker that died is replaced, up to ``--max-restarts`` times: a new process
+- a worker that died is replaced, up to ``--max-restarts`` times (not one that
+  stopped because it was cut off from the job's store: a replacement could not
+  reach it either; Note [cut off] in tandem/comm/cut_off.py): a new process
   with the same command and environment plus ``TANDEM_ELASTIC_JOIN=1`` (its
   ``tandem.init()`` then asks to join, and the members admit it at their next
   step boundary). It is started through torch's own subprocess handler and put
   in the dead worker's place, so torch's process context watches it, forwards
   signals to it and stops it as it does the others. Its output goes to
   ``stdout.join<k>.log`` / ``stderr.join<k>.log`` beside the dead worker's logs.
+
+In a job of several nodes it also keeps this node on the job's roll (Note
+[nodes of an elastic job] in node_roll.py): it publishes the workers' store
+when this node hosts it, and its exit barrier waits only for nodes that are
+still there.
 
 The group has succeeded when every worker has exited and at least one exited
 with 0 (the job finished on the survivors); it has failed when none did.
@@ -36,6 +43,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
+from tandem.comm.cut_off import CUT_OFF_EXITCODE
+from tandem.launch.node_roll import NodeRoll
+
 __all__ = ["ElasticAgent"]
 
 logger = logging.getLogger(__name__)
@@ -51,10 +61,16 @@ class ElasticAgent(LocalElasticAgent):
         replacements: how many replacement workers this node may start.
         on_event: called with a line for the launcher's output at each death
             and replacement.
+        roll: the job's roll of nodes, in a job of several nodes.
+        hosts_endpoint: this node hosts the rendezvous store.
     """
 
-    def __init__(self, *args: Any, replacements: int, on_event: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, replacements: int, on_event: Any = None, roll: NodeRoll | None = None,
+                 hosts_endpoint: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._roll = roll
+        self._hosts_endpoint = hosts_endpoint
+        self._on_roll = False
         self._replacements_left = replacements
         self._started = 0
         self._dead: dict[int, int] = {}   # local rank -> exit code of a death already handled
@@ -70,6 +86,11 @@ class ElasticAgent(LocalElasticAgent):
             if code not in (None, 0) and self._dead.get(local) != handlers[local].proc.pid:
                 self._dead[local] = handlers[local].proc.pid
                 worker = worker_group.workers[local]
+                if code == CUT_OFF_EXITCODE:
+                    self._on_event(f"elastic: worker {worker.global_rank} (local {local}, pid "
+                                   f"{handlers[local].proc.pid}) was cut off from the job's store and "
+                                   "stopped; not replaced (a replacement could not reach the store either)")
+                    continue
                 self._on_event(f"elastic: worker {worker.global_rank} (local {local}, "
                                f"pid {handlers[local].proc.pid}) exited with {code}; the others go on")
                 if self._replacements_left > 0:
@@ -85,6 +106,28 @@ class ElasticAgent(LocalElasticAgent):
             error_file=context.error_files[local])  # type: ignore[union-attr]
             for local, code in codes.items()}
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        if self._roll is None:
+            return
+        if not self._on_roll:
+            self._roll.start()
+            self._on_roll = True
+        hosted = getattr(worker_group.spec.rdzv_handler, "hosted", None)
+        if hosted is not None:
+            self._roll.publish(*hosted)
+
+    def _exit_barrier(self) -> None:
+        if self._roll is None:
+            super()._exit_barrier()
+            return
+        hosted = getattr(self._worker_group.spec.rdzv_handler, "hosted", None) is not None
+        running = self._roll.finish(self._exit_barrier_timeout, hosted_workers=hosted,
+                                    hosts_endpoint=self._hosts_endpoint)
+        if running:
+            logger.warning("nodes %s still ran after %.0f s; not waiting longer", running,
+                           self._exit_barrier_timeout)
 
     def _replace(self, local: int, worker_group: WorkerGroup) -> None:
         """Start a replacement in the place of local rank ``local`` (Note [elastic launch])."""

@@ -10,14 +10,17 @@ inputs. The report groups ranks by what they are doing::
         now in Python at train.py:41 in train_step
       ranks 0, 2, 3: waiting in #13 all_reduce 'bucket 1' (1024 x float32) of step 3
         (params: fc.weight, fc.bias) for 10.3 s
+      the others wait for rank 1: it has not issued #13, which ranks 0, 2, 3 wait in
 
-followed by each rank's main-thread stack.
+followed by each rank's main-thread stack. Ranks of other nodes (``remote``)
+come from the progress they posted in the job's store and carry their host;
+their stacks are in their own node's report.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +67,7 @@ def main_thread_stack(dump: str, main_thread: int | None) -> list[Frame]:
 
 def format_hang_report(snapshots: Mapping[int, Mapping[str, Any] | None], stacks: Mapping[int, str],
                        *, now: float, stalled_s: float, timeout_s: float,
-                       library_paths: Sequence[str] = ()) -> str:
+                       library_paths: Sequence[str] = (), remote: Collection[int] = ()) -> str:
     """The report (see the module docstring).
 
     Args:
@@ -76,11 +79,13 @@ def format_hang_report(snapshots: Mapping[int, Mapping[str, Any] | None], stacks
         library_paths: path prefixes of library code (torch, tandem, the
             standard library): "now in Python at" names the innermost frame
             outside them, too, when the innermost one is inside.
+        remote: the ranks of other nodes (their snapshots came from the store).
     """
     lines = [f"no rank completed a collective or started a step for {stalled_s:.1f} s "
              f"(--hang-timeout {timeout_s:g})"]
     waiting: dict[tuple[int, str], list[int]] = {}
     waiting_text: dict[tuple[int, str], str] = {}
+    behind: list[int] = []
     for rank in sorted(snapshots):
         snap = snapshots[rank]
         if snap is None:
@@ -102,10 +107,24 @@ def format_hang_report(snapshots: Mapping[int, Mapping[str, Any] | None], stacks
         last = (f"last completed {_entry(max(done, key=lambda e: e['seq']))} of step "
                 f"{max(done, key=lambda e: e['seq'])['step']}" if done
                 else "has completed no collective")
+        behind.append(rank)
+        if rank in remote:
+            lines.append(f"  rank {rank} ({_node(snap)}): {last}; not in a collective (its stack is in "
+                         "its node's report)")
+            continue
         frames = main_thread_stack(stacks.get(rank, ""), snap.get("main_thread"))
         lines.append(f"  rank {rank}: {last}; {_where(frames, library_paths)}")
     for key, ranks in sorted(waiting.items()):
         lines.append(f"  {_ranks(ranks)}: {waiting_text[key]}")
+    if waiting:
+        # The collective the most ranks wait in; the ranks that have not issued it hold them up.
+        (seq, _), waiters = max(waiting.items(), key=lambda kv: (len(kv[1]), -kv[0][0]))
+        late = [r for r in behind if _issued(snapshots[r] or {}) < seq]
+        if late:
+            who = ", ".join(f"rank {r}" + (f" ({_node(snapshots[r] or {})})" if r in remote else "")
+                            for r in late)
+            lines.append(f"  the others wait for {who}: {'it has' if len(late) == 1 else 'they have'} not "
+                         f"issued #{seq}, which {_ranks(waiters)} wait{'s' if len(waiters) == 1 else ''} in")
     shown = [(rank, main_thread_stack(stacks.get(rank, ""), (snapshots[rank] or {}).get("main_thread")))
              for rank in sorted(snapshots)]
     if any(frames for _, frames in shown):
@@ -118,6 +137,19 @@ def format_hang_report(snapshots: Mapping[int, Mapping[str, Any] | None], stacks
             if len(frames) > STACK_FRAMES_SHOWN:
                 lines.append(f"    ... {len(frames) - STACK_FRAMES_SHOWN} more")
     return "\n".join(lines)
+
+
+def _node(snap: Mapping[str, Any]) -> str:
+    """``node 1 on host7``: where a rank of another node runs."""
+    node = snap.get("node")
+    return f"{'node ' + str(node) + ' ' if node is not None else 'another node '}on {snap.get('host', '?')}"
+
+
+def _issued(snap: Mapping[str, Any]) -> int:
+    """The last collective a rank issued (its counter, or its newest entry)."""
+    if "issued" in snap:
+        return int(snap["issued"])
+    return max((int(e["seq"]) for e in snap.get("entries", [])), default=0)
 
 
 def _entry(e: Mapping[str, Any]) -> str:

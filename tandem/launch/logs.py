@@ -95,6 +95,10 @@ class WorkerLogs(LogsSpecs):
         self._lock = threading.Lock()
         self._attempts: list[Attempt] = []
 
+    def add_worker_env(self, env: Mapping[str, str]) -> None:
+        """Give every worker started from now on ``env`` too."""
+        self._worker_env.update(env)
+
     @property
     def root_log_dir(self) -> str:
         return str(self._root)

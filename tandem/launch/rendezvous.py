@@ -19,6 +19,12 @@ rendezvous store, and every node hands that address to its workers. The previous
 attempt's store is closed when the next one opens. Process management, the
 rendezvous itself and the agent's own store stay torch's.
 
+In a job of several nodes, torch's agent asks ``num_nodes_waiting`` at every
+check of its workers (every 0.1 s), and the c10d handler answers from the
+rendezvous store: over a cut link that call stalls, and the agent with it,
+so that it would not see its own workers exit. There a thread asks once a
+second and the agent reads its last answer (:class:`_WaitingNodes`).
+
 Where the port is published: the c10d rendezvous returns a store scoped to the
 rendezvous round, so a fixed key is fresh in every round (and a node that joins
 late reads the same key as the others). The static rendezvous returns the same
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -41,17 +48,24 @@ __all__ = ["FreshWorkerStore"]
 logger = logging.getLogger(__name__)
 
 _PORT_KEY = "tandem/worker_store_port"
+_POLL_S = 1.0
 
 
 class FreshWorkerStore(RendezvousHandler):
     """torch's rendezvous handler ``inner``, with a new store for each attempt's
     workers (see Note [one store per attempt])."""
 
-    def __init__(self, inner: RendezvousHandler, *, timeout: datetime.timedelta) -> None:
+    def __init__(self, inner: RendezvousHandler, *, timeout: datetime.timedelta,
+                 poll_waiting: bool = False) -> None:
         self._inner = inner
+        self._waiting = _WaitingNodes(inner) if poll_waiting else None
         self._timeout = timeout
         self._server: dist.TCPStore | None = None
         self._attempt = 0
+        self.hosted: tuple[str, int] | None = None
+        """The workers' store's address while this node hosts it (its round's rank 0)."""
+        self.workers_store: tuple[str, int] | None = None
+        """The address of the store this attempt's workers meet in (on every node)."""
 
     def get_backend(self) -> str:
         return self._inner.get_backend()
@@ -63,6 +77,8 @@ class FreshWorkerStore(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = self._inner.next_rendezvous()
+        if self._waiting is not None:
+            self._waiting.reset()  # the nodes that waited for this round are in it
         self._attempt += 1
         key = _PORT_KEY
         if self.get_backend() == "static":
@@ -78,7 +94,9 @@ class FreshWorkerStore(RendezvousHandler):
             self._server = dist.TCPStore(addr, 0, None, True, self._timeout,
                                          wait_for_workers=False)
             info.store.set(key, str(self._server.port))
+            self.hosted = (addr, self._server.port)
         port = int(info.store.get(key).decode())
+        self.workers_store = (addr, port)
         logger.debug("attempt %d: workers meet in a fresh store at %s:%d", self._attempt, addr, port)
         return rendezvous_info(info.store, info.rank, info.world_size, addr, port)
 
@@ -89,6 +107,8 @@ class FreshWorkerStore(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
+        if self._waiting is not None:
+            return self._waiting.last()
         return self._inner.num_nodes_waiting()
 
     def get_run_id(self) -> str:
@@ -96,4 +116,42 @@ class FreshWorkerStore(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._server = None
+        self.hosted = None
+        if self._waiting is not None:
+            self._waiting.stop()
         return self._inner.shutdown()
+
+
+class _WaitingNodes:
+    """``inner.num_nodes_waiting()`` asked by a thread of its own once every
+    :data:`_POLL_S`, so that a stalled store stalls only it (see Note [one
+    store per attempt])."""
+
+    def __init__(self, inner: RendezvousHandler) -> None:
+        self._inner = inner
+        self._value = 0
+        self._round = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-nodes-waiting", daemon=True)
+        self._thread.start()
+
+    def last(self) -> int:
+        return self._value
+
+    def reset(self) -> None:
+        """A round has completed: no node waits, and an answer asked before does not count."""
+        self._round += 1
+        self._value = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            asked_in = self._round
+            try:
+                waiting = self._inner.num_nodes_waiting()
+                if asked_in == self._round:
+                    self._value = waiting
+            except Exception as e:  # noqa: BLE001 - the store is gone or the link cut; the agent decides
+                logger.debug("num_nodes_waiting failed: %s", e)

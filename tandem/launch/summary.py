@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.launch.logs import Attempt
 
 __all__ = ["Failure", "collect_failures", "failure_summary", "format_summary", "in_order_of_failure",
@@ -67,6 +68,8 @@ class Failure:
             except ValueError:
                 name = f"signal {-self.exitcode}"
             return f"signal {name}"
+        if self.exitcode == CUT_OFF_EXITCODE:
+            return f"exit code {self.exitcode} (cut off from the job's store)"
         return f"exit code {self.exitcode}"
 
     @property

@@ -19,10 +19,11 @@ reported hung under a 4 s timeout while rank 1 was still importing, on a
 two-core host running three test processes; before any file, a restarted attempt
 on a busy host was reported hung before its workers had started.) The price: a
 rank stuck before its first collective is reported after the grace, not the
-timeout. Workers on other nodes are not seen: each node's watchdog judges its
-own. Once progressed: the watchdog sends SIGUSR1 to the workers
-that wrote a file (their ``faulthandler`` dumps every thread's stack; a worker
-that wrote none has no handler, and SIGUSR1 would kill it), reads the files
+timeout. Each node's watchdog judges by its own workers (for the ranks of
+other nodes in the report, see Note [a hang on another node]). Once
+progressed: the watchdog sends SIGUSR1 to the workers that wrote a file
+(their ``faulthandler`` dumps every thread's stack; a worker that wrote none
+has no handler, and SIGUSR1 would kill it), reads the files
 and builds the report (:mod:`tandem.launch.hang`).
 
 # Note [whole dumps]
@@ -33,13 +34,23 @@ that rank. So a dump counts once it holds the block of the rank's main thread
 (whose ident the progress file gives) and has not changed for one poll; after
 STACKS_WAIT_S whatever is there is used.
 
+# Note [a hang on another node]
 The launcher on each node watches its own workers. In a job on several nodes,
 the ranks waiting on a stuck rank elsewhere stop progressing too, so every
-node's watchdog fires; each reports its own ranks.
+node's watchdog fires, and from its own files alone each would see only ranks
+waiting. So each worker also posts a short snapshot of its progress (counters,
+its last two collectives and those in flight) in the job's store, below its
+prefixes, under ``tandem/progress/<rank>``, when it changed and at most once a
+second (tandem/comm/monitor.py); a stalled rank's last snapshot stays. When the
+watchdog fires, it reads the snapshots of the ranks of other nodes from the
+workers' store, and the report names every rank, on this node or another, that
+has not issued the collective the others wait in. A store it cannot reach
+leaves the report to this node's ranks, saying so.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -50,6 +61,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from tandem.comm.monitor import progress_key
 from tandem.launch.hang import format_hang_report
 from tandem.launch.logs import Attempt, RankLogs
 
@@ -100,9 +114,13 @@ class Watchdog:
             return None  # a worker is still starting: Note [progress without a collective]
         return stalled
 
-    def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float) -> str:
-        """Ask the workers for their stacks, then build the report text."""
-        snapshots = {rank: _read_json(logs.progress) for rank, logs in attempt.ranks.items()}
+    def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float,
+               store_address: tuple[str, int] | None = None) -> str:
+        """Ask the workers for their stacks, then build the report text; with
+        ``store_address`` (the workers' store), with the ranks of other nodes
+        too (Note [a hang on another node])."""
+        snapshots: dict[int, dict[str, Any] | None] = {
+            rank: _read_json(logs.progress) for rank, logs in attempt.ranks.items()}
         asked = []
         for rank, snap in snapshots.items():
             pid = pids.get(rank)
@@ -114,8 +132,28 @@ class Watchdog:
                     logger.debug("rank %d: cannot signal pid %d: %s", rank, pid, e)
         main_threads = {rank: (snapshots[rank] or {}).get("main_thread") for rank in asked}
         stacks = _await_stacks(attempt, main_threads)
-        return format_hang_report(snapshots, stacks, now=time.time(), stalled_s=stalled_s,
-                                  timeout_s=self.timeout_s, library_paths=_library_paths())
+        others = [r for r in range(attempt.world_size) if r not in attempt.ranks]
+        note = ""
+        if others and store_address is not None:
+            try:
+                snapshots.update(_posted_progress(store_address, others))
+            except Exception as e:  # noqa: BLE001 - the store is gone: report this node's ranks
+                where = f"{store_address[0]}:{store_address[1]}"
+                note = f"\n  (the ranks of other nodes could not be read from the workers' store at {where}: {e})"
+        text = format_hang_report(snapshots, stacks, now=time.time(), stalled_s=stalled_s,
+                                  timeout_s=self.timeout_s, library_paths=_library_paths(),
+                                  remote=[r for r in others if r in snapshots])
+        return text + note
+
+
+def _posted_progress(address: tuple[str, int], ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+    """The progress ``ranks`` posted in the workers' store (Note [a hang on another node])."""
+    store = dist.TCPStore(address[0], address[1], None, False, datetime.timedelta(seconds=5))
+    out: dict[int, dict[str, Any] | None] = {}
+    for rank in ranks:
+        key = progress_key(rank)
+        out[rank] = json.loads(store.get(key).decode()) if store.check([key]) else None
+    return out
 
 
 def _await_stacks(attempt: Attempt, main_threads: Mapping[int, int | None]) -> dict[int, str]:

@@ -1,0 +1,230 @@
+"""Faults across nodes, on namespace nodes with their own addresses and a
+1 Gbit/s link (tandem.testing.Cluster), 2 nodes x 2 workers, the c10d store
+on node 0's address, the Trainer job of tests/_cluster_faults.py:
+
+- a worker dies on node 1: the whole job restarts on both nodes and resumes
+  from its checkpoint;
+- ``--elastic``, node 1 lost (every process in it killed): node 0 goes on;
+  node 1's ``tandem run`` started again joins the running job with its live
+  state (Note [nodes of an elastic job] in tandem/launch/node_roll.py);
+- node 1's link cut while its processes live: node 0, which holds the store,
+  goes on; node 1's workers stop within the window, saying they were cut off
+  (Note [cut off] in tandem/comm/cut_off.py); when the link is back nothing
+  of node 1 trains;
+- node 0, the store's host, lost: node 1's workers stop within the window,
+  saying so.
+
+Each training run ends at the parameters of one process on the same global
+batches (at the world sizes the run recorded), every sample of the epoch is
+trained once, and no process or namespace is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.testing import Cluster, cluster_unavailable
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _cluster_faults import BATCH, N, global_batches, reference  # noqa: E402
+
+REASON = cluster_unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no cluster of namespaces here: {REASON}")
+
+JOB = str(Path(__file__).parent / "_cluster_faults.py")
+
+
+class Node:
+    """One ``tandem run`` on a node, its output collected (with the time of each line) as it comes."""
+
+    def __init__(self, cluster: Cluster, node: int, out: Path, flags: list[str], env: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "tandem", "run", "--nnodes", flags[0], "--nproc-per-node", "2",
+                "--rdzv-endpoint", f"{cluster.address(0)}:29400", "--rdzv-id", "faults",
+                "--local-addr", cluster.address(node), "--rdzv-timeout", "60", *flags[1:], JOB]
+        self.lines: list[tuple[float, str]] = []
+        self.proc = cluster.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "OUT": str(out), **env})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def finish(self, timeout: float = 180) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code, "".join(line for _, line in self.lines)
+
+    def first(self, text: str) -> float | None:
+        """When a line with ``text`` came (monotonic), or None."""
+        return next((t for t, line in self.lines if text in line), None)
+
+
+def _await(check: Callable[[], bool], what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _trained_step(out: Path, step: int) -> bool:
+    return any(f'"step": {step},' in p.read_text() for p in out.glob("samples-*.jsonl"))
+
+
+def _done(out: Path) -> list[dict]:
+    return [torch.load(p) for p in sorted(out.glob("done-*.pt"))]
+
+
+def _finished_processes(out: Path) -> set[str]:
+    return {p.stem.split("-", 1)[1] for p in out.glob("done-*.pt")}
+
+
+def _used_samples(out: Path, cutoff: int) -> list[int]:
+    """Every sample index of a committed step: per process, the last record of
+    each step (a step dropped is redone under its number); a process that did
+    not finish committed only the steps before ``cutoff``."""
+    finished = _finished_processes(out)
+    used: list[int] = []
+    for path in out.glob("samples-*.jsonl"):
+        last: dict[int, list[int]] = {}
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            last[record["step"]] = record["idx"]
+        for step, idx in last.items():
+            if path.stem.split("-", 1)[1] not in finished and step >= cutoff:
+                continue
+            used += idx
+    return sorted(used)
+
+
+def _schedule(changes: list[dict], start_world: int = 4) -> list[int]:
+    """World size per step: ``start_world`` until each change's step, then its new size."""
+    worlds: list[int] = []
+    world, consumed = start_world, 0
+    pending = sorted(changes, key=lambda c: (c["step"], c["generation"]))
+    while consumed < N:
+        while pending and pending[0]["step"] == len(worlds):
+            world = pending.pop(0)["world_size"]
+        worlds.append(world)
+        consumed += world * BATCH
+    return worlds
+
+
+def _check_result(done: list[dict], world: int) -> list[int]:
+    """Every finished rank ends at the same parameters, those of one process on
+    the global batches of the world sizes the run went through; returns the
+    samples of those batches."""
+    assert len(done) == world and {d["world_size"] for d in done} == {world}, done
+    changes = done[0]["changes"]
+    for d in done[1:]:
+        for a, b in zip(done[0]["params"], d["params"]):
+            assert torch.equal(a, b), "the replicas differ"
+    for a, b in zip(done[0]["params"], reference(_schedule(changes))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    return sorted(i for batch in global_batches(_schedule(changes)) for i in batch)
+
+
+ELASTIC = {"ELASTIC": "1", "HOLD_FROM": "0:0.1"}
+
+
+def test_a_worker_dies_on_node_1_and_the_job_restarts_on_both_nodes(tmp_path: Path) -> None:
+    with Cluster(2) as cluster:
+        nodes = [Node(cluster, n, tmp_path, ["2", "--max-restarts", "1"], {"DIE_AT": "1:0:6"}) for n in (0, 1)]
+        outs = [node.finish() for node in nodes]
+    for code, out in outs:
+        assert code == 0, out[-4000:]
+        assert "after 1 restart(s)" in out, out[-4000:]
+    resumed = [line for _, out in outs for line in out.splitlines() if "resumed from" in line]
+    assert resumed and "step 4)" in resumed[0], resumed     # the checkpoint of step 4, on both nodes
+    assert _used_samples(tmp_path, cutoff=4) == _check_result(_done(tmp_path), 4) == list(range(N))
+    assert cluster.leftovers() == []
+
+
+def test_elastic_a_node_lost_then_back_rejoins_with_live_state(tmp_path: Path) -> None:
+    env = {**ELASTIC, "HOLD_FOR_JOIN": "10"}
+    with Cluster(2) as cluster:
+        first = [Node(cluster, n, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], env) for n in (0, 1)]
+        _await(lambda: _trained_step(tmp_path, 4), "step 4")
+        cluster.kill(1)
+        assert first[1].proc.wait(timeout=10) == -9
+        _await(lambda: first[0].first("elastic: lost") is not None, "the shrink", timeout=30)
+        again = Node(cluster, 1, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], env)
+        (code0, out0), (code1, out1) = first[0].finish(), again.finish()
+    assert code0 == 0, out0[-4000:]
+    assert code1 == 0, out1[-4000:]
+    assert "this node's workers join it" in out1, out1[-3000:]
+    assert out0.count("admitted j") == 2, out0[-4000:]
+    shrink = next(c for c in _done(tmp_path)[0]["changes"] if c["lost_ranks"])
+    assert _used_samples(tmp_path, cutoff=shrink["step"]) == _check_result(_done(tmp_path), 4) == list(range(N))
+    assert cluster.leftovers() == []
+
+
+def test_elastic_a_cut_link_stops_the_side_without_the_store(tmp_path: Path) -> None:
+    with Cluster(2) as cluster:
+        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
+        _await(lambda: _trained_step(tmp_path, 4), "step 4")
+        cluster.cut(1)
+        cut_at = time.monotonic()
+        code1, out1 = nodes[1].finish(timeout=60)          # node 1 stops while its link is still cut
+        stopped = nodes[1].first("is cut off from the job's store")
+        records = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl")}
+        cluster.restore(1)
+        code0, out0 = nodes[0].finish()
+        after = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl") if p in records}
+    assert code1 != 0 and "exit code 75 (cut off from the job's store)" in out1, out1[-4000:]
+    assert stopped is not None and stopped - cut_at < 8.0, out1[-4000:]   # the window: 2 x 2 s, and load
+    assert code0 == 0, out0[-4000:]
+    # Node 1's processes wrote nothing once the link was back: one side trained on.
+    for path, text in records.items():
+        if path.name.startswith("samples-1-"):
+            assert after[path] == text
+    shrink = next(c for c in _done(tmp_path)[0]["changes"] if c["lost_ranks"])
+    assert _used_samples(tmp_path, cutoff=shrink["step"]) == _check_result(_done(tmp_path), 2) == list(range(N))
+    assert cluster.leftovers() == []
+
+
+def test_the_store_host_lost_stops_every_other_rank_within_the_window(tmp_path: Path) -> None:
+    with Cluster(2) as cluster:
+        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
+        _await(lambda: _trained_step(tmp_path, 4), "step 4")
+        cluster.kill(0)
+        lost_at = time.monotonic()
+        code1, out1 = nodes[1].finish(timeout=60)
+        ended_at = time.monotonic()
+        nodes[0].finish()
+    assert code1 != 0 and "exit code 75 (cut off from the job's store)" in out1, out1[-4000:]
+    assert out1.count("is cut off from the job's store") >= 2, out1[-4000:]   # both workers, each saying so
+    assert ended_at - lost_at < 10.0, out1[-4000:]
+    assert cluster.leftovers() == []
+
+
+def test_a_hung_rank_on_another_node_is_named_by_the_hang_report(tmp_path: Path) -> None:
+    """Rank 3 (node 1) sleeps in its step's loss; rank 0 and 1 (node 0) wait in
+    the step's all-reduce. Node 0's watchdog sees only ranks waiting among its
+    own, and its report names rank 3 on node 1 from what it posted in the
+    store (Note [a hang on another node] in tandem/launch/watchdog.py)."""
+    with Cluster(2) as cluster:
+        nodes = [Node(cluster, n, tmp_path, ["2", "--hang-timeout", "4"], {"HANG_AT": "1:1:5"}) for n in (0, 1)]
+        outs = [node.finish(timeout=120) for node in nodes]
+    (code0, out0), (code1, out1) = outs
+    assert code0 != 0 and code1 != 0, (out0[-3000:], out1[-3000:])
+    # Node 0's report: rank 2 (node 1) waits with ranks 0 and 1, as it posted;
+    # rank 3 (node 1) has not issued the collective, and is named.
+    assert "ranks 0, 1, 2: waiting in #" in out0, out0[-4000:]
+    assert "  rank 3 (node 1 on " in out0, out0[-4000:]
+    assert "the others wait for rank 3 (node 1 on " in out0, out0[-4000:]
+    # Node 1's own report has rank 3's stack, in the script's sleep.
+    assert "_cluster_faults.py" in out1 and "in loss_fn" in out1, out1[-4000:]
+    assert cluster.leftovers() == []
