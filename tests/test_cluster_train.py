@@ -8,6 +8,7 @@ starts with the nodes that came once the last call has passed."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,6 @@ def test_a_range_of_nodes_starts_with_those_that_came(tmp_path: Path) -> None:
 
 
 def _losses(metrics: Path) -> list[tuple[str, int, float]]:
-    import json
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [(r["kind"], r["step"], r["loss"]) for r in records if "loss" in r]
 
@@ -132,4 +132,30 @@ def test_the_digits_job_across_two_nodes_as_the_docs_write_it(tmp_path: Path, mo
     across = _losses(tmp_path / "node0" / "tandem-digits" / "metrics.jsonl")
     assert len(across) >= 10 and any(kind == "eval" for kind, _, _ in across), across
     assert across == _losses(tmp_path / "host" / "tandem-digits" / "metrics.jsonl")
+    assert cluster.leftovers() == []
+
+
+def test_the_bytes_between_nodes_are_what_tandem_plan_predicts(tmp_path: Path) -> None:
+    """The bytes that cross the link between 2 nodes x 2 workers per step, read
+    from node 0's interface counters by benchmarks/bench_nodes.py's workers,
+    are within 5% of ``tandem plan --nodes 2`` (Note [bytes between nodes] in
+    tandem/zero/traffic.py) for DDP, ZeRO-2, fully_shard and HSDP; the
+    heartbeats and the store add a little."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_nodes.py"
+    sys.path.insert(0, str(bench.parent))
+    import bench_nodes
+
+    shape = ["--width", "256", "--depth", "4", "--batch", "16"]
+    out = tmp_path / "result.json"
+    with Cluster(2, rate="1gbit") as cluster:
+        procs = bench_nodes._launch(cluster, [], ["--worker", "--out", str(out), "--contenders",
+                                                  "ddp,zero2,fully_shard,hsdp", "--rounds", "1", "--steps", "3",
+                                                  *shape])
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    measured = json.loads(out.read_text())["bytes"]
+    planned = bench_nodes._planned(bench_nodes.build_parser().parse_args(shape))
+    for name, want in planned.items():
+        assert want > 0 and abs(measured[name][0] / want - 1) < 0.05, (name, measured[name], want)
     assert cluster.leftovers() == []

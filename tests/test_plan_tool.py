@@ -306,3 +306,27 @@ def test_hsdp_rows_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> Non
 def _spec(report):  # the FullyShardSpec plan_report used
     from tandem.zero.memory import FullyShardSpec
     return FullyShardSpec(units=report.fsdp_units, min_unit_bytes=0)
+
+
+def test_bytes_between_nodes_follow_the_layout_of_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--nodes``: a collective over the world crosses the nodes at ``nodes``
+    edges of its ring, gloo's reduce-scatter as the all-reduce it runs; HSDP
+    with one replica per node sends only its all-reduce across (measured in
+    tests/test_cluster_train.py)."""
+    model = make_model("wide", 0)
+    report = plan(model, world_size=8, hsdp=2, nodes=2, min_unit_bytes=0)
+    traffic = dict(report.traffic)
+    assert report.between_nodes("DDP") == 2 * traffic["DDP"].all_reduce
+    zero = traffic["ZeRO-1/2"]
+    assert zero.reduce_scatter == zero.all_gather > 0
+    assert report.between_nodes("ZeRO-1/2") == 2 * (2 * zero.reduce_scatter + zero.all_gather)
+    assert report.between_nodes("ZeRO-1/2", backend="nccl") == 2 * (zero.reduce_scatter + zero.all_gather)
+    fs = traffic["fully_shard"]
+    assert report.between_nodes("fully_shard") == 2 * (fs.all_gather + 2 * fs.reduce_scatter)
+    assert report.between_nodes("HSDP 2x4") == 8 * traffic["HSDP 2x4"].all_reduce
+    assert plan(model, world_size=8, hsdp=2, nodes=4, min_unit_bytes=0).between_nodes("HSDP 2x4") is None
+    assert plan(model, world_size=8).between_nodes("DDP") == 0          # one node: nothing crosses
+    with pytest.raises(ValueError, match="nodes=3 must be a number of nodes that divides world_size=8"):
+        plan(model, world_size=8, nodes=3)
+    assert main(["--model", "tandem.examples.plan_digits:model", "--world-size", "4", "--nodes", "2"]) == 0
+    assert "between nodes" in capsys.readouterr().out

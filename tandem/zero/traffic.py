@@ -23,6 +23,21 @@ DDP, for comparison: one all-reduce of each bucket (padded) per step.
 Which link carries the bytes is what HSDP is for: its gathers and
 reduce-scatters stay within a shard group (a node), and only the all-reduce
 of ``1 / shards`` of the gradients crosses the replicas.
+
+# Note [bytes between nodes]
+What crosses the links between nodes, per step, summed over both directions
+(:func:`between_nodes`), with the ranks laid out node by node as ``tandem
+run`` numbers them. A ring over a group sends each rank's bytes to the next
+rank of the group: over the whole world the ring crosses from one node to the
+next ``nodes`` times, so ``nodes`` ranks' sends cross; under HSDP the shard
+groups stay within a node and each replicate group has one rank per node, so
+every rank's all-reduce crosses and nothing else does. gloo (torch's
+ProcessGroupGloo, 2.13) runs ``reduce_scatter_tensor`` as an all-reduce of the
+whole input, which sends twice a ring reduce-scatter's bytes: measured on two
+namespace nodes (benchmarks/bench_nodes.py), an all-reduce, a reduce-scatter
+and an all-gather of 4 MiB over 2 x 2 ranks put 1.50, 1.50 and 0.75 times 4 MiB
+on the link each way. ZeRO-1/2 (:func:`zero_traffic`): a reduce-scatter of
+each bucket, then an all-gather of each bucket's updated parameters.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ from dataclasses import dataclass
 from tandem.ddp.plan import BucketPlan
 from tandem.zero.memory import FullyShardSpec, UnitEstimate
 
-__all__ = ["Traffic", "ddp_traffic", "fully_shard_traffic"]
+__all__ = ["Traffic", "between_nodes", "ddp_traffic", "fully_shard_traffic", "zero_traffic"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,41 @@ def ddp_traffic(plan: BucketPlan, world_size: int) -> Traffic:
     """One ring all-reduce of every bucket of ``plan`` over ``world_size`` ranks."""
     numel = sum(b.padded_numel * b.dtype.itemsize for b in plan.buckets)
     return Traffic(all_reduce=_all_reduce(numel, world_size))
+
+
+def zero_traffic(plan: BucketPlan, world_size: int) -> Traffic:
+    """ZeRO-1/2 over ``world_size`` ranks: each bucket reduce-scattered, and its
+    parameters all-gathered after the step (Note [bytes between nodes])."""
+    numel = sum(b.padded_numel * b.dtype.itemsize for b in plan.buckets)
+    shard = numel // world_size
+    return Traffic(reduce_scatter=(world_size - 1) * shard, all_gather=(world_size - 1) * shard)
+
+
+def between_nodes(traffic: Traffic, *, world_size: int, nodes: int, replicas: int = 1,
+                  backend: str = "gloo") -> int:
+    """Bytes per step over the links between ``nodes`` nodes, both directions
+    summed, for ``traffic`` of one rank (Note [bytes between nodes]).
+
+    Args:
+        traffic: one rank's bytes per step (:func:`ddp_traffic`, ...).
+        world_size: every rank of the job, ``world_size // nodes`` per node.
+        nodes: how many nodes.
+        replicas: HSDP's replicate groups, one rank per node (``replicas ==
+            nodes``); 1: every collective is over the whole world.
+        backend: ``"gloo"`` (its reduce-scatter is an all-reduce) or ``"nccl"``.
+
+    Raises:
+        ValueError: a layout this does not model.
+    """
+    if nodes < 1 or world_size % nodes or replicas not in (1, nodes):
+        raise ValueError(f"between_nodes: world_size={world_size} on nodes={nodes} with replicas={replicas}: "
+                         "the ranks must divide evenly over the nodes, and HSDP replicate across them")
+    if nodes == 1:
+        return 0
+    if replicas > 1:  # shard groups within nodes; replicate groups cross at every edge
+        return world_size * traffic.all_reduce
+    scatter = traffic.reduce_scatter * (2 if backend == "gloo" else 1)
+    return nodes * (traffic.all_gather + scatter + traffic.all_reduce)
 
 
 def fully_shard_traffic(units: Sequence[UnitEstimate], spec: FullyShardSpec, *, replicate: int = 1,

@@ -26,7 +26,7 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
          fsdp_units: Sequence[str] | None = None, min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
          broadcast_buffers: bool = True, tensor_parallel: int = 1,
          tp_plan: Mapping[str, Any] | str | None = None, hsdp: int = 1,
-         activation_checkpointing: bool = False, elastic: bool = False) -> PlanReport:
+         activation_checkpointing: bool = False, elastic: bool = False, nodes: int = 1) -> PlanReport:
     """Will ``model`` fit on ``world_size`` ranks, and how should it be sharded?
 
     Args:
@@ -57,6 +57,8 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         hsdp: replicas of an HSDP mesh ``(hsdp, world_size // hsdp)``,
             planned beside fully_shard (1: none).
         elastic: plan for an elastic job (ZeRO-1/2's buddy copies).
+        nodes: the nodes the ranks are on: the report adds each strategy's
+            bytes per step between them (``report.between_nodes(name)``).
         activation_checkpointing: plan with each fully_shard unit's module
             (``fsdp_units``: every block) checkpointed, as torchtitan applies
             ``checkpoint_wrapper``; the report shows each block's activations
@@ -92,7 +94,7 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
                        device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
                        fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers,
                        tensor_parallel=tensor_parallel, tp_plan=styles, hsdp=hsdp,
-                       activation_checkpointing=activation_checkpointing, elastic=elastic)
+                       activation_checkpointing=activation_checkpointing, elastic=elastic, nodes=nodes)
 
 
 def _call(spec: str, what: str) -> Any:

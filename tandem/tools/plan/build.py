@@ -21,7 +21,7 @@ from tandem.tools.plan.measure import Measurement
 from tandem.tools.plan.report import STRATEGIES, PlanReport, StrategyMemory, _size
 from tandem.tools.tp_plan import tensor_parallel_shards
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
-from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic
+from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic, zero_traffic
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "default_fsdp_units", "parse_bytes", "plan_report"]
 
@@ -38,7 +38,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                 bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
                 min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True,
                 tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None, hsdp: int = 1,
-                activation_checkpointing: bool = False, elastic: bool = False) -> PlanReport:
+                activation_checkpointing: bool = False, elastic: bool = False, nodes: int = 1) -> PlanReport:
     """The plan, from the model's parameters and buffers (shapes, dtypes,
     ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
 
@@ -70,14 +70,20 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
             copies] in tandem/train/buddy.py).
         activation_checkpointing: plan with the blocks of ``measurement``
             checkpointed (it must have measured them: :func:`measure` with ``blocks``).
+        nodes: the nodes the ranks are on, ``world_size // nodes`` each: the
+            report adds each strategy's bytes per step between the nodes
+            (Note [bytes between nodes] in tandem/zero/traffic.py).
 
     Raises:
         ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
-            ``device_memory``, ``tensor_parallel``, ``tp_plan`` or ``hsdp``,
+            ``device_memory``, ``tensor_parallel``, ``tp_plan``, ``hsdp`` or ``nodes``,
             and what :func:`tandem.zero.estimate_memory` rejects.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
+        raise ValueError(f"nodes={nodes!r} must be a number of nodes that divides world_size={world_size} "
+                         "(the same number of ranks on each)")
     if not isinstance(hsdp, int) or hsdp < 1 or world_size % hsdp:
         raise ValueError(f"hsdp={hsdp!r} must be a number of replicas that divides world_size={world_size} "
                          "(the HSDP mesh is replicas x shards)")
@@ -129,7 +135,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                          for name, e in zip(STRATEGIES, estimates))
         + ((StrategyMemory(f"HSDP {hsdp}x{shard_size}", hybrid, activations),) if hybrid is not None else ()),
         measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=(),
-        hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum),
+        hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum), nodes=nodes,
         activation_checkpointing=activation_checkpointing, elastic=elastic)
     warnings = _warnings(report, model, spec, estimates[3])
     return PlanReport(**{**report.__dict__, "warnings": tuple(warnings)})
@@ -138,6 +144,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
 def _traffic(estimates: list[MemoryEstimate], hybrid: MemoryEstimate | None, spec: FullyShardSpec,
              world_size: int, hsdp: int, grad_accum: int) -> tuple[tuple[str, Traffic], ...]:
     rows = [("DDP", ddp_traffic(_buckets_of(estimates[0]), world_size)),
+            ("ZeRO-1/2", zero_traffic(_buckets_of(estimates[0]), world_size)),
             ("fully_shard", fully_shard_traffic(estimates[3].units, spec, micro_batches=grad_accum))]
     if hybrid is not None:
         rows.append((f"HSDP {hsdp}x{world_size // hsdp}",

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP's broadcast_buffers=False")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="also plan HSDP: fully_shard over a 2-D mesh of R replicas x world-size/R shards")
+    p.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="the ranks are on N nodes: also show each strategy's bytes per step between them")
     p.add_argument("--elastic", action="store_true",
                    help="plan for `tandem run --elastic`: ZeRO-1/2 ranks also keep a copy of the previous "
                         "rank's optimizer-state shard, fully_shard ranks of its parameter and state shards")
@@ -62,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       bucket_cap_mb=args.bucket_cap_mb, fsdp_units=units,
                       broadcast_buffers=not args.no_broadcast_buffers, tensor_parallel=tp, tp_plan=args.tp_plan,
                       hsdp=args.hsdp, activation_checkpointing=args.activation_checkpointing,
-                      elastic=args.elastic)
+                      elastic=args.elastic, nodes=args.nodes)
     except ValueError as e:
         print(f"tandem plan: error: {e}", file=sys.stderr)
         return 2

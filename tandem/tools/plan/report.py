@@ -10,7 +10,7 @@ from tandem.ddp.plan import BucketPlan
 from tandem.tools.plan.measure import Measurement
 from tandem.tools.tp_plan import TensorParallelShard
 from tandem.zero.memory import MemoryEstimate
-from tandem.zero.traffic import Traffic
+from tandem.zero.traffic import Traffic, between_nodes
 
 __all__ = ["STRATEGIES", "PlanReport", "StrategyMemory"]
 
@@ -86,13 +86,27 @@ class PlanReport:
     """Replicas of an HSDP mesh ``(hsdp, world_size // hsdp)`` planned beside
     fully_shard (1: none)."""
     traffic: tuple[tuple[str, Traffic], ...] = ()
-    """Bytes one rank sends per step under DDP, fully_shard and HSDP (Note
-    [traffic per step] in tandem/zero/traffic.py)."""
+    """Bytes one rank sends per step under DDP, ZeRO-1/2, fully_shard and HSDP
+    (Note [traffic per step] in tandem/zero/traffic.py)."""
+    nodes: int = 1
+    """The nodes the ranks are on, ``world_size // nodes`` each."""
     activation_checkpointing: bool = False
     """Every block in ``measurement.blocks`` is checkpointed: the strategies'
     activations are :attr:`Measurement.checkpointed_bytes`."""
     warnings: tuple[str, ...]
     """What to change before launching."""
+
+    def between_nodes(self, strategy: str, backend: str = "gloo") -> int | None:
+        """Bytes per step over the links between :attr:`nodes` nodes under
+        ``strategy`` (a name of :attr:`traffic`), both directions summed (Note
+        [bytes between nodes] in tandem/zero/traffic.py); None for HSDP whose
+        replicas are not the nodes."""
+        t = dict(self.traffic)[strategy]
+        replicas = self.hsdp if strategy.startswith("HSDP") else 1
+        if replicas not in (1, self.nodes):
+            return None
+        return between_nodes(t, world_size=self.world_size, nodes=self.nodes, replicas=replicas,
+                             backend=backend)
 
     @property
     def ranks(self) -> int:
@@ -245,7 +259,8 @@ def _memory_lines(r: PlanReport) -> list[str]:
 
 
 def _traffic_lines(r: PlanReport) -> list[str]:
-    lines = [f"traffic per rank per step (bytes sent, ring algorithms; {r.grad_accum} micro-batch(es))"]
+    lines = [f"traffic per rank per step (bytes sent, ring algorithms; {r.grad_accum} micro-batch(es))"
+             + (f"; and between the {r.nodes} nodes, both ways, over gloo" if r.nodes > 1 else "")]
     for name, t in r.traffic:
         hybrid = name.startswith("HSDP")
         parts = [f"{what} {_size(n)}" for what, n in (("all-gather", t.all_gather),
@@ -254,6 +269,10 @@ def _traffic_lines(r: PlanReport) -> list[str]:
         if t.all_reduce:
             text += ("; " if parts else "") + f"all-reduce {_size(t.all_reduce)}" + (
                 f" across the {r.hsdp} replicas" if hybrid else "")
+        if r.nodes > 1:
+            crossing = r.between_nodes(name)
+            text += ("; between nodes: not modelled (HSDP's replicas are not the nodes)" if crossing is None
+                     else f"; between nodes {_size(crossing)}")
         lines.append(f"  {name:<12}{_size(t.total):>12}  {text}")
     return lines
 
