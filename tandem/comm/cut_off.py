@@ -37,7 +37,9 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["CUT_OFF_EXITCODE", "CutOffWatch", "MIN_CUT_OFF_S", "cut_off_after"]
+import torch.distributed as dist
+
+__all__ = ["CUT_OFF_EXITCODE", "CutOffWatch", "MIN_CUT_OFF_S", "cut_off_after", "lost_store_message"]
 
 CUT_OFF_EXITCODE = 75
 """A rank's exit status when it was cut off from the job's store (EX_TEMPFAIL)."""
@@ -49,6 +51,23 @@ a moment on a loaded host must not end a rank."""
 def cut_off_after(stale_after_s: float) -> float:
     """How long without a landed beat stops a rank whose peers judge by ``stale_after_s``."""
     return max(2 * stale_after_s, MIN_CUT_OFF_S)
+
+
+def lost_store_message(rank: int, where: str, error: BaseException) -> str | None:
+    """The line to print when ``error`` (uncaught) says the job's store at
+    ``where`` is out of reach; None when it says something else."""
+    network = getattr(dist, "DistNetworkError", None)
+    seen: BaseException | None = error
+    while seen is not None:
+        if network is not None and isinstance(seen, network):
+            first = str(seen).strip().splitlines()[0] if str(seen).strip() else type(seen).__name__
+            return (f"tandem: rank {rank} is cut off from the job's store at {where}: a call to it failed "
+                    f"({type(seen).__name__}: {first[:200]}). Its host is gone or the link to it is cut; the "
+                    "ranks that still reach the store have gone on without this one (an elastic job) or "
+                    f"stopped. It stops here with exit status {CUT_OFF_EXITCODE}. If the store's host is "
+                    "lost, start the job again: it resumes from its last checkpoint.\n")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class CutOffWatch:

@@ -82,7 +82,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from tandem.comm.monitor import leave_at_exit
+from tandem.comm.cut_off import CUT_OFF_EXITCODE, lost_store_message
+from tandem.comm.monitor import current_monitor_if_any, leave_at_exit
 
 __all__ = ["install_clean_exit", "uninstall_clean_exit"]
 
@@ -106,7 +107,7 @@ class _CleanExitHook:
         except BaseException:  # noqa: BLE001 - a broken hook must not hide the error
             sys.__excepthook__(exc_type, exc, tb)
         if self._leaving():
-            _leave(exc_type)
+            _leave(exc_type, _cut_off_code(exc))
 
     def _leaving(self) -> bool:
         """Whether the interpreter is about to shut down because of this exception."""
@@ -150,7 +151,23 @@ def uninstall_clean_exit() -> None:
         sys.excepthook = hook.previous
 
 
-def _leave(exc_type: type[BaseException]) -> NoReturn:
+def _cut_off_code(exc: BaseException) -> int:
+    """1, or CUT_OFF_EXITCODE after saying so when ``exc`` says the job's store is
+    out of reach (Note [cut off] in cut_off.py)."""
+    monitor = current_monitor_if_any()
+    where = monitor.store_address if monitor is not None else None
+    message = lost_store_message(monitor.rank, where, exc) if monitor is not None and where else None
+    if message is None:
+        return 1
+    try:
+        sys.stderr.write(message)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    return CUT_OFF_EXITCODE
+
+
+def _leave(exc_type: type[BaseException], code: int = 1) -> NoReturn:
     """Python's shutdown without the finalisation of modules, then the exit."""
     logger.debug("rank %s: uncaught %s: leaving without tearing down the process group",
                  dist.get_rank() if dist.is_initialized() else "?", exc_type.__name__)
@@ -173,7 +190,7 @@ def _leave(exc_type: type[BaseException]) -> NoReturn:
         except (OSError, ValueError):
             pass
         os._exit(128 + signal.SIGINT)
-    os._exit(1)
+    os._exit(code)
 
 
 def _join_threads() -> None:

@@ -50,7 +50,8 @@ from tandem.comm.ledger import Ledger
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key
 
-__all__ = ["Monitor", "PROGRESS_POST_S", "current_monitor", "progress_key", "start_monitor", "stop_monitor"]
+__all__ = ["Monitor", "PROGRESS_POST_S", "current_monitor", "current_monitor_if_any", "progress_key", "start_monitor",
+           "stop_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ class Monitor:
                    if progress_file and self.peers is not None and store is not None else None)
         self._progress_store = posting[0] if posting is not None else None
         self._p2p_waiters: dict[tuple[int, str, int], Waiter] = {}
+
+    @property
+    def store_address(self) -> str | None:
+        """``host:port`` of the job's TCP store, watched for a cut (Note [cut off]); None otherwise."""
+        return self._cut_off.where if self._cut_off is not None else None
 
     @property
     def debug(self) -> bool:
@@ -259,6 +265,13 @@ def stop_monitor(*, left: bool = True) -> None:
         _current = None
         if pid == os.getpid():
             monitor.stop(left=left)
+
+
+def current_monitor_if_any() -> Monitor | None:
+    """This process's monitor, if it has one (never starts one)."""
+    if _current is not None and _current[0][0] == os.getpid():
+        return _current[1]
+    return None
 
 
 def current_monitor() -> Monitor:
