@@ -40,7 +40,6 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Iterator, Mapping
-from enum import Enum
 from typing import Any, cast
 
 import torch
@@ -53,6 +52,7 @@ from tandem.comm.membership import ElasticConfig
 from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
 from tandem.ddp import DistributedDataParallel
 from tandem.fsdp import FSDPModule, fully_shard
+from tandem.train.strategy import Strategy, fully_shard_units
 from tandem.train.elastic import elastic_config
 from tandem.train.prepare_elastic import make_elastic
 from tandem.train.state import unwrap_model
@@ -61,28 +61,6 @@ from tandem.zero import ZeroOptimizer
 __all__ = ["Strategy", "no_sync", "prepare", "unwrap"]
 
 logger = logging.getLogger(__name__)
-
-
-class Strategy(Enum):
-    """How ``prepare`` distributes the model (the ``strategy`` argument)."""
-
-    DDP = "ddp"                  # tandem.DistributedDataParallel; the user's optimizer as it is
-    ZERO1 = "zero1"              # DDP with zero_stage=1 and a tandem.ZeroOptimizer
-    ZERO2 = "zero2"              # DDP with zero_stage=2 and a tandem.ZeroOptimizer
-    FULLY_SHARD = "fully_shard"  # tandem.fully_shard (ZeRO-3); the optimizer rebuilt on the shards
-
-    @classmethod
-    def parse(cls, value: str | Strategy) -> Strategy:
-        if isinstance(value, Strategy):
-            return value
-        name = value.lower() if isinstance(value, str) else value
-        if name == "fsdp":
-            return cls.FULLY_SHARD
-        try:
-            return cls(name)
-        except ValueError:
-            choices = ", ".join(repr(s.value) for s in cls) + ", 'fsdp' (= 'fully_shard')"
-            raise ValueError(f"prepare: strategy={value!r} is not one of {choices}") from None
 
 
 # ---------------------------------------------------------------------- prepare
@@ -116,7 +94,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             ``tandem.fully_shard`` call (``"fsdp"``: e.g. ``mp_policy``).
         shard_units: ``"fsdp"`` only: module classes (e.g. a transformer
             block) whose instances each become a unit of their own, sharded
-            bottom-up before the root; by default the root is the only unit.
+            bottom-up before the root; by default the items of every
+            ``nn.ModuleList`` do, the units ``tandem check`` and ``tandem
+            plan`` make too (Note [one strategy vocabulary] in strategy.py).
         device: where the model and batches go. Default: ``cuda:<current
             device>`` when the backend is NCCL (``tandem.init`` made it
             current), else the CPU.
@@ -256,10 +236,9 @@ def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: list
     """The wrapped model and the optimizer that steps it (Note [rebuilt optimizers]);
     ``names`` are the model's names of the optimizer's parameters, in group order."""
     if strategy is Strategy.FULLY_SHARD:
-        # modules() lists a parent before its descendants: reversed, units are made bottom-up.
-        for module in list(model.modules())[::-1]:
-            if module is not model and isinstance(module, shard_units):
-                fully_shard(module, **kwargs)
+        # Note [one strategy vocabulary] in strategy.py: the units tandem check and plan make too.
+        for name in fully_shard_units(model, shard_units):
+            fully_shard(model.get_submodule(name), **kwargs)
         fully_shard(model, **kwargs)
         if optimizer is None:
             return model, None

@@ -182,9 +182,10 @@ def _wrap(strategy: str, model: nn.Module, spec: _Spec) -> tuple[nn.Module, Any]
         return ddp, ZeroOptimizer(ddp, opt_class, **spec.optimizer_kwargs)
     assert strategy == "fsdp", strategy
     from tandem.fsdp import fully_shard
-    from tandem.tools.plan import default_fsdp_units
+    from tandem.train.strategy import fully_shard_units
 
-    for name in default_fsdp_units(model):
+    # Note [one strategy vocabulary] in tandem/train/strategy.py: the units prepare makes.
+    for name in fully_shard_units(model):
         fully_shard(model.get_submodule(name), mp_policy=spec.mp_policy)
     fully_shard(model, mp_policy=spec.mp_policy)
     return model, opt_class(model.parameters(), **spec.optimizer_kwargs)

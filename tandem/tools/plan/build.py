@@ -21,6 +21,7 @@ from tandem.tools.plan.measure import Measurement
 from tandem.tools.plan.report import STRATEGIES, PlanReport, StrategyMemory, _size
 from tandem.tools.tp_plan import tensor_parallel_shards
 from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
+from tandem.train.strategy import fully_shard_units
 from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic, zero_traffic
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "default_fsdp_units", "parse_bytes", "plan_report"]
@@ -155,12 +156,10 @@ def _traffic(estimates: list[MemoryEstimate], hybrid: MemoryEstimate | None, spe
 def default_fsdp_units(model: nn.Module) -> list[str]:
     """The modules to call fully_shard on by default: the items of every
     ``nn.ModuleList`` (the repeated blocks of a transformer or an MLP), as
-    torchtitan shards ``model.layers``; the root is always a unit."""
-    units = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            units += [f"{name}.{k}" if name else k for k, _ in module.named_children()]
-    return units
+    torchtitan shards ``model.layers``, innermost first; the root is always a
+    unit. The same rule as ``prepare`` and ``tandem check`` (Note [one
+    strategy vocabulary] in tandem/train/strategy.py)."""
+    return fully_shard_units(model)
 
 
 def _buckets_of(estimate: MemoryEstimate) -> BucketPlan:
