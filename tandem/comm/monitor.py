@@ -170,8 +170,10 @@ class Monitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.liveness.beat_s):
-            self._beat()
+            # The progress file first: a beat waits for the store's answer (Note [cut off]),
+            # and the launcher's watchdog must not see a slow store as a stalled rank.
             self._write_progress()
+            self._beat()
 
     def _beat(self) -> None:
         if self.peers is None or self._beat_store is None:
