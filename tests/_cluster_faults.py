@@ -10,7 +10,9 @@ SIGKILLs itself in that step's backward, in the first attempt only),
 HOLD_FROM ("step:seconds": every rank sleeps this long in each step from
 that one, so that a test can act on a job still running), ELASTIC ("1": the
 Trainer trains elastically, with a liveness window of 2 s), HOLD_FOR_JOIN
-(a step: there, a shrunk world waits up to 60 s for a replacement to ask),
+(a step: from there, while the world is below 4, each step waits up to 60 s
+for a replacement to ask, so that every one joins before the epoch ends, on
+a loaded host too),
 HANG_AT ("node:local:step": that worker sleeps for good in that step's loss).
 """
 
@@ -105,7 +107,8 @@ def main() -> None:
         assert trainer is not None
         if 0 <= hold_from <= trainer.state.step:
             time.sleep(hold_s)
-        if str(trainer.state.step) == os.environ.get("HOLD_FOR_JOIN") and not joining and trainer.world_size < 4:
+        hold = os.environ.get("HOLD_FOR_JOIN")
+        if hold is not None and trainer.state.step >= int(hold) and not joining and trainer.world_size < 4:
             membership = trainer._elastic.membership  # type: ignore[union-attr]
             deadline = time.monotonic() + 60
             while not membership.waiting_joiners() and time.monotonic() < deadline:
