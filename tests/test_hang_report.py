@@ -17,7 +17,7 @@ from tandem.launch.cli import build_parser, config_from_args
 from tandem.launch.config import LaunchConfig
 from tandem.launch.hang import format_hang_report, main_thread_stack
 from tandem.launch.logs import Attempt, RankLogs
-from tandem.launch.watchdog import STARTUP_GRACE_S, Watchdog
+from tandem.launch.watchdog import FINISH_GRACE_S, STARTUP_GRACE_S, Watchdog
 
 DUMP = """\
 Thread 0x00007f0000000002 (most recent call first):
@@ -140,6 +140,51 @@ def test_the_watchdog_fires_when_the_newest_progress_is_older_than_the_timeout(t
     assert dog.stalled_for(attempt, now=t0 + 31) == pytest.approx(11)
     # A new attempt starts its own clock.
     assert dog.stalled_for(_attempt(tmp_path, 1, 2), now=t0 + 40) is None
+
+
+def test_a_rank_that_finished_gives_the_attempt_the_finishing_grace(tmp_path):
+    # Note [finishing]: both ranks progressed; once one has left (its last snapshot
+    # is marked), the others' teardown without progress is not a hang before the grace.
+    attempt = _attempt(tmp_path, 0, 2)
+    t0 = time.time()
+    dog = Watchdog(timeout_s=4)
+    assert dog.stalled_for(attempt, now=t0) is None
+    progressed = {"completed": 19, "step": 8, "entries": []}
+    for r in (0, 1):
+        attempt.ranks[r].progress.write_text(json.dumps(progressed))
+        os.utime(attempt.ranks[r].progress, (t0 + 1, t0 + 1))
+    # Without a finished rank the timeout holds (the control of this test).
+    assert dog.stalled_for(attempt, now=t0 + 5.5) == pytest.approx(4.5)
+    attempt.ranks[0].progress.write_text(json.dumps({**progressed, "finished_at": t0 + 1}))
+    os.utime(attempt.ranks[0].progress, (t0 + 1, t0 + 1))
+    finishing = Watchdog(timeout_s=4)
+    assert finishing.stalled_for(attempt, now=t0) is None
+    assert finishing.stalled_for(attempt, now=t0 + 5.5) is None
+    assert finishing.stalled_for(attempt, now=t0 + 30) is None
+    assert finishing.stalled_for(attempt, now=t0 + FINISH_GRACE_S + 2) == pytest.approx(FINISH_GRACE_S + 1)
+    # The report says which rank left, and when.
+    snaps = {0: {**progressed, "finished_at": t0 + 1,
+                 "entries": [{"seq": 19, "op": "all_gather", "tag": "rng state", "numel": 1, "dtype": "int64",
+                              "step": 8, "issued_at": t0, "completed_at": t0 + 0.5}]}, 1: None}
+    text = format_hang_report(snaps, {}, now=t0 + 3, stalled_s=2, timeout_s=4)
+    assert "rank 0: last completed #19 all_gather 'rng state' (1 x int64) of step 8; finished its work 2.0 s ago" \
+        in text, text
+
+
+def test_a_monitor_that_stops_writes_its_last_progress_marked_finished(tmp_path):
+    from tandem.comm.monitor import Monitor
+    path = tmp_path / "progress.json"
+    monitor = Monitor(rank=0, world_size=1, store=None, progress_file=str(path), stacks_file=None,
+                      debug=False, timeout_s=30.0)
+    monitor.start()
+    assert "finished_at" not in json.loads(path.read_text())
+    monitor.ledger.mark_step(7)  # progress the periodic writer has not seen yet
+    monitor.stop(left=False)  # replaced by another group's monitor: not finished
+    assert "finished_at" not in json.loads(path.read_text())
+    monitor.start()
+    monitor.stop(left=True)
+    last = json.loads(path.read_text())
+    assert last["step"] == 7 and last["finished_at"] <= time.time()
 
 
 def test_hang_flags_reach_the_config_and_the_workers():

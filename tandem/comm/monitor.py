@@ -16,7 +16,9 @@ the launcher's variables decide.
 Variables it reads (set by ``tandem run`` for its workers, or by a user):
 
 ``TANDEM_PROGRESS_FILE``  where to write this rank's progress (JSON), a few
-                          times a second while it makes progress; in a job of
+                          times a second while it makes progress, and once
+                          more, marked finished, when the rank leaves (Note
+                          [finishing] in tandem/launch/watchdog.py); in a job of
                           several ranks it is also posted in the job's store,
                           at most once a second (Note [a hang on another node]
                           in tandem/launch/watchdog.py)
@@ -149,6 +151,8 @@ class Monitor:
         if self._thread is not None:
             self._thread.join(timeout=2.0)
             self._thread = None
+        if left:  # Note [finishing] in tandem/launch/watchdog.py: the last word, marked as such
+            self._write_progress(finished=True)
         if left and self.store is not None and self.peers is not None:
             if self.fingerprints is not None:
                 self.fingerprints.post_shutdown()
@@ -187,17 +191,20 @@ class Monitor:
         except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
             logger.debug("rank %d: heartbeat failed: %s", self.rank, e)
 
-    def _write_progress(self) -> None:
+    def _write_progress(self, *, finished: bool = False) -> None:
         if self._progress_file is None:
             return
         ledger = self.ledger
         state = (ledger.issued, ledger.completed, ledger.step)
-        self._post_progress(state)
-        if state == self._written:
-            return
+        if not finished:
+            self._post_progress(state)
+            if state == self._written:
+                return
         self._written = state
         snapshot = {"rank": self.rank, "pid": self.pid, "host": socket.gethostname(),
                     "main_thread": threading.main_thread().ident, **ledger.snapshot()}
+        if finished:
+            snapshot["finished_at"] = time.time()
         tmp = self._progress_file.with_name(self._progress_file.name + ".tmp")
         try:
             tmp.write_text(json.dumps(snapshot))

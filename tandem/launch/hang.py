@@ -108,6 +108,10 @@ def format_hang_report(snapshots: Mapping[int, Mapping[str, Any] | None], stacks
                 f"{max(done, key=lambda e: e['seq'])['step']}" if done
                 else "has completed no collective")
         behind.append(rank)
+        if "finished_at" in snap:  # Note [finishing] in watchdog.py
+            lines.append(f"  rank {rank}: {last}; finished its work "
+                         f"{max(0.0, now - snap['finished_at']):.1f} s ago and is leaving")
+            continue
         if rank in remote:
             lines.append(f"  rank {rank} ({_node(snap)}): {last}; not in a collective (its stack is in "
                          "its node's report)")

@@ -26,6 +26,21 @@ progressed: the watchdog sends SIGUSR1 to the workers that wrote a file
 has no handler, and SIGUSR1 would kill it), reads the files
 and builds the report (:mod:`tandem.launch.hang`).
 
+# Note [finishing]
+A rank that has done its work leaves: ``tandem.shutdown()`` or the exit hook
+stops its monitor, which writes its progress file once more, whole (the
+periodic writes may be up to a beat behind: a fast job's last steps), with
+``finished_at``. From then on the rank makes no progress by design: it
+destroys its process group and the interpreter exits, which on a loaded host
+takes seconds (two ranks that had both printed their last line took more than
+4.5 s to exit, beside two other jobs and two busy loops on two cores, and a
+4 s watchdog reported the finished attempt hung and gave up on the job). Once
+any of this node's ranks has finished, the attempt is finishing: its other
+ranks are past their last collective or about to be, and the attempt has hung
+only after ``max(timeout, FINISH_GRACE_S)`` without progress. The price, as for
+starting: a rank stuck while another has already left is reported after the
+grace, not the timeout.
+
 # Note [whole dumps]
 ``faulthandler`` writes a dump thread by thread, line by line, from the signal
 handler, while the watchdog polls the file. A dump read halfway (the monitor
@@ -65,7 +80,7 @@ import torch.distributed as dist
 
 from tandem.comm.monitor import progress_key
 from tandem.launch.hang import format_hang_report
-from tandem.launch.logs import Attempt, RankLogs
+from tandem.launch.logs import Attempt
 
 __all__ = ["Watchdog"]
 
@@ -77,6 +92,8 @@ STACKS_WAIT_S = 2.0
 """How long the workers get to dump their stacks."""
 STARTUP_GRACE_S = 60.0
 """Before any worker wrote progress, how long an attempt may take to start (at least)."""
+FINISH_GRACE_S = 60.0
+"""Once a worker has finished, how long the others may take to finish (at least)."""
 
 
 class Watchdog:
@@ -109,9 +126,13 @@ class Watchdog:
         stalled = now - max([*written, self._started])
         if stalled < self.timeout_s:
             return None
+        snapshots = [_read_json(logs.progress) for logs in attempt.ranks.values()]
         if now - self._started < max(self.timeout_s, STARTUP_GRACE_S) and not all(
-                _has_progressed(logs) for logs in attempt.ranks.values()):
+                map(_has_progressed, snapshots)):
             return None  # a worker is still starting: Note [progress without a collective]
+        if stalled < max(self.timeout_s, FINISH_GRACE_S) and any(
+                s is not None and "finished_at" in s for s in snapshots):
+            return None  # a worker has finished: Note [finishing]
         return stalled
 
     def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float,
@@ -190,10 +211,9 @@ def _library_paths() -> tuple[str, ...]:
     return tuple(sorted(p for p in paths if p))
 
 
-def _has_progressed(logs: RankLogs) -> bool:
+def _has_progressed(snapshot: Mapping[str, Any] | None) -> bool:
     """Whether the worker has completed a collective or begun a step (its
     progress file says so), which a worker still starting has not."""
-    snapshot = _read_json(logs.progress)
     return snapshot is not None and (snapshot.get("completed", 0) > 0 or snapshot.get("step", 0) > 0)
 
 
