@@ -35,7 +35,7 @@ In its first step, torch's schedule infers the stages' shapes by running each
 stage module once more, outside the schedule: a forward (not under ``no_sync``)
 and ``torch.autograd.grad`` to the stage's inputs only. tandem's DDP ignores
 that pass (it computes no parameter gradient, so it is not a synchronised
-backward: Note [end of backward] in tandem/ddp/autograd_hooks.py); under
+backward: Note [end of backward] in tandem/ddp/reducer.py); under
 ``fully_shard`` it costs one more gather and, on stages after the first, one
 reduce-scatter of zeros, the same on every replica, which changes no gradient.
 """

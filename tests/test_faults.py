@@ -309,3 +309,36 @@ def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_an
         assert done[rank]["steps"] == expected[rank]["steps"] == "16"
         assert done[rank]["params"] == expected[rank]["params"]
     assert r.orphans == [] and ref.orphans == []
+
+
+# ---------------------------------------------------------------- a lost store
+
+
+class _StoreHostGone:
+    """A store client whose host has died: every call fails as torch's do."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    def get(self, key: str) -> bytes:
+        raise torch.distributed.DistNetworkError("Broken pipe")
+
+
+class _NeverDone:
+    """A gloo collective that does not end: each slice of its wait times out."""
+
+    def wait(self, timeout: object = None) -> None:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Operation timed out!")
+
+
+def test_a_store_lost_during_a_sliced_wait_reads_as_cut_off_not_as_a_crash():
+    # The exit hook reads the store's own error in the chain (Note [cut off]): a rank in a
+    # collective when the store's host died must stop with exit status 75, as its peers do.
+    from tandem.comm.cut_off import lost_store_message
+    from tandem.comm.peers import PeerWatch, wait_watching_peers
+    watch = PeerWatch(_StoreHostGone(), 3)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError) as info:
+        wait_watching_peers(_NeverDone(), watch, [2, 3], lambda: "all_reduce 'weighted_mean'")
+    assert "the job's store cannot be reached" in str(info.value)
+    message = lost_store_message(3, "10.0.0.1:29400", info.value)
+    assert message is not None and "rank 3 is cut off from the job's store at 10.0.0.1:29400" in message

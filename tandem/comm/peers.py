@@ -202,7 +202,9 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
                     lost = watch.observe(ranks) if sliced else watch.diagnose(ranks)
                 except RuntimeError as store_error:
                     if sliced:
-                        raise store_error from e
+                        # Its cause (the store's error) stays: it tells the exit hook that this
+                        # rank is cut off (Note [cut off] in cut_off.py); the slice is no news.
+                        raise store_error  # noqa: B904
                     raise e from store_error
                 if lost:
                     raise PeerLostError(watch.rank, lost, during()) from (None if sliced else e)

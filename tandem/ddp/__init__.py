@@ -1,8 +1,10 @@
 """tandem's DistributedDataParallel: planning (plan.py), buckets (bucket.py), the
-reducer (reducer.py, built from one file per stage of a gradient's way: the
-autograd hooks, readiness, launch, finish and write-back; reducer.py lists them)
-and the module wrapper (module.py, built in layers: module_state, module_join,
-module_fuse, module_copy; its arguments in module_args.py)."""
+reducer (reducer.py: the step and autograd's hooks, composed of a bucket group
+that owns the buckets and their launch order, bucket_group.py, and one
+reduction chosen when it is built, reduction.py; a gradient's way from its hook
+to its all-reduce reads in those three files) and the module wrapper (module.py,
+built in layers: module_state, module_join, module_fuse, module_copy; its
+arguments in module_args.py)."""
 
 from tandem.ddp.join import join
 from tandem.ddp.module import DistributedDataParallel

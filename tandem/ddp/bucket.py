@@ -133,9 +133,13 @@ class Bucket:
         # param.grad may stay bound to its view between steps (Note [gradients born in
         # their bucket] in write_back.py): not a solo bucket's staging, not tensor-parallel shards.
         self.bindable = not spec.solo and not self.tensor_parallel
-        # Note [in-place reduction] in launch.py: one parameter and no flag slot (a
+        # Note [in-place reduction] in reduction.py: one parameter and no flag slot (a
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0
+        # Chosen with the reduction (configure): whether this bucket reduces on param.grad
+        # itself, and whether a gradient is copied in as it becomes ready (else at launch).
+        self.reduces_in_place = False
+        self.copy_on_ready = self.copies_per_param
         self.in_place = False  # this step's reduction runs on param.grad itself
         # Positions whose gradient autograd accumulated into the view itself, to be
         # scaled at launch (a second gradient may still add to it until then).
@@ -144,6 +148,13 @@ class Bucket:
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.work: PendingReduction | None = None
+
+    def configure(self, *, in_place: bool) -> None:
+        """Fix how gradients reach this bucket, for the reduction chosen: with
+        ``in_place`` (a reduction that may run on a lone parameter's .grad, Note
+        [in-place reduction] in reduction.py) a single-parameter bucket copies nothing."""
+        self.reduces_in_place = self.single and in_place
+        self.copy_on_ready = self.copies_per_param and not self.reduces_in_place
 
     @property
     def complete(self) -> bool:
@@ -229,6 +240,13 @@ class Bucket:
         if dst:
             foreach_copy_(dst, src)
         self.grads.mul_(scale)
+
+    def fill(self, scale: float, rebind: bool) -> None:
+        """Before launch: the gradients not yet copied in are (batched, Note [copy
+        granularity]), and those autograd accumulated into the views are scaled."""
+        if not self.copies_per_param:
+            self.copy_all(scale, rebind)
+        self.scale_deferred(scale)
 
     def local_grads(self) -> list[torch.Tensor | None]:
         """Each parameter's gradient as the buckets hold it (local shards: Note

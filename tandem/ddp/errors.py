@@ -7,7 +7,7 @@ __all__ = ["gradient_twice", "missing_gradients", "unfinished_backward"]
 
 def missing_gradients(rank: int, per_rank: list[list[str]] | None, mine: list[str] | None = None,
                       late: bool = False) -> str:
-    """Parameters that received no gradient, per rank (Note [missing-gradient flag] in finish.py);
+    """Parameters that received no gradient, per rank (Note [missing-gradient flag] in reducer.py);
     ``per_rank`` None: only this rank's (``mine``) are known (inside tandem.join); ``late``: found
     at the end of the next backward (on CUDA, Note [late flag] in late_flag.py)."""
     if per_rank is None:

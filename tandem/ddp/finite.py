@@ -12,7 +12,7 @@ communication hook the reduced values are the hook's output, which a compressing
 or non-communicating hook (noop_hook) need not make identical across ranks, and
 under ZeRO each rank holds only its shard of the sum: there the decision rides on
 the missing-gradient flag's all-reduce, which exists anyway (Note [zero
-reduction] in launch.py) and grows to three elements: missing, any bucket non-finite on this
+reduction] in reduction.py) and grows to three elements: missing, any bucket non-finite on this
 rank before launch, any reduced bucket (or shard) non-finite here. It is then
 issued after the buckets are waited on, in the same place in the issue order.
 Where the local gradients will be gone or needed for the flags (hooks, ZeRO,
@@ -139,7 +139,7 @@ class FiniteCheck:
                            report.describe())
         for p in r.params:
             p.grad = None
-        if r.options.zero_stage:  # Note [zero reduction] in launch.py
+        if r.options.zero_stage:  # Note [zero reduction] in reduction.py
             for shard in r.grad_shards:
                 shard.zero_()
             r.buffer.release()

@@ -26,7 +26,7 @@ every bucket first: with ``check_finite`` the step must be dropped on every
 rank together, and with ``find_unused_parameters`` the map of used parameters
 arrives after the last bucket; then every bucket is waited for before the
 first is stepped (still inside backward). A missing gradient
-(Note [missing-gradient flag] in finish.py) is known only with the last bucket:
+(Note [missing-gradient flag] in reducer.py) is known only with the last bucket:
 the error is raised after the earlier buckets have stepped; it ends training.
 """
 

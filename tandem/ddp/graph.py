@@ -58,7 +58,7 @@ def reachable_params(outputs: list[torch.Tensor], index_of: dict[int, int]) -> R
 
 
 def opaque_nodes(roots: list[Any]) -> list[Any]:
-    """The opaque nodes (Note [end of backward] in autograd_hooks.py) in the graph behind
+    """The opaque nodes (Note [end of backward] in reducer.py) in the graph behind
     the nodes ``roots``."""
     found, stack, seen = [], list(roots), set()
     while stack:

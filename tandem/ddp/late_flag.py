@@ -2,7 +2,7 @@
 reading it never stops the host (Note [late flag]).
 
 # Note [late flag]
-The missing-gradient flag (Note [missing-gradient flag] in finish.py) is summed
+The missing-gradient flag (Note [missing-gradient flag] in reducer.py) is summed
 by the last bucket's reduction. On CPU it is read at the end of backward. On a
 CUDA device that read (``float(flag)``) would make the host wait until the GPU
 has run the whole backward and the reduction: every step would lose the host's

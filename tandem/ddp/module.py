@@ -299,7 +299,7 @@ class DistributedDataParallel(Copyable):
             if self._will_sync_buffers():
                 self._sync_buffers(self._common_rank(candidate=True) if self._join_config.enable else 0)
         except Exception as e:
-            if not self._recovers(e):  # Note [recovered reduction failures] in finish.py
+            if not self._recovers(e):  # Note [recovered reduction failures] in reducer.py
                 raise
         if self._join_config.enable:
             self._agree_on_grad_sync(joined=False)

@@ -44,7 +44,7 @@ class DDPState(nn.Module):
     # The ZeroOptimizer built on this model, whose parameter all-gathers a copy
     # must wait for (Note [copying a DDP model] in module_copy.py); set by ZeroOptimizer.
     _zero_optimizer: weakref.ref[ShardedStepSource] | None
-    # Note [recovered reduction failures] in finish.py; given to every reducer it builds.
+    # Note [recovered reduction failures] in reducer.py; given to every reducer it builds.
     _failure_handler: Callable[[BaseException], bool] | None
 
     def _needs_reducer(self) -> bool:
@@ -62,7 +62,7 @@ class DDPState(nn.Module):
         """Let ``handler(error)`` recover from a collective of this model's that fails
         (a peer died): when it returns True, the forward or backward in progress
         returns without that collective's result, and the caller is to drop the
-        step (Note [recovered reduction failures] in finish.py); False, or no
+        step (Note [recovered reduction failures] in reducer.py); False, or no
         handler, raises the error as before. For an elastic loop: ``tandem.prepare(elastic=...)``
         sets it. Kept across ``reset_process_group``."""
         self._failure_handler = handler

@@ -19,13 +19,13 @@ fill order. Each bucket's slice is padded to a multiple of ``pad_to`` elements
 (the world size), so that ZeRO can reduce-scatter a bucket into equal per-rank
 shards of the same buffer (as Megatron-LM's param-and-grad buffer does). A bucket
 may reserve ``extra`` trailing elements before the padding for control values
-that travel with its reduction (see Note [missing-gradient flag] in finish.py).
+that travel with its reduction (see Note [missing-gradient flag] in reducer.py).
 
 # Note [solo buckets]
 Torch's assignment packs parameters into buckets up to the cap, so a large
 parameter shares its bucket with its neighbours and its gradient is copied into
 the bucket and back. With ``solo_bytes`` (DDP's plain path, Note [in-place
-reduction] in launch.py), a parameter of at least that size gets a bucket of
+reduction] in reduction.py), a parameter of at least that size gets a bucket of
 its own whatever the cap, which the reducer all-reduces on ``param.grad`` itself:
 two passes over its memory saved, for one more collective whose latency (tens
 to hundreds of microseconds on gloo) is small against reducing 4 MiB or more.
@@ -50,7 +50,7 @@ __all__ = ["ParamInfo", "BucketSpec", "BucketPlan", "plan_buckets", "plan_ddp_bu
 
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
-FLAG_SLOTS = 1  # control elements in the last bucket: Note [missing-gradient flag] in finish.py
+FLAG_SLOTS = 1  # control elements in the last bucket: Note [missing-gradient flag] in reducer.py
 SOLO_BYTES = 4 * 1024 * 1024  # Note [solo buckets]
 _MB = 1024 * 1024
 

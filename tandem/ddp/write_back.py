@@ -39,7 +39,7 @@ What differs: ``param.grad`` is a view of a larger buffer (``torch.save`` of a
 lone ``.grad`` saves the buffer; ``.grad.data_ptr()`` points into the bucket).
 Not under ZeRO, gradient_as_bucket_view (which binds views its own way),
 check_finite (a step may be dropped after the buckets are written), a fused
-optimizer, distributed autograd, solo buckets (Note [in-place reduction] in launch.py: they
+optimizer, distributed autograd, solo buckets (Note [in-place reduction] in reduction.py: they
 have no bucket memory) or tensor-parallel parameters: there the copy back stays.
 """
 
@@ -55,7 +55,36 @@ from tandem.ddp.bucket import Bucket, GradBuffer
 from tandem.ddp.fused import BucketStepper
 from tandem.dtensor import local_grad, set_local_grad
 
-__all__ = ["bind_views", "foreign_grads", "views_escaped", "write_back"]
+__all__ = ["GradDelivery", "bind_views", "foreign_grads", "views_escaped", "write_back"]
+
+
+class GradDelivery:
+    """How a reduced bucket's averages reach ``param.grad``: copied back, bound as
+    the bucket's views (``gradient_as_bucket_view``, a fused optimizer's own), or
+    left bound where they were born (Note [gradients born in their bucket]).
+    Which is chosen when the reducer is built; whether views may stay bound, at
+    each forward (not inside a distributed autograd context)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, as_view: bool, born: bool) -> None:
+        self.params = params
+        self.as_view = as_view
+        self.born = born        # views may stay bound at all (else the copy back stays)
+        self.rebind = False     # this step: views stay bound
+        self.foreign: set[int] = set()         # params whose .grad is the user's tensor: copied into
+        self.retired: list[torch.Tensor] = []  # backward's fresh gradients, until the next forward
+
+    def arm(self, buckets: Sequence[Bucket], *, rebind: bool) -> None:
+        self.rebind = self.born and rebind
+        if self.rebind:
+            self.foreign = foreign_grads(buckets)
+
+    def deliver(self, bucket: Bucket, globally_used: list[int] | None, stepper: BucketStepper | None) -> None:
+        if bucket.in_place:
+            return  # param.grad holds the average already (Note [in-place reduction] in reduction.py)
+        if self.rebind and bucket.bindable:
+            bind_views(bucket, self.params, globally_used, self.foreign, self.retired)
+            return
+        write_back(bucket, self.params, globally_used, as_view=self.as_view, stepper=stepper)
 
 
 def _bindable(buckets: Sequence[Bucket]) -> list[Bucket]:

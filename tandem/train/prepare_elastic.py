@@ -15,7 +15,7 @@ owns it, and it keeps its one-process shape::
 The pieces are the Trainer's, placed where that loop already calls in:
 
 1. Backward: a peer that dies fails the DDP reduction. The model's failure
-   handler (Note [recovered reduction failures] in tandem/ddp/finish.py) records
+   handler (Note [recovered reduction failures] in tandem/ddp/reducer.py) records
    it when :func:`is_peer_failure` says so, and backward returns as if done.
 2. ``optimizer.step()``: with a failure recorded, or when the step's decision
    (Note [elastic membership]) is ``abort``, the update is skipped

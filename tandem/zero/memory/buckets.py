@@ -59,7 +59,7 @@ def ddp_bucket_plan(params: Sequence[ParamInfo], world_size: int, *, zero_stage:
                     gradient_as_bucket_view: bool = False, check_finite: bool = False) -> BucketPlan:
     """The buckets ``tandem.DistributedDataParallel`` plans at construction for
     the trainable ``params`` (in registration order), with the arguments its
-    reducer passes (ReducerState._build in tandem/ddp/reducer_state.py).
+    reducer passes (BucketGroup.build in tandem/ddp/bucket_group.py).
 
     DDP re-plans once after its first step (not at ZeRO stages, nor with
     ``find_unused_parameters`` without ``static_graph``), in the order the

@@ -1,0 +1,238 @@
+"""How a complete bucket is reduced: one object per kind, chosen when the
+reducer is built (or a communication hook or a fused optimizer changes it),
+never re-decided per gradient or per step.
+
+* :class:`AllReduce`: the plain path, an average all-reduced from the bucket
+  (or on a lone parameter's own gradient: Note [in-place reduction]), the
+  missing-gradient flag in the last bucket's spare element;
+* :class:`ReduceScatter`: ZeRO stages 1 and 2 (Note [zero reduction]);
+* :class:`HookReduce`: a communication hook (Note [hook order] in grad_bucket.py).
+
+Each has a ``launch`` (the bucket's collective, started), a ``settle`` (after
+the last launch, before any other collective), a ``deliver`` (the averages to
+``param.grad``), an ``end_step`` and a ``shadow`` (a joined rank's zeros, Note
+[join mirror] in join.py). :class:`~tandem.ddp.bucket_group.BucketGroup` calls
+them in bucket order.
+
+# Note [in-place reduction]
+A bucket that holds one large parameter and no flag slot (Note [solo buckets]
+in plan.py) needs no staging: its gradient is scaled in place and all-reduced
+as it is, so param.grad holds the average when the wait returns. That saves the
+copy into the bucket and the copy back, two passes over the parameter's memory
+(41 MB on the 10M benchmark MLP). param.grad stays a tensor of its own, as in
+torch. Only on the plain path: not under ZeRO (the bucket is the
+reduce-scatter's input), a communication hook (it gets the bucket's buffer),
+gradient_as_bucket_view (param.grad must be the view) or check_finite (it reads
+the reduced buckets). A gradient that is None, non-contiguous or of another
+dtype, or the .grad of a parameter that got no gradient in this backward (it
+must stay as it was), is copied into the bucket as before.
+
+# Note [zero reduction]
+Under ZeRO stages 1 and 2 (Note [flat buffer layout] in plan.py) the same buckets
+are launched in the same order, but each is reduce-scattered instead of
+all-reduced: rank r receives only the averaged gradients of its shard, elements
+``[r * s, (r + 1) * s)`` of the bucket, in ``grad_shards[bucket]`` (a flat buffer
+of ``1/world`` the size, which the sharded optimizer steps from). The full bucket
+buffer is the staging area the reduce-scatter reads. The missing-gradient flag
+would land in one rank's shard only, so it travels in a one-element all-reduce of
+its own. ``param.grad`` is not overwritten: at stage 1 it keeps this rank's local
+(unaveraged) gradient, at stage 2 it is released (None) as soon as its bucket is
+launched, so that backward does not hold two full copies. At both stages the
+memory of the bucket buffer is released until the next synchronised forward, so
+that between steps a stage-2 rank holds only its gradient shards. Buckets are
+never re-planned (the optimizer's shards are laid out over the construction-time plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tandem.comm.group import GroupComm
+from tandem.ddp.bucket import Bucket, GradBuffer, PendingReduction
+from tandem.ddp.finite import FiniteCheck
+from tandem.ddp.fused import BucketStepper
+from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
+from tandem.ddp.write_back import GradDelivery
+
+__all__ = ["AllReduce", "HookReduce", "ReduceScatter", "Reduction", "StepInputs"]
+
+
+@dataclass
+class StepInputs:
+    """What one synchronised step gives its reductions: set when it is armed."""
+
+    div: float
+    """The factor every gradient is scaled by (1/world, or 1 under a hook)."""
+    used: list[bool] = field(default_factory=list)
+    """Per parameter: whether this rank's backward produced its gradient."""
+    missing_flag: float = 0.0
+    """1.0 once this rank found a gradient missing (Note [missing-gradient flag] in reducer.py)."""
+
+
+class Reduction(Protocol):
+    in_place: bool
+    """Whether a lone parameter's bucket may reduce on its .grad (Note [in-place reduction])."""
+    flag_alone: bool
+    """Whether the missing-gradient flag needs an all-reduce of its own."""
+    writes_grads: bool
+    """Whether the averages go to param.grad (not under ZeRO)."""
+
+    def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None: ...
+    def settle(self, buckets: Sequence[Bucket]) -> None: ...
+    def deliver(self, bucket: Bucket, used: list[int] | None) -> None: ...
+    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None: ...
+    def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction: ...
+
+
+class AllReduce:
+    """The plain path: each bucket's average all-reduced."""
+
+    flag_alone = False
+    writes_grads = True
+
+    def __init__(self, comm: GroupComm, delivery: GradDelivery, *, check: FiniteCheck | None,
+                 stepper: BucketStepper | None) -> None:
+        self._comm, self._delivery, self._check = comm, delivery, check
+        # Note [fused step] in fused.py: the local gradients are in the bucket; the averaged
+        # ones are bound at the end. Freed during backward (not when the step may be dropped).
+        self._frees = stepper if check is None else None
+        self._stepper = stepper
+        self.in_place = not (delivery.as_view or check is not None)
+
+    def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
+        spec = bucket.spec
+        if bucket.reduces_in_place:  # Note [in-place reduction]
+            # A parameter without a gradient this step keeps its .grad as it was.
+            grad = bucket.reducible_in_place() if step.used[spec.params[0]] else None
+            if grad is not None:
+                grad.mul_(step.div)
+                bucket.in_place = True
+                bucket.launched(self._comm.all_reduce(grad, tag=f"bucket {bucket.index}", async_op=True))
+                return
+            bucket.ensure_data()
+            bucket.copy_in(0, step.div, rebind=False)
+            bucket.scale_deferred(step.div)
+        else:
+            bucket.fill(step.div, self._delivery.as_view)
+        if self._check is not None:  # Note [check_finite] in finite.py
+            self._check.mark(bucket)
+        if spec.extra:
+            # fill_ takes the value as a kernel argument; item assignment copies it from
+            # the host, which waits for the GPU (Note [late flag] in late_flag.py).
+            bucket.data[spec.numel].fill_(step.missing_flag)
+        payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
+        bucket.launched(self._comm.all_reduce(payload, tag=f"bucket {bucket.index}", async_op=True))
+        if self._frees is not None:
+            for i, p in zip(spec.params, bucket.params):
+                if self._frees.owns(i):
+                    p.grad = None
+
+    def settle(self, buckets: Sequence[Bucket]) -> None:
+        pass
+
+    def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
+        self._delivery.deliver(bucket, used, self._stepper)
+
+    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None:
+        pass
+
+    def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
+        spec = bucket.spec
+        zeros = torch.zeros(spec.numel + spec.extra, dtype=spec.dtype, device=spec.device)
+        return self._comm.all_reduce(zeros, tag=f"bucket {bucket.index}", async_op=True)
+
+
+class ReduceScatter:
+    """ZeRO stages 1 and 2: each bucket reduce-scattered into this rank's shard
+    (Note [zero reduction])."""
+
+    in_place = False
+    flag_alone = True
+    writes_grads = False
+
+    def __init__(self, comm: GroupComm, shards: list[torch.Tensor], stage: int, *,
+                 check: FiniteCheck | None) -> None:
+        self._comm, self._shards, self._check = comm, shards, check
+        self._frees_grads = stage >= 2
+
+    def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
+        bucket.fill(step.div, False)
+        if self._check is not None:  # Note [check_finite] in finite.py
+            self._check.mark(bucket)
+        work = self._comm.reduce_scatter(self._shards[bucket.index], bucket.data,
+                                         tag=f"bucket {bucket.index}", async_op=True)
+        bucket.launched(work)
+        if self._frees_grads:
+            for p in bucket.params:  # copied into the bucket: free it during backward
+                p.grad = None
+
+    def settle(self, buckets: Sequence[Bucket]) -> None:
+        pass
+
+    def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
+        pass  # the optimizer steps from the shards
+
+    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None:
+        if self._frees_grads:
+            for p in params:
+                p.grad = None
+        buffer.release()
+
+    def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
+        spec = bucket.spec
+        zeros = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+        return self._comm.reduce_scatter(self._shards[bucket.index], zeros, tag=f"bucket {bucket.index}",
+                                         async_op=True)
+
+
+class HookReduce:
+    """Each bucket's sum handed to a communication hook, whose future brings the
+    average back (Note [hook order] in grad_bucket.py)."""
+
+    in_place = False
+    flag_alone = True
+    writes_grads = True
+
+    def __init__(self, comm: GroupComm, hook: CommHook, state: object, delivery: GradDelivery, *,
+                 serialize: bool, check: FiniteCheck | None, stepper: BucketStepper | None) -> None:
+        self._comm, self._hook, self._state, self._delivery = comm, hook, state, delivery
+        self._serialize, self._check, self._stepper = serialize, check, stepper
+        self.name = getattr(hook, "__qualname__", repr(hook))
+        self._previous: HookWork | None = None
+
+    def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
+        bucket.fill(step.div, self._delivery.as_view)
+        if self._check is not None:  # Note [check_finite] in finite.py
+            self._check.mark(bucket)
+        if self._serialize and bucket.index > 0:
+            assert self._previous is not None
+            self._previous.settle()  # Note [hook order] in grad_bucket.py
+        work = HookWork(self._hook(self._state, GradBucket(bucket, is_last, self._comm)), bucket, self.name)
+        self._previous = work
+        bucket.launched(work)
+
+    def settle(self, buckets: Sequence[Bucket]) -> None:
+        # The last hook may still issue collectives from its callbacks: let it
+        # finish before anything else goes on the wire (Note [hook order]).
+        if self._serialize and self._previous is not None:
+            self._previous.settle()
+        self._previous = None
+
+    def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
+        self._delivery.deliver(bucket, used, self._stepper)
+
+    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None:
+        pass
+
+    def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
+        # As torch: the hook runs on a zero bucket, one bucket after another (the
+        # strictest Note [hook order]).
+        bucket.ensure_data()
+        bucket.grads.zero_()
+        work = HookWork(self._hook(self._state, GradBucket(bucket, is_last, self._comm)), bucket, self.name)
+        work.settle()
+        return work
