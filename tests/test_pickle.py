@@ -5,7 +5,7 @@ A case trains a few steps, copies the wrapped model (and its optimizer, in the
 same copy or through ``state_dict``), then trains the original and the copy on
 the same batches: the copy must end where the original does, and both where
 torch's DDP, copied the same way, ends (Note [copying a DDP model] in
-tandem/ddp/module_copy.py). What torch refuses, or lets through broken, is recorded
+tandem/ddp/module.py). What torch refuses, or lets through broken, is recorded
 next to what tandem does (``test_side_by_side_with_torch``). A grid of cases runs in
 one spawned group per world size.
 """

@@ -38,7 +38,7 @@ held weakly), not per bucket index as in torch, so they survive DDP rebuilding i
 buckets after the first step: compression may start at any step (torch requires
 ``start_powerSGD_iter >= 2``). A copy of the state (``copy.deepcopy`` or
 ``torch.save`` of the DDP model that holds it, Note [copying a DDP model] in
-tandem/ddp/module_copy.py) carries the memory as (parameter, tensor) pairs, so that
+tandem/ddp/module.py) carries the memory as (parameter, tensor) pairs, so that
 the keys become the copied model's parameters and the copy compresses on as the
 original does.
 """

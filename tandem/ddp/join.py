@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 if TYPE_CHECKING:
+    from tandem.ddp.model_sync import ModelSync
     from tandem.ddp.reducer import GradReducer
 
 __all__ = ["DDPJoinHook", "MirroredDDP", "join"]
@@ -32,24 +33,20 @@ __all__ = ["DDPJoinHook", "MirroredDDP", "join"]
 class MirroredDDP(Protocol):
     """What the join hook needs from a DDP model: the steps of one iteration that
     a joined rank mirrors (Note [join mirror]). ``tandem.ddp.module``'s wrapper
-    provides them (module_join.py); this module depends on the protocol, not on the wrapper,
+    provides them; this module depends on the protocol, not on the wrapper,
     which imports this module."""
 
     require_forward_param_sync: bool
+    forward_sync_buffers: bool
     _divide_by_initial_world_size: bool
 
     @property
     def reducer(self) -> GradReducer | None: ...
 
+    @property
+    def model_sync(self) -> ModelSync: ...
+
     def _will_sync_buffers(self) -> bool: ...
-
-    def _sync_buffers(self, src: int) -> None: ...
-
-    def _common_rank(self, *, candidate: bool) -> int: ...
-
-    def _agree_on_grad_sync(self, *, joined: bool) -> bool: ...
-
-    def _sync_final_model(self, src: int) -> None: ...
 
 
 def join(joinables: list[Joinable], *, enable: bool = True, throw_on_early_termination: bool = False,
@@ -93,16 +90,18 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
+        sync = ddp.model_sync
         reducer = ddp.reducer
         if reducer is not None:
             reducer.before_forward()
         if ddp._will_sync_buffers():
-            ddp._sync_buffers(ddp._common_rank(candidate=False))
-        should_sync = ddp._agree_on_grad_sync(joined=True)
+            sync.buffers(sync.common_rank(candidate=False))
+        should_sync = sync.agree_on_grad_sync(joined=True, wanted=False)
         ddp.require_forward_param_sync = should_sync
         if should_sync and reducer is not None:
             reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
-        ddp._sync_final_model(ddp._common_rank(candidate=is_last_joiner))
+        sync = ddp.model_sync
+        sync.final_model(sync.common_rank(candidate=is_last_joiner), buffers=ddp.forward_sync_buffers)

@@ -1,38 +1,36 @@
 """``tandem.DistributedDataParallel``: torch's DDP interface over tandem's reducer.
 
-The wrapper is built in layers, one concept a file, each class on the one
-before: ``DDPState`` (module_state.py: what it holds, its reducer, its
-properties and communication hook) <- ``JoinSupport`` (module_join.py: uneven
-inputs) <- ``FusedStep`` (module_fuse.py: an optimizer stepped inside backward)
-<- ``Copyable`` (module_copy.py: deepcopy and pickling) <-
-``DistributedDataParallel`` (here: construction, forward, ``no_sync``). Its
-arguments are checked in module_args.py.
+One class, whose collaborators own their work: the reducer (reducer.py) the
+gradients, :class:`~tandem.ddp.model_sync.ModelSync` the parameters' and
+buffers' broadcasts and the agreements of uneven inputs, the fused optimizer
+(fused.py) the step inside backward; its arguments are checked in module_args.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from tandem._compat import enter_ddp_forward, exit_ddp_forward, not_traced
-from tandem.comm.group import GroupComm
-from torch.distributed.algorithms.join import Join, Joinable
-
-from tandem.ddp.compile import split_hint
-from tandem.ddp.checks import NonFinite, broadcast_module_state, \
-    check_same_model_on_all_ranks, check_tensor_parallel, model_signature
 from tandem._tree import to_device
+from tandem.comm.group import GroupComm
+from tandem.ddp.checks import NonFinite, NonFiniteReport, check_tensor_parallel
+from tandem.ddp.compile import split_hint
+from tandem.ddp.fused import FusedOptimizer, ShardedStepSource, check_fusable, patch_step, unpatch_step
+from tandem.ddp.join import DDPJoinHook, join
+from tandem.ddp.model_sync import ModelSync
 from tandem.ddp.module_args import check_zero_config, reject_unsupported, resolve_device_ids, \
     resolve_group, single_device
-from tandem.ddp.module_copy import Copyable
 from tandem.ddp.plan import cap_bytes_from_mb
-from tandem.ddp.reducer import ReducerOptions
+from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions
 from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 
 __all__ = ["DistributedDataParallel"]
@@ -40,7 +38,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(Copyable):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes: a drop-in for
     :class:`torch.nn.parallel.DistributedDataParallel`.
 
@@ -63,7 +61,7 @@ class DistributedDataParallel(Copyable):
     * A copy (``copy.deepcopy``, ``torch.save``/``torch.load``) keeps the
       communication hook, and a static-graph copy reduces its first step (torch's
       copy drops the hook, and skips that reduction). Note [copying a DDP model]
-      in module_copy.py.
+      below.
 
     Args:
         module: the model to replicate; its parameters must all be on one device.
@@ -170,8 +168,8 @@ class DistributedDataParallel(Copyable):
         self.check_finite = NonFinite.parse(check_finite)
         self.process_group = resolve_group(process_group, device_mesh)
         self._comm = GroupComm(self.process_group)
-
         self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._sync = ModelSync(module, self._ignored, self._comm)
         named_params = [(n, p) for n, p in module.named_parameters() if n not in self._ignored]
         self._named_buffers = [(n, b) for n, b in module.named_buffers() if n not in self._ignored]
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
@@ -213,7 +211,7 @@ class DistributedDataParallel(Copyable):
         if init_sync:
             self._sync_initial_state()
 
-        self._trainable = trainable
+        self._trainable: list[tuple[str, nn.Parameter]] = trainable
         self._reducer_options = ReducerOptions(
             caps=caps,
             find_unused_parameters=find_unused_parameters,
@@ -223,11 +221,14 @@ class DistributedDataParallel(Copyable):
             zero_stage=int(self.zero_stage),
             overlap=self.zero_config.overlap_grad_reduce,
             check_finite=self.check_finite)
-        self._reducer = None
-        self._fused = None
-        self._comm_hook = None
-        self._zero_optimizer = None  # set by the ZeroOptimizer built on this model
-        self._failure_handler = None
+        self._reducer: GradReducer | None = None
+        self._fused: torch.optim.Optimizer | None = None
+        self._comm_hook: tuple[object, Any] | None = None  # (state, hook), for copies
+        # The ZeroOptimizer built on this model, whose parameter all-gathers a copy must
+        # wait for (Note [copying a DDP model]); set by ZeroOptimizer.
+        self._zero_optimizer: weakref.ref[ShardedStepSource] | None = None
+        # Note [recovered reduction failures] in reducer.py; given to every reducer it builds.
+        self._failure_handler: Callable[[BaseException], bool] | None = None
         if self._needs_reducer():
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
@@ -235,15 +236,20 @@ class DistributedDataParallel(Copyable):
     def _sync_initial_state(self) -> None:
         """Check that every rank wraps the same model, then give all of them rank 0's
         parameters (and buffers, when they are synced)."""
-        if self._comm.size == 1:
-            return
-        named_params = [(n, p) for n, p in self.module.named_parameters() if n not in self._ignored]
-        sync_buffers = self._named_buffers if self._init_sync_buffers else []
         # check_finite changes a step's collectives (Note [check_finite] in finite.py): it must agree too.
         options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
-        check_same_model_on_all_ranks(model_signature(named_params, sync_buffers, options), self._comm)
-        broadcast_module_state([p for _, p in named_params] + [b for _, b in sync_buffers],
-                               self._comm, src=0)
+        self._sync.start(buffers=self._init_sync_buffers, options=options)
+
+    def _needs_reducer(self) -> bool:
+        # A world of one needs no reducer, unless ZeRO's optimizer reads its
+        # shards, the gradients are checked, or an optimizer is fused.
+        return self._comm.size > 1 or bool(self.zero_stage) or self.check_finite is not None
+
+    def _make_reducer(self) -> GradReducer:
+        if self._reducer is None:
+            self._reducer = GradReducer(self._trainable, self._comm, self._reducer_options)
+            self._reducer.failure_handler = self._failure_handler
+        return self._reducer
 
     def reset_process_group(self, process_group: dist.ProcessGroup | None = None) -> None:
         """Go on over another process group: after an elastic job's world changed
@@ -264,6 +270,7 @@ class DistributedDataParallel(Copyable):
         own_hook = hook is not None and hook[0] is self._comm
         self.process_group = process_group
         self._comm = GroupComm(process_group)
+        self._sync = ModelSync(self.module, self._ignored, self._comm)
         self._sync_initial_state()
         if self._needs_reducer():
             self._make_reducer()
@@ -297,12 +304,12 @@ class DistributedDataParallel(Copyable):
             if self._reducer is not None and torch.is_grad_enabled():
                 self._reducer.before_forward()
             if self._will_sync_buffers():
-                self._sync_buffers(self._common_rank(candidate=True) if self._join_config.enable else 0)
+                self._sync.buffers(self._sync.common_rank(candidate=True) if self._join_config.enable else 0)
         except Exception as e:
             if not self._recovers(e):  # Note [recovered reduction failures] in reducer.py
                 raise
         if self._join_config.enable:
-            self._agree_on_grad_sync(joined=False)
+            self._sync.agree_on_grad_sync(joined=False, wanted=self.require_backward_grad_sync)
         if self.device_ids:
             inputs, kwargs = to_device((inputs, kwargs), self.device)
         # Last: the inner module's frame is compiled split at buckets (Note [torch.compile]).
@@ -366,3 +373,244 @@ class DistributedDataParallel(Copyable):
         """
         if self._reducer is not None:
             self._reducer.arm(output, divisor=self._comm.size, name_ranks=not self._join_config.enable)
+
+    # ------------------------------------------------------------------ the reducer
+    def set_failure_handler(self, handler: Callable[[BaseException], bool] | None) -> None:
+        """Let ``handler(error)`` recover from a collective of this model's that fails
+        (a peer died): when it returns True, the forward or backward in progress
+        returns without that collective's result, and the caller is to drop the
+        step (Note [recovered reduction failures] in reducer.py); False, or no
+        handler, raises the error as before. For an elastic loop: ``tandem.prepare(elastic=...)``
+        sets it. Kept across ``reset_process_group``."""
+        self._failure_handler = handler
+        if self._reducer is not None:
+            self._reducer.failure_handler = handler
+
+    def _recovers(self, error: BaseException) -> bool:
+        return self._failure_handler is not None and self._failure_handler(error)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @property
+    def comm(self) -> GroupComm:
+        """The collectives layer this DDP issues through (observers see every collective)."""
+        return self._comm
+
+    @property
+    def reducer(self) -> GradReducer | None:
+        """The gradient reducer (None in a world of one)."""
+        return self._reducer
+
+    @property
+    def comm_stats(self) -> CommStats | None:
+        """This rank's gradient communication in the last synchronised backward:
+        ``bytes`` sent (payload of the bucket all-reduces, or of the collectives a
+        communication hook issued through ``bucket.comm``) and ``wait_s``, the
+        seconds the end of backward waited for them. None before the first
+        synchronised backward, and in a world of one."""
+        return None if self._reducer is None else self._reducer.last_stats
+
+    @property
+    def found_nonfinite(self) -> bool:
+        """Whether the last synchronised backward found NaN or Inf in the gradients
+        (with ``check_finite="skip"``: its gradients were dropped, skip
+        ``optimizer.step()``). The same on every rank; False without the check."""
+        return self._reducer is not None and self._reducer.nonfinite is not None
+
+    @property
+    def nonfinite_report(self) -> NonFiniteReport | None:
+        """Where the last synchronised backward's non-finite gradients were (the
+        ranks and parameters), or None when they were finite or not checked."""
+        return None if self._reducer is None else self._reducer.nonfinite
+
+    # ------------------------------------------------------------------ hooks
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Reduce gradient buckets with ``hook(state, bucket) -> Future[Tensor]``.
+
+        Torch's contract: the hook is called once per bucket when it is ready, with
+        a :class:`~tandem.ddp.grad_bucket.GradBucket` whose buffer holds the sum of
+        this rank's gradients (not divided by the world size: the hook averages);
+        the future's value becomes the bucket's reduced gradients. Hooks written
+        for torch's DDP (``torch.distributed.algorithms.ddp_comm_hooks``) work
+        unchanged. Register once, before the first backward.
+
+        Raises:
+            RuntimeError: a hook is already registered, or backward already ran.
+        """
+        if self.zero_stage:
+            raise NotImplementedError(
+                f"register_comm_hook is not supported with zero_stage={int(self.zero_stage)}: "
+                "ZeRO reduce-scatters each bucket itself")
+        if self._reducer is None:
+            return  # a world of one: nothing to reduce
+        self._reducer.register_comm_hook(state, hook)
+        self._comm_hook = (state, hook)
+
+    # ------------------------------------------------------------------ uneven inputs
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context manager for uneven inputs over this model alone; see :func:`tandem.join`."""
+        return join([self], enable=enable, throw_on_early_termination=throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.zero_stage:
+            # A joined rank would also have to mirror ZeroOptimizer's all-gathers.
+            raise NotImplementedError(
+                f"tandem.join is not supported with zero_stage={int(self.zero_stage)} yet")
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @property
+    def model_sync(self) -> ModelSync:
+        """The broadcasts and agreements a joined rank mirrors (Note [join mirror] in join.py)."""
+        return self._sync
+
+    def _will_sync_buffers(self) -> bool:
+        return (self._comm.size > 1 and self.require_forward_param_sync
+                and self.forward_sync_buffers and bool(self._named_buffers))
+
+    # ------------------------------------------------------------------ the fused step
+    def fuse_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` inside backward, bucket by bucket, as soon as each
+        bucket's averaged gradients have landed (Note [fused step] in fused.py).
+
+        The training loop stays as it is: ``optimizer.step()`` becomes a no-op
+        (the step already ran in the synchronised ``loss.backward()``), and
+        ``zero_grad()``, ``state_dict()``, param groups and LR schedulers work on
+        ``optimizer`` as before. After a fused step ``param.grad`` is None: the
+        averaged gradients are not kept. Backwards under ``no_sync()`` accumulate
+        as usual; the synchronised one that follows steps. Results equal the
+        unfused ``optimizer.step()`` after backward.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` over this model's trainable
+                parameters (any param groups), or, with ``zero_stage`` 1 or 2,
+                the :class:`tandem.ZeroOptimizer` built on this model, whose
+                shards then step as their reduce-scatters land.
+
+        Raises:
+            ValueError: the optimizer holds a tensor that is not a trainable
+                parameter of this model, is LBFGS (it needs a closure), or, under
+                ZeRO, is not the ZeroOptimizer of this model.
+            TypeError: not a torch optimizer.
+
+        .. warning:: what needs every gradient before the first update cannot
+            run in a fused step: clipping by global norm, and fp16 loss scaling
+            (``GradScaler`` unscales and checks all gradients before it steps).
+            Use the unfused optimizer for those; with ``check_finite`` the fused
+            step waits for every bucket and is dropped on every rank together.
+        """
+        optimizer = check_fusable(optimizer)
+        if self._fused is not None:
+            raise RuntimeError(f"an optimizer ({type(self._fused).__name__}) is already fused into this "
+                               "DistributedDataParallel; call unfuse_optimizer() first")
+        reducer = self._make_reducer()
+        stepper: Any
+        if self.zero_stage:
+            # The ZeroOptimizer built on this model registered itself (tandem.zero
+            # builds on this module, not the other way round) and makes its stepper.
+            zero = self._zero_optimizer() if self._zero_optimizer is not None else None
+            if zero is None or zero is not optimizer:
+                raise ValueError(
+                    f"fuse_optimizer under zero_stage={int(self.zero_stage)} needs the tandem.ZeroOptimizer "
+                    f"built on this DistributedDataParallel, got {type(optimizer).__name__}: "
+                    "ddp.fuse_optimizer(tandem.ZeroOptimizer(ddp, torch.optim.AdamW, lr=...))")
+            stepper = zero.fused_stepper(reducer)
+        else:
+            stepper = FusedOptimizer(optimizer, reducer.params)
+        reducer.set_stepper(stepper)
+        patch_step(optimizer, "DistributedDataParallel.fuse_optimizer")
+        self._fused = optimizer
+
+    def unfuse_optimizer(self) -> None:
+        """Undo :meth:`fuse_optimizer`: ``optimizer.step()`` steps again, after backward."""
+        if self._fused is None:
+            return
+        assert self._reducer is not None
+        self._reducer.set_stepper(None)
+        unpatch_step(self._fused)
+        self._fused = None
+
+    @property
+    def fused_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that steps inside backward, or None."""
+        return self._fused
+
+    # ------------------------------------------------------------------ copies
+    # Note [copying a DDP model]
+    # copy.deepcopy and torch.save/torch.load go through __getstate__ and
+    # __setstate__, as in torch's DDP: the copy holds copies of the module (its
+    # own parameters and buffers) and of the options, and rebuilds what is bound
+    # to this process and its group (the reducer with its hooks on the
+    # parameters, the GroupComm with the ledger and monitors) over the default
+    # process group. So, as torch does, a model over any other group is refused,
+    # and neither copying nor loading issues a collective: one rank alone may
+    # copy (an EMA or evaluation copy on rank 0) or load.
+    # What a copy does not carry: the reducer's learned state (it re-plans
+    # buckets and re-learns a static graph in its first step, like a new DDP:
+    # the arithmetic is the same; torch's copy carries its "first static
+    # iteration done" flag to its new reducer, skips that step's all-reduce
+    # and its replicas part), the gradients (torch does not copy
+    # param.grad either: copy between steps, after optimizer.step()), and a
+    # fused optimizer (the copied optimizer steps as usual; fuse it again if
+    # wanted). A communication hook is carried, with a copy of its state (torch's
+    # copy silently drops it and all-reduces). Under ZeRO with
+    # overlap_param_gather, the all-gathers still in flight are waited for first,
+    # so that the copy holds the stepped parameters; a ZeroOptimizer copied
+    # together with the model binds to the copy (Note [copying a ZeroOptimizer]).
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None and self.process_group is not dist.group.WORLD:
+            raise RuntimeError(
+                f"rank {self._comm.rank}: a DistributedDataParallel over a process group other than the "
+                "default one cannot be deep-copied or pickled (the copy rebuilds its reducer over the "
+                "default group, and torch's DDP refuses it likewise); copy the wrapped module instead, "
+                "copy.deepcopy(ddp.module) or torch.save(ddp.module.state_dict()), and wrap the copy "
+                "in DistributedDataParallel with the same process_group")
+        zero = self._zero_optimizer() if self._zero_optimizer is not None else None
+        if zero is not None:
+            zero.finish_param_gather()  # waits only: no collective
+        state: dict[str, Any] = nn.Module.__getstate__(self)  # nn.Module's: __dict__ less compiled calls
+        # The failure handler belongs to this process's elastic loop, not to a copy.
+        for name in ("_comm", "_sync", "_reducer", "_fused", "_zero_optimizer", "process_group", "_failure_handler"):
+            del state[name]
+        if self._comm_hook is not None and self._comm_hook[0] is self._comm:
+            state["_comm_hook"] = (_OwnComm(), self._comm_hook[1])
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        hook = state.pop("_comm_hook", None)
+        nn.Module.__setstate__(self, state)
+        self.process_group = None
+        self._reducer = None
+        self._fused = None
+        self._comm_hook = None
+        self._zero_optimizer = None
+        self._failure_handler = None
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "loading a pickled tandem.DistributedDataParallel rebuilds it over the default process "
+                "group, which is not initialised: call tandem.init() (or "
+                "torch.distributed.init_process_group) before torch.load, or save and load "
+                "ddp.module (or its state_dict()) instead of the wrapper")
+        self._comm = GroupComm(None)
+        self._sync = ModelSync(self.module, self._ignored, self._comm)
+        if self._needs_reducer():
+            self._make_reducer()
+        if hook is not None:
+            hook_state, fn = hook
+            self.register_comm_hook(self._comm if isinstance(hook_state, _OwnComm) else hook_state, fn)
+
+
+class _OwnComm:
+    """Stands for the copied DDP's own GroupComm as a communication hook's state."""

@@ -28,7 +28,7 @@ param_groups, so the copy's first step() raises AttributeError. A ZeroOptimizer
 is bound to its DDP model's reducer (it steps the reducer's gradient shards), so
 its copy carries the model instead and rebuilds itself over the model's copy
 (which has rebuilt its reducer, Note [copying a DDP model] in
-tandem/ddp/module_copy.py), then restores its shard of the state: the wrapped
+tandem/ddp/module.py), then restores its shard of the state: the wrapped
 optimizer's state and the master values (wider than the parameters under
 low-precision training). Copied together, ``copy.deepcopy((model, optimizer))``
 or one ``torch.save`` of both, the two copies belong together and train as the

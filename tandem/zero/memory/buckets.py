@@ -77,7 +77,7 @@ def stage0_estimate(plan: BucketPlan, infos: list[ParamInfo], params: int, world
     flat = _flat_bytes(plan)
     reducing = 0
     if world_size == 1:
-        grads = trainable   # a world of one builds no reducer (tandem/ddp/module_state.py)
+        grads = trainable   # a world of one builds no reducer (tandem/ddp/module.py: _needs_reducer)
     elif tensor_parallel:
         grads = trainable + flat  # their .grad stays a tensor of its own
     else:  # Note [gradients born in their bucket] in tandem/ddp/write_back.py: .grad is a view of F,
