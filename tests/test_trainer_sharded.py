@@ -134,7 +134,7 @@ def _train(rank: int, world_size: int, output_dir: str, kind: str, *, init_seed:
     if kind == "zero":  # the bucket layout's flat ranges of each parameter this rank owns
         names = trainer.model.reducer.names
         out["owned"] = {}
-        for run in optimizer._runs:
+        for run in optimizer.shards.runs:
             for p in run.pieces:
                 out["owned"].setdefault(names[p.param], []).append((p.param_start, p.length))
     if export is not None:

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from tandem.checkpoint.agree import attempt, describe, gather, group_comm, raise_failures
 from tandem.checkpoint.atomic import atomic_write_bytes, file_crc32, fsync_directory
-# tandem/zero/optimizer_checkpoint.py imports CheckpointError and committed_steps from here.
+# tandem/zero/optimizer.py imports CheckpointError and committed_steps from here.
 from tandem.checkpoint.steps import MARKER, MARKER_FORMAT, CheckpointError, CommittedCheckpoint, FileRecord, \
     committed_steps, describe_root, read_marker, remove_step_directory, step_directories, step_directory
 

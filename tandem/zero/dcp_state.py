@@ -53,7 +53,7 @@ def zero_dcp_state(opt: ZeroOptimizer) -> dict[str, Any]:
     opt.finish_param_gather()  # the model's parameters are saved beside this
     names, shapes = _names_and_shapes(opt)
     state: dict[str, dict[str, Any]] = {}
-    for run, master in zip(opt._runs, opt._masters):
+    for run, master in opt.shards.pairs():
         run_state = opt.optim.state.get(master)
         if not run_state:
             continue
@@ -100,8 +100,8 @@ class ZeroLoadTarget:
         opt._sync_hyperparams()
         position = {id(p): i for i, p in enumerate(p for g in opt.optim.param_groups for p in g["params"])}
         inner: dict[int, dict[str, Any]] = {}
-        for r, (run, master) in enumerate(zip(opt._runs, opt._masters)):
-            opt._copy_params_into(run, master)
+        for r, (run, master) in enumerate(opt.shards.pairs()):
+            opt.shards.copy_params_into(run, master)
             first = self.state["state"].get(names[run.pieces[0].param])
             if not first:  # never stepped when saved
                 continue
@@ -128,7 +128,7 @@ def zero_load_target(opt: ZeroOptimizer, saved: Mapping[str, Any], prefix: str =
         name, _, key = flat_key[len(here):].rpartition(".")
         if flat_key.startswith(here) and name:
             by_param.setdefault(name, []).append((key, md))
-    for r, (run, master) in enumerate(zip(opt._runs, opt._masters)):
+    for r, (run, master) in enumerate(opt.shards.pairs()):
         for piece in run.pieces:
             name = names[piece.param]
             param = target.state["state"].setdefault(name, {})

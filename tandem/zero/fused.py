@@ -10,7 +10,8 @@ import torch
 
 from tandem.ddp.bucket import Bucket
 from tandem.ddp.fused import bucket_optimizer, run_step_hooks, step_bucket_optimizer
-from tandem.zero.layout import ShardRun
+from tandem.zero.param_gather import ParamGather
+from tandem.zero.shards import ZeroShards
 
 __all__ = ["ShardedOptimizer", "ZeroFusedStep"]
 
@@ -23,29 +24,21 @@ class ShardedOptimizer(Protocol):
 
     @property
     def optim(self) -> torch.optim.Optimizer: ...
-
-    @property
-    def overlap_gather(self) -> bool: ...
-    def runs_of(self, bucket: int) -> list[tuple[ShardRun, torch.Tensor]]: ...
-    def bind_grads(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None: ...
-    def refresh_masters(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None: ...
-    def launch_gather(self, bucket: int) -> None: ...
-    def finish_param_gather(self) -> None: ...
     def _sync_hyperparams(self) -> None: ...
 
 
 class ZeroFusedStep:
     """A :class:`~tandem.ddp.fused.BucketStepper` over a ZeroOptimizer's shard runs."""
 
-    def __init__(self, zero: ShardedOptimizer, reducer: Any) -> None:
-        self.zero = zero
+    def __init__(self, zero: ShardedOptimizer, shards: ZeroShards, gather: ParamGather, reducer: Any) -> None:
+        self.zero, self._shards, self._gather = zero, shards, gather
         self._reducer = reducer
         inner = zero.optim
         slot = {id(p): g for g, group in enumerate(inner.param_groups) for p in group["params"]}
         self._subs: list[torch.optim.Optimizer | None] = []
         for spec in reducer.plan.buckets:
             by_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
-            for _, master in zero.runs_of(spec.index):
+            for _, master in shards.runs_of(spec.index):
                 by_group[slot[id(master)]].append(master)
             self._subs.append(bucket_optimizer(inner, by_group))
 
@@ -55,24 +48,24 @@ class ZeroFusedStep:
     def begin_step(self) -> None:
         zero = self.zero
         run_step_hooks(cast(torch.optim.Optimizer, zero), pre=True)
-        zero.finish_param_gather()
+        self._gather.finish_all()
         zero._sync_hyperparams()
 
     @torch.no_grad()
     def step_bucket(self, bucket: Bucket) -> None:
-        zero, pairs = self.zero, self.zero.runs_of(bucket.index)
-        zero.bind_grads(pairs)
-        zero.refresh_masters(pairs)
+        pairs = self._shards.runs_of(bucket.index)
+        self._shards.bind_grads(pairs)
+        self._shards.refresh_masters(pairs)
         sub = self._subs[bucket.index]
         if sub is not None:
-            step_bucket_optimizer(sub, zero.optim)
-        zero.launch_gather(bucket.index)
+            step_bucket_optimizer(sub, self.zero.optim)
+        self._gather.launch(bucket.index)
         for p in bucket.params:  # stage 1's local gradients: reduced and stepped, not kept
             p.grad = None
 
     def end_step(self) -> None:
         zero = self.zero
         zero._seen_steps = self._reducer.steps + 1  # these gradients are stepped
-        if not zero.overlap_gather:
-            zero.finish_param_gather()
+        if not self._gather.overlap:
+            self._gather.finish_all()
         run_step_hooks(cast(torch.optim.Optimizer, zero), pre=False)

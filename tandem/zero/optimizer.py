@@ -40,36 +40,42 @@ overlap_param_gather, which the module's copy would otherwise carry and call
 on the original optimizer, copy as no-ops and are removed when the optimizer's
 copy registers its own.
 
-ZeroOptimizer is built in layers, one concept a file, each class on the one
-before: ``ZeroBase`` (optimizer_base.py: what it holds, master values, param
-groups) <- ``ParamGather`` (param_gather.py: the parameter all-gathers and
-their forward pre-hooks) <- ``ZeroCheckpoints`` (optimizer_checkpoint.py:
-state dicts and sharded saves) <- ``ZeroOptimizer`` (here: construction,
-copies, step, gradients).
+ZeroOptimizer is one class whose collaborators own their work:
+:class:`~tandem.zero.shards.ZeroShards` (shards.py) this rank's runs and their
+masters, :class:`~tandem.zero.param_gather.ParamGather` (param_gather.py) the
+parameter all-gathers and their forward pre-hooks; state_dict.py the pure
+conversions of its checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tandem.checkpoint.agree import agree
+from tandem.checkpoint.atomic import atomic_save
+from tandem.checkpoint.commit import CheckpointError, committed_steps, load_committed, save_committed
 from tandem.zero.fused import ZeroFusedStep
-from tandem.zero.layout import ShardRun, plan_runs, shard_bucket
-from tandem.zero.optimizer_base import group_of_params, normalise_groups
-from tandem.zero.optimizer_checkpoint import ZeroCheckpoints
-from tandem.zero.param_gather import register_gather_hooks
+from tandem.zero.param_gather import ParamGather
+from tandem.zero.shards import ZeroShards
+from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, check_shards, entries_of_run, \
+    run_state_from
 
 __all__ = ["ZeroOptimizer"]
 
 logger = logging.getLogger(__name__)
 
+_SHARDS_KIND = "zero-shards"  # the kind of save_sharded's committed checkpoints
 
-class ZeroOptimizer(ZeroCheckpoints):
+
+class ZeroOptimizer(torch.optim.Optimizer):
     """A distributed optimizer that shards optimizer state (ZeRO stage 1) and works
     with sharded gradients (stage 2) of a :class:`tandem.DistributedDataParallel`
     built with ``zero_stage=1`` or ``2``.
@@ -110,43 +116,61 @@ class ZeroOptimizer(ZeroCheckpoints):
         self._reducer = reducer
         self._comm = reducer.comm
         self.zero_stage = stage
-        groups = normalise_groups(reducer.params if params is None else params)
-        group_of = group_of_params(groups, reducer)
-        self._runs = plan_runs(reducer.plan.buckets, self._comm.size, self._comm.rank, group_of)
-        self._masters = [self._new_master(run) for run in self._runs]
-        self._by_bucket = [[] for _ in reducer.plan.buckets]
-        for run, master in zip(self._runs, self._masters):
-            self._by_bucket[run.bucket].append((run, master))
-        # Per bucket, the pieces of this rank's shard that no run steps: they are
-        # sent in the all-gather as they are.
-        covered = {(r.bucket, p.shard_offset) for r in self._runs for p in r.pieces}
-        self._unstepped = [[p for p in shard_bucket(spec, self._comm.size)[self._comm.rank].pieces
-                            if (spec.index, p.shard_offset) not in covered]
-                           for spec in reducer.plan.buckets]
-        self._optim = optimizer_class(self._inner_groups(groups), **optimizer_kwargs)
+        groups = _normalise_groups(reducer.params if params is None else params)
+        self._shards = ZeroShards(reducer, self._comm.rank, self._comm.size, _group_of_params(groups, reducer))
+        self._optim = optimizer_class(self._shards.inner_groups(groups), **optimizer_kwargs)
         super().__init__(groups, self._optim.defaults)
         self._groups_fixed = True  # the shards are laid out for these groups
         self._sync_hyperparams()
         self._seen_steps = reducer.steps
-        self._pending = {}  # bucket -> gather in flight
         ddp: Any = ddp_model  # a tandem DDP (checked above), whose attributes nn.Module's typing hides
-        self._overlap_gather = bool(ddp.zero_config.overlap_param_gather)
-        self._gather_hooks = (register_gather_hooks(ddp.module, reducer, self._finish_gather)
-                              if self._overlap_gather else [])
+        self._gather = ParamGather(reducer, self._comm, self._shards, ddp.module,
+                                   overlap=bool(ddp.zero_config.overlap_param_gather))
         ddp._zero_optimizer = weakref.ref(self)  # a copy of the model first waits for our gathers
         owned = self.owned_numel
         total = sum(b.numel for b in reducer.plan.buckets)
         logger.info("ZeRO-%d: rank %d owns %d of %d elements in %d runs over %d buckets",
-                    stage, self._comm.rank, owned, total, len(self._runs), len(reducer.plan.buckets))
+                    stage, self._comm.rank, owned, total, len(self._shards.runs), len(reducer.plan.buckets))
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, over this rank's shard runs only (as torch's
+        ``ZeroRedundancyOptimizer.optim``)."""
+        return self._optim
+
+    @property
+    def shards(self) -> ZeroShards:
+        """This rank's runs and their master values (Note [shard runs])."""
+        return self._shards
+
+    @property
+    def owned_numel(self) -> int:
+        """How many parameter elements this rank steps."""
+        return self._shards.owned_numel
+
+    @property
+    def overlap_gather(self) -> bool:
+        return self._gather.overlap
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Buckets whose updated parameters are not written yet (overlap_param_gather)."""
+        return self._gather.in_flight
+
+    def finish_param_gather(self) -> None:
+        """Wait for every parameter all-gather still in flight and write the
+        parameters (a no-op unless ``overlap_param_gather`` left some)."""
+        self._gather.finish_all()
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:  # Note [copying a ZeroOptimizer]
         self.finish_param_gather()  # waits only: no collective
         return {"ddp": self._ddp, "optimizer_class": self._optimizer_class,
                 "optimizer_kwargs": self._optimizer_kwargs, "param_groups": self.param_groups,
-                "rank": self._comm.rank, "world_size": self._comm.size, "runs": self._runs,
-                "masters": [m.detach() for m in self._masters], "inner": self._optim.state_dict(),
-                "gather_hooks": self._gather_hooks}
+                "rank": self._comm.rank, "world_size": self._comm.size, "runs": self._shards.runs,
+                "masters": [m.detach() for m in self._shards.masters], "inner": self._optim.state_dict(),
+                "gather_hooks": self._gather.hooks}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         ddp = state["ddp"]
@@ -161,12 +185,12 @@ class ZeroOptimizer(ZeroCheckpoints):
                 f"rank {self._comm.rank} of {self._comm.size}: this ZeroOptimizer was copied or pickled at "
                 f"rank {state['rank']} of {state['world_size']} and holds that rank's shard of the optimizer "
                 f"state; load it at the same rank and world size, or {fix}")
-        if self._runs != state["runs"]:
+        if self._shards.runs != state["runs"]:
             raise RuntimeError(
                 f"rank {self._comm.rank}: the loaded model's buckets are not those this ZeroOptimizer's "
                 f"shards were laid out over (another tandem version?); {fix}")
         with torch.no_grad():
-            for master, saved in zip(self._masters, state["masters"]):
+            for master, saved in zip(self._shards.masters, state["masters"]):
                 master.copy_(saved)
         self._optim.load_state_dict(state["inner"])
 
@@ -178,9 +202,7 @@ class ZeroOptimizer(ZeroCheckpoints):
         optimizer state is dropped: load it afterwards, from every old rank's
         :meth:`sharded_state_dict` (:meth:`load_sharded_state_dicts`) or from a
         checkpoint. No communication."""
-        for handle in self._gather_hooks:
-            handle.remove()
-        self._pending.clear()  # gathers of the old group are abandoned, not waited for
+        self._gather.close()  # gathers of the old group are abandoned, not waited for
         self._groups_fixed = False  # the same groups, laid out again
         self.__init__(self._ddp, self._optimizer_class, self.param_groups,  # type: ignore[misc]
                       **self._optimizer_kwargs)
@@ -200,45 +222,43 @@ class ZeroOptimizer(ZeroCheckpoints):
             with torch.enable_grad():
                 loss = closure()
         self.finish_param_gather()
-        pairs = list(zip(self._runs, self._masters))
+        shards = self._shards
+        pairs = shards.pairs()
         if self._reducer.steps != self._seen_steps:
             # A synchronised backward ran since the last step (otherwise .grad
             # stays as zero_grad left it).
             self._seen_steps = self._reducer.steps
-            self.bind_grads(pairs)
-        self.refresh_masters(pairs)
+            shards.bind_grads(pairs)
+        shards.refresh_masters(pairs)
         self._sync_hyperparams()
         self._optim.step()
         for spec in self._reducer.plan.buckets:
-            self.launch_gather(spec.index)
-        if not self._overlap_gather:
-            self.finish_param_gather()
+            self._gather.launch(spec.index)
+        if not self._gather.overlap:
+            self._gather.finish_all()
         return loss
 
-    # The parts of a step, for the fused step too (tandem/zero/fused.py).
     def fused_stepper(self, reducer: Any) -> ZeroFusedStep:
         """The bucket stepper of ``ddp.fuse_optimizer(self)`` (Note [fused step]
         in tandem/ddp/fused.py); ``reducer`` is the model's, which this optimizer
         was built on."""
         assert reducer is self._reducer, "fuse_optimizer checks that this optimizer is the model's"
-        return ZeroFusedStep(self, reducer)
+        return ZeroFusedStep(self, self._shards, self._gather, reducer)
 
-    def runs_of(self, bucket: int) -> list[tuple[ShardRun, torch.Tensor]]:
-        """This rank's runs in ``bucket`` and their master tensors."""
-        return self._by_bucket[bucket]
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_groups_fixed", False):
+            raise NotImplementedError(
+                "ZeroOptimizer cannot add param groups after construction (each rank's shards "
+                "are laid out over the groups given then); pass every group to the constructor")
+        super().add_param_group(param_group)
 
-    def bind_grads(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None:
-        """Point each run's .grad at its reduced gradients."""
-        shards = self._reducer.grad_shards
-        for run, master in pairs:
-            grad = shards[run.bucket].narrow(0, run.start, run.length)
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+    def _sync_hyperparams(self) -> None:
+        """Copy hyper-parameters (a scheduler may have changed them) to the wrapped optimizer."""
+        for outer, inner in zip(self.param_groups, self._optim.param_groups):
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
 
-    def refresh_masters(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None:
-        for run, master in pairs:
-            if master.dtype == self._reducer.plan.buckets[run.bucket].dtype:
-                # Lossless, and parameters may have been loaded since the last step.
-                self._copy_params_into(run, master)
     # ------------------------------------------------------------------ gradients
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the model's parameters and of this rank's shards."""
@@ -247,7 +267,7 @@ class ZeroOptimizer(ZeroCheckpoints):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.detach_().zero_()
-        for master in self._masters:
+        for master in self._shards.masters:
             if set_to_none:
                 master.grad = None
             elif master.grad is not None:
@@ -286,3 +306,193 @@ class ZeroOptimizer(ZeroCheckpoints):
         for s in shards:
             s.mul_(coef.to(s.dtype))
         return total
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, *, to: int | None = 0) -> dict[str, Any] | None:  # type: ignore[override]
+        """The whole optimizer state in the wrapped torch optimizer's format
+        (per-parameter full state tensors keyed by parameter index), consolidated
+        from every rank's shard. A collective: call it on every rank.
+
+        Args:
+            to: the group rank that receives it; None: every rank.
+
+        Returns:
+            The state dict on rank ``to`` (every rank when None), None elsewhere.
+        """
+        shards = self._comm.all_gather_object(self._local_entries(), tag="optimizer state")
+        if to is not None and self._comm.rank != to:
+            return None
+        return assemble_state(shards, self._groups_for_save(), self._shapes())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict in torch's format (from :meth:`state_dict`, from the
+        wrapped torch optimizer, or from a run at another world size): each rank
+        keeps its own shard of it. Every rank must pass the whole state dict."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError(
+                "the state dict's param groups do not match this optimizer's: "
+                f"{[len(s['params']) for s in saved_groups]} vs "
+                f"{[len(g['params']) for g in self.param_groups]} parameters per group")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._sync_hyperparams()
+        index = self._param_index()
+        state = {int(k): v for k, v in state_dict["state"].items()}
+        numels = [p.numel() for p in self._reducer.params]
+        self._optim.state.clear()
+        for run, master in self._shards.pairs():
+            self._shards.copy_params_into(run, master)
+            run_state = run_state_from(run, state, index, numels, master.device)
+            if run_state is not None:
+                self._optim.state[master] = run_state
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, without communication: save
+        one per rank, in parallel (see :meth:`save_sharded`)."""
+        return {"format": SHARD_FORMAT, "rank": self._comm.rank, "world_size": self._comm.size,
+                "param_groups": self._groups_for_save(), "shapes": self._shapes(),
+                "entries": self._local_entries()}
+
+    def load_sharded_state_dicts(self, shards: list[dict[str, Any]], *,
+                                 sources: list[str] | None = None) -> None:
+        """Load the :meth:`sharded_state_dict` of every rank of a run, at any world
+        size (the shards are reassembled per parameter, then resharded).
+
+        Args:
+            sources: where each shard came from (file names), for the errors.
+
+        Raises:
+            ValueError: naming the shard and the parameter or state key, when the
+                shards are not one complete save that fits this optimizer.
+        """
+        sources = sources or [f"shard {i}" for i in range(len(shards))]
+        check_shards(shards, sources, self._shapes(), self._param_names(),
+                     [len(g["params"]) for g in self.param_groups])
+        self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
+                                            shards[0]["shapes"]))
+
+    def save_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None,
+                     keep: int | None = None) -> Path:
+        """Save every rank's shard, each rank its own file, into the committed step
+        directory ``directory/step-{step:08d}/`` (Note [committed step directories]
+        in tandem/checkpoint/commit.py): a save killed midway is never loaded. A
+        collective: call it on every rank.
+
+        Args:
+            directory: the directory of step directories.
+            step: the step saved (default: one more than the newest committed step,
+                or 0); every rank must pass the same.
+            keep: keep the newest ``keep`` committed steps (None: all).
+
+        Returns:
+            The committed step directory.
+
+        Raises:
+            tandem.checkpoint.CheckpointError: on every rank, when a rank failed to
+                write or the ranks passed different steps.
+        """
+        if step is None:
+            steps = committed_steps(directory)
+            step = steps[-1] + 1 if steps else 0
+
+        def write(step_dir: Path) -> list[str]:
+            name = f"zero-shard-{self._comm.rank}-of-{self._comm.size}.pt"
+            atomic_save(self.sharded_state_dict(), step_dir / name)
+            return [name]
+
+        return save_committed(directory, step, write, kind=_SHARDS_KIND, keep=keep, group=self._comm.group)
+
+    def load_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None) -> int:
+        """Load the newest committed shards :meth:`save_sharded` wrote under
+        ``directory`` (or ``step``'s), from a run at any world size. A collective.
+
+        Returns:
+            The step loaded.
+
+        Raises:
+            FileNotFoundError: on every rank, when ``directory`` holds no committed step.
+            tandem.checkpoint.CheckpointError: on every rank, naming the file: a
+                shard missing, truncated or corrupt.
+            ValueError: on every rank, naming the file and the parameter or state
+                key: shards that do not fit this optimizer.
+        """
+        ckpt = load_committed(directory, step=step, kind=_SHARDS_KIND, group=self._comm.group)
+        names = sorted(ckpt.files)
+        shards: list[dict[str, Any]] = []
+
+        def read_and_check() -> None:
+            for name in names:
+                shards.append(torch.load(ckpt.path(name), map_location="cpu", weights_only=True))
+            try:
+                check_shards(shards, [str(ckpt.path(n)) for n in names], self._shapes(), self._param_names(),
+                             [len(g["params"]) for g in self.param_groups])
+            except ValueError as e:
+                raise ValueError(f"rank {self._comm.rank}: {e}") from None
+
+        agree(read_and_check, what=f"reading the shards of {ckpt.directory}", error_type=CheckpointError,
+              group=self._comm.group)
+        self.load_state_dict(assemble_state([s["entries"] for s in shards], shards[0]["param_groups"],
+                                            shards[0]["shapes"]))
+        return ckpt.step
+
+    def _param_index(self) -> dict[int, int]:
+        """Reducer parameter index -> the torch state-dict index (order of param_groups)."""
+        position = {id(p): i for i, p in enumerate(self._reducer.params)}
+        flat = [p for g in self.param_groups for p in g["params"]]
+        return {position[id(p)]: k for k, p in enumerate(flat)}
+
+    def _param_names(self) -> dict[int, str]:
+        """The torch state-dict index -> the parameter's name."""
+        return {k: self._reducer.names[i] for i, k in self._param_index().items()}
+
+    def _shapes(self) -> dict[int, tuple[int, ...]]:
+        flat = [p for g in self.param_groups for p in g["params"]]
+        return {k: tuple(p.shape) for k, p in enumerate(flat)}
+
+    def _groups_for_save(self) -> list[dict[str, Any]]:
+        groups, k = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{key: v for key, v in g.items() if key != "params"},
+                           "params": list(range(k, k + n))})
+            k += n
+        return groups
+
+    def _local_entries(self) -> list[Entry]:
+        index = self._param_index()
+        return [entry for run, master in self._shards.pairs()
+                if self._optim.state.get(master)
+                for entry in entries_of_run(run, self._optim.state[master], index)]
+
+
+def _normalise_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    params = list(params)
+    if not params:
+        raise ValueError("ZeroOptimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for g in params:
+        members = g["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        groups.append({**g, "params": members})
+    return groups
+
+
+def _group_of_params(groups: list[dict[str, Any]], reducer: Any) -> dict[int, int]:
+    position = {id(p): i for i, p in enumerate(reducer.params)}
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        for p in group["params"]:
+            i = position.get(id(p))
+            if i is None:
+                raise ValueError(
+                    f"param group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "trainable parameter of the DistributedDataParallel model; pass the "
+                    "parameters of ddp_model (with requires_grad=True)")
+            if i in group_of:
+                raise ValueError(f"parameter '{reducer.names[i]}' appears in more than one param group")
+            group_of[i] = g
+    return group_of

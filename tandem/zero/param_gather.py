@@ -1,8 +1,7 @@
 """ZeroOptimizer's parameter all-gathers: each rank's updated shard of a bucket
 sent to every rank and written into the parameters, at the end of ``step()``
 or, with ``overlap_param_gather``, before the first module of the next forward
-that uses the bucket; the second of ZeroOptimizer's layers (optimizer.py lists
-them)."""
+that uses the bucket."""
 
 from __future__ import annotations
 
@@ -12,37 +11,43 @@ from typing import Any
 import torch
 
 from tandem._compat import foreach_copy_
-from tandem.zero.optimizer_base import ZeroBase
+from tandem.comm.group import GroupComm, Work
+from tandem.zero.shards import ZeroShards
 
 __all__ = ["ParamGather", "register_gather_hooks"]
 
 
-class ParamGather(ZeroBase):
-    """ZeroOptimizer's second layer: ``launch_gather`` and ``finish_param_gather``."""
+class ParamGather:
+    """The all-gathers of one ZeroOptimizer's updated shards, and their waits.
+
+    Args:
+        reducer: the DDP model's reducer (its plan and parameters).
+        comm: the model's group.
+        shards: this rank's shards, whose updated values are sent.
+        module: the wrapped module, given a forward pre-hook per module with
+            ``overlap``: it waits for the gathers of its own parameters only.
+        overlap: leave the gathers in flight after ``step()``.
+    """
+
+    def __init__(self, reducer: Any, comm: GroupComm, shards: ZeroShards, module: torch.nn.Module,
+                 *, overlap: bool) -> None:
+        self._reducer, self._comm, self._shards = reducer, comm, shards
+        self.overlap = overlap
+        self._pending: dict[int, tuple[Work, torch.Tensor]] = {}  # bucket -> gather in flight
+        self.hooks: list[Any] = register_gather_hooks(module, reducer, self.finish) if overlap else []
 
     @torch.no_grad()
-    def launch_gather(self, bucket: int) -> None:
+    def launch(self, bucket: int) -> None:
         """Start the all-gather of this rank's updated shard of ``bucket`` (every
         rank launches them in bucket order)."""
-        reducer, comm = self._reducer, self._comm
-        spec = reducer.plan.buckets[bucket]
-        size = spec.padded_numel // comm.size
-        shard = torch.zeros(size, dtype=spec.dtype, device=spec.device)
-        for piece in self._unstepped[spec.index]:
-            src = reducer.params[piece.param].detach().reshape(-1)
-            shard.narrow(0, piece.shard_offset, piece.length).copy_(
-                src.narrow(0, piece.param_start, piece.length))
-        for run, master in self._by_bucket[bucket]:
-            shard.narrow(0, run.start, run.length).copy_(master)
+        spec = self._reducer.plan.buckets[bucket]
         full = torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device)
-        work = comm.all_gather_into(full, shard, tag=f"params {spec.index}", async_op=True)
+        work = self._comm.all_gather_into(full, self._shards.updated(bucket), tag=f"params {spec.index}",
+                                          async_op=True)
         self._pending[spec.index] = (work, full)
 
-    @property
-    def overlap_gather(self) -> bool:
-        return self._overlap_gather
-
-    def _finish_gather(self, bucket: int) -> None:
+    def finish(self, bucket: int) -> None:
+        """Wait for ``bucket``'s gather, if in flight, and write its parameters."""
         pending = self._pending.pop(bucket, None)
         if pending is None:
             return
@@ -54,16 +59,20 @@ class ParamGather(ZeroBase):
         with torch.no_grad():
             foreach_copy_(params, views)
 
+    def finish_all(self) -> None:
+        for bucket in sorted(self._pending):
+            self.finish(bucket)
+
     @property
-    def gathers_in_flight(self) -> int:
-        """Buckets whose updated parameters are not written yet (overlap_param_gather)."""
+    def in_flight(self) -> int:
         return len(self._pending)
 
-    def finish_param_gather(self) -> None:
-        """Wait for every parameter all-gather still in flight and write the
-        parameters (a no-op unless ``overlap_param_gather`` left some)."""
-        for bucket in sorted(self._pending):
-            self._finish_gather(bucket)
+    def close(self) -> None:
+        """Remove the hooks; gathers still in flight are abandoned, not waited for."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        self._pending.clear()
 
 
 def register_gather_hooks(module: torch.nn.Module, reducer: Any,
