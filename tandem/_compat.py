@@ -1,4 +1,4 @@
-# Over 400 lines on purpose: the one place that touches private torch APIs (STYLE.md), read whole when torch moves one.
+# Over 400 lines on purpose: the one place that touches private torch APIs, read whole when torch moves one.
 """The one place where tandem touches private torch APIs, each with why.
 
 Everything here exists in torch 2.4 and later; if a future torch moves one, this

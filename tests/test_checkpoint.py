@@ -1,4 +1,4 @@
-"""Checkpoints (tandem.train.checkpoint) and exact resume (tandem.train.state).
+"""Checkpoints (tandem.checkpoint.one_rank) and exact resume (tandem.train.state).
 
 - A save killed by SIGKILL in the middle of writing, or failing in torch.save,
   leaves the previous file loadable and equal to what was saved.
@@ -30,7 +30,7 @@ from torch import nn
 import tandem
 from tandem.testing import max_abs_diff, run_distributed
 from tandem.testing.models import IN, OUT
-from tandem.train.checkpoint import atomic_save, checkpoint_name, latest_checkpoint, list_checkpoints, \
+from tandem.checkpoint.one_rank import atomic_save, checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, save_checkpoint
 from tandem.train.rng import seed_everything
 from tandem.train.state import TrainingState
@@ -64,7 +64,7 @@ def _names(directory: Path) -> list[str]:
 # ---------------------------------------------------------------- atomic_save
 _WRITER = """
 import sys, torch
-from tandem.train.checkpoint import atomic_save
+from tandem.checkpoint.one_rank import atomic_save
 atomic_save({f"t{i}": torch.full((2_500_000,), float(i)) for i in range(20)}, sys.argv[1])  # 200 MB
 """
 

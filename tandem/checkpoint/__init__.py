@@ -1,7 +1,8 @@
 """Checkpoints that are complete or absent: single files written atomically
-(atomic.py), and checkpoints of several files, written by several ranks, in
-step directories (steps.py) committed by a marker written last (commit.py;
-agree.py makes a failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
+(atomic.py), by one rank for all (one_rank.py: Note [save on one rank]), and
+checkpoints of several files, written by several ranks, in step directories
+(steps.py) committed by a marker written last (commit.py; agree.py makes a
+failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
 sharded state of fully_shard models into the same directories; flat.py lets DCP
 save and reshard tensors that ranks hold as flat ranges (ZeRO's shards).
 

@@ -2,7 +2,7 @@
 torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
 
 The pure layout of each unit's buffers (layout.py), which parameters a call
-takes (units.py), a call's arguments checked and resolved (arguments.py:
+takes (unit_walk.py), a call's arguments checked and resolved (arguments.py:
 meshes for FSDP and HSDP, lists of modules, shard dims), one unit at run time
 (unit.py: its state and buffers in unit_state.py, its gather and release in
 unit_gather.py, its gradients' reduction in unit_reduce.py), the forward hooks

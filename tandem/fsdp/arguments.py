@@ -20,7 +20,7 @@ from tandem._compat import dtensor_api, fsdp_policies
 from tandem.fsdp.tensor_parallel import TensorParallelParam, tensor_parallel_param
 from tandem.fsdp.unit import ShardedUnit, unit_of
 from tandem.fsdp.unit_state import UnitConfig
-from tandem.fsdp.units import ParamEntry, walk_unit
+from tandem.fsdp.unit_walk import ParamEntry, walk_unit
 
 __all__ = ["check_reshard", "collect_params", "data_parallel_meshes", "default_mesh", "modules_of", "move_to_device",
            "shard_dims", "tensor_parallel_layouts", "unit_config"]
@@ -92,7 +92,7 @@ def unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
 
 def collect_params(modules: tuple[nn.Module, ...], ignored: set[int], mesh: Any
              ) -> tuple[list[ParamEntry], list[ShardedUnit]]:
-    """The parameters under ``modules`` that no other unit holds (units.py's walk
+    """The parameters under ``modules`` that no other unit holds (unit_walk.py's walk
     of each, a parameter tied between them taken once), checked: an absorbed
     tiny unit must not have run, and a parameter another unit already shards
     (a tied weight) is an error."""

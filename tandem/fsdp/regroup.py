@@ -46,7 +46,7 @@ from tandem.comm.group import GroupComm
 from tandem.fsdp.arguments import default_mesh
 from tandem.fsdp.layout import ParamShard, plan_unit
 from tandem.fsdp.unit import ShardedUnit, unit_of
-from tandem.fsdp.unit_state import ReduceState, ShardState, TrainingState
+from tandem.fsdp.unit_state import ReduceState, ShardState, UnitPhase
 
 __all__ = ["check_regroupable", "reset_process_group", "rows_of", "units_of"]
 
@@ -111,7 +111,7 @@ def rows_of(full: torch.Tensor, spec: ParamShard) -> torch.Tensor:
 def _relayout(unit: ShardedUnit, mesh: object, comm: GroupComm) -> None:
     # Pending collectives of the old group are dropped (Note [regrouped units]).
     unit._gather, unit._reduce, unit._group_shard, unit._partial = None, None, None, None
-    unit.state, unit.reduce_state, unit.training = ShardState.SHARDED, ReduceState.IDLE, TrainingState.IDLE
+    unit.state, unit.reduce_state, unit.phase = ShardState.SHARDED, ReduceState.IDLE, UnitPhase.IDLE
     unit.num_ready, unit.completed, unit.forward_calls, unit.untracked_calls, unit.inputs_done = 0, False, 0, 0, 0
     unit.pending_forward = set()
     unit.schedule = None  # the next forward runs lazy_init over the new group

@@ -70,7 +70,7 @@ from torch import nn
 from tandem._compat import queue_backward_callback
 from tandem._tree import iter_tensors, map_tensors, to_device
 from tandem.fsdp.unit import ShardedUnit
-from tandem.fsdp.unit_state import ReduceState, ShardState, TrainingState
+from tandem.fsdp.unit_state import ReduceState, ShardState, UnitPhase
 
 __all__ = ["Schedule"]
 
@@ -92,7 +92,7 @@ class Schedule:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if unit.training is TrainingState.PRE_BACKWARD:  # Note [recomputed forward]
+        if unit.phase is UnitPhase.PRE_BACKWARD:  # Note [recomputed forward]
             unit.unshard()
             return _cast_inputs(unit, args, kwargs)
         if unit is self.root and not self.in_forward:
@@ -101,7 +101,7 @@ class Schedule:
                 args, kwargs = to_device(args, unit.config.device), to_device(kwargs, unit.config.device)
         if not unit.pending_forward:  # Note [grouped modules]
             unit.pending_forward = {id(m) for m in unit.modules}
-        unit.training = TrainingState.FORWARD
+        unit.phase = UnitPhase.FORWARD
         unit.unshard()
         if torch.is_grad_enabled():
             args, kwargs = self._track_inputs(unit, args, kwargs)
@@ -116,7 +116,7 @@ class Schedule:
         return _cast_inputs(unit, args, kwargs)
 
     def post_forward(self, unit: ShardedUnit, module: nn.Module, output: Any) -> Any:
-        if unit.training is TrainingState.PRE_BACKWARD:  # Note [recomputed forward]
+        if unit.phase is UnitPhase.PRE_BACKWARD:  # Note [recomputed forward]
             return _cast_output(unit, output)
         grad = torch.is_grad_enabled()
         if grad:
@@ -139,7 +139,7 @@ class Schedule:
             unit.reshard()
         elif reshard is not False:  # an int: keep a slice for the smaller group
             unit.reshard(keep_group_shard=True)
-        unit.training = TrainingState.IDLE
+        unit.phase = UnitPhase.IDLE
         if unit not in self.post_forward_order:
             self.post_forward_order.append(unit)
 
@@ -182,15 +182,15 @@ class Schedule:
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, unit: ShardedUnit, grad: torch.Tensor) -> torch.Tensor:
         self._enter_backward()
-        if unit.training is not TrainingState.PRE_BACKWARD:
-            unit.training = TrainingState.PRE_BACKWARD
+        if unit.phase is not UnitPhase.PRE_BACKWARD:
+            unit.phase = UnitPhase.PRE_BACKWARD
             if unit.unshard_in_backward:  # False: its backward reads no parameter (set_unshard_in_backward)
                 unit.unshard()
             targets = unit.backward_prefetch
             if targets is None:
                 targets = _before(self.post_forward_order, unit)
             for target in targets:
-                if (target.training is not TrainingState.PRE_BACKWARD and target.unshard_in_backward
+                if (target.phase is not UnitPhase.PRE_BACKWARD and target.unshard_in_backward
                         and target.state in (ShardState.SHARDED, ShardState.GROUP_SHARDED)):
                     target.launch_gather()
         return grad
@@ -280,7 +280,7 @@ class Schedule:
         for unit in self.units:
             unit.discard_reduce()
             unit.reshard()
-            unit.training = TrainingState.IDLE
+            unit.phase = UnitPhase.IDLE
             unit.pending_forward.clear()
             unit.forward_calls = unit.untracked_calls = unit.inputs_done = 0
         self.pre_forward_order, self.post_forward_order = [], []
@@ -295,7 +295,7 @@ class Schedule:
         for unit in self.units:
             if _reshards_after_backward(unit):
                 unit.reshard()
-            unit.training = TrainingState.IDLE
+            unit.phase = UnitPhase.IDLE
         self.in_backward = False
         self._callback_queued = False
 

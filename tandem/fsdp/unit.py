@@ -31,7 +31,7 @@ from tandem.fsdp.tensor_parallel import TensorParallelParam
 from tandem.fsdp.unit_gather import UnitGather
 from tandem.fsdp.unit_reduce import UnitReduce
 from tandem.fsdp.unit_state import UnitConfig
-from tandem.fsdp.units import ParamEntry
+from tandem.fsdp.unit_walk import ParamEntry
 
 __all__ = ["UNIT_ATTR", "ShardedUnit", "unit_of"]
 

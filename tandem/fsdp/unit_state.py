@@ -20,10 +20,10 @@ from tandem._compat import dtensor_api, dtensor_local
 from tandem.comm.group import GroupComm, Work
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 from tandem.fsdp.tensor_parallel import TensorParallelParam
-from tandem.fsdp.units import ParamEntry
+from tandem.fsdp.unit_walk import ParamEntry
 
 __all__ = ["CommOverrides", "ManagedParam", "PendingGather", "PendingReduce", "ReduceState", "ShardState",
-           "TrainingState", "UnitConfig", "UnitState"]
+           "UnitPhase", "UnitConfig", "UnitState"]
 
 
 class ShardState(Enum):
@@ -40,7 +40,9 @@ class ReduceState(Enum):
     ALL_REDUCING = auto()   # HSDP: the shard's all-reduce over the replicate group launched
 
 
-class TrainingState(Enum):
+class UnitPhase(Enum):
+    """Where a unit is in its iteration (not torch's ``module.training``, nor tandem's TrainingState)."""
+
     IDLE = auto()
     FORWARD = auto()
     PRE_BACKWARD = auto()   # its backward has started (a forward now is a recomputation)
@@ -143,7 +145,7 @@ class UnitState:
         self.state = ShardState.SHARDED
         self.applying = False  # inside FSDPModule._apply of the module that owns it (module.py)
         self.reduce_state = ReduceState.IDLE
-        self.training = TrainingState.IDLE
+        self.phase = UnitPhase.IDLE
         self._gather: PendingGather | None = None
         self._reduce: PendingReduce | None = None
         self._group_shard: torch.Tensor | None = None
@@ -283,10 +285,6 @@ class UnitState:
             raise RuntimeError(
                 f"fully_shard unit '{self.name}': gradient reduction is {self.reduce_state.name}, expected "
                 f"{'/'.join(s.name for s in allowed)} ({self.num_ready}/{self.num_trainable} gradients ready)")
-
-    @property
-    def nbytes_sharded(self) -> int:
-        return self.shard_flat.numel() * self.shard_flat.element_size()
 
     def __repr__(self) -> str:
         return (f"ShardedUnit('{self.name}', {len(self.managed)} params, {self.layout.numel} elements, "

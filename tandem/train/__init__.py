@@ -5,7 +5,7 @@ configuration, precision, progress, history and plot, and prepare (prepare.py)
 for users who keep their own loop, elastic with ``prepare(elastic=...)``
 (prepare_elastic.py; the Trainer's side is elastic.py and trainer_elastic.py)."""
 
-from tandem.train.checkpoint import atomic_save, latest_checkpoint, list_checkpoints, load_checkpoint, \
+from tandem.checkpoint.one_rank import atomic_save, latest_checkpoint, list_checkpoints, load_checkpoint, \
     save_checkpoint
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
 from tandem.data.loader import DistributedLoader, gather_for_metrics

@@ -48,7 +48,7 @@ from torch.utils.data import Dataset
 
 from tandem.data import gather_samples
 from tandem._tree import to_device
-from tandem.train.checkpoint import latest_checkpoint
+from tandem.checkpoint.one_rank import latest_checkpoint
 from tandem.train.buddy import BuddyCopies
 from tandem.train.config import CheckpointFormat, TrainerConfig
 from tandem.train.elastic import is_peer_failure

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.train.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, \
+from tandem.checkpoint.one_rank import checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, remove_checkpoint, save_checkpoint
 from tandem.train.config import CheckpointFormat
 from tandem.train.history import History

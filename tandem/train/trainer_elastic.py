@@ -15,7 +15,7 @@ from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import Generation, MembershipError
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.buddy import ShardsLost
-from tandem.train.checkpoint import latest_checkpoint
+from tandem.checkpoint.one_rank import latest_checkpoint
 from tandem.train.precision import ShardedGradients
 from tandem.train.elastic import ElasticRun, WorldChange, elastic_config, share_state
 from tandem.train.elastic_fsdp import fsdp_shard, load_fsdp_shards

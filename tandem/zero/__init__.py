@@ -1,9 +1,11 @@
 """ZeRO: sharding optimizer state, gradients and parameters across ranks.
 
 The pure shard layout over DDP's flat bucket buffers (layout.py), the memory
-planner (memory/), the traffic planner (traffic.py), the stages and overlap options (config.py), and the sharded
-optimizer (optimizer.py), which steps the gradient shards that
-``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters.
+planner (memory/), the traffic planner (traffic.py), and the sharded optimizer
+(optimizer.py, over this rank's shards in shards.py, gathering the updated
+parameters in param_gather.py), which steps the gradient shards that
+``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters. The stages
+and overlap options are tandem/ddp/zero_config.py's.
 """
 
 from tandem.ddp.zero_config import ZeroConfig, ZeroStage

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tandem.fsdp.layout import plan_unit
-from tandem.fsdp.units import walk_unit
+from tandem.fsdp.unit_walk import walk_unit
 from tandem.zero.memory.estimate import FullyShardSpec, UnitEstimate
 
 __all__ = ["plan_units"]
