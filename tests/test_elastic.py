@@ -150,7 +150,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     return {"params": [p.detach().clone() for p in params],
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
-            "buddy_bytes": trainer._buddy.nbytes if trainer._buddy is not None else None,
+            "buddy_bytes": (trainer._elastic.buddy.nbytes  # type: ignore[union-attr]
+                            if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "steps": result.steps}
 
 

@@ -1,9 +1,9 @@
-"""Training on top of DDP: seeding (rng.py), atomic checkpoints (checkpoint.py),
+"""Training on top of DDP: seeding (rng.py), atomic checkpoints (tandem/checkpoint/one_rank.py),
 the state an exact resume needs (state.py), sharded checkpoints of it
 (sharded_checkpoint.py), the Trainer (trainer.py) with its
 configuration, precision, progress, history and plot, and prepare (prepare.py)
 for users who keep their own loop, elastic with ``prepare(elastic=...)``
-(prepare_elastic.py; the Trainer's side is elastic.py and trainer_elastic.py)."""
+(prepare_elastic.py; the Trainer's side is elastic.py and elastic_world.py)."""
 
 from tandem.checkpoint.one_rank import atomic_save, latest_checkpoint, list_checkpoints, load_checkpoint, \
     save_checkpoint

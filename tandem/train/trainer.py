@@ -22,19 +22,19 @@ under no_sync divide their loss by their count, so accumulation adds nothing
 either. Hence R ranks train like one process on the global batch, which the
 tests check to 1e-6 (for models without batch statistics).
 
-The Trainer is built in layers, one concept a file, each class on the one
-before: ``TrainerBase`` (trainer_base.py: what it holds, the wrapped model,
-samplers and loaders) <- ``TrainerStep`` (trainer_step.py: one optimizer step)
-<- ``TrainerCheckpoints`` (trainer_checkpoints.py: save, prune, resume, export)
-<- ``ElasticTrainer`` (trainer_elastic.py: a changing world) <- ``Trainer``
-(here: construction, ``fit``, epochs, evaluation). Its records are in
-records.py, what it finds out by itself in probes.py.
+The Trainer is one class (here: construction, ``fit``, epochs, evaluation, a
+changing world) whose collaborators own their work: :class:`StepRunner`
+(step_runner.py: one optimizer step), :class:`Loaders` (loaders.py: the
+samplers and loaders of a world), :class:`RunCheckpoints`
+(run_checkpoints.py: save, prune, resume, export) and, in an elastic job,
+:class:`ElasticWorld` (elastic_world.py: membership, buddy copies, the state
+a replacement gets). Its records are in records.py, what it finds out by
+itself in probes.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
@@ -43,29 +43,36 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from tandem.data import gather_samples
 from tandem._tree import to_device
-from tandem.checkpoint.one_rank import latest_checkpoint
-from tandem.train.buddy import BuddyCopies
-from tandem.train.config import CheckpointFormat, TrainerConfig
-from tandem.train.elastic import is_peer_failure
+from tandem.comm.bootstrap import elastic_membership
+from tandem.comm.membership import Generation
+from tandem.data import DistributedSampler, gather_samples
+from tandem.ddp.checks import NonFinite
+from tandem.fsdp.regroup import check_regroupable
+from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
+from tandem.train.elastic import ElasticRun, WorldChange, elastic_config, is_peer_failure
+from tandem.train.elastic_world import ElasticWorld
 from tandem.train.history import History
+from tandem.train.loaders import Loaders
 from tandem.train.plot import plot_losses
 from tandem.train.precision import ShardedGradients, autocast_for, scaler_for
+from tandem.train.probes import device_of, is_ddp, rank_and_size
 from tandem.train.progress import Progress
+from tandem.train.records import Window, evaluation_of
+from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.train.sharded import check_optimizer, is_fully_sharded
 from tandem.train.state import TrainingState, unwrap_model
-from tandem.train.probes import device_of, rank_and_size
-from tandem.train.records import Window, evaluation_of
-from tandem.train.trainer_base import Metric
-from tandem.train.trainer_elastic import ElasticTrainer
+from tandem.train.step_runner import StepRunner
 
-__all__ = ["FitResult", "Trainer"]
+__all__ = ["FitResult", "Metric", "Trainer"]
 
 logger = logging.getLogger(__name__)
+
+Metric = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ class FitResult:
     """``loss.png``, or None without matplotlib."""
 
 
-class Trainer(ElasticTrainer):
+class Trainer:
     """Train ``model`` with ``optimizer`` on ``train_data``, on every rank of the job.
 
     Args:
@@ -118,59 +125,145 @@ class Trainer(ElasticTrainer):
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.config = config or TrainerConfig()
         self.rank, self.world_size = rank_and_size()
-        self._elastic = self._elastic_run(model)
-        self._in_step = False
-        # Note [buddy copies]: under ZeRO and fully_shard each rank also holds the previous rank's shard.
-        self._buddy = BuddyCopies() if self._elastic is not None and (
-            hasattr(optimizer, "sharded_state_dict") or is_fully_sharded(model)) else None
+        run = _elastic_run(self.config, model, self.rank)
         self.device = device_of(model)
-        self.model = self._wrap(model)
+        fsdp = is_fully_sharded(model)
+        self.model = _wrap(model, self.config, self.world_size, elastic=run is not None)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
         self.metrics = dict(metrics or {})
-        if is_fully_sharded(model):
+        if fsdp:
             check_optimizer(model, optimizer)
         zero = hasattr(optimizer, "sharded_state_dict")  # a tandem.ZeroOptimizer
         # Sharded gradients: the ranks agree on found-inf (Note [agreed found-inf] in
         # precision.py), and a ZeroOptimizer's shards are what gets unscaled.
-        self.scaler = scaler_for(self._precision, self.device,
-                                 sharded=zero or is_fully_sharded(model),
+        self.scaler = scaler_for(self._precision, self.device, sharded=zero or fsdp,
                                  process_group=getattr(self.model, "process_group", None))
-        self._scaled: Any = (ShardedGradients(optimizer, cast(Any, self.model).reducer.grad_shards)
-                             if zero and self.scaler is not None else optimizer)
-        self._guard = self._nonfinite_guard()
-        self._autocast = autocast_for(self._precision, self.device)
         self.train_data, self.eval_data, self._collate_fn = train_data, eval_data, collate_fn
-        self._build_loaders()
+        self._loaders = self._new_loaders()
         self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
                                    scaler=self.scaler)
-        self.checkpoint_dir = self._output_dir / "checkpoints"
         # Note [sharded trainer checkpoints] in sharded_checkpoint.py
         chosen = cast("CheckpointFormat | None", self.config.checkpoint_format)
-        self.checkpoint_format = chosen or (CheckpointFormat.SHARDED if zero or is_fully_sharded(model)
-                                            else CheckpointFormat.FULL)
+        self._checkpoints = RunCheckpoints(
+            self.state, self._output_dir / "checkpoints",
+            chosen or (CheckpointFormat.SHARDED if zero or fsdp else CheckpointFormat.FULL),
+            self.config.keep_checkpoints, self.device)
+        self._autocast = autocast_for(self._precision, self.device)
+        self._runner = StepRunner(self.model, optimizer, scheduler, loss_fn, self.config, self.state,
+                                  device=self.device, rank=self.rank, scaler=self.scaler,
+                                  scaled=self._scaled(), guard=self._nonfinite_guard(),
+                                  autocast=self._autocast, elastic=run)
+        self._elastic = None if run is None else ElasticWorld(run, self.model, optimizer, self.state,
+                                                               self._checkpoints, sharded=zero or fsdp)
+
+    def _new_loaders(self) -> Loaders:
+        return Loaders(self.train_data, self.eval_data, self._collate_fn, self.config, self.device,
+                       self.rank, self.world_size)
+
+    def _scaled(self) -> Any:
+        """What a GradScaler unscales and steps: a ZeroOptimizer's gradient shards, else the optimizer."""
+        if self.scaler is not None and hasattr(self.optimizer, "sharded_state_dict"):
+            return ShardedGradients(self.optimizer, cast(Any, self.model).reducer.grad_shards)
+        return self.optimizer
+
+    def _nonfinite_guard(self) -> NonFinite | None:
+        """What a step with NaN/Inf gradients does, when the Trainer must look
+        (the GradScaler looks itself under fp16). A DDP model checks, and agrees
+        across ranks, by itself; a single process checks its own gradients."""
+        wanted = self._nonfinite
+        if self._precision is Precision.FP16:
+            return None
+        if is_ddp(self.model):
+            has = getattr(self.model, "check_finite", None)
+            if wanted is not None and has is not wanted:
+                raise ValueError(
+                    f"rank {self.rank}: nonfinite={wanted.value!r}, but the model is a "
+                    f"DistributedDataParallel built with check_finite="
+                    f"{None if has is None else has.value!r}; pass check_finite={wanted.value!r} "
+                    "when wrapping it, or leave nonfinite unset")
+            return has
+        if wanted is not None and self.world_size > 1:
+            raise ValueError(f"nonfinite={wanted.value!r} is not supported with a fully-sharded model "
+                             "yet; with precision='fp16' its GradScaler skips non-finite steps on "
+                             "every rank together")
+        return wanted
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def sampler(self) -> DistributedSampler:
+        return self._loaders.sampler
+
+    @property
+    def train_loader(self) -> DataLoader:
+        return self._loaders.train
+
+    @property
+    def eval_loader(self) -> DataLoader | None:
+        return self._loaders.eval
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self._checkpoints.directory
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        return self._checkpoints.format
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, all ranks together (a full step)."""
+        return self.config.batch_size * self.config.grad_accum * self.world_size
+
+    @property
+    def world_changes(self) -> list[WorldChange]:
+        """Every change of an elastic job's world this Trainer went through (also
+        in the history, as records of kind ``"elastic"``)."""
+        return [] if self._elastic is None else list(self._elastic.run.changes)
+
+    # TrainerConfig.__post_init__ normalises these fields; they are typed for what a caller passes.
+    @property
+    def _precision(self) -> Precision:
+        return cast(Precision, self.config.precision)
+
+    @property
+    def _nonfinite(self) -> NonFinite | None:
+        return cast("NonFinite | None", self.config.nonfinite)
+
+    @property
+    def _output_dir(self) -> Path:
+        return cast(Path, self.config.output_dir)
+
+    def _share_all(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     # ------------------------------------------------------------------ the run
     def fit(self) -> FitResult:
         """Train for ``config.epochs`` epochs (or up to ``config.max_steps``), resuming
         from the latest checkpoint in ``config.output_dir`` when ``config.resume``.
         A collective: call it on every rank."""
         cfg = self.config
-        joining = self._elastic is not None and self._elastic.needs_state
-        if not cfg.resume and not joining and (latest := latest_checkpoint(self.checkpoint_dir)) is not None:
+        joining = self._elastic is not None and self._elastic.run.needs_state
+        if not cfg.resume and not joining and (latest := self._checkpoints.latest()) is not None:
             # Pruning keeps the highest steps: the old run's checkpoints would outlive ours.
             raise ValueError(f"rank {self.rank}: resume=False, but {self.checkpoint_dir} holds "
                              f"checkpoints of an earlier run (latest {latest.name}); resume it with "
                              "resume=True, or give this run an empty output_dir")
-        if self._elastic is not None and self._elastic.needs_state:
+        if self._elastic is not None and joining:
             resumed_from = None  # a replacement: the state comes from a live peer
-            if self._buddy is not None:
+            if self._elastic.buddy is not None:
                 self._restore_shards(None)
-            self._share_state()
-            self._elastic.needs_state = False
+            self._elastic.share_state()
+            self._elastic.run.needs_state = False
         else:
-            resumed_from = self._resume() if cfg.resume else None
+            resumed_from = self._checkpoints.resume(self.rank, self._share_all) if cfg.resume else None
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"))
-        total_steps = self._steps_per_epoch() * cfg.epochs
+        total_steps = self._loaders.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             total_steps = min(total_steps, cfg.max_steps)
         progress = Progress(enabled=self.rank == 0, bar=cfg.progress, total=total_steps,
@@ -186,7 +279,7 @@ class Trainer(ElasticTrainer):
             while self.state.epoch < cfg.epochs and not self._reached_max_steps():
                 try:
                     self._train_epoch(history, progress)
-                    if self._elastic is not None and self._elastic.grow_pending:
+                    if self._elastic is not None and self._elastic.run.grow_pending:
                         self._change_world(None, history, progress)
                         continue
                     if self._epoch_done():
@@ -213,15 +306,6 @@ class Trainer(ElasticTrainer):
                          evaluation=evaluation_of(history.last("eval")), history=history.records,
                          checkpoint=checkpoint, plot=plot)
 
-    def _samples_per_rank(self) -> int:
-        """Samples of one whole epoch on each rank (the sampler pads or drops to equal shares)."""
-        n, world = self.sampler.dataset_size, self.world_size
-        return n // world if self.config.drop_last else math.ceil(n / world)
-
-    def _steps_per_epoch(self) -> int:
-        micro_batches = math.ceil(self._samples_per_rank() / self.config.batch_size)
-        return math.ceil(micro_batches / self.config.grad_accum)
-
     def _reached_max_steps(self) -> bool:
         return self.config.max_steps is not None and self.state.step >= self.config.max_steps
 
@@ -234,15 +318,15 @@ class Trainer(ElasticTrainer):
         batches = iter(self.train_loader)
         while micro_batches := list(islice(batches, cfg.grad_accum)):
             started = time.perf_counter()
-            samples, comm_wait, grad_norm, skipped = self._step(micro_batches, window.loss)
-            window.add(samples * self.world_size, time.perf_counter() - started, comm_wait, grad_norm,
-                       skipped if self._counts_skips else None)
+            step = self._runner.run(micro_batches, window.loss)
+            window.add(step.samples * self.world_size, time.perf_counter() - started, step.comm_wait,
+                       step.grad_norm, step.skipped if self._runner.counts_skips else None)
             state.step += 1
-            state.consumed += samples * self.world_size
+            state.consumed += step.samples * self.world_size
             self._refresh_buddy()
             progress.advance()
             if state.step % cfg.log_every == 0:
-                record = window.record(state, self._lr())
+                record = window.record(state, self._runner.lr())
                 history.append(record)
                 progress.show(record)
                 window = Window()
@@ -250,11 +334,11 @@ class Trainer(ElasticTrainer):
                 return
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and not self._epoch_done():
                 self._save(history)
-            if self._elastic is not None and self._elastic.grow_pending:
+            if self._elastic is not None and self._elastic.run.grow_pending:
                 return  # fit() admits the replacements before the next step
 
     def _epoch_done(self) -> bool:
-        return self.state.consumed >= self._samples_per_rank() * self.world_size
+        return self.state.consumed >= self._loaders.samples_per_rank * self.world_size
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate_into(self, history: History, progress: Progress) -> None:
@@ -289,3 +373,84 @@ class Trainer(ElasticTrainer):
         for name, fn in self.metrics.items():
             result[name] = float(fn(out, target))
         return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, history: History) -> Path:
+        return self._checkpoints.save(history, self.rank)
+
+    def export(self, path: str | Path) -> Path:
+        """Write the whole training state to one file at ``path``, in the format of
+        ``checkpoint_format="full"``: the full model and optimizer state in torch's
+        own format (``torch.load(path)["model"]`` loads into the plain model with
+        ``load_state_dict``), whatever the sharding. A collective: a sharded
+        model's state is gathered onto rank 0, which writes the file.
+
+        Returns:
+            The path written.
+        """
+        return self._checkpoints.export(path)
+
+    # ------------------------------------------------------------------ a changing world
+    def _change_world(self, cause: BaseException | None, history: History, progress: Progress) -> None:
+        """Note [elastic trainer] in elastic.py: regroup, rebuild what depends on the world, go on."""
+        elastic = self._elastic
+        assert elastic is not None
+        in_step, self._runner.in_step = self._runner.in_step, False
+
+        def rebuild(before: Generation, after: Generation) -> int | None:
+            own = elastic.own_shard()
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self._runner.rank = self.rank
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.reset_process_group()  # type: ignore[operator]
+            resumed = None
+            if elastic.buddy is not None:
+                if not is_fully_sharded(self.model):
+                    self.optimizer.reset_process_group()  # type: ignore[attr-defined]
+                resumed = self._restore_shards(own)
+            self._loaders = self._new_loaders()
+            if after.joined_since(before):
+                elastic.share_state()
+            self._refresh_buddy()  # copies for the new world, before its first step
+            return resumed
+
+        elastic.run.regroup(cause, self.state.step, in_step=in_step, rebuild=rebuild,
+                            report=lambda change: self._report(change, history, progress))
+
+    def _report(self, change: WorldChange, history: History, progress: Progress) -> None:
+        logger.warning("rank %d: %s", self.rank, change.describe())
+        progress.say(change.describe())
+        history.append(change.record())
+
+    def _restore_shards(self, own: dict[str, Any] | None) -> int | None:
+        assert self._elastic is not None
+        resumed = self._elastic.restore_shards(own, self.rank, self._share_all)
+        self._runner.scaled = self._scaled()  # a ZeroOptimizer laid out again: its new shards
+        return resumed
+
+    def _refresh_buddy(self) -> None:
+        if self._elastic is not None:
+            self._elastic.refresh_buddy(self.rank)
+
+
+def _elastic_run(config: TrainerConfig, model: nn.Module, rank: int) -> ElasticRun | None:
+    elastic = elastic_config(config.elastic, "TrainerConfig")
+    if elastic is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("TrainerConfig(elastic=...) needs a process group: call tandem.init() first")
+    if is_fully_sharded(model):
+        check_regroupable(model, rank)  # Note [regrouped units] in tandem/fsdp/regroup.py
+    return ElasticRun(elastic_membership(elastic))
+
+
+def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: bool) -> nn.Module:
+    """The model as the Trainer trains it: in DistributedDataParallel when the world
+    has more than one rank (an elastic world may grow), unless it is wrapped or sharded."""
+    if (world_size == 1 and not elastic) or is_ddp(model) or is_fully_sharded(model):
+        return model
+    from tandem.ddp import DistributedDataParallel
+    options = dict(config.ddp_options)
+    if config.nonfinite is not None and config.precision is not Precision.FP16:
+        options["check_finite"] = config.nonfinite
+    return DistributedDataParallel(model, **options)

@@ -1,49 +1,80 @@
 """One optimizer step of the Trainer: micro-batches under gradient accumulation,
 autocast and the scaler, the non-finite guard, clipping, the optimizer and the
-scheduler; the second of the Trainer's layers (trainer.py lists them)."""
+scheduler."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from tandem._tree import to_device
 from tandem.data import RunningMean
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
+from tandem.train.config import TrainerConfig
+from tandem.train.elastic import ElasticRun
 from tandem.train.probes import batch_len, is_ddp, plain_tensor
 from tandem.train.sharded import is_fully_sharded
-from tandem.train.trainer_base import TrainerBase
+from tandem.train.state import TrainingState
 
-__all__ = ["TrainerStep"]
+__all__ = ["StepResult", "StepRunner"]
 
 logger = logging.getLogger(__name__)
 
 
-class TrainerStep(TrainerBase):
-    """The Trainer's second layer: ``_step`` and its parts."""
+@dataclass(frozen=True)
+class StepResult:
+    samples: int
+    """This rank's samples in the step."""
+    comm_wait: float | None
+    """Seconds the synchronised backward waited on communication (None: not measured)."""
+    grad_norm: torch.Tensor | None
+    """The global gradient norm before clipping (None without clipping)."""
+    skipped: bool
+    """Whether the step was skipped for non-finite gradients (the same on every rank)."""
+
+
+class StepRunner:
+    """Runs the Trainer's optimizer steps.
+
+    Args:
+        model: the (wrapped) model.
+        optimizer: its optimizer; ``scaled``: what a GradScaler unscales and steps
+            (the optimizer, or a ZeroOptimizer's gradient shards).
+        guard: what a step with NaN/Inf gradients does, when the Trainer must look.
+        elastic: the elastic run, which decides each step with the other members.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainerConfig, state: TrainingState, *,
+                 device: torch.device, rank: int, scaler: Any, scaled: Any, guard: NonFinite | None,
+                 autocast: Callable[[], Any], elastic: ElasticRun | None) -> None:
+        self.model, self.optimizer, self.scheduler, self.loss_fn = model, optimizer, scheduler, loss_fn
+        self.config, self.state, self.device, self.rank = config, state, device, rank
+        self.scaler, self.scaled, self.guard, self.autocast = scaler, scaled, guard, autocast
+        self._elastic = elastic
+        self.in_step = False  # between a step's first forward and its decision (an elastic world)
 
     @property
-    def _counts_skips(self) -> bool:
+    def counts_skips(self) -> bool:
         """Whether records count the steps skipped for NaN/Inf gradients."""
-        return self._guard is not None or self.config.nonfinite is not None
+        return self.guard is not None or self.config.nonfinite is not None
 
-    def _step(self, micro_batches: list[Any], loss_mean: RunningMean
-              ) -> tuple[int, float | None, torch.Tensor | None, bool]:
-        """One optimizer step over ``micro_batches``. Returns this rank's sample count,
-        the seconds the synchronised backward waited on communication, the
-        global gradient norm before clipping (None without clipping), and whether
-        the step was skipped for non-finite gradients (the same on every rank)."""
+    def run(self, micro_batches: list[Any], loss_mean: RunningMean) -> StepResult:
+        """One optimizer step over ``micro_batches`` (their losses go into ``loss_mean``)."""
         samples = 0
-        self._in_step = True
+        self.in_step = True
         if self._elastic is not None:
             self._elastic.step_started()
         for i, (inputs, targets) in enumerate(micro_batches):
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
             with self._grad_sync(enabled=i == len(micro_batches) - 1):
-                with self._autocast():
+                with self.autocast():
                     loss = self.loss_fn(self.model(inputs), targets)
                 n = batch_len(targets)
                 loss_mean.update(loss, weight=n)
@@ -53,15 +84,15 @@ class TrainerStep(TrainerBase):
             samples += n
         if self._elastic is not None:
             self._elastic.decide(self.state.step)  # every rank steps, or none (Note [elastic trainer] in elastic.py)
-        self._in_step = False
+        self.in_step = False
         stats = getattr(self.model, "comm_stats", None)
         comm_wait = None if stats is None else stats.wait_s
-        if self._guard is not None and self._found_nonfinite():
+        if self.guard is not None and self._found_nonfinite():
             # The gradients are dropped already: no optimizer or scheduler step.
             self.optimizer.zero_grad(set_to_none=True)
-            return samples, comm_wait, None, True
+            return StepResult(samples, comm_wait, None, True)
         grad_norm, skipped = self._optimizer_step()
-        return samples, comm_wait, grad_norm, skipped
+        return StepResult(samples, comm_wait, grad_norm, skipped)
 
     def _found_nonfinite(self) -> bool:
         """Whether this step's gradients hold NaN/Inf, the same on every rank; in
@@ -74,7 +105,7 @@ class TrainerStep(TrainerBase):
         if not names:
             return False
         report = NonFiniteReport(step=self.state.step, before=(tuple(names),), after=tuple(names))
-        if self._guard is NonFinite.RAISE:
+        if self.guard is NonFinite.RAISE:
             raise RuntimeError(f"rank {self.rank}: Trainer(nonfinite='raise'): {report.describe()}. "
                                "Find where the NaN/Inf comes from, or pass nonfinite='skip'")
         logger.warning("Trainer: nonfinite='skip' skipped this step: %s", report.describe())
@@ -99,7 +130,7 @@ class TrainerStep(TrainerBase):
         skipped = False
         if cfg.max_grad_norm is not None:
             if self.scaler is not None:
-                self.scaler.unscale_(self._scaled)
+                self.scaler.unscale_(self.scaled)
             clip = getattr(self.optimizer, "clip_grad_norm_", None)  # ZeroOptimizer: across shards
             if clip is not None:
                 grad_norm = clip(cfg.max_grad_norm)
@@ -107,8 +138,8 @@ class TrainerStep(TrainerBase):
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             grad_norm = plain_tensor(grad_norm).detach()
         if self.scaler is not None:
-            scale = self.scaler.get_scale() if self._counts_skips else None
-            self.scaler.step(self._scaled)  # skipped on every rank together (Note [agreed found-inf] in precision.py)
+            scale = self.scaler.get_scale() if self.counts_skips else None
+            self.scaler.step(self.scaled)  # skipped on every rank together (Note [agreed found-inf] in precision.py)
             self.scaler.update()
             skipped = scale is not None and self.scaler.get_scale() < scale
         else:
@@ -118,5 +149,5 @@ class TrainerStep(TrainerBase):
             self.scheduler.step()
         return grad_norm, skipped
 
-    def _lr(self) -> float:
+    def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
