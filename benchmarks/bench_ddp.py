@@ -51,6 +51,9 @@ block over torch's block of the same round) in brackets;
 overlap = (compute + comm - step) / min(compute, comm): 1 means the reduction is
 completely hidden behind backward, 0 means none of it is, negative means the
 wrapper costs more than compute and communication one after the other.
+floor = compute + comm of the same round (on 2 cores two gloo ranks cannot
+overlap them); above = a DDP's step minus the floor of its round, medians over
+rounds; tandem/torch above is the median of the per-round ratios [quartiles].
 CPU columns: median main-thread CPU per step; overhead = DDP minus compute.
 
 With ``--hooks``, the contenders are instead each DDP with each communication
@@ -497,9 +500,18 @@ def summarise_blocks(blocks: dict[str, list[list[float]]], cpu: dict[str, list[f
     def overlap(step: float) -> float:
         return (compute + comm - step) / min(compute, comm)
 
+    # The floor (issue 33): on 2 cores two gloo ranks cannot overlap communication with
+    # compute, so compute + comm of the same round is what no wrapper goes below.
+    floors = [a + b for a, b in zip(block_med["compute"], block_med["comm"])]
+    above = {c: [step - floor for step, floor in zip(block_med[c], floors)] for c in ("torch", "tandem")}
+    above_ratio = [d / t for d, t in zip(above["tandem"], above["torch"]) if t > 0]
     return {"median": med, "block_iqr": {c: _quartiles(v) for c, v in block_med.items()},
             "ratio": med["tandem"] / med["torch"], "ratio_iqr": _quartiles(round_ratio),
             "overlap": {c: overlap(med[c]) for c in ("torch", "tandem")},
+            "floor": statistics.median(floors),
+            "above": {c: statistics.median(v) for c, v in above.items()},
+            "above_ratio": statistics.median(above_ratio) if above_ratio else float("nan"),
+            "above_ratio_iqr": _quartiles(above_ratio) if above_ratio else (float("nan"), float("nan")),
             "cpu": {c: statistics.median(cpu[c]) for c in CONTENDERS}}
 
 
@@ -510,8 +522,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| model | params (tensors) | torch DDP step ms | tandem DDP step ms | tandem/torch "
-        "| compute ms | comm ms | overlap torch | overlap tandem |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| compute ms | comm ms | overlap torch | overlap tandem "
+        "| floor ms | torch above ms | tandem above ms | tandem/torch above |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
@@ -519,7 +532,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {cell(row, 'torch')} | {cell(row, 'tandem')} "
             f"| **{row['ratio']:.3f}** [{row['ratio_iqr'][0]:.2f}–{row['ratio_iqr'][1]:.2f}] "
             f"| {cell(row, 'compute')} | {cell(row, 'comm')} "
-            f"| {row['overlap']['torch']:.2f} | {row['overlap']['tandem']:.2f} |")
+            f"| {row['overlap']['torch']:.2f} | {row['overlap']['tandem']:.2f} "
+            f"| {_ms(row['floor'])} | {_ms(row['above']['torch'])} | {_ms(row['above']['tandem'])} "
+            f"| **{row['above_ratio']:.2f}** [{row['above_ratio_iqr'][0]:.2f}–{row['above_ratio_iqr'][1]:.2f}] |")
     return "\n".join(lines)
 
 

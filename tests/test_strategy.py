@@ -76,7 +76,14 @@ def _both(rank: int, world_size: int) -> dict[str, list[str]]:
                       steps=1, loss="mse", optimizer="sgd", lr=0.1, optimizer_kwargs=None, batch_size=None, seed=0,
                       rtol=None, atol=None)
     by_check, _ = _wrap("fsdp", make_net(), spec)
-    return {"prepare": _units(by_prepare), "check": _units(by_check)}
+    out: dict[str, object] = {"prepare": _units(by_prepare), "check": _units(by_check)}
+    for name in ("ddp", "zero1", "zero2"):  # the same wrapper and optimizer by both ways
+        net = make_net()
+        model, opt = tandem.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), strategy=name)
+        checked, checked_opt = _wrap(name, make_net(), spec)
+        out[name] = [(type(m).__name__, int(getattr(m, "zero_stage", 0)), type(o).__name__)
+                     for m, o in ((model, opt), (checked, checked_opt))]
+    return out
 
 
 def test_check_prepare_and_plan_make_the_same_fully_shard_units() -> None:
@@ -87,6 +94,9 @@ def test_check_prepare_and_plan_make_the_same_fully_shard_units() -> None:
         want = sorted(["", "layers.0", "layers.1", "layers.0.inner.0", "layers.0.inner.1", "layers.1.inner.0",
                        "layers.1.inner.1"])
         assert got["prepare"] == got["check"] == want, got
+        assert got["ddp"] == [("DistributedDataParallel", 0, "SGD")] * 2, got
+        assert got["zero1"] == [("DistributedDataParallel", 1, "ZeroOptimizer")] * 2, got
+        assert got["zero2"] == [("DistributedDataParallel", 2, "ZeroOptimizer")] * 2, got
     planned = default_fsdp_units(make_net())
     assert sorted(["", *planned]) == want
     assert planned.index("layers.0.inner.0") < planned.index("layers.0")   # a nested unit comes first

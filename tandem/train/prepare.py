@@ -37,7 +37,6 @@ rate scheduler must be built on the returned optimizer, after ``prepare``.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
@@ -51,12 +50,11 @@ from tandem.comm.group import GroupComm
 from tandem.comm.membership import ElasticConfig
 from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
 from tandem.ddp import DistributedDataParallel
-from tandem.fsdp import FSDPModule, fully_shard
-from tandem.train.strategy import Strategy, fully_shard_units
+from tandem.fsdp import FSDPModule
+from tandem.train.strategy import Strategy, apply_strategy, param_names
 from tandem.train.elastic import elastic_config
 from tandem.train.prepare_elastic import make_elastic
 from tandem.train.state import unwrap_model
-from tandem.zero import ZeroOptimizer
 
 __all__ = ["Strategy", "no_sync", "prepare", "unwrap"]
 
@@ -154,8 +152,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
     target = _resolve_device(device)
 
     model.to(target)
-    names = _param_names(model, optimizer)  # every tensor it steps is the model's, or fail by name
-    wrapped, stepped = _wrap(model, optimizer, names, chosen, kwargs, shard_units, target, comm.size)
+    param_names(model, optimizer)  # every tensor it steps is the model's, or fail by name
+    wrapped, stepped = _wrap(model, optimizer, chosen, kwargs, shard_units, target, comm.size)
     loaders = [distributed_loader(loader, spec, comm, target if move_batches else None)
                for loader, spec in zip(dataloaders, specs)]
     if elastic_settings is not None:
@@ -230,83 +228,15 @@ def _is_ddp(model: nn.Module) -> bool:
 
 # ---------------------------------------------------------------------- the model and its optimizer
 
-def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None, names: list[str], strategy: Strategy,
+def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy,
           kwargs: dict[str, Any], shard_units: tuple[type[nn.Module], ...], device: torch.device,
           world_size: int) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """The wrapped model and the optimizer that steps it (Note [rebuilt optimizers]);
-    ``names`` are the model's names of the optimizer's parameters, in group order."""
-    if strategy is Strategy.FULLY_SHARD:
-        # Note [one strategy vocabulary] in strategy.py: the units tandem check and plan make too.
-        for name in fully_shard_units(model, shard_units):
-            fully_shard(model.get_submodule(name), **kwargs)
-        fully_shard(model, **kwargs)
-        if optimizer is None:
-            return model, None
-        current = dict(model.named_parameters(remove_duplicate=False))
-        return model, _rebuild(optimizer, [current[name] for name in names])
-
-    if device.type == "cuda" and "device_ids" not in kwargs:
+    """The wrapped model and the optimizer that steps it (Note [rebuilt optimizers];
+    Note [one strategy vocabulary] in strategy.py: what tandem check builds too)."""
+    if strategy is not Strategy.FULLY_SHARD and device.type == "cuda" and "device_ids" not in kwargs:
         kwargs["device_ids"] = [device.index]
-    stage = {Strategy.DDP: 0, Strategy.ZERO1: 1, Strategy.ZERO2: 2}[strategy]
-    if stage and world_size == 1:
-        # ZeRO shards over ranks; a world of one has nothing to shard (and no reducer to
-        # shard with), so it trains as plain DDP with the user's optimizer.
-        logger.info("prepare: strategy %s in a world of one is plain DDP", strategy.value)
-        stage = 0
-        kwargs.pop("zero_config", None)
-    ddp = DistributedDataParallel(model, zero_stage=stage, **kwargs)
-    if optimizer is None or not stage:
-        return ddp, optimizer
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = _groups_over(optimizer, params, drop=("param_names",))  # names would not fit the shards
-    return ddp, ZeroOptimizer(ddp, type(optimizer), groups, **_constructor_defaults(optimizer))
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[str]:
-    """The model's name of each of the optimizer's parameters, in param-group order."""
-    if optimizer is None:
-        return []
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    out = []
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) not in names:
-                raise ValueError(
-                    f"prepare: parameter {i} of the optimizer's param group {g} (shape "
-                    f"{tuple(p.shape)}) is not a parameter of the model; build the optimizer over "
-                    "this model's parameters (model.parameters()) before calling prepare")
-            out.append(names[id(p)])
-    return out
-
-
-def _rebuild(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and groups over ``params`` (one per
-    old parameter, in param-group order)."""
-    return type(optimizer)(_groups_over(optimizer, params), **_constructor_defaults(optimizer))
-
-
-def _groups_over(optimizer: torch.optim.Optimizer, params: list[Any],
-                 drop: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """``optimizer``'s param groups, hyper-parameters and all, holding ``params``
-    (in the order of the groups' parameters) instead of their own."""
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params" and k not in drop},
-                       "params": params[start:start + count]})
-        start += count
-    return groups
-
-
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.defaults`` that its class's constructor accepts (torch's AdamW
-    records ``decoupled_weight_decay`` in its defaults but takes no such argument)."""
-    parameters = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in parameters}
+    return apply_strategy(model, optimizer, strategy, options=kwargs, shard_units=shard_units,
+                          world_size=world_size)
 
 
 # ---------------------------------------------------------------------- the loaders

@@ -67,6 +67,7 @@ from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.train.sharded import check_optimizer, is_fully_sharded
 from tandem.train.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
+from tandem.train.strategy import Strategy, apply_strategy
 
 __all__ = ["FitResult", "Metric", "Trainer"]
 
@@ -449,8 +450,8 @@ def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: 
     has more than one rank (an elastic world may grow), unless it is wrapped or sharded."""
     if (world_size == 1 and not elastic) or is_ddp(model) or is_fully_sharded(model):
         return model
-    from tandem.ddp import DistributedDataParallel
     options = dict(config.ddp_options)
     if config.nonfinite is not None and config.precision is not Precision.FP16:
-        options["check_finite"] = config.nonfinite
-    return DistributedDataParallel(model, **options)
+        options["check_finite"] = config.nonfinite  # DDP's own check: Note [check_finite] in ddp/finite.py
+    wrapped, _ = apply_strategy(model, None, Strategy.DDP, options=options, world_size=world_size)
+    return wrapped

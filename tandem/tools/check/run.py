@@ -43,6 +43,7 @@ from tandem.tools.check.inputs import (
     sample_keys,
 )
 from tandem.tools.check.records import RankRecord, ReferenceRun
+from tandem.train.strategy import Strategy, apply_strategy
 
 __all__ = ["STRATEGIES"]
 
@@ -168,27 +169,12 @@ def _reference(spec: _Spec) -> tuple[ReferenceRun, bool]:
 
 
 def _wrap(strategy: str, model: nn.Module, spec: _Spec) -> tuple[nn.Module, Any]:
-    opt_class = _optimizer_class(spec.optimizer)
-    if strategy == "ddp":
-        from tandem.ddp import DistributedDataParallel
-
-        ddp = DistributedDataParallel(model)
-        return ddp, opt_class(ddp.parameters(), **spec.optimizer_kwargs)
-    if strategy in ("zero1", "zero2"):
-        from tandem.ddp import DistributedDataParallel
-        from tandem.zero import ZeroOptimizer
-
-        ddp = DistributedDataParallel(model, zero_stage=int(strategy[-1]))
-        return ddp, ZeroOptimizer(ddp, opt_class, **spec.optimizer_kwargs)
-    assert strategy == "fsdp", strategy
-    from tandem.fsdp import fully_shard
-    from tandem.train.strategy import fully_shard_units
-
-    # Note [one strategy vocabulary] in tandem/train/strategy.py: the units prepare makes.
-    for name in fully_shard_units(model):
-        fully_shard(model.get_submodule(name), mp_policy=spec.mp_policy)
-    fully_shard(model, mp_policy=spec.mp_policy)
-    return model, opt_class(model.parameters(), **spec.optimizer_kwargs)
+    # Note [one strategy vocabulary] in tandem/train/strategy.py: what prepare builds.
+    chosen = Strategy.parse(strategy, who="tandem check")
+    options = {"mp_policy": spec.mp_policy} if chosen is Strategy.FULLY_SHARD else {}
+    trainable = [p for p in model.parameters() if p.requires_grad]  # a frozen one never steps
+    optimizer = _optimizer_class(spec.optimizer)(trainable, **spec.optimizer_kwargs)
+    return apply_strategy(model, optimizer, chosen, options=options, world_size=dist.get_world_size())
 
 
 def _rank_main(rank: int, specs: tuple[_Spec, ...]) -> list[dict[str, RankRecord]]:

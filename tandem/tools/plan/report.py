@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from tandem.ddp.plan import BucketPlan
 from tandem.tools.plan.measure import Measurement
 from tandem.tools.tp_plan import TensorParallelShard
+from tandem.train.strategy import Strategy
 from tandem.zero.memory import MemoryEstimate
 from tandem.zero.traffic import Traffic, between_nodes
 
 __all__ = ["STRATEGIES", "PlanReport", "StrategyMemory"]
 
-STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "fully_shard")
+STRATEGIES = tuple(s.label for s in Strategy)  # Note [one strategy vocabulary] in tandem/train/strategy.py
 """The strategies every report plans, in this order; with ``hsdp`` replicas an
 ``HSDP RxS`` row follows, and is preferred to fully_shard when both fit (the
 first that fits in order of communication and complexity is chosen)."""
