@@ -254,13 +254,13 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
     def sample(tag: str, forward: bool) -> None:
         gathered = sum(u.unsharded_flat.untyped_storage().nbytes() for u in units)
         for u in units:
-            g = u._gather
+            g = u.gather.pending
             if g is not None and not g.direct:
                 gathered += g.output.untyped_storage().nbytes()
                 if g.input.untyped_storage().data_ptr() != u.shard_flat.untyped_storage().data_ptr():
                     gathered += g.input.untyped_storage().nbytes()   # the cast copy under param_dtype
-        reducing = sum(u._reduce.input.untyped_storage().nbytes() + u._reduce.output.untyped_storage().nbytes()
-                       for u in units if u._reduce is not None)
+        reducing = sum(r.input.untyped_storage().nbytes() + r.output.untyped_storage().nbytes()
+                       for r in (u.reduction.pending for u in units) if r is not None)
         reducing += _distinct_bytes(m.unsharded.grad for u in units for m in u.managed if m.unsharded.grad is not None)
         out.samples.append((tag, gathered, reducing))
         out.gathered = max(out.gathered, gathered)

@@ -53,7 +53,7 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
     if dtype != unit.orig_dtype:
         _change_dtype(unit, dtype)
     if device != unit.shard_flat.device or dtype != unit.shard_flat.dtype:
-        unit.shard_flat = torch.zeros(unit.shard_flat.shape, dtype=dtype, device=device)
+        unit.params.shard_flat = torch.zeros(unit.shard_flat.shape, dtype=dtype, device=device)
     with torch.no_grad():
         for m, t in zip(unit.managed, locals_):
             view = unit.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
@@ -72,9 +72,10 @@ def _change_dtype(unit: ShardedUnit, dtype: torch.dtype) -> None:
     if any(m.tp is not None for m in unit.managed):
         raise NotImplementedError(f"fully_shard unit '{unit.name}': changing the dtype of tensor-parallel "
                                   "parameters after sharding; cast the model before parallelising it")
-    unit.orig_dtype = dtype
+    params = unit.params
+    params.orig_dtype = dtype
     param_dtype = unit.config.param_dtype or dtype
-    unit.reduce_dtype = unit.config.reduce_dtype or param_dtype
-    if param_dtype != unit.param_dtype:
-        unit.param_dtype = param_dtype
+    params.reduce_dtype = unit.config.reduce_dtype or param_dtype
+    if param_dtype != params.param_dtype:
+        params.param_dtype = param_dtype
         unit.rebuild_unsharded()

@@ -41,12 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem._compat import clear_dtensor_sharding_cache, dtensor_local, set_dtensor_spec
+from tandem._compat import clear_dtensor_sharding_cache
 from tandem.comm.group import GroupComm
 from tandem.fsdp.arguments import default_mesh
-from tandem.fsdp.layout import ParamShard, plan_unit
+from tandem.fsdp.layout import ParamShard
 from tandem.fsdp.unit import ShardedUnit, unit_of
-from tandem.fsdp.unit_state import ReduceState, ShardState, UnitPhase
 
 __all__ = ["check_regroupable", "reset_process_group", "rows_of", "units_of"]
 
@@ -109,27 +108,4 @@ def rows_of(full: torch.Tensor, spec: ParamShard) -> torch.Tensor:
 
 
 def _relayout(unit: ShardedUnit, mesh: object, comm: GroupComm) -> None:
-    # Pending collectives of the old group are dropped (Note [regrouped units]).
-    unit._gather, unit._reduce, unit._group_shard, unit._partial = None, None, None, None
-    unit.state, unit.reduce_state, unit.phase = ShardState.SHARDED, ReduceState.IDLE, UnitPhase.IDLE
-    unit.num_ready, unit.completed, unit.forward_calls, unit.untracked_calls, unit.inputs_done = 0, False, 0, 0, 0
-    unit.pending_forward = set()
-    unit.schedule = None  # the next forward runs lazy_init over the new group
-    unit.mesh, unit.comm, unit.reduce_comm, unit.group_comm = mesh, comm, comm, None
-    unit.layout = plan_unit([m.spec.shape for m in unit.managed], comm.size, comm.rank,
-                            [m.spec.shard_dim for m in unit.managed])
-    unit.shard_flat = unit._new_shard_buffer()
-    unit.unsharded_flat = unit._new_unsharded_buffer()
-    for m, spec in zip(unit.managed, unit.layout.params):
-        local = unit.shard_flat.narrow(0, spec.shard_offset, spec.local_numel).view(spec.local_shape)
-        with torch.no_grad():
-            dtensor_local(m.sharded).set_(local.untyped_storage(), local.storage_offset(), local.shape,
-                                          local.stride())
-        set_dtensor_spec(m.sharded, unit.to_dtensor(local, spec))
-        m.spec = spec
-        view = unit.unsharded_flat.narrow(0, spec.unsharded_offset, spec.numel).view(spec.shape)
-        m.unsharded = nn.Parameter(view, requires_grad=m.requires_grad)
-    comm.ledger.describe_params(f"unit {unit.name}", [m.fqn for m in unit.managed])
-    unit._copy_out_dst = unit._copy_out_views()
-    unit._free_unsharded()
-    unit.register_sharded()
+    unit.relayout(mesh, comm)  # pending collectives of the old group are dropped (Note [regrouped units])

@@ -1,7 +1,8 @@
 """A unit's gradients reduced: the reduce-scatter that shards them, with one
 flag per parameter (Note [gradient flags]), then under HSDP the all-reduce over
 the replicate group (Note [hybrid sharding]), each stage a launch and a wait
-with an explicit :class:`ReduceState`; at the end the sharded ``.grad`` is set.
+with an explicit :class:`ReduceState`, which :class:`UnitReduce` owns; at the
+end the sharded ``.grad`` is set.
 
 # Note [gradient flags]
 Ranks may use different parameters of a unit in one step (rank-dependent
@@ -59,120 +60,146 @@ from __future__ import annotations
 import torch
 
 from tandem._compat import chunk_cat, dtensor_like, dtensor_local
+from tandem.comm.group import GroupComm
 from tandem.dtensor import local_grad
-from tandem.fsdp.unit_state import PendingReduce, ReduceState, UnitState
+from tandem.fsdp.unit_params import UnitParams
+from tandem.fsdp.unit_state import CommOverrides, PendingReduce, ReduceState
 
 __all__ = ["UnitReduce"]
 
 
-class UnitReduce(UnitState):
-    """The reduction of a unit's gradients."""
+class UnitReduce:
+    """The reduction of one unit's gradients, step by step.
+
+    Args:
+        params: the unit's parameters and buffers.
+        overrides: the unit's communication overrides (FSDPModule's setters change them).
+    """
+
+    def __init__(self, params: UnitParams, overrides: CommOverrides) -> None:
+        self.params, self._overrides = params, overrides
+        self.state = ReduceState.IDLE
+        self.pending: PendingReduce | None = None
+        self._partial: torch.Tensor | None = None  # HSDP without all-reduce: the sum so far
+        self._all_local = True  # this rank had every gradient in its last reduce-scatter
+        self.num_ready = 0
+        self.completed = False      # this backward (Note [unit completion] in schedule.py)
 
     def grad_ready(self) -> bool:
         """Count one arrived gradient; True when all trainable ones have."""
         self.num_ready += 1
-        return self.num_ready == self.num_trainable
+        return self.num_ready == self.params.num_trainable
 
-    def launch_reduce(self) -> None:
-        """Reduce-scatter the unsharded gradients (Note [gradient flags]) and free them."""
-        self._expect_reduce(ReduceState.READY)
+    def mark_ready(self) -> None:
+        """This backward is over for the unit: queue its reduction (once per backward)."""
+        if not self.completed:
+            self.completed = True
+            self._expect(ReduceState.IDLE)
+            self.state = ReduceState.READY
+
+    def reset_step(self) -> None:
+        self.num_ready = 0
+        self.completed = False
+
+    def launch(self, reduce_comm: GroupComm) -> None:
+        """Reduce-scatter the unsharded gradients over ``reduce_comm`` (Note
+        [gradient flags]) and free them."""
+        self._expect(ReduceState.READY)
         self._accumulate()
-        world = self.layout.world_size
+        p, overrides = self.params, self._overrides
+        world = p.layout.world_size
         grads, flags = [], []
-        for m in self.managed:
+        for m in p.managed:
             # Note [2-D parameters] in tensor_parallel.py: the shard's gradient
             g = m.accumulated if m.accumulated is not None else local_grad(m.unsharded)
             flags.append(0.0 if g is None else 1.0)
             if g is None:
-                g = torch.zeros(m.spec.shape, dtype=self.param_dtype, device=self.config.device)
+                g = torch.zeros(m.spec.shape, dtype=p.param_dtype, device=p.config.device)
             grads.append(g)
         if len({g.dtype for g in grads}) > 1:  # Note [accumulation dtype]: sums and fresh gradients
-            grads = [g.to(self.reduce_dtype) for g in grads]
-        grads = [self._blocks(g, m.spec) if m.spec.shard_dim else g for g, m in zip(grads, self.managed)]
+            grads = [g.to(p.reduce_dtype) for g in grads]
+        grads = [p.blocks(g, m.spec) if m.spec.shard_dim else g for g, m in zip(grads, p.managed)]
         # Filled on the device, not copied from a host list: a copy from pageable
         # memory stops the host on CUDA (Note [gradient flags]).
-        flag_row = torch.ones(len(flags), dtype=grads[0].dtype, device=self.config.device)
+        flag_row = torch.ones(len(flags), dtype=grads[0].dtype, device=p.config.device)
         for i, f in enumerate(flags):
             if not f:
                 flag_row[i].fill_(0.0)  # not flag_row[i] = 0: a copy from the host
         self._all_local = all(flags)
         flag_rows = flag_row.expand(world, -1)
-        custom = self.overrides.reduce_scatter
-        width = self.layout.shard_numel + len(flags)
-        inp = self.overrides.allocate(custom, world * width, self.reduce_dtype, self.config.device).view(world, width)
+        custom = overrides.reduce_scatter
+        width = p.layout.shard_numel + len(flags)
+        inp = overrides.allocate(custom, world * width, p.reduce_dtype, p.config.device).view(world, width)
         chunk_cat(grads + [flag_rows], world, inp)
-        for m in self.managed:
+        for m in p.managed:
             m.unsharded.grad = None
             m.accumulated = None
-        out = self.overrides.allocate(custom, width, self.reduce_dtype, self.config.device)
-        work = self.reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {self.name}", async_op=True, via=custom)
-        self._reduce = PendingReduce(work, out, inp)
-        self.reduce_state = ReduceState.IN_FLIGHT
+        out = overrides.allocate(custom, width, p.reduce_dtype, p.config.device)
+        work = reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {p.name}", async_op=True, via=custom)
+        self.pending = PendingReduce(work, out, inp)
+        self.state = ReduceState.IN_FLIGHT
 
     @property
-    def reduce_done(self) -> bool:
+    def done(self) -> bool:
         """The collective of the reduction's current stage has completed
-        (:meth:`advance_reduce` will not block)."""
-        return self._reduce is not None and self._reduce.work.is_completed()
+        (:meth:`advance` will not block)."""
+        return self.pending is not None and self.pending.work.is_completed()
 
     @property
     def reducing(self) -> bool:
         """A reduction is in flight (either stage)."""
-        return self.reduce_state in (ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
+        return self.state in (ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
 
-    def advance_reduce(self, divide_factor: float) -> None:
+    def advance(self, divide_factor: float, replicate_comm: GroupComm | None, *, all_reduce: bool,
+                unused_params: bool) -> None:
         """Finish the reduction's current stage (waiting for it): after the
-        reduce-scatter, launch the all-reduce over the replicate group under
-        HSDP (Note [hybrid sharding]); after the last stage set (or accumulate
-        into) the sharded ``.grad``."""
-        self._expect_reduce(ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
-        reduce = self._reduce
+        reduce-scatter, launch the all-reduce over ``replicate_comm`` under HSDP
+        (Note [hybrid sharding]; with ``all_reduce`` False, keep the partial sum
+        instead); after the last stage set (or accumulate into) the sharded
+        ``.grad`` (``unused_params``: zeros for a gradient no rank produced)."""
+        self._expect(ReduceState.IN_FLIGHT, ReduceState.ALL_REDUCING)
+        reduce = self.pending
         assert reduce is not None
         reduce.work.wait()
-        if self.reduce_state is ReduceState.IN_FLIGHT and self.replicate_comm is not None \
-                and self.replicate_comm.size > 1:
+        if self.state is ReduceState.IN_FLIGHT and replicate_comm is not None and replicate_comm.size > 1:
             if self._partial is not None:
                 reduce.output.add_(self._partial)
                 self._partial = None
-            if not self.requires_all_reduce:  # keep the partial sum for the next all-reduce
+            if not all_reduce:  # keep the partial sum for the next all-reduce
                 self._partial = reduce.output
-                self._reduce = None
-                self.reduce_state = ReduceState.IDLE
+                self.pending = None
+                self.state = ReduceState.IDLE
                 return
-            work = self.replicate_comm.all_reduce(reduce.output, tag=f"unit {self.name}", async_op=True)
-            self._reduce = PendingReduce(work, reduce.output, reduce.output)
-            self.reduce_state = ReduceState.ALL_REDUCING
+            work = replicate_comm.all_reduce(reduce.output, tag=f"unit {self.params.name}", async_op=True)
+            self.pending = PendingReduce(work, reduce.output, reduce.output)
+            self.state = ReduceState.ALL_REDUCING
             return
-        self._reduce = None
-        self.reduce_state = ReduceState.IDLE
-        self._set_grads(reduce.output, divide_factor)
+        self.pending = None
+        self.state = ReduceState.IDLE
+        self._set_grads(reduce.output, divide_factor, unused_params)
 
-    def finish_reduce(self, divide_factor: float) -> None:
-        """Finish every stage of the reduction in flight (waiting for them)."""
-        while self.reducing:
-            self.advance_reduce(divide_factor)
-
-    def _set_grads(self, output: torch.Tensor, divide_factor: float) -> None:
-        n = self.layout.shard_numel
+    def _set_grads(self, output: torch.Tensor, divide_factor: float, unused_params: bool) -> None:
+        p = self.params
+        n = p.layout.shard_numel
         # Every flag's sum is at least this rank's: where this rank has every
         # gradient, none is 0 and nothing needs reading, which on CUDA would stop
         # the host (Note [gradient flags]); the sums are read only where it does not.
-        flags = [1.0] * len(self.managed) if self._all_local else output[n:].tolist()
+        flags = [1.0] * len(p.managed) if self._all_local else output[n:].tolist()
         grads = output[:n]
         # torch's set_all_reduce_hook sees the mean, or with set_force_sum_reduction_for_comms
         # the sum before the division; the gradients are summed and then divided either way.
-        hook = self.overrides.all_reduce_hook
-        if hook is not None and self.overrides.force_sum:
+        hook = self._overrides.all_reduce_hook
+        if hook is not None and self._overrides.force_sum:
             hook(grads)
         if divide_factor != 1:
             grads.div_(divide_factor)
-        if hook is not None and not self.overrides.force_sum:
+        if hook is not None and not self._overrides.force_sum:
             hook(grads)
-        grads = grads.to(self.config.shard_device, self.orig_dtype)
-        for m, flag in zip(self.managed, flags):
+        grads = grads.to(p.config.shard_device, p.orig_dtype)
+        for m, flag in zip(p.managed, flags):
             # No rank produced it: None stays None, unless set_reduce_scatter_unused_params
             # asked for the zeros every rank sent (Note [gradient flags]).
-            if (flag == 0 and not self.reduce_scatter_unused_params) or not m.requires_grad:
+            if (flag == 0 and not unused_params) or not m.requires_grad:
                 continue
             local = grads.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
             if m.sharded.grad is None:
@@ -180,22 +207,23 @@ class UnitReduce(UnitState):
             else:
                 dtensor_local(m.sharded.grad).add_(local)
 
-    def skip_reduce(self) -> None:
+    def skip(self) -> None:
         """Gradient sync is off: keep the unsharded gradients, summed in
         ``reduce_dtype`` (Note [accumulation dtype])."""
-        self._expect_reduce(ReduceState.READY)
+        self._expect(ReduceState.READY)
         self._accumulate()
-        for m in self.managed:
+        p = self.params
+        for m in p.managed:
             g = local_grad(m.unsharded)
-            if g is not None and g.dtype != self.reduce_dtype:
-                m.accumulated = g.to(self.reduce_dtype)
+            if g is not None and g.dtype != p.reduce_dtype:
+                m.accumulated = g.to(p.reduce_dtype)
                 m.unsharded.grad = None
-        self.reduce_state = ReduceState.IDLE
+        self.state = ReduceState.IDLE
 
     def _accumulate(self) -> None:
         """Add this backward's gradients to the sums kept in ``reduce_dtype``
         (Note [accumulation dtype])."""
-        for m in self.managed:
+        for m in self.params.managed:
             if m.accumulated is None:
                 continue
             g = local_grad(m.unsharded)
@@ -203,27 +231,23 @@ class UnitReduce(UnitState):
                 m.accumulated += g
                 m.unsharded.grad = None
 
-    def discard_reduce(self) -> None:
+    def discard(self) -> None:
         """Drop this iteration's gradients (FSDPModule.reset_iter_state): wait for
         a reduction in flight and forget it, the HSDP partial sum and the
         unsynced gradients; the sharded ``.grad`` of earlier steps stays."""
-        if self._reduce is not None:
-            self._reduce.work.wait()
-        self._reduce = None
+        if self.pending is not None:
+            self.pending.work.wait()
+        self.pending = None
         self._partial = None
-        self.reduce_state = ReduceState.IDLE
-        for m in self.managed:
+        self.state = ReduceState.IDLE
+        for m in self.params.managed:
             m.unsharded.grad = None
             m.accumulated = None
         self.reset_step()
 
-    def mark_ready(self) -> None:
-        """This backward is over for the unit: queue its reduction (once per backward)."""
-        if not self.completed:
-            self.completed = True
-            self._expect_reduce(ReduceState.IDLE)
-            self.reduce_state = ReduceState.READY
-
-    def reset_step(self) -> None:
-        self.num_ready = 0
-        self.completed = False
+    def _expect(self, *allowed: ReduceState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(
+                f"fully_shard unit '{self.params.name}': gradient reduction is {self.state.name}, expected "
+                f"{'/'.join(s.name for s in allowed)} ({self.num_ready}/{self.params.num_trainable} "
+                "gradients ready)")
