@@ -399,6 +399,14 @@ def test_bad_config_names_the_field_and_value(field, value):
     assert repr(value) in str(info.value)
 
 
+def test_a_misspelt_ddp_option_is_named_when_the_config_is_made():
+    with pytest.raises(ValueError, match="ddp_options has 'bucket_cap', which tandem.DistributedDataParallel "
+                                         "does not take") as info:
+        tandem.TrainerConfig(ddp_options={"bucket_cap": 1, "find_unused_parameters": True})
+    assert "bucket_cap_mb" in str(info.value)  # the fix is in the message
+    assert tandem.TrainerConfig(ddp_options={"bucket_cap_mb": 1}).ddp_options == {"bucket_cap_mb": 1}
+
+
 def test_a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints(tmp_path):
     train(0, 1, str(tmp_path), dict(epochs=1, batch_size=32, plot=False))
     with pytest.raises(ValueError, match="resume=False, but .* holds checkpoints of an earlier run"):

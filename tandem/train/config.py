@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -99,7 +101,8 @@ class TrainerConfig:
     """Write ``loss.png`` at the end (needs matplotlib; without it, one line says so)."""
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments for tandem.DistributedDataParallel when the Trainer wraps
-    the model (bucket_cap_mb, find_unused_parameters, ...)."""
+    the model (bucket_cap_mb, find_unused_parameters, ...); a key it does not
+    take is refused when the config is made, naming the ones it takes."""
     nonfinite: NonFinite | str | None = None
     """NaN/Inf in a step's gradients: "raise" on every rank, naming the ranks and
     parameters, or "skip" the optimizer step on every rank (DDP's ``check_finite``,
@@ -123,6 +126,7 @@ class TrainerConfig:
             raise ValueError("nonfinite='raise' does not go with precision='fp16', whose GradScaler "
                              "expects occasional overflow and skips those steps itself; use "
                              "nonfinite='skip' (which counts them), or precision='bf16'")
+        _check_ddp_options(self.ddp_options)
         ddp_check = NonFinite.parse(self.ddp_options.get("check_finite", False))
         if ddp_check is not None and precision is Precision.FP16:
             raise ValueError("ddp_options check_finite does not go with precision='fp16': the "
@@ -152,3 +156,19 @@ class TrainerConfig:
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_ddp_options(options: Mapping[str, Any]) -> None:
+    """Every key of ``ddp_options`` is a keyword argument of tandem.DistributedDataParallel:
+    a misspelt one fails when the config is made, not when the Trainer wraps the model."""
+    if not isinstance(options, Mapping):
+        raise TypeError(f"ddp_options must be a mapping of DistributedDataParallel's keyword arguments, "
+                        f"got {options!r}")
+    from tandem.ddp import DistributedDataParallel
+
+    accepted = [name for name in inspect.signature(DistributedDataParallel.__init__).parameters
+                if name not in ("self", "module")]
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        raise ValueError(f"ddp_options has {', '.join(map(repr, unknown))}, which tandem.DistributedDataParallel "
+                         f"does not take; it takes {', '.join(accepted)}")
