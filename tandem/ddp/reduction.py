@@ -78,8 +78,6 @@ class Reduction(Protocol):
     """Whether a lone parameter's bucket may reduce on its .grad (Note [in-place reduction])."""
     flag_alone: bool
     """Whether the missing-gradient flag needs an all-reduce of its own."""
-    writes_grads: bool
-    """Whether the averages go to param.grad (not under ZeRO)."""
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None: ...
     def settle(self, buckets: Sequence[Bucket]) -> None: ...
@@ -92,7 +90,6 @@ class AllReduce:
     """The plain path: each bucket's average all-reduced."""
 
     flag_alone = False
-    writes_grads = True
 
     def __init__(self, comm: GroupComm, delivery: GradDelivery, *, check: FiniteCheck | None,
                  stepper: BucketStepper | None) -> None:
@@ -152,7 +149,6 @@ class ReduceScatter:
 
     in_place = False
     flag_alone = True
-    writes_grads = False
 
     def __init__(self, comm: GroupComm, shards: list[torch.Tensor], stage: int, *,
                  check: FiniteCheck | None) -> None:
@@ -195,7 +191,6 @@ class HookReduce:
 
     in_place = False
     flag_alone = True
-    writes_grads = True
 
     def __init__(self, comm: GroupComm, hook: CommHook, state: object, delivery: GradDelivery, *,
                  serialize: bool, check: FiniteCheck | None, stepper: BucketStepper | None) -> None:
