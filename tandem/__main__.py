@@ -1,8 +1,6 @@
 """``python -m tandem run ...``: the ``tandem`` command without the console script."""
 
-import sys
-
-from tandem.launch.cli import main
+from tandem.launch.cli import command
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -197,21 +197,24 @@ def test_elastic_a_cut_link_stops_the_side_without_the_store(tmp_path: Path) -> 
 
 def test_the_store_host_lost_stops_every_other_rank_and_the_job_resumes(tmp_path: Path) -> None:
     """Node 0 (the store's host) killed: node 1's workers stop within the
-    window, each saying it was cut off; the job started again on both nodes
-    resumes from its last checkpoint and ends as if uninterrupted."""
+    window, each saying it was cut off, and node 1's launcher fails; the job
+    started again on both nodes resumes from its last checkpoint and ends as
+    if uninterrupted."""
     with Cluster(2) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
         _await(lambda: _trained_step(tmp_path, 6), "step 6")
         cluster.kill(0)
         lost_at = time.monotonic()
         code1, out1 = nodes[1].finish(timeout=60)
-        ended_at = time.monotonic()
+        stopped = [t for t, line in nodes[1].lines if "was cut off from the job's store and stopped" in line]
         nodes[0].finish()
         again = [Node(cluster, n, tmp_path, ["2", "--elastic"], ELASTIC) for n in (0, 1)]
         (code0, out0), (code1b, out1b) = (node.finish() for node in again)
-    assert code1 != 0 and "exit code 75 (cut off from the job's store)" in out1, out1[-4000:]
+    assert code1 == 1 and "exit code 75 (cut off from the job's store)" in out1, out1[-4000:]
     assert out1.count("is cut off from the job's store") >= 2, out1[-4000:]   # both workers, each saying so
-    assert ended_at - lost_at < 10.0, out1[-4000:]
+    # Both stopped within the window (2 x 2 s, and load), as the launcher saw them go. Not
+    # the launcher's own end: its interpreter's teardown took 2 to 3 s more on a loaded host.
+    assert len(stopped) == 2 and max(stopped) - lost_at < 8.0, out1[-4000:]
     assert code0 == 0 and code1b == 0, (out0[-3000:], out1b[-3000:])
     resumed = [line for line in (out0 + out1b).splitlines() if "resumed from" in line]
     assert resumed, out0[-3000:]

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import time
 
-from tandem.comm.wait_board import MISMATCH_AFTER_S, WaitBoard, WaitNote
+import pytest
+
+from tandem.comm.peers import Liveness, PeerLostError, PeerWatch, SliceEnded, wait_watching_peers
+from tandem.comm.wait_board import MISMATCH_AFTER_S, MismatchError, WaitBoard, WaitNote
 
 
 class Store:
@@ -64,3 +67,39 @@ def test_what_is_not_a_mismatch() -> None:
     board.mismatch(recv)
     peer.clear()                                                                      # its wait ended
     assert board.mismatch(recv) == {}
+
+
+class _FailsAfterOneSlice:
+    """A receive's work: one slice ends, then the wait fails as gloo's does when
+    the peer's process has closed its connections."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waits += 1
+        if self.waits == 1:
+            raise SliceEnded("slice")
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+
+def test_a_wait_that_fails_after_its_peer_judged_the_mismatch_and_left_names_the_mismatch() -> None:
+    """On a loaded host one rank of the pair judges the mismatch seconds before
+    the other, raises, and ends its process: the other's wait then fails
+    instead of slicing on. It names the mismatch from the note the first left
+    posted, not a lost peer (seen in full suites: "rank 3 stopped beating 20 s
+    ago" in tests/test_p2p.py)."""
+    store = Store()
+    WaitBoard(store, 0).post(WaitNote("tandem.recv of the header of a message from rank 1", (1,), OLD, header=True))
+    watch = PeerWatch(store, 1, Liveness(beat_s=0.01, stale_after_s=0.05))
+    with pytest.raises(MismatchError) as raised:
+        wait_watching_peers(_FailsAfterOneSlice(), watch, [0, 1],
+                            lambda: "tandem.recv of the header of a message from rank 0", header=True)
+    assert set(raised.value.waits) == {0, 1}
+    assert "rank 0 waits in tandem.recv of the header of a message from rank 1" in str(raised.value)
+    assert "Connection closed by peer" in str(raised.value.__cause__)
+    # Without the peer's note the failure is a lost peer, as before.
+    store = Store()
+    watch = PeerWatch(store, 1, Liveness(beat_s=0.01, stale_after_s=0.05))
+    with pytest.raises(PeerLostError):
+        wait_watching_peers(_FailsAfterOneSlice(), watch, [0, 1], lambda: "tandem.recv", header=True)

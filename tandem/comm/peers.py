@@ -198,6 +198,10 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
                 # A slice of a ThreadedWait says so by its type; a gloo collective's own
                 # wait(timeout) only by its text (torch 2.4 to 2.13).
                 sliced = isinstance(e, SliceEnded) or "Operation timed out" in str(e)
+                waits = _left_waiting(watch, note) if not sliced and note is not None else {}
+                if waits:
+                    note = None  # stays posted, as below
+                    raise MismatchError(watch.rank, waits) from e
                 try:
                     lost = watch.observe(ranks) if sliced else watch.diagnose(ranks)
                 except RuntimeError as store_error:
@@ -225,6 +229,15 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
                 watch.board.clear()
             except Exception:  # noqa: BLE001 - the store is gone: what is propagating says more
                 pass
+
+
+def _left_waiting(watch: PeerWatch, note: WaitNote) -> dict[int, WaitNote]:
+    """The mismatch a peer judged this failed wait part of before it left (Note
+    [mismatched waits] in wait_board.py); empty when none, or the store is gone."""
+    try:
+        return watch.board.left_waiting(note)
+    except Exception:  # noqa: BLE001 - the store is gone: the peers' diagnosis says so
+        return {}
 
 
 class ThreadedWait:

@@ -24,6 +24,14 @@ consecutive readings that agree, so a note read in the instant between a
 wait's end and its clearing cannot make one. A rank that raises leaves its
 note posted, so that the other, which may read one slice later, names the
 same mismatch; its next wait replaces the note.
+
+The other may not get that slice: once the first has raised, its process may
+end and close its connections, and the other's wait fails at once instead of
+slicing on (on a loaded host, where the two judge seconds apart). A failed
+wait therefore reads the board once before it looks for a lost peer
+(:meth:`WaitBoard.left_waiting`): a peer whose note still says it waited on
+this rank, long enough to be judged, left from the mismatch, and is named as
+such instead of as a death 20 s later.
 """
 
 from __future__ import annotations
@@ -109,6 +117,15 @@ class WaitBoard:
         agreed = found == self._last
         self._last = found
         return {self.rank: mine, **found} if agreed else {}
+
+    def left_waiting(self, mine: WaitNote) -> dict[int, WaitNote]:
+        """After this rank's wait ``mine`` failed: the mismatch its peers judged
+        and left (this rank included), read once; empty when there is none."""
+        now = time.time()
+        found = {peer: note for peer, note in self._read(mine.needs).items()
+                 if note.waited(now) >= MISMATCH_AFTER_S and self.rank in note.needs
+                 and (mine.header or note.header)}
+        return {self.rank: mine, **found} if found else {}
 
     def _read(self, ranks: tuple[int, ...]) -> dict[int, WaitNote]:
         notes: dict[int, WaitNote] = {}

@@ -198,6 +198,8 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
             roll.leave()
         if close_rendezvous:
             handler.shutdown()
+        elif isinstance(handler, FreshWorkerStore):
+            handler.stop_polling()   # Note [ending the launcher] in cli.py
     if result is None:
         raise LaunchError(f"this node was not admitted to the job (rendezvous "
                           f"{config.rdzv_endpoint}, id {config.rdzv_id!r}): {config.max_nodes} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import logging
 import os
 import shutil
 import socket
@@ -39,7 +40,7 @@ from tandem.launch.machine import socket_interface_env, usable_cpus, visible_gpu
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 
-__all__ = ["build_parser", "config_from_args", "main", "run_job"]
+__all__ = ["build_parser", "command", "config_from_args", "main", "run_job"]
 
 _PROG = "tandem run"
 EXIT_FAILED = 1
@@ -301,6 +302,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_job(config, command)
     with quiet_torch_launch_logs():
         return run_job(config, command)
+
+
+# Note [ending the launcher]
+# When a job ends, threads that talk to a store may still be in a call: torch's
+# rendezvous keep-alive (left running on purpose when this node leaves the
+# rendezvous open, as a node cut off from its job does), and on a link that is cut,
+# a call of tandem's own pollers that outlived their bounded join. If such a call
+# returns, with an error, while the interpreter finalizes, CPython 3.11 ends the
+# thread with pthread_exit inside torch's C++ frames, and the launcher dies with
+# "terminate called without an active exception" (SIGABRT, exit -6: seen in 1
+# run of about 30 of tests/test_cluster_faults.py's lost store host, a failure
+# reported as a crash). Nothing is left to do once `main` has returned (the
+# workers are reaped, the summary written, the logs removed or kept), so the
+# command flushes its streams and logs and ends the process at once, without
+# finalizing; `main` itself returns, for callers in a Python process of their own.
+
+
+def command() -> None:
+    """The ``tandem`` console script and ``python -m tandem``: :func:`main`, then
+    the process ends at once with its status (Note [ending the launcher])."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def _say(stream: TextIO, text: str) -> None:

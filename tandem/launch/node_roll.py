@@ -140,13 +140,24 @@ class NodeRoll:
     def leave(self) -> None:
         """Stop beating and say this node is done, if it is not already (its
         workers failed, or it was stopped)."""
-        if self._stop.is_set() or self._thread is None:
+        if self._thread is None:
             return
-        self._stop.set()
+        said = self._stop.is_set()   # finish() said it
+        self._stop_beating()
+        if said:
+            return
         try:
             self._connect().set(self._key("done", self.node_id), "1")
         except Exception as e:  # noqa: BLE001 - the store is gone or out of reach: the beat goes stale
             logger.debug("could not mark %s done: %s", self.node_id, e)
+
+    def _stop_beating(self) -> None:
+        """Stop the beat, and wait for one under way: at once when the store's
+        host is gone; for at most 2 s on a cut link (Note [ending the launcher]
+        in cli.py)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=4 * BEAT_S)
 
     def finish(self, timeout_s: float, *, hosted_workers: bool, hosts_endpoint: bool) -> list[str]:
         """Say this node's workers finished; if it hosts a store (``hosted_workers``:
@@ -154,7 +165,7 @@ class NodeRoll:
         ``hosts_endpoint``: the rendezvous store), wait until every other node
         on the roll has finished too or is gone. Returns the nodes still
         running at the timeout (empty when none)."""
-        self._stop.set()
+        self._stop_beating()
         store = self._connect()
         try:
             store.set(self._key("done", self.node_id), "1")

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 _PORT_KEY = "tandem/worker_store_port"
 _POLL_S = 1.0
+_STOP_S = 2.0
 
 
 class FreshWorkerStore(RendezvousHandler):
@@ -117,9 +118,14 @@ class FreshWorkerStore(RendezvousHandler):
     def shutdown(self) -> bool:
         self._server = None
         self.hosted = None
+        self.stop_polling()
+        return self._inner.shutdown()
+
+    def stop_polling(self) -> None:
+        """Stop asking how many nodes wait, also when the rendezvous is left open
+        (Note [ending the launcher] in cli.py)."""
         if self._waiting is not None:
             self._waiting.stop()
-        return self._inner.shutdown()
 
 
 class _WaitingNodes:
@@ -144,7 +150,10 @@ class _WaitingNodes:
         self._value = 0
 
     def stop(self) -> None:
+        """Stop, and wait for a question under way to end: at once when the
+        store's host is gone; for at most :data:`_STOP_S` on a cut link."""
         self._stop.set()
+        self._thread.join(timeout=_STOP_S)
 
     def _run(self) -> None:
         while not self._stop.wait(_POLL_S):
