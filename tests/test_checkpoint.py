@@ -1,4 +1,4 @@
-"""Checkpoints (tandem.checkpoint.one_rank) and exact resume (tandem.train.state).
+"""Checkpoints (tandem.checkpoint.one_rank) and exact resume (tandem.checkpoint.state).
 
 - A save killed by SIGKILL in the middle of writing, or failing in torch.save,
   leaves the previous file loadable and equal to what was saved.
@@ -32,8 +32,8 @@ from tandem.testing import max_abs_diff, run_distributed
 from tandem.testing.models import IN, OUT
 from tandem.checkpoint.one_rank import atomic_save, checkpoint_name, latest_checkpoint, list_checkpoints, \
     load_checkpoint, save_checkpoint
-from tandem.train.rng import seed_everything
-from tandem.train.state import TrainingState
+from tandem.checkpoint.rng import seed_everything
+from tandem.checkpoint.state import TrainingState
 from tandem.zero import ZeroOptimizer
 
 TOL = 1e-6

@@ -1,4 +1,4 @@
-"""Seeding and RNG capture (tandem.train.rng) against the generators' own APIs:
+"""Seeding and RNG capture (tandem.checkpoint.rng) against the generators' own APIs:
 draws after ``seed_everything(s)`` equal those of a fresh ``random.Random(s)``,
 ``numpy.random.RandomState(s)`` and ``torch.Generator().manual_seed(s)``, on every
 rank; per-rank streams are those of ``rank_seed(s, rank)``, differ between ranks and
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.testing import run_distributed
-from tandem.train.rng import capture_rng_state, rank_seed, restore_rng_state, seed_everything
+from tandem.checkpoint.rng import capture_rng_state, rank_seed, restore_rng_state, seed_everything
 
 N = 5
 

@@ -1,6 +1,6 @@
 """tandem.Trainer against references: one process on the global batch (Note [equal
 to one process] in trainer.py), an uninterrupted run (Note [exact resume] in
-state.py), and a direct computation over the whole evaluation set."""
+tandem/checkpoint/state.py), and a direct computation over the whole evaluation set."""
 
 from __future__ import annotations
 

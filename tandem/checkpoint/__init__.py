@@ -1,12 +1,25 @@
-"""Checkpoints that are complete or absent: single files written atomically
-(atomic.py), by one rank for all (one_rank.py: Note [save on one rank]), and
-checkpoints of several files, written by several ranks, in step directories
-(steps.py) committed by a marker written last (commit.py; agree.py makes a
-failure on one rank an error on all). dcp.py puts torch.distributed.checkpoint's
-sharded state of fully_shard models into the same directories; flat.py lets DCP
-save and reshard tensors that ranks hold as flat ranges (ZeRO's shards).
+"""What a checkpoint holds, and checkpoints that are complete or absent.
 
-Below zero/ and train/: it uses only comm/.
+What it holds: state.py's :class:`TrainingState` (Note [exact resume]) is the
+one protocol for a run's state: every object in it (model, optimizer,
+scheduler, scaler) is saved and loaded through its ``state_dict`` and
+``load_state_dict``, torch's ``Stateful``; rng.py adds every rank's random
+generators, and full_state.py a fully-sharded model's state gathered to the
+full format. Sharded state (a fully_shard model's DTensors, a ZeroOptimizer's
+shards) goes through torch.distributed.checkpoint instead: dcp.py, with flat.py
+for tensors that ranks hold as flat ranges (ZeRO's shards, whose layout
+tandem/zero/dcp_state.py describes).
+
+How it is written: single files atomically (atomic.py), by one rank for all
+(one_rank.py: Note [save on one rank]), and checkpoints of several files,
+written by several ranks, in step directories (steps.py) committed by a marker
+written last (commit.py; agree.py makes a failure on one rank an error on all).
+
+The Trainer's use of them (when to save, prune, resume, export) is
+tandem/train/run_checkpoints.py and sharded_checkpoint.py.
+
+Above ddp/ and fsdp/ (full_state.py reads fully_shard models); below zero/,
+elastic/ and train/.
 """
 
 from tandem.checkpoint.atomic import atomic_save, atomic_write_bytes

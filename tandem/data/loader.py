@@ -140,7 +140,7 @@ class DistributedLoader:
         self._fresh = True     # the sampler is set for _epoch, and no iteration has used it yet
         self._yielded = 0      # samples this rank received in the current iteration
         self._remaining = self.sampler.dataset_size  # positions of the epoch left at its start
-        # Note [elastic prepare] in tandem/train/prepare_elastic.py: an elastic loop's position.
+        # Note [elastic prepare] in tandem/elastic/loop.py: an elastic loop's position.
         self._active = False   # an iteration started and has not reached its end
         self._committed = 0    # positions of _epoch that the job's committed steps consumed
         self._resplit = False  # the world changed: the iteration goes on from _committed

@@ -70,7 +70,7 @@ On a CUDA device the flag is read one step later, at the end of the next
 backward, so that the host never waits for the GPU (Note [late flag] in late_flag.py).
 
 # Note [recovered reduction failures]
-In an elastic loop (Note [elastic prepare] in tandem/train/prepare_elastic.py) a
+In an elastic loop (Note [elastic prepare] in tandem/elastic/loop.py) a
 peer that dies during backward fails this rank's reduction, and the exception
 would leave ``loss.backward()`` in the user's own loop, which cannot catch it
 without a try in every script. So the wrapper may carry a ``failure_handler``

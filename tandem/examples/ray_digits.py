@@ -61,7 +61,7 @@ import torch
 import tandem
 from tandem.examples.digits import build_trainer
 from tandem.examples.digits import parse_args as digits_args
-from tandem.train.state import unwrap_model
+from tandem.checkpoint.state import unwrap_model
 from tandem.train.trainer import FitResult
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """A fully_shard model laid out again over a new default group: what an elastic
-job (Note [elastic trainer] in tandem/train/elastic.py) does to every unit when
+job (Note [elastic trainer] in tandem/elastic/run.py) does to every unit when
 its world changes, and the rows of a full tensor that this rank then keeps.
 
 # Note [regrouped units]
@@ -28,7 +28,7 @@ for the new group, in place:
 The new shards hold zeros: the caller loads the values, one parameter at a
 time (:func:`rows_of`), from the old world's shards (the survivors' own and
 their buddy copies: Note [elastic fully_shard] in
-tandem/train/elastic_fsdp.py) or from a checkpoint. Only the 1-D default mesh
+tandem/elastic/fsdp_shards.py) or from a checkpoint. Only the 1-D default mesh
 is laid out again (not HSDP, tensor parallelism or a mesh of the caller's):
 :func:`check_regroupable` says so before training starts.
 """

@@ -4,7 +4,7 @@ one worker dies: :class:`ElasticAgent`.
 # Note [elastic launch]
 torch's agent treats any worker's failure as the group's: it stops every worker
 and, under ``--max-restarts``, starts them all again, and they reload the last
-checkpoint. An elastic job (Note [elastic trainer] in tandem.train.elastic)
+checkpoint. An elastic job (Note [elastic trainer] in tandem.elastic.run)
 needs the survivors left running, so this agent changes two things in its
 health check (``_monitor_workers``, the extension point tandem's hang watchdog
 uses too), and nothing else:

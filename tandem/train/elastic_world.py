@@ -1,6 +1,6 @@
 """The Trainer's side of an elastic job: its membership's decisions and world
-changes (Note [elastic trainer] in elastic.py), the buddy copies of a sharded
-state (Note [buddy copies] in buddy.py), the shards restored for a new world
+changes (Note [elastic trainer] in tandem/elastic/run.py), the buddy copies of a sharded
+state (Note [buddy copies] in tandem/elastic/buddy.py), the shards restored for a new world
 and the state shared with a replacement."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.comm.membership import Membership, MembershipError
-from tandem.train.buddy import BuddyCopies, ShardsLost
-from tandem.train.elastic import ElasticRun, share_state
-from tandem.train.elastic_fsdp import fsdp_shard, load_fsdp_shards
+from tandem.elastic.buddy import BuddyCopies, ShardsLost
+from tandem.elastic.run import ElasticRun, share_state
+from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
 from tandem.train.run_checkpoints import RunCheckpoints
-from tandem.train.sharded import is_fully_sharded
-from tandem.train.state import TrainingState
+from tandem.checkpoint.full_state import is_fully_sharded
+from tandem.checkpoint.state import TrainingState
 
 __all__ = ["ElasticWorld"]
 
@@ -50,7 +50,7 @@ class ElasticWorld:
 
     def _own_shard(self) -> dict[str, Any]:
         """This rank's shard: a ZeRO optimizer's state, or a fully-sharded model's
-        parameters and their state (Note [elastic fully_shard] in elastic_fsdp.py)."""
+        parameters and their state (Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py)."""
         if is_fully_sharded(self._model):
             return fsdp_shard(self._model, self._optimizer)
         return cast(dict[str, Any], self._optimizer.sharded_state_dict())  # type: ignore[attr-defined]
@@ -75,7 +75,7 @@ class ElasticWorld:
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
         try:
-            if fsdp:  # Note [elastic fully_shard] in elastic_fsdp.py: unit by unit
+            if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py: unit by unit
                 located = self.buddy.locate(own, self._state.step, members)
             else:
                 shards = self.buddy.recover(own, self._state.step, members)
@@ -97,7 +97,7 @@ class ElasticWorld:
     def share_state(self) -> None:
         """Rank 0's whole training state, on every rank (a replacement joined). A
         fully-sharded model's shards are in place already (Note [elastic
-        fully_shard] in elastic_fsdp.py): the rest, and its buffers, come from rank 0."""
+        fully_shard] in tandem/elastic/fsdp_shards.py): the rest, and its buffers, come from rank 0."""
         model, optimizer, state = self._model, self._optimizer, self._state
         if is_fully_sharded(model):
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from tandem.data import DistributedSampler
 from tandem.train.config import TrainerConfig
-from tandem.train.rng import rank_seed
+from tandem.checkpoint.rng import rank_seed
 
 __all__ = ["Loaders"]
 
@@ -39,7 +39,7 @@ class Loaders:
                 collate_fn: Callable[[list[Any]], Any] | None) -> DataLoader:
         # A generator of its own: otherwise each iter() draws the workers' base seed from
         # the global torch RNG, and a run resumed mid-epoch (one extra iter()) would
-        # continue with dropout masks shifted by one draw. Note [exact resume] in state.py.
+        # continue with dropout masks shifted by one draw. Note [exact resume] in tandem/checkpoint/state.py.
         generator = torch.Generator().manual_seed(rank_seed(self._config.seed, self._rank))
         return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                           num_workers=self._config.num_workers, generator=generator,

@@ -52,9 +52,9 @@ from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
 from tandem.ddp import DistributedDataParallel
 from tandem.fsdp import FSDPModule
 from tandem.train.strategy import Strategy, apply_strategy, param_names
-from tandem.train.elastic import elastic_config
-from tandem.train.prepare_elastic import make_elastic
-from tandem.train.state import unwrap_model
+from tandem.elastic.run import elastic_config
+from tandem.elastic.loop import make_elastic
+from tandem.checkpoint.state import unwrap_model
 
 __all__ = ["Strategy", "no_sync", "prepare", "unwrap"]
 
@@ -104,10 +104,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         move_batches: move every tensor of each batch to ``device`` (nested in
             tuples, lists, dicts and dataclasses).
         elastic: keep training when a rank dies, and admit replacements
-            (Note [elastic prepare] in prepare_elastic.py): True, or an
+            (Note [elastic prepare] in tandem/elastic/loop.py): True, or an
             :class:`~tandem.comm.membership.ElasticConfig`; None follows
             ``tandem run --elastic`` (``TANDEM_ELASTIC=1``). ``"ddp"`` only. The
-            optimizer returned is then an :class:`~tandem.train.prepare_elastic.ElasticOptimizer`
+            optimizer returned is then an :class:`~tandem.elastic.loop.ElasticOptimizer`
             whose ``step()`` drops a step that a rank's death interrupted
             (``optimizer.step_abandoned``), regroups, and lets the loaders give
             that step's samples again; ``optimizer.world_changes`` lists the changes.

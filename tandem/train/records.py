@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tandem.data import RunningMean
-from tandem.train.state import TrainingState
+from tandem.checkpoint.state import TrainingState
 
 __all__ = ["Window", "evaluation_of"]
 

@@ -16,7 +16,7 @@ from tandem.checkpoint.one_rank import checkpoint_name, latest_checkpoint, list_
 from tandem.train.config import CheckpointFormat
 from tandem.train.history import History
 from tandem.train.sharded_checkpoint import load_sharded_state, save_sharded_state
-from tandem.train.state import TrainingState
+from tandem.checkpoint.state import TrainingState
 
 __all__ = ["RunCheckpoints"]
 

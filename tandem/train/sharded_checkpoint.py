@@ -25,7 +25,7 @@ in either layout (a ZeRO checkpoint loads into a fully-sharded model of the
 same parameters, and the other way round).
 
 The full format (one file, ``step-00000120.pt``, the whole state gathered onto
-rank 0: Note [full checkpoints of a sharded model] in sharded.py) stays
+rank 0: Note [full checkpoints of a sharded model] in tandem/checkpoint/full_state.py) stays
 available: ``TrainerConfig(checkpoint_format="full")``, or ``Trainer.export`` for
 one file to share. Both formats live in one checkpoint directory; the newest
 step is resumed, whichever its format.
@@ -44,7 +44,7 @@ from torch import nn
 from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.dcp import dcp_state_dicts, dcp_writer, load_dcp_files, load_dcp_into, read_dcp_metadata
-from tandem.train.state import TrainingState, unwrap_model
+from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.zero.dcp_state import zero_dcp_state, zero_load_target
 from tandem.zero.optimizer import ZeroOptimizer
 

@@ -17,10 +17,10 @@ from tandem._tree import to_device
 from tandem.data import RunningMean
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
 from tandem.train.config import TrainerConfig
-from tandem.train.elastic import ElasticRun
+from tandem.elastic.run import ElasticRun
 from tandem.train.probes import batch_len, is_ddp, plain_tensor
-from tandem.train.sharded import is_fully_sharded
-from tandem.train.state import TrainingState
+from tandem.checkpoint.full_state import is_fully_sharded
+from tandem.checkpoint.state import TrainingState
 
 __all__ = ["StepResult", "StepRunner"]
 
@@ -83,7 +83,8 @@ class StepRunner:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             samples += n
         if self._elastic is not None:
-            self._elastic.decide(self.state.step)  # every rank steps, or none (Note [elastic trainer] in elastic.py)
+            # every rank steps, or none (Note [elastic trainer] in tandem/elastic/run.py)
+            self._elastic.decide(self.state.step)
         self.in_step = False
         stats = getattr(self.model, "comm_stats", None)
         comm_wait = None if stats is None else stats.wait_s

@@ -54,7 +54,7 @@ from tandem.data import DistributedSampler, gather_samples
 from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
-from tandem.train.elastic import ElasticRun, WorldChange, elastic_config, is_peer_failure
+from tandem.elastic.run import ElasticRun, WorldChange, elastic_config, is_peer_failure
 from tandem.train.elastic_world import ElasticWorld
 from tandem.train.history import History
 from tandem.train.loaders import Loaders
@@ -64,8 +64,8 @@ from tandem.train.probes import device_of, is_ddp, rank_and_size
 from tandem.train.progress import Progress
 from tandem.train.records import Window, evaluation_of
 from tandem.train.run_checkpoints import RunCheckpoints
-from tandem.train.sharded import check_optimizer, is_fully_sharded
-from tandem.train.state import TrainingState, unwrap_model
+from tandem.checkpoint.full_state import check_optimizer, is_fully_sharded
+from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
 from tandem.train.strategy import Strategy, apply_strategy
 
@@ -393,7 +393,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ a changing world
     def _change_world(self, cause: BaseException | None, history: History, progress: Progress) -> None:
-        """Note [elastic trainer] in elastic.py: regroup, rebuild what depends on the world, go on."""
+        """Note [elastic trainer] in tandem/elastic/run.py: regroup, rebuild what depends on the world, go on."""
         elastic = self._elastic
         assert elastic is not None
         in_step, self._runner.in_step = self._runner.in_step, False

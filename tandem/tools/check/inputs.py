@@ -66,7 +66,7 @@ def _resolve(obj: Any, what: str) -> Any:
 
 
 def _build_model(spec: _Spec) -> nn.Module:
-    from tandem.train.rng import seed_everything
+    from tandem.checkpoint.rng import seed_everything
 
     seed_everything(spec.seed)  # Note [what the factories are]
     model = _resolve(spec.model, "--model")()

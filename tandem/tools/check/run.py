@@ -139,7 +139,7 @@ def _train(model: nn.Module, forward: nn.Module, optimizer: Any, batch_of: Calla
 
 
 def _reference(spec: _Spec) -> tuple[ReferenceRun, bool]:
-    from tandem.train.rng import capture_rng_state, restore_rng_state
+    from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 
     saved = capture_rng_state()  # library code leaves the caller's generators as they were
     try:

@@ -68,7 +68,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         elastic: an elastic job (``tandem run --elastic``): ZeRO-1/2 ranks also
             hold a copy of the previous rank's optimizer-state shard, fully_shard
             ranks of its parameter and optimizer-state shards (Note [buddy
-            copies] in tandem/train/buddy.py).
+            copies] in tandem/elastic/buddy.py).
         activation_checkpointing: plan with the blocks of ``measurement``
             checkpointed (it must have measured them: :func:`measure` with ``blocks``).
         nodes: the nodes the ranks are on, ``world_size // nodes`` each: the
@@ -104,7 +104,7 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
                                 bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)
     if elastic:
-        # Note [buddy copies] in tandem/train/buddy.py: ZeRO-1/2 copy the state shard;
+        # Note [buddy copies] in tandem/elastic/buddy.py: ZeRO-1/2 copy the state shard;
         # fully_shard the parameter shard and its state (Note [elastic fully_shard]).
         estimates = [dataclasses.replace(e, buddy=e.state) if e.stage in (1, 2) else
                      dataclasses.replace(e, buddy=e.params + e.optimizer) if e.stage == 3 else e

@@ -82,7 +82,7 @@ class MemoryEstimate:
     def steady(self) -> int:
         """What is held between steps: parameters, gradients, optimizer state (and,
         in an elastic job under ZeRO, the buddy copy: Note [buddy copies] in
-        tandem/train/buddy.py)."""
+        tandem/elastic/buddy.py)."""
         return self.params + self.grads + self.optimizer + self.buddy
 
     @property

@@ -13,7 +13,7 @@ parameters an uninterrupted run reaches. That takes more than the model:
 Under ZeRO the optimizer state is sharded; its state_dict() consolidates it in
 torch's format, which is also what makes the file loadable at another world size.
 A fully-sharded model's parameters and optimizer state are gathered into the
-same format (Note [full checkpoints of a sharded model] in sharded.py). That is
+same format (Note [full checkpoints of a sharded model] in full_state.py). That is
 the full format; the Trainer saves sharded models without gathering, the loop's
 part of this state (loop_state_dict) beside DCP's shards (Note [sharded trainer
 checkpoints] in sharded_checkpoint.py).
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.comm.group import GroupComm
-from tandem.train.rng import capture_rng_state, restore_rng_state
-from tandem.train.sharded import full_state_dicts, is_fully_sharded, load_full_state_dicts
+from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
+from tandem.checkpoint.full_state import full_state_dicts, is_fully_sharded, load_full_state_dicts
 
 __all__ = ["TrainingState"]
 

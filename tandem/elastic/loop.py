@@ -3,7 +3,7 @@ training when a rank dies, and grows back when a replacement joins
 (:class:`ElasticOptimizer`, :class:`ElasticLoop`).
 
 # Note [elastic prepare]
-The Trainer owns its loop (Note [elastic trainer] in elastic.py); here the user
+The Trainer owns its loop (Note [elastic trainer] in run.py); here the user
 owns it, and it keeps its one-process shape::
 
     for epoch in range(train_loader.epoch, epochs):   # a replacement starts mid-run
@@ -71,8 +71,8 @@ from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import ElasticConfig, Generation
 from tandem.data.loader import DistributedLoader
 from tandem.ddp import DistributedDataParallel
-from tandem.train.elastic import ElasticRun, WorldChange, first_sentence, is_peer_failure, share_state
-from tandem.train.state import TrainingState
+from tandem.elastic.run import ElasticRun, WorldChange, first_sentence, is_peer_failure, share_state
+from tandem.checkpoint.state import TrainingState
 
 __all__ = ["ElasticLoop", "ElasticOptimizer", "make_elastic"]
 

@@ -3,14 +3,14 @@
 # Note [buddy copies]
 Under ZeRO a rank is the only one that holds its shard of the optimizer state,
 and under fully_shard its shard of the parameters too, so when it dies in an
-elastic job (Note [elastic trainer] in elastic.py) the survivors could not go
+elastic job (Note [elastic trainer] in run.py) the survivors could not go
 on without reading a checkpoint. So each rank also keeps a copy of the shard of
 the rank before it (rank r holds rank r-1's, modulo the world size), refreshed
 after every committed step: one more shard of memory per rank, one shard sent
 and one received per step. ZeRO's shard is its optimizer's
 ``sharded_state_dict()``, and every rank receives every old shard at once
 (:meth:`BuddyCopies.recover`); fully_shard's is the parameters' and their
-state's rows (Note [elastic fully_shard] in elastic_fsdp.py), which travel one
+state's rows (Note [elastic fully_shard] in fsdp_shards.py), which travel one
 unit at a time (:meth:`BuddyCopies.locate`, :meth:`BuddyCopies.gather_part`).
 A lost rank's shard is then read from its buddy; any set of losses that does
 not take a rank and the next one together is recovered from memory. When both

@@ -23,10 +23,10 @@ flight, and nothing is read from disk:
    the whole training state (model, optimizer, scheduler, scaler, counters,
    RNG) to every rank over the new group (:func:`share_state`; a fully-sharded
    model's shards come from every live rank instead: Note [elastic fully_shard]
-   in elastic_fsdp.py).
+   in fsdp_shards.py).
 
 A loop the user writes gets the same through ``tandem.prepare(elastic=...)``
-(Note [elastic prepare] in prepare_elastic.py), with this module's pieces.
+(Note [elastic prepare] in loop.py), with this module's pieces.
 
 Only failures of peers are caught: an exception of this rank's own (a bug, bad
 data) ends this rank as before, and the others go on without it.
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from tandem.comm.bootstrap import enter_generation
 from tandem.comm.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
 from tandem.comm.peers import PeerLostError
-from tandem.train.state import TrainingState
+from tandem.checkpoint.state import TrainingState
 
 __all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence", "is_peer_failure",
            "share_state"]

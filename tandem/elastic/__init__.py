@@ -1,0 +1,27 @@
+"""Elastic training: a job that loses a rank goes on, and grows back when a
+replacement joins, with no sample lost or seen twice and nothing read from disk.
+
+Read in this order:
+
+- who is in the job, agreed through its store, and each generation's default
+  group: tandem/comm/membership.py (Note [elastic membership]) and
+  tandem/comm/elastic_group.py. They stay in comm because ``tandem.init``
+  (a replacement's join) uses them: comm is the layer below every other.
+- run.py: what a rank does when the world changes (Note [elastic trainer]):
+  :class:`ElasticRun` catches a peer's failure, agrees on the next generation,
+  regroups, and shares the training state with a replacement;
+  :class:`WorldChange` is what it reports.
+- loop.py: the same for a loop the user writes, through
+  ``tandem.prepare(elastic=...)`` (Note [elastic prepare]).
+- buddy.py: a second copy of each rank's shard on the next rank, so that a
+  sharded state survives the loss of its owner (Note [buddy copies]).
+- fsdp_shards.py: a fully_shard model's shards out of a world and back into a
+  new one (Note [elastic fully_shard]); the units themselves are laid out again
+  by tandem/fsdp/regroup.py.
+
+The Trainer composes these in tandem/train/elastic_world.py; the launcher's
+side (``tandem run --elastic``: replacements, nodes that rejoin) is
+tandem/launch/elastic_agent.py and node_roll.py.
+
+Above ddp/, fsdp/, zero/ and checkpoint/; below train/.
+"""
