@@ -41,7 +41,7 @@ torch's compiled DDP with ``bucket_cap_mb < 1``), so tandem asks for at least
 1 MiB. A bucket whose parameters span two pieces launches after the second:
 later, never wrong.
 The split changes where the graphs end, not the arithmetic; results equal the
-unsplit graph's and eager DDP's (tests/test_compile.py).
+unsplit graph's and eager DDP's (tests/ddp/test_compile.py).
 
 Where the split does not happen, reductions still run and results are the
 same, but all of them after the compiled backward: with ``optimize_ddp`` set

@@ -5,7 +5,7 @@ the Ray cluster and joins them in a torch.distributed process group (gloo on
 CPU); ``tandem.init()`` in each worker adopts that group, and tandem's Trainer
 and DistributedDataParallel run in it exactly as under ``tandem run``. With the
 same seed and number of workers the run trains to the same parameters as
-``tandem run --nproc-per-node 2 -m tandem.examples.digits`` (tests/test_ray.py
+``tandem run --nproc-per-node 2 -m tandem.examples.digits`` (tests/launch/test_ray.py
 checks this).
 
 The run book, on one machine (a local Ray cluster of this machine's CPUs is

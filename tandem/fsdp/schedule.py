@@ -56,7 +56,7 @@ wrapper is outside the unit (checkpointing after ``fully_shard``), the
 recomputation calls the unit's forward hooks in its backward: the unit is
 gathered already (PRE_BACKWARD), and the hooks neither gather, track inputs,
 reshard nor add backward hooks. Either way a unit is gathered once for its
-backward (tests/test_activation_checkpointing.py counts the all-gathers).
+backward (tests/fsdp/test_activation_checkpointing.py counts the all-gathers).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ unsharded parameter's ``.grad`` into ``ManagedParam.accumulated``, cast; the
 next backward's gradient (autograd's, in ``param_dtype``) is added to it when
 that backward ends, and the reduce-scatter takes the sum. The ``.grad`` that
 autograd accumulates into is thus empty at the start of every backward, and
-the bits equal torch's (tests/test_fsdp_precision.py). Where some parameters
+the bits equal torch's (tests/fsdp/test_fsdp_precision.py). Where some parameters
 of a unit have a sum and others only a fresh gradient (torch's FSDP2 stops
 there with an assertion), all are cast to ``reduce_dtype`` for the one
 reduce-scatter.

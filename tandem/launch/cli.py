@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # returns, with an error, while the interpreter finalizes, CPython 3.11 ends the
 # thread with pthread_exit inside torch's C++ frames, and the launcher dies with
 # "terminate called without an active exception" (SIGABRT, exit -6: seen in 1
-# run of about 30 of tests/test_cluster_faults.py's lost store host, a failure
+# run of about 30 of tests/launch/test_cluster_faults.py's lost store host, a failure
 # reported as a crash). Nothing is left to do once `main` has returned (the
 # workers are reaped, the summary written, the logs removed or kept), so the
 # command flushes its streams and logs and ends the process at once, without

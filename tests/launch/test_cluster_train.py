@@ -2,7 +2,7 @@
 addresses and a 1 Gbit/s link (tandem.testing.Cluster), the rendezvous on
 node 0's address, as the docs' "Many nodes" page writes it. DDP, ZeRO-2,
 fully_shard and HSDP (shard within a node, replicate across nodes) each end
-at the parameters of one process on the global batch (tests/_cluster_train.py
+at the parameters of one process on the global batch (tests/launch/_cluster_train.py
 gives both), on 2 nodes x 2 workers and on 4 nodes x 1; ``--nnodes MIN:MAX``
 starts with the nodes that came once the last call has passed."""
 
@@ -141,7 +141,7 @@ def test_the_bytes_between_nodes_are_what_tandem_plan_predicts(tmp_path: Path) -
     are within 5% of ``tandem plan --nodes 2`` (Note [bytes between nodes] in
     tandem/zero/traffic.py) for DDP, ZeRO-2, fully_shard and HSDP; the
     heartbeats and the store add a little."""
-    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_nodes.py"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_nodes.py"
     sys.path.insert(0, str(bench.parent))
     import bench_nodes
 

@@ -174,7 +174,7 @@ def _fp16_zero_cases(base: str) -> dict[str, Case]:
 
 def test_fp16_with_a_zero_optimizer_trains_like_fp32_with_identical_replicas(runs):
     # The gradient scaler sees only this rank's gradient shards: its found-inf is
-    # agreed across ranks (tests/test_nonfinite.py injects one), so ranks step together.
+    # agreed across ranks (tests/ddp/test_nonfinite.py injects one), so ranks step together.
     half, full = runs["fp16_zero_half"], runs["fp16_zero_full"]
     assert max_param_diff(half[0]["params"], half[1]["params"]) == 0
     diff = max_param_diff(half[0]["params"], full[0]["params"])

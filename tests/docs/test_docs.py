@@ -39,7 +39,7 @@ import pytest
 
 from tandem.testing import Case, run_cases
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]  # the README's example runs too
 

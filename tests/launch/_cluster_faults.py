@@ -1,5 +1,5 @@
 """A Trainer job for the namespace cluster's fault tests
-(tests/test_cluster_faults.py): one epoch over N indexed samples, each rank
+(tests/launch/test_cluster_faults.py): one epoch over N indexed samples, each rank
 writing the indices it trains at each step to OUT/samples-<node>-<pid>.jsonl
 and, at the end, its parameters and the world changes to
 OUT/done-<node>-<pid>.pt. :func:`reference` trains one process on the same

@@ -1,6 +1,6 @@
 """Faults across nodes, on namespace nodes with their own addresses and a
 1 Gbit/s link (tandem.testing.Cluster), 2 nodes x 2 workers, the c10d store
-on node 0's address, the Trainer job of tests/_cluster_faults.py:
+on node 0's address, the Trainer job of tests/launch/_cluster_faults.py:
 
 - a worker dies on node 1: the whole job restarts on both nodes and resumes
   from its checkpoint;

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 TANDEM_RUN = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", "2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 DIGITS = ["-m", "tandem.examples.digits", "--no-progress"]

@@ -312,7 +312,7 @@ def test_bytes_between_nodes_follow_the_layout_of_the_ranks(capsys: pytest.Captu
     """``--nodes``: a collective over the world crosses the nodes at ``nodes``
     edges of its ring, gloo's reduce-scatter as the all-reduce it runs; HSDP
     with one replica per node sends only its all-reduce across (measured in
-    tests/test_cluster_train.py)."""
+    tests/launch/test_cluster_train.py)."""
     model = make_model("wide", 0)
     report = plan(model, world_size=8, hsdp=2, nodes=2, min_unit_bytes=0)
     traffic = dict(report.traffic)

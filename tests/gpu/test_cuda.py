@@ -1,7 +1,7 @@
 """The GPU lane: tandem on CUDA, equal to torch on the same GPU.
 
 CI has no GPU: every test here skips there. On a machine with one GPU, run the
-lane with ``python -m pytest tests/test_cuda.py`` (docs/development.md):
+lane with ``python -m pytest tests/gpu/test_cuda.py`` (docs/development.md):
 
 * a world of one on NCCL: DDP (one bucket and many), ZeRO-1 and ZeRO-2, and
   fully_shard (fp32 and bf16 parameters) each equal to torch's DDP,
@@ -47,7 +47,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 TOL = 1e-6       # as the CPU tests of DDP and ZeRO
-FSDP_TOL = 1e-5  # as tests/test_fsdp.py
+FSDP_TOL = 1e-5  # as tests/fsdp/test_fsdp.py
 AMP_TOL = 1e-5   # mixed precision: the same kernels, compared in fp32
 D, V, SEQ, BATCH = 32, 53, 8, 8
 

@@ -66,7 +66,7 @@ def test_memory_planner_shards_what_each_stage_promises() -> None:
     assert s3.params == pytest.approx(s0.params / 4, rel=0.01)
     assert [e.total for e in stages[:3]] == sorted((e.total for e in stages[:3]), reverse=True)
     # Stage 3 holds the least between steps; its peaks (gathered units, gradients
-    # being reduced) are tests/test_fsdp_memory.py's subject.
+    # being reduced) are tests/fsdp/test_fsdp_memory.py's subject.
     steady = [e.steady for e in stages]
     assert steady[3] == min(steady)
     one = estimate_memory(model, 1)

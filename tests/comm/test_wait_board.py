@@ -88,7 +88,7 @@ def test_a_wait_that_fails_after_its_peer_judged_the_mismatch_and_left_names_the
     the other, raises, and ends its process: the other's wait then fails
     instead of slicing on. It names the mismatch from the note the first left
     posted, not a lost peer (seen in full suites: "rank 3 stopped beating 20 s
-    ago" in tests/test_p2p.py)."""
+    ago" in tests/comm/test_p2p.py)."""
     store = Store()
     WaitBoard(store, 0).post(WaitNote("tandem.recv of the header of a message from rank 1", (1,), OLD, header=True))
     watch = PeerWatch(store, 1, Liveness(beat_s=0.01, stale_after_s=0.05))

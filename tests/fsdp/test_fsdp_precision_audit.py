@@ -1,7 +1,7 @@
 """fully_shard's precision audit (tandem/fsdp/precision.py), pure, in one
 process: the findings for a grid of held dtypes and ``MixedPrecisionPolicy``
 dtypes, the warning fully_shard gives from a built unit, and what is never
-audited. ``tandem check``'s report of it runs in tests/test_check.py."""
+audited. ``tandem check``'s report of it runs in tests/tools/test_check.py."""
 
 from __future__ import annotations
 

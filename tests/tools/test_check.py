@@ -1,11 +1,11 @@
 """``tandem check``: the pure comparison on constructed snapshots, and end to end
-on the models of tests/_check_models.py (a correct MLP under DDP, ZeRO-1/2 and
+on the models of tests/tools/_check_models.py (a correct MLP under DDP, ZeRO-1/2 and
 fully_shard; BatchNorm without and with SyncBatchNorm; dropout seeded per rank
 or not; the user's own sharding, right and wrong), through the Python API and
 the command line.
 
 The end-to-end cases run in subprocesses with a timeout (tandem.spawn has none),
-the API cases in one: ``python tests/test_check.py`` prints their reports as JSON.
+the API cases in one: ``python tests/tools/test_check.py`` prints their reports as JSON.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ One story per model, in four spawned groups:
   the full one from its .pt file) to the end: equal to the uninterrupted world-2
   run. The global batch stays 12 (6 x 2 ranks, 4 x 3 ranks), so by Note [equal
   to one process] every world size trains like one process on it; without
-  dropout the RNG streams do not matter (the precedent: tests/test_trainer.py's
+  dropout the RNG streams do not matter (the precedent: tests/train/test_trainer.py's
   fully-sharded run resumed by one process).
 
 Checked in this process, from the files: torch's own dcp_to_torch_save reads a

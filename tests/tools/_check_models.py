@@ -1,4 +1,4 @@
-"""Models and data for tests/test_check.py: entry points that ``tandem check``
+"""Models and data for tests/tools/test_check.py: entry points that ``tandem check``
 imports in its spawned ranks (this directory is on their path)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A training job for the namespace cluster's tests (tests/test_cluster_train.py):
+"""A training job for the namespace cluster's tests (tests/launch/test_cluster_train.py):
 each strategy named on the command line trains the same model for STEPS
 steps, each rank on its slice of the global batch, and rank 0 saves the
 final parameters to OUT/<strategy>.pt for the test to compare with one
