@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -212,7 +213,12 @@ class ElasticLoop:
         share_state(self.state)
 
     def _report(self, change: WorldChange) -> None:
+        """Log the change, and print it on the new world's rank 0 (the Trainer's
+        progress prints it there too): a loop the user writes may configure no
+        logging, and a world change must not pass unseen."""
         logger.warning("rank %d: %s", dist.get_rank(), change.describe())
+        if dist.get_rank() == 0:
+            print(f"tandem: {change.describe()}", file=sys.stderr, flush=True)
 
 
 class ElasticOptimizer(torch.optim.Optimizer):

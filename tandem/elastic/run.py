@@ -133,9 +133,11 @@ class WorldChange:
             what.append("lost " + ", ".join(f"rank {r} (member {m})" for r, m in sorted(self.lost.items())))
         if self.joined:
             what.append("admitted " + ", ".join(self.joined))
-        return (f"elastic: {'; '.join(what) or 'regrouped'} -> world {self.previous_world_size} -> "
-                f"{self.world_size} (generation {self.generation}), going on from step {self.step}; "
-                f"failure seen after {self.detect_s:.2f} s, regroup took {self.regroup_s:.2f} s, "
+        head = (f"elastic: {'; '.join(what) or 'regrouped'} -> world {self.previous_world_size} -> "
+                f"{self.world_size} (generation {self.generation}), going on from step {self.step}; ")
+        if not self.lost:  # a replacement admitted: no failure to see, nothing redone
+            return f"{head}admitting took {self.regroup_s:.2f} s{self._fallback()}"
+        return (f"{head}failure seen after {self.detect_s:.2f} s, regroup took {self.regroup_s:.2f} s, "
                 f"{self.steps_lost} step(s) redone{self._fallback()}. Cause: {self.cause}")
 
     def _fallback(self) -> str:

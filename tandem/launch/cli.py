@@ -260,10 +260,19 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
         return EXIT_FAILED
     attempts = len(logs.attempts)
     again = f" after {attempts - 1} restart(s)" if attempts > 1 else ""
-    _say(stderr, f"{config.nproc_per_node} worker(s) on this node finished in {elapsed:.1f} s{again}")
+    _say(stderr, f"{_finished(config, result.return_values)} on this node finished in {elapsed:.1f} s{again}")
     if owned_logs:
         shutil.rmtree(log_root, ignore_errors=True)
     return 0
+
+
+def _finished(config: LaunchConfig, return_values: Mapping[int, object]) -> str:
+    """How many workers finished; under --elastic, the ones lost on the way and not
+    replaced are not counted (the elastic agent returns only those that finished)."""
+    if not config.elastic or len(return_values) >= config.nproc_per_node:
+        return f"{config.nproc_per_node} worker(s)"
+    lost = config.nproc_per_node - len(return_values)
+    return f"{len(return_values)} of {config.nproc_per_node} worker(s) ({lost} lost and not replaced)"
 
 
 # The other sub-commands live with their tools; each module has main(argv) -> int.

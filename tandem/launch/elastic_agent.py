@@ -99,8 +99,11 @@ class ElasticAgent(LocalElasticAgent):
         if any(code is None for code in codes.values()):
             return RunResult(state=WorkerState.HEALTHY)
         if any(code == 0 for code in codes.values()):
+            # Only the workers that finished: the launcher's last line counts them, and a
+            # worker lost on the way (not replaced) is not one of them.
             return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={w.global_rank: None for w in worker_group.workers})
+                             return_values={worker_group.workers[local].global_rank: None
+                                            for local, code in codes.items() if code == 0})
         failures = {worker_group.workers[local].global_rank: ProcessFailure(
             local_rank=local, pid=handlers[local].proc.pid, exitcode=int(code or 1),
             error_file=context.error_files[local])  # type: ignore[union-attr]

@@ -11,6 +11,8 @@ scenarios three at a time, each in a directory of its own.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -70,26 +72,28 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
         module[0].weight.register_hook(die)
 
     abandoned, after_epoch = 0, []
-    for _ in range(train.epoch, epochs):  # a replacement takes up the members' epoch
-        for x, (y, idx) in train:
-            if join_at is not None and optimizer.steps_taken == join_at and not joining:
-                _hold_for_a_joiner(Path(out), optimizer)
-            if before_forward and optimizer.steps_taken == deaths.get(rank) and not joining:
-                os.kill(os.getpid(), signal.SIGKILL)
-            with log.open("a") as f:
-                f.write(json.dumps({"step": optimizer.steps_taken, "idx": idx.tolist()}) + "\n")
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            optimizer.step()
-            abandoned += optimizer.step_abandoned
-            if not optimizer.step_abandoned:
-                scheduler.step()
-            optimizer.zero_grad()
-        after_epoch.append([p.detach().clone() for p in module.parameters()])
+    said = io.StringIO()  # what tandem prints on this rank's stderr while the loop runs
+    with contextlib.redirect_stderr(said):
+        for _ in range(train.epoch, epochs):  # a replacement takes up the members' epoch
+            for x, (y, idx) in train:
+                if join_at is not None and optimizer.steps_taken == join_at and not joining:
+                    _hold_for_a_joiner(Path(out), optimizer)
+                if before_forward and optimizer.steps_taken == deaths.get(rank) and not joining:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with log.open("a") as f:
+                    f.write(json.dumps({"step": optimizer.steps_taken, "idx": idx.tolist()}) + "\n")
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                optimizer.step()
+                abandoned += optimizer.step_abandoned
+                if not optimizer.step_abandoned:
+                    scheduler.step()
+                optimizer.zero_grad()
+            after_epoch.append([p.detach().clone() for p in module.parameters()])
     return {"params": [p.detach().clone() for p in module.parameters()], "after_epoch": after_epoch,
             "changes": [c.record() for c in optimizer.world_changes], "abandoned": abandoned,
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
-            "steps": optimizer.steps_taken, "scheduler_steps": scheduler.last_epoch}
+            "steps": optimizer.steps_taken, "scheduler_steps": scheduler.last_epoch, "stderr": said.getvalue()}
 
 
 def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
@@ -140,6 +144,9 @@ def test_own_loop_shrinks_after_a_rank_dies_in_backward(scenarios: dict) -> None
     # A world that stayed at 3 gives different parameters: the comparison can fail.
     assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6))[0], atol=1e-6)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+    # The change is printed, once, by the new world's rank 0 (no logging configured here).
+    assert "tandem: elastic: lost rank 1 (member 1) -> world 3 -> 2" in live[0]["stderr"], live[0]["stderr"]
+    assert "tandem: elastic:" not in live[1]["stderr"], live[1]["stderr"]
 
 
 def test_own_loop_recovers_from_a_collective_that_fails_in_forward(scenarios: dict) -> None:
@@ -172,6 +179,9 @@ def test_own_loop_admits_a_replacement_that_gets_the_state(scenarios: dict) -> N
     assert [len(r["after_epoch"]) for r in live] == [2, 2, 2]
     _check_reference([{"params": r["after_epoch"][0]} for r in live], schedule)
     assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)
+    # An admission is no failure: its line says what it took, not when a failure was seen.
+    admitted = [line for line in live[0]["stderr"].splitlines() if "admitted j1" in line]
+    assert len(admitted) == 1 and "admitting took" in admitted[0] and "failure" not in admitted[0], admitted
 
 
 def test_own_loop_survives_a_replacement_lost_while_joining(scenarios: dict) -> None:

@@ -409,3 +409,31 @@ def test_output_shows_progress_bars_as_a_terminal_would(tmp_path, terminal):
         assert text.endswith("\r[rank 0] 100%|##########\x1b[K\n")
     else:  # logs and pipes get whole lines: what a terminal would finally show
         assert text == "[rank 0] note\n[rank 0] 100%|##########\n"
+
+
+def test_an_elastic_job_counts_as_finished_only_the_workers_that_finished():
+    """A worker lost on the way and not replaced is not among those that
+    "finished" in the launcher's last line (it said "3 worker(s) ... finished"
+    after one of the three was killed)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    from tandem.launch.elastic_agent import ElasticAgent
+
+    def proc(code, pid):
+        return SimpleNamespace(proc=SimpleNamespace(poll=lambda: code, pid=pid))
+
+    lines = []
+    agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={0: proc(0, 10), 1: proc(-9, 11),
+                                                                           2: proc(0, 12)}),
+                            _dead={}, _on_event=lines.append, _replacements_left=0)
+    group = SimpleNamespace(workers=[SimpleNamespace(global_rank=r) for r in (3, 4, 5)])
+    result = ElasticAgent._monitor_workers(agent, group)
+    assert result.state is WorkerState.SUCCEEDED
+    assert sorted(result.return_values) == [3, 5]
+    assert lines == ["elastic: worker 4 (local 1, pid 11) exited with -9; the others go on"]
+    config = LaunchConfig(nproc_per_node=3, elastic=True)
+    assert cli._finished(config, result.return_values) == "2 of 3 worker(s) (1 lost and not replaced)"
+    assert cli._finished(config, {3: None, 4: None, 5: None}) == "3 worker(s)"
+    assert cli._finished(LaunchConfig(nproc_per_node=3), {}) == "3 worker(s)"
