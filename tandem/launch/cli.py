@@ -211,7 +211,7 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"
     logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow,
-                      progress=config.hang_timeout_s is not None)
+                      progress=config.hang_timeout_s is not None, on_replacement=output.follow_replacement)
     hangs: dict[int, str] = {}
 
     def on_hang(report: str) -> None:

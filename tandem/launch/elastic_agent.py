@@ -44,6 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
+from tandem.launch.logs import WorkerLogs
 from tandem.launch.node_roll import NodeRoll
 
 __all__ = ["ElasticAgent"]
@@ -58,6 +59,8 @@ class ElasticAgent(LocalElasticAgent):
     starts replacements (see Note [elastic launch]).
 
     Args:
+        spec, logs: torch's worker spec, and where the workers' output goes
+            (a replacement's too: :meth:`WorkerLogs.replaced`).
         replacements: how many replacement workers this node may start.
         on_event: called with a line for the launcher's output at each death
             and replacement.
@@ -65,9 +68,10 @@ class ElasticAgent(LocalElasticAgent):
         hosts_endpoint: this node hosts the rendezvous store.
     """
 
-    def __init__(self, *args: Any, replacements: int, on_event: Any = None, roll: NodeRoll | None = None,
-                 hosts_endpoint: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, spec: Any, logs: WorkerLogs, *args: Any, replacements: int, on_event: Any = None,
+                 roll: NodeRoll | None = None, hosts_endpoint: bool = False, **kwargs: Any) -> None:
+        super().__init__(spec, logs, *args, **kwargs)
+        self._logs = logs
         self._roll = roll
         self._hosts_endpoint = hosts_endpoint
         self._on_roll = False
@@ -145,10 +149,13 @@ class ElasticAgent(LocalElasticAgent):
                                          env=env, stdout=stdout, stderr=stderr, local_rank_id=local)
         context.subprocess_handlers[local] = handler
         worker_group.workers[local].id = handler.proc.pid
+        if stdout and stderr:  # its output on the console too, under the rank it replaces
+            self._logs.replaced(local, Path(stdout), Path(stderr))
+        where = f"on the console, and in {stdout}" if stdout else "on the console"
         self._on_event(f"elastic: started replacement {self._started} (pid "
                        f"{handler.proc.pid}) for local rank {local}; it joins at the next step "
                        f"boundary or the regroup under way ({self._replacements_left} replacement(s) "
-                       f"left); its output: {stdout or 'the console'}")
+                       f"left); its output: {where}")
 
 
 def _beside(path: str | None, tag: str) -> str:

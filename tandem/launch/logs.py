@@ -23,6 +23,7 @@ into its own ``os.environ``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -81,19 +82,33 @@ class WorkerLogs(LogsSpecs):
             to start (from the agent's thread).
         progress: ask each worker to write its progress and, on SIGUSR1, its
             stacks to its directory (for the hang watchdog).
+        on_replacement: called with a replacement worker's :class:`RankLogs`
+            and the world size when ``tandem run --elastic`` starts one
+            (:meth:`replaced`).
     """
 
     def __init__(self, root: str | os.PathLike, *, worker_env: Mapping[str, str] | None = None,
                  on_attempt: Callable[[Attempt], None] | None = None,
-                 progress: bool = False) -> None:
+                 progress: bool = False,
+                 on_replacement: Callable[[RankLogs, int], None] | None = None) -> None:
         super().__init__(log_dir=str(root))
         self._root = Path(root)
         self._root.mkdir(parents=True, exist_ok=True)
         self._worker_env = dict(worker_env or {})
         self._on_attempt = on_attempt
         self._progress = progress
+        self._on_replacement = on_replacement
         self._lock = threading.Lock()
         self._attempts: list[Attempt] = []
+
+    def replaced(self, local_rank: int, stdout: Path, stderr: Path) -> None:
+        """A replacement for local rank ``local_rank`` of the last attempt writes to
+        ``stdout`` and ``stderr`` (beside the worker it replaces)."""
+        with self._lock:
+            attempt = self._attempts[-1]
+        old = next(logs for logs in attempt.ranks.values() if logs.local_rank == local_rank)
+        if self._on_replacement is not None:
+            self._on_replacement(dataclasses.replace(old, stdout=stdout, stderr=stderr), attempt.world_size)
 
     def add_worker_env(self, env: Mapping[str, str]) -> None:
         """Give every worker started from now on ``env`` too."""

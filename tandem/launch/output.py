@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from tandem.launch.logs import Attempt
+from tandem.launch.logs import Attempt, RankLogs
 
 __all__ = ["RankOutput", "is_terminal", "rank_prefix", "split_lines", "visible_text"]
 
@@ -84,7 +84,8 @@ class RankOutput:
         local_ranks: only these local ranks are shown; None shows all.
 
     :meth:`follow` is the ``on_attempt`` callback of
-    :class:`tandem.launch.logs.WorkerLogs`; call :meth:`start` before the job
+    :class:`tandem.launch.logs.WorkerLogs`, :meth:`follow_replacement` its
+    ``on_replacement``; call :meth:`start` before the job
     and :meth:`stop` after it, which prints whatever is left.
     """
 
@@ -116,6 +117,17 @@ class RankOutput:
         with self._lock:
             self._retired.extend(self._follows)
             self._follows = new
+
+    def follow_replacement(self, logs: RankLogs, world_size: int) -> None:
+        """Show a replacement worker (``tandem run --elastic``) from now on, under
+        the rank of the worker it replaces, beside the attempt's other workers;
+        the ``on_replacement`` callback of :class:`tandem.launch.logs.WorkerLogs`."""
+        if (self._ranks is not None and logs.rank not in self._ranks) or \
+                (self._local_ranks is not None and logs.local_rank not in self._local_ranks):
+            return
+        prefix = rank_prefix(logs.rank, world_size)
+        with self._lock:
+            self._follows += [_Follow(logs.stdout, self._stdout, prefix), _Follow(logs.stderr, self._stderr, prefix)]
 
     def start(self) -> RankOutput:
         self._thread = threading.Thread(target=self._run, name="tandem-output", daemon=True)

@@ -56,10 +56,13 @@ def test_a_killed_worker_is_replaced_and_the_job_finishes(tmp_path):
     assert "started replacement 1" in r.stderr, r
     assert lines_with(r.stdout, "elastic: lost rank 1"), r
     assert lines_with(r.stdout, "admitted j1"), r
+    # The replacement's output is on the console like the others', under the rank it
+    # replaces (it was only in its log file), and in that file.
     done = [line.split("] ", 1)[1] for line in lines_with(r.stdout, "done world=")]
+    assert len(done) == 3 and len(lines_with(r.stdout, "[rank 1] done world=")) == 1, (done, r)
     replacement = (tmp_path / "logs").glob("**/stdout.join1.log")
-    done += [line for p in replacement for line in p.read_text().splitlines() if "done world=" in line]
-    assert len(done) == 3, (done, r)
+    assert [line for p in replacement for line in p.read_text().splitlines() if "done world=" in line], r
+    assert "its output: on the console, and in " in r.stderr, r
     assert all("world=3" in line for line in done), done
     assert len({line.split("params=")[1] for line in done}) == 1, done  # equal replicas
     assert r.orphans == []
