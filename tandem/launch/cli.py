@@ -211,7 +211,8 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"
     logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow,
-                      progress=config.hang_timeout_s is not None, on_replacement=output.follow_replacement)
+                      progress=config.hang_timeout_s is not None or config.elastic,  # Note [a crash after finishing]
+                      on_replacement=output.follow_replacement)
     hangs: dict[int, str] = {}
 
     def on_hang(report: str) -> None:
@@ -260,19 +261,21 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
         return EXIT_FAILED
     attempts = len(logs.attempts)
     again = f" after {attempts - 1} restart(s)" if attempts > 1 else ""
-    _say(stderr, f"{_finished(config, result.return_values)} on this node finished in {elapsed:.1f} s{again}")
+    _say(stderr, _finished(config, result.return_values, f"in {elapsed:.1f} s{again}"))
     if owned_logs:
         shutil.rmtree(log_root, ignore_errors=True)
     return 0
 
 
-def _finished(config: LaunchConfig, return_values: Mapping[int, object]) -> str:
-    """How many workers finished; under --elastic, the ones lost on the way and not
-    replaced are not counted (the elastic agent returns only those that finished)."""
+def _finished(config: LaunchConfig, return_values: Mapping[int, object], when: str) -> str:
+    """The launcher's last line: how many workers finished; under --elastic, the
+    ones lost on the way and not replaced are not counted (the elastic agent
+    returns only those that finished)."""
     if not config.elastic or len(return_values) >= config.nproc_per_node:
-        return f"{config.nproc_per_node} worker(s)"
+        return f"{config.nproc_per_node} worker(s) on this node finished {when}"
     lost = config.nproc_per_node - len(return_values)
-    return f"{len(return_values)} of {config.nproc_per_node} worker(s) ({lost} lost and not replaced)"
+    return (f"{len(return_values)} of {config.nproc_per_node} worker(s) on this node finished {when}; "
+            f"{lost} lost on the way and not replaced")
 
 
 # The other sub-commands live with their tools; each module has main(argv) -> int.

@@ -27,13 +27,30 @@ when this node hosts it, and its exit barrier waits only for nodes that are
 still there.
 
 The group has succeeded when every worker has exited and at least one exited
-with 0 (the job finished on the survivors); it has failed when none did.
+with 0 (the job finished on the survivors); it has failed when none did, or
+when a worker crashed after it had finished (Note [a crash after finishing]).
+
+# Note [a crash after finishing]
+A worker that dies while the others train is a loss: they go on without it. One
+that dies after it finished training (its process aborted in the interpreter's
+teardown, exit -6, seen in a Trainer ZeRO-2 job) is not: nobody went on without
+it, and counting it as a loss let the job end "finished" with exit 0. The agent
+tells them apart by the worker's last word: under ``--elastic`` every worker
+writes its progress file (:class:`tandem.launch.logs.WorkerLogs`), and a
+monitor that stops because its rank left on purpose (``tandem.shutdown()``, or
+the process's exit) marks it ``finished_at`` (Note [finishing] in
+watchdog.py). A worker killed by a signal (SIGABRT, SIGSEGV: a negative exit
+code) with that mark crashed after finishing: it is not replaced, and the job
+fails once the others are done. An uncaught exception also marks the progress
+finished (its exit hook leaves on purpose, Note [exit on an uncaught
+exception] in tandem/comm/exit.py) but exits with 1: a loss, as before.
 The workers' store is the agent's (Note [one store per attempt] in
 rendezvous.py): it outlives every worker, rank 0 included.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -78,6 +95,7 @@ class ElasticAgent(LocalElasticAgent):
         self._replacements_left = replacements
         self._started = 0
         self._dead: dict[int, int] = {}   # local rank -> exit code of a death already handled
+        self._crashed: dict[int, int] = {}  # local rank -> exit code: Note [a crash after finishing]
         self._on_event = on_event or (lambda line: None)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -95,6 +113,12 @@ class ElasticAgent(LocalElasticAgent):
                                    f"{handlers[local].proc.pid}) was cut off from the job's store and "
                                    "stopped; not replaced (a replacement could not reach the store either)")
                     continue
+                if code < 0 and self._finished(local):  # Note [a crash after finishing]
+                    self._crashed[local] = code
+                    self._on_event(f"elastic: worker {worker.global_rank} (local {local}, pid "
+                                   f"{handlers[local].proc.pid}) crashed with {code} after it finished "
+                                   "training; the job fails")
+                    continue
                 self._on_event(f"elastic: worker {worker.global_rank} (local {local}, "
                                f"pid {handlers[local].proc.pid}) exited with {code}; the others go on")
                 if self._replacements_left > 0:
@@ -102,17 +126,40 @@ class ElasticAgent(LocalElasticAgent):
                     codes[local] = None
         if any(code is None for code in codes.values()):
             return RunResult(state=WorkerState.HEALTHY)
+        if self._crashed:
+            return RunResult(state=WorkerState.FAILED, failures={
+                worker_group.workers[local].global_rank: ProcessFailure(
+                    local_rank=local, pid=handlers[local].proc.pid, exitcode=code,
+                    error_file=context.error_files[local])  # type: ignore[union-attr]
+                for local, code in self._crashed.items()})
         if any(code == 0 for code in codes.values()):
             # Only the workers that finished: the launcher's last line counts them, and a
             # worker lost on the way (not replaced) is not one of them.
+            # torch's agent wants every worker in one of the two.
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={worker_group.workers[local].global_rank: None
-                                            for local, code in codes.items() if code == 0})
+                                            for local, code in codes.items() if code == 0},
+                             failures={worker_group.workers[local].global_rank: ProcessFailure(
+                                 local_rank=local, pid=handlers[local].proc.pid, exitcode=int(code or 1),
+                                 error_file=context.error_files[local])  # type: ignore[union-attr]
+                                 for local, code in codes.items() if code != 0})
         failures = {worker_group.workers[local].global_rank: ProcessFailure(
             local_rank=local, pid=handlers[local].proc.pid, exitcode=int(code or 1),
             error_file=context.error_files[local])  # type: ignore[union-attr]
             for local, code in codes.items()}
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _finished(self, local: int) -> bool:
+        """Whether local rank ``local``'s worker marked its progress finished
+        (Note [a crash after finishing])."""
+        attempts = self._logs.attempts
+        logs = next((r for r in attempts[-1].ranks.values() if r.local_rank == local), None) if attempts else None
+        if logs is None:
+            return False
+        try:
+            return "finished_at" in json.loads(logs.progress.read_text())
+        except (OSError, ValueError):
+            return False
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)

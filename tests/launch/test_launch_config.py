@@ -426,14 +426,19 @@ def test_an_elastic_job_counts_as_finished_only_the_workers_that_finished():
 
     lines = []
     agent = SimpleNamespace(_pcontext=SimpleNamespace(subprocess_handlers={0: proc(0, 10), 1: proc(-9, 11),
-                                                                           2: proc(0, 12)}),
-                            _dead={}, _on_event=lines.append, _replacements_left=0)
+                                                                           2: proc(0, 12)},
+                                                      error_files={0: "e0", 1: "e1", 2: "e2"}),
+                            _dead={}, _crashed={}, _on_event=lines.append, _replacements_left=0,
+                            _finished=lambda local: False)
     group = SimpleNamespace(workers=[SimpleNamespace(global_rank=r) for r in (3, 4, 5)])
     result = ElasticAgent._monitor_workers(agent, group)
     assert result.state is WorkerState.SUCCEEDED
     assert sorted(result.return_values) == [3, 5]
+    assert sorted(result.failures) == [4] and result.failures[4].exitcode == -9  # torch's agent wants all
     assert lines == ["elastic: worker 4 (local 1, pid 11) exited with -9; the others go on"]
     config = LaunchConfig(nproc_per_node=3, elastic=True)
-    assert cli._finished(config, result.return_values) == "2 of 3 worker(s) (1 lost and not replaced)"
-    assert cli._finished(config, {3: None, 4: None, 5: None}) == "3 worker(s)"
-    assert cli._finished(LaunchConfig(nproc_per_node=3), {}) == "3 worker(s)"
+    assert cli._finished(config, result.return_values, "in 2.0 s") == \
+        "2 of 3 worker(s) on this node finished in 2.0 s; 1 lost on the way and not replaced"
+    assert cli._finished(config, {3: None, 4: None, 5: None}, "in 2.0 s") == \
+        "3 worker(s) on this node finished in 2.0 s"
+    assert cli._finished(LaunchConfig(nproc_per_node=3), {}, "in 2.0 s") == "3 worker(s) on this node finished in 2.0 s"

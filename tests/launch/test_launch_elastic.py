@@ -66,3 +66,56 @@ def test_a_killed_worker_is_replaced_and_the_job_finishes(tmp_path):
     assert all("world=3" in line for line in done), done
     assert len({line.split("params=")[1] for line in done}) == 1, done  # equal replicas
     assert r.orphans == []
+
+
+ABORT_AFTER_FINISHING = """
+    import os
+    import torch
+    import torch.distributed as dist
+    import tandem
+
+    tandem.init()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"trained rank={dist.get_rank()} sum={t.item():g}", flush=True)
+    tandem.shutdown()
+    if os.environ["RANK"] == "0":
+        os.abort()   # as a teardown that dies with "terminate called without an active exception"
+"""
+
+
+def test_a_worker_that_crashes_after_it_finished_fails_the_job(tmp_path):
+    """Note [a crash after finishing]: not a loss the others went on without, so
+    never a job that "finished" with exit 0."""
+    path = script(tmp_path, "train.py", ABORT_AFTER_FINISHING)
+    r = tandem(["--nproc-per-node", "2", "--elastic", str(path)], cwd=tmp_path, timeout=90, env=clean_env())
+    assert r.returncode == 1, r
+    assert len(lines_with(r.stdout, "trained rank=")) == 2, r
+    assert "elastic: worker 0 (local 0" in r.stderr and "crashed with -6 after it finished training" in r.stderr, r
+    assert "the job failed" in r.stderr and "finished in" not in r.stderr, r
+    assert r.orphans == []
+
+
+LOST_AT_ONCE = """
+    import os, signal
+    import torch.distributed as dist
+    import tandem
+
+    tandem.init()
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(f"trained rank={dist.get_rank()}", flush=True)
+    tandem.shutdown()
+"""
+
+
+def test_a_worker_lost_and_not_replaced_is_not_counted_among_those_that_finished(tmp_path):
+    """The launcher's last line said "2 worker(s) on this node finished" after one
+    of the two was killed; and torch's agent must get every worker in its result."""
+    path = script(tmp_path, "train.py", LOST_AT_ONCE)
+    r = tandem(["--nproc-per-node", "2", "--elastic", str(path)], cwd=tmp_path, timeout=90, env=clean_env())
+    assert r.returncode == 0, r
+    assert "elastic: worker 1 (local 1" in r.stderr and "exited with -9; the others go on" in r.stderr, r
+    assert "1 of 2 worker(s) on this node finished in" in r.stderr, r
+    assert "1 lost on the way and not replaced" in r.stderr, r
+    assert r.orphans == []
