@@ -184,6 +184,8 @@ def shutdown() -> None:
     be called again (with a fresh ``file://`` path).
     """
     member = group_record.forget()
+    if member is not None and member.elastic is not None:
+        member.elastic.stop()  # its beat thread: Note [threads at exit] in group_record.py
     stop_monitor()
     uninstall_clean_exit()
     if not dist.is_initialized():

@@ -5,6 +5,7 @@ generation's group) read and write it through the functions here."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -19,7 +20,7 @@ from tandem.comm.monitor import start_monitor
 from tandem.comm.peers import DEFAULT_LIVENESS
 from tandem.comm.world import WorldInfo
 
-__all__ = ["GroupRecord", "current", "forget", "last", "start_watch", "with_elastic"]
+__all__ = ["GroupRecord", "current", "forget", "last", "start_watch", "stop_elastic_at_exit", "with_elastic"]
 
 
 # Note [who owns the default group]
@@ -82,6 +83,26 @@ def with_elastic(member: GroupRecord, elastic: Membership) -> None:
     """Record ``elastic`` as this process's place in an elastic job."""
     global _membership
     _membership = dataclasses.replace(member, elastic=elastic)
+
+
+# Note [threads at exit]
+# An elastic member beats from a daemon thread (Membership.start) into the job's
+# store. Left running when the process ends, a beat in flight that returns while
+# the interpreter finalizes takes the GIL, CPython ends the thread with
+# pthread_exit inside torch's C++ frames, and the process dies with "terminate
+# called without an active exception" (SIGABRT) after it finished training:
+# seen in tests/launch/test_cluster_faults.py once the launcher counted such a
+# crash as one (Note [a crash after finishing] in tandem/launch/elastic_agent.py).
+# So the beat stops, and its thread is joined, at tandem.shutdown() and at the
+# process's exit (atexit; after an uncaught exception too, Note [exit on an
+# uncaught exception] in exit.py), as the monitor's thread does.
+
+@atexit.register
+def stop_elastic_at_exit() -> None:
+    """Stop this process's elastic beat before the interpreter finalizes (Note [threads at exit])."""
+    member = _membership
+    if member is not None and member.elastic is not None and member.pid == os.getpid():
+        member.elastic.stop()
 
 
 def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,

@@ -406,3 +406,35 @@ def test_world_of_one_in_a_clean_script():
     assert proc.returncode == 0, proc.stderr
     assert "rank=0, local_rank=0, world_size=1, local_world_size=1" in proc.stdout
     assert "tandem: rank 0/1 (local 0/1), backend gloo, device cpu" in proc.stderr
+
+
+def _elastic_beats(rank: int, world_size: int, how: str) -> dict:
+    """An elastic member's beat thread, after the exit hook or after shutdown
+    (Note [threads at exit] in tandem/comm/group_record.py)."""
+    import threading
+
+    from tandem.comm import group_record
+    from tandem.comm.bootstrap import elastic_membership
+    from tandem.comm.membership import ElasticConfig
+
+    def beating() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("tandem-elastic-beat")]
+
+    init("gloo", init_method=f"file://{os.environ['TANDEM_TEST_STORE']}", rank=rank, world_size=world_size)
+    elastic_membership(ElasticConfig(beat_s=0.05))
+    out = {"while training": beating()}
+    if how == "exit":
+        group_record.stop_elastic_at_exit()   # what the process's exit runs
+    else:
+        shutdown()
+    out["after"] = beating()
+    return out
+
+
+def test_an_elastic_members_beat_thread_ends_at_shutdown_and_at_exit():
+    """Left beating, a process aborted in its teardown once it had finished
+    training ("terminate called without an active exception", seen in
+    tests/launch/test_cluster_faults.py)."""
+    for how in ("exit", "shutdown"):
+        for out in run_distributed(_elastic_beats, 2, args=(how,), timeout=TIMEOUT_S, init_process_group=False):
+            assert len(out["while training"]) == 1 and out["after"] == [], (how, out)
