@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,27 +128,23 @@ class ElasticAgent(LocalElasticAgent):
         if any(code is None for code in codes.values()):
             return RunResult(state=WorkerState.HEALTHY)
         if self._crashed:
-            return RunResult(state=WorkerState.FAILED, failures={
-                worker_group.workers[local].global_rank: ProcessFailure(
-                    local_rank=local, pid=handlers[local].proc.pid, exitcode=code,
-                    error_file=context.error_files[local])  # type: ignore[union-attr]
-                for local, code in self._crashed.items()})
+            return RunResult(state=WorkerState.FAILED, failures=self._failures(worker_group, self._crashed))
         if any(code == 0 for code in codes.values()):
-            # Only the workers that finished: the launcher's last line counts them, and a
-            # worker lost on the way (not replaced) is not one of them.
-            # torch's agent wants every worker in one of the two.
+            # Only the workers that finished are returned: the launcher's last line counts
+            # them, and a worker lost on the way (not replaced) is not one of them; torch's
+            # agent wants every worker in one of the two.
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={worker_group.workers[local].global_rank: None
                                             for local, code in codes.items() if code == 0},
-                             failures={worker_group.workers[local].global_rank: ProcessFailure(
-                                 local_rank=local, pid=handlers[local].proc.pid, exitcode=int(code or 1),
-                                 error_file=context.error_files[local])  # type: ignore[union-attr]
-                                 for local, code in codes.items() if code != 0})
-        failures = {worker_group.workers[local].global_rank: ProcessFailure(
-            local_rank=local, pid=handlers[local].proc.pid, exitcode=int(code or 1),
-            error_file=context.error_files[local])  # type: ignore[union-attr]
-            for local, code in codes.items()}
-        return RunResult(state=WorkerState.FAILED, failures=failures)
+                             failures=self._failures(worker_group, {i: c for i, c in codes.items() if c != 0}))
+        return RunResult(state=WorkerState.FAILED, failures=self._failures(worker_group, codes))
+
+    def _failures(self, worker_group: WorkerGroup, codes: Mapping[int, int | None]) -> dict[int, ProcessFailure]:
+        """torch's failure records of the workers at local ranks ``codes`` (their exit codes), by global rank."""
+        context: Any = self._pcontext
+        return {worker_group.workers[local].global_rank: ProcessFailure(
+            local_rank=local, pid=context.subprocess_handlers[local].proc.pid, exitcode=int(code or 1),
+            error_file=context.error_files[local]) for local, code in codes.items()}
 
     def _finished(self, local: int) -> bool:
         """Whether local rank ``local``'s worker marked its progress finished

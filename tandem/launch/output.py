@@ -109,9 +109,7 @@ class RankOutput:
         read to the end and closed."""
         new = [
             _Follow(path, dst, rank_prefix(rank, attempt.world_size))
-            for rank, logs in sorted(attempt.ranks.items())
-            if (self._ranks is None or rank in self._ranks)
-            and (self._local_ranks is None or logs.local_rank in self._local_ranks)
+            for rank, logs in sorted(attempt.ranks.items()) if self._shows(logs)
             for path, dst in ((logs.stdout, self._stdout), (logs.stderr, self._stderr))
         ]
         with self._lock:
@@ -122,12 +120,16 @@ class RankOutput:
         """Show a replacement worker (``tandem run --elastic``) from now on, under
         the rank of the worker it replaces, beside the attempt's other workers;
         the ``on_replacement`` callback of :class:`tandem.launch.logs.WorkerLogs`."""
-        if (self._ranks is not None and logs.rank not in self._ranks) or \
-                (self._local_ranks is not None and logs.local_rank not in self._local_ranks):
+        if not self._shows(logs):
             return
         prefix = rank_prefix(logs.rank, world_size)
         with self._lock:
             self._follows += [_Follow(logs.stdout, self._stdout, prefix), _Follow(logs.stderr, self._stderr, prefix)]
+
+    def _shows(self, logs: RankLogs) -> bool:
+        """Whether the rank filters let this worker's output through."""
+        return ((self._ranks is None or logs.rank in self._ranks)
+                and (self._local_ranks is None or logs.local_rank in self._local_ranks))
 
     def start(self) -> RankOutput:
         self._thread = threading.Thread(target=self._run, name="tandem-output", daemon=True)

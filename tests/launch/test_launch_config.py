@@ -430,6 +430,7 @@ def test_an_elastic_job_counts_as_finished_only_the_workers_that_finished():
                                                       error_files={0: "e0", 1: "e1", 2: "e2"}),
                             _dead={}, _crashed={}, _on_event=lines.append, _replacements_left=0,
                             _finished=lambda local: False)
+    agent._failures = lambda group, codes: ElasticAgent._failures(agent, group, codes)
     group = SimpleNamespace(workers=[SimpleNamespace(global_rank=r) for r in (3, 4, 5)])
     result = ElasticAgent._monitor_workers(agent, group)
     assert result.state is WorkerState.SUCCEEDED
