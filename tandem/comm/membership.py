@@ -24,6 +24,7 @@ is the founding world. Keys, under ``tandem/elastic/``:
                       reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``
 ``joiners``           how many replacements ever asked to join (ids ``j1..jN``)
 ``join/<id>``         a replacement's request
+``process/<id>``      the member's :class:`~tandem.comm.process_id.ProcessId`
 ====================  ==========================================================
 
 Why a step needs a decision: a dead peer can fail a ring all-reduce on one rank
@@ -37,10 +38,14 @@ same decision: all step, or none does (a member that died after counting itself
 has delivered its gradients; the survivors step and notice the loss in the next
 step's collectives).
 
-A member is dead when its beat is older than ``stale_after_s``. Beats carry
-wall-clock times so that any rank can judge any beat at once, without watching
-it for a while first; the hosts of a job must therefore keep their clocks within
-a fraction of ``stale_after_s`` of each other (NTP does).
+A member is dead when its process has ended, as its kernel or its launcher
+tells (Note [deaths seen at once] in process_id.py), or when its beat is older
+than ``stale_after_s``: the window for the deaths nobody saw (a host lost with
+its launcher, a cut link), long enough that a rank paused for seconds is not
+counted dead. Beats carry wall-clock times so that any rank can judge any beat
+at once, without watching it for a while first; the hosts of a job must
+therefore keep their clocks within a fraction of ``stale_after_s`` of each
+other (NTP does).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ from enum import Enum
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
-from tandem.comm.peers import HEARTBEAT_INTERVAL_S, STALE_AFTER_S, Liveness
+from tandem.comm.peers import Liveness
+from tandem.comm.process_id import ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError"]
 
@@ -78,10 +84,11 @@ class ElasticConfig:
     """The fewest ranks worth going on with; below it the survivors stop with an error."""
     beat_s: float = 0.25
     """How often each member writes its heartbeat."""
-    stale_after_s: float = 5.0
-    """A heartbeat this old means its member is dead. A death inside a
-    collective is seen sooner, after the collectives' own window (2.5 s: Note
-    [dead peers] in peers.py), or after this one where it is shorter."""
+    stale_after_s: float = 10.0
+    """A heartbeat this old means its member is dead: the deaths nobody saw
+    (a host lost with its launcher, a cut link). A process that ended is seen
+    at once (Note [deaths seen at once] in process_id.py); a rank paused for
+    less than this is not counted dead."""
     regroup_timeout_s: float = 300.0
     """How long the survivors wait for every member to be accounted for (arrived
     or dead) before giving up."""
@@ -97,10 +104,8 @@ class ElasticConfig:
                              f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
 
     def liveness(self) -> Liveness:
-        """The window a collective's wait judges the peers by (Note [dead peers]):
-        the default one, or this config's where it is shorter."""
-        return Liveness(beat_s=min(self.beat_s, HEARTBEAT_INTERVAL_S),
-                        stale_after_s=min(self.stale_after_s, STALE_AFTER_S))
+        """The window a collective's wait judges the peers' beats by (Note [dead peers])."""
+        return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s)
 
 
 class Decision(Enum):
@@ -160,6 +165,7 @@ class Membership:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._processes: dict[str, ProcessId] = {}
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
@@ -215,6 +221,7 @@ class Membership:
 
     # ------------------------------------------------------------------ heartbeat
     def start(self) -> None:
+        self._post_process()
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"tandem-elastic-beat-{self.member}",
                                         daemon=True)
@@ -235,12 +242,32 @@ class Membership:
     def _beat(self) -> None:
         self._beat_store.set(f"{PREFIX}/beat/{self.member}", repr(self._clock()))
 
+    def _post_process(self) -> None:
+        process = ProcessId.this_process()
+        if process is not None:
+            self.store.set(f"{PREFIX}/process/{self.member}", process.encode())
+
+    def _ended(self, member: str) -> str | None:
+        """Why ``member``'s process has ended, where its kernel or launcher can tell."""
+        process = self._processes.get(member)
+        if process is None:
+            key = f"{PREFIX}/process/{member}"
+            if not self.store.check([key]):
+                return None
+            process = self._processes[member] = ProcessId.decode(self.store.get(key).decode())
+        return process.ended(self.store)
+
     def dead(self, members: Sequence[str]) -> dict[str, str]:
-        """The members among ``members`` whose beat is stale (or missing), with why."""
+        """The members among ``members`` whose process has ended, or whose beat
+        is stale (or missing), with why."""
         now = self._clock()
         out: dict[str, str] = {}
         for m in members:
             if m == self.member:
+                continue
+            ended = self._ended(m)
+            if ended is not None:
+                out[m] = f"has died: {ended}"
                 continue
             key = f"{PREFIX}/beat/{m}"
             if not self.store.check([key]):

@@ -136,6 +136,11 @@ class Monitor:
             faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
         if self.peers is None and self._progress_file is None:
             return
+        if self.peers is not None:
+            try:
+                self.peers.post_process()  # Note [deaths seen at once] in process_id.py
+            except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
+                logger.debug("rank %d: could not post its process id: %s", self.rank, e)
         self._beat()
         self._write_progress()
         self._thread = threading.Thread(target=self._run, name="tandem-monitor", daemon=True)

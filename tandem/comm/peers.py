@@ -27,6 +27,10 @@ An elastic job may ask for a shorter window (``ElasticConfig.stale_after_s``
 and ``beat_s`` below the defaults): its monitor then beats, and its waits
 judge, by that :class:`Liveness` (Note [elastic membership] in membership.py).
 
+Most deaths are seen before the window ends: a peer whose process has ended
+on this kernel, or whose launcher posted its exit, is gone at once (Note
+[deaths seen at once] in process_id.py).
+
 A peer that is alive but stuck (a hang, not a death) keeps beating: that is the
 launcher watchdog's case (``tandem run --hang-timeout``). NCCL has its own
 watchdog and blocking semantics, so NCCL waits are not sliced.
@@ -44,6 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandem.comm.process_id import ProcessId
 from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
@@ -81,6 +86,10 @@ DEFAULT_LIVENESS = Liveness()
 
 def heartbeat_key(rank: int) -> str:
     return f"tandem/alive/{rank}"
+
+
+def process_key(rank: int) -> str:
+    return f"tandem/process/{rank}"
 
 
 class PeerLostError(RuntimeError):
@@ -124,7 +133,14 @@ class PeerWatch:
         self.liveness = liveness
         self._clock = clock
         self._seen: dict[int, tuple[str | None, float]] = {}
+        self._processes: dict[int, ProcessId] = {}
         self.board = WaitBoard(store, rank)  # where each rank waits (Note [mismatched waits])
+
+    def post_process(self) -> None:
+        """Tell the peers which process this rank is (Note [deaths seen at once])."""
+        process = ProcessId.this_process()
+        if process is not None:
+            self.store.set(process_key(self.rank), process.encode())
 
     def observe(self, ranks: Sequence[int], *, failed: bool = False) -> dict[int, str]:
         """Read the beats of ``ranks`` now; returns the ones that are gone, with why.
@@ -144,6 +160,13 @@ class PeerWatch:
                 continue
             if value == EXITED:
                 lost[r] = "has left the job (its process finished or called tandem.shutdown)"
+                continue
+            try:
+                ended = self._ended(r)
+            except Exception as e:  # noqa: BLE001 - any store failure means the same thing here
+                raise self._store_gone(e) from e
+            if ended is not None:
+                lost[r] = f"has died: {ended}"
                 continue
             previous = self._seen.get(r)
             if previous is None or previous[0] != value:
@@ -165,6 +188,17 @@ class PeerWatch:
                 return lost
             time.sleep(self.liveness.beat_s)
 
+    def _ended(self, rank: int) -> str | None:
+        """Why ``rank``'s process has ended, if this kernel or its launcher can
+        tell (Note [deaths seen at once]); its id is read once, when posted."""
+        process = self._processes.get(rank)
+        if process is None:
+            key = process_key(rank)
+            if not self.store.check([key]):
+                return None
+            process = self._processes[rank] = ProcessId.decode(self.store.get(key).decode())
+        return process.ended(_below_prefixes(self.store))
+
     def _read(self, ranks: Sequence[int]) -> list[str | None]:
         out: list[str | None] = []
         try:
@@ -172,10 +206,19 @@ class PeerWatch:
                 key = heartbeat_key(r)
                 out.append(self.store.get(key).decode() if self.store.check([key]) else None)
         except Exception as e:  # noqa: BLE001 - any store failure means the same thing here
-            raise RuntimeError(
-                f"rank {self.rank}: the job's store cannot be reached ({type(e).__name__}: {e}); "
-                "its host (the launcher, or rank 0 without one) has probably died") from e
+            raise self._store_gone(e) from e
         return out
+
+    def _store_gone(self, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"rank {self.rank}: the job's store cannot be reached ({type(error).__name__}: {error}); "
+            "its host (the launcher, or rank 0 without one) has probably died")
+
+
+def _below_prefixes(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],

@@ -5,12 +5,14 @@ one worker dies: :class:`ElasticAgent`.
 torch's agent treats any worker's failure as the group's: it stops every worker
 and, under ``--max-restarts``, starts them all again, and they reload the last
 checkpoint. An elastic job (Note [elastic trainer] in tandem.elastic.run)
-needs the survivors left running, so this agent changes two things in its
+needs the survivors left running, so this agent changes three things in its
 health check (``_monitor_workers``, the extension point tandem's hang watchdog
 uses too), and nothing else:
 
 - it reads the workers' exit codes itself, before torch's process context
   would see a failure and close the others;
+- it tells the workers at once (an exit notice in their store: Note [deaths
+  seen at once] in tandem/comm/process_id.py);
 - a worker that died is replaced, up to ``--max-restarts`` times (not one that
   stopped because it was cut off from the job's store: a replacement could not
   reach it either; Note [cut off] in tandem/comm/cut_off.py): a new process
@@ -62,6 +64,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
+from tandem.launch.exit_notices import ExitNotices
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.node_roll import NodeRoll
 
@@ -98,6 +101,7 @@ class ElasticAgent(LocalElasticAgent):
         self._dead: dict[int, int] = {}   # local rank -> exit code of a death already handled
         self._crashed: dict[int, int] = {}  # local rank -> exit code: Note [a crash after finishing]
         self._on_event = on_event or (lambda line: None)
+        self._notices = ExitNotices()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         context = self._pcontext
@@ -109,6 +113,8 @@ class ElasticAgent(LocalElasticAgent):
             if code not in (None, 0) and self._dead.get(local) != handlers[local].proc.pid:
                 self._dead[local] = handlers[local].proc.pid
                 worker = worker_group.workers[local]
+                self._notices.post(getattr(worker_group.spec.rdzv_handler, "workers_store", None),
+                                   handlers[local].proc.pid, f"exited with {code}, seen by its launcher")
                 if code == CUT_OFF_EXITCODE:
                     self._on_event(f"elastic: worker {worker.global_rank} (local {local}, pid "
                                    f"{handlers[local].proc.pid}) was cut off from the job's store and "

@@ -116,20 +116,27 @@ def test_a_replacement_after_the_job_ended_gives_up_at_once() -> None:
         Membership.joining(store, CONFIG, clock=clock)
 
 
-def test_a_collectives_watch_judges_by_an_elastic_configs_shorter_window() -> None:
-    # Note [dead peers]: an elastic config shorter than the default window is the
-    # one a collective's wait uses; a longer one leaves the default.
+def test_a_collectives_watch_judges_by_the_elastic_configs_window() -> None:
+    # Note [dead peers]: an elastic job's collectives judge silent peers by its own
+    # window, shorter or longer than the default (a death is seen at once anyway:
+    # Note [deaths seen at once]; the window is for silences).
     assert CONFIG.liveness() == Liveness(beat_s=0.01, stale_after_s=1.0)
-    assert ElasticConfig().liveness() == DEFAULT_LIVENESS == Liveness(beat_s=0.25, stale_after_s=2.5)
+    assert ElasticConfig().liveness() == Liveness(beat_s=0.25, stale_after_s=10.0)
+    assert DEFAULT_LIVENESS == Liveness(beat_s=0.25, stale_after_s=2.5)
     store, clock = dist.HashStore(), Clock()
     short = PeerWatch(store, 0, CONFIG.liveness(), clock=clock)
     default = PeerWatch(store, 0, clock=clock)
+    patient = PeerWatch(store, 0, ElasticConfig().liveness(), clock=clock)
     store.set(heartbeat_key(1), "7")
-    assert short.observe([0, 1]) == {} and default.observe([0, 1]) == {}
+    assert short.observe([0, 1]) == {} and default.observe([0, 1]) == {} and patient.observe([0, 1]) == {}
     clock.now += 1.0  # rank 1's beat has not moved for 1 s
     assert short.observe([0, 1]) == {1: "stopped beating 1.0 s ago"}
     assert default.observe([0, 1]) == {}
     clock.now += 1.5
     assert default.observe([0, 1]) == {1: "stopped beating 2.5 s ago"}
+    clock.now += 5.0  # a pause of 7.5 s is not a death for an elastic job
+    assert patient.observe([0, 1]) == {}
+    clock.now += 2.5
+    assert patient.observe([0, 1]) == {1: "stopped beating 10.0 s ago"}
     with pytest.raises(ValueError, match="at least four beats"):
         Liveness(beat_s=0.5, stale_after_s=1.0)

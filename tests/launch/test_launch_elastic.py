@@ -119,3 +119,60 @@ def test_a_worker_lost_and_not_replaced_is_not_counted_among_those_that_finished
     assert "1 of 2 worker(s) on this node finished in" in r.stderr, r
     assert "1 lost on the way and not replaced" in r.stderr, r
     assert r.orphans == []
+
+
+PAUSED = """
+    import hashlib, os, signal, threading, time
+    from pathlib import Path
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import tandem
+
+    tandem.init()
+    out = Path(os.environ["OUT"])
+    out.mkdir(exist_ok=True)
+    (out / f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = None
+
+    def pause(pid):
+        os.kill(pid, signal.SIGSTOP)   # the whole process: its heartbeat stops too
+        time.sleep(5.0)
+        os.kill(pid, signal.SIGCONT)
+
+    def loss_fn(out_, y):
+        if os.environ["RANK"] == "0" and trainer.state.step == 3 and not (out / "paused").exists():
+            (out / "paused").write_text("")
+            threading.Thread(target=pause, args=(int((out / "pid1").read_text()),)).start()
+        return ((out_ - y) ** 2).mean()
+
+    config = tandem.TrainerConfig(batch_size=4, epochs=1, progress=False, plot=False, log_every=1,
+                                  resume=False, output_dir=str(out / "run"))
+    trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), data, loss_fn,
+                             config=config)
+    trainer.fit()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    print(f"done world={trainer.world_size} steps={trainer.state.step} "
+          f"changes={len(trainer.world_changes)} params={digest.hexdigest()[:16]}", flush=True)
+    tandem.shutdown()
+"""
+
+
+def test_a_rank_paused_for_5_s_is_not_a_loss(tmp_path):
+    """A stopped process is slow, not dead (Note [deaths seen at once]): the
+    others wait for it, and nobody regroups."""
+    path = script(tmp_path, "train.py", PAUSED)
+    r = tandem(["--nproc-per-node", "2", "--elastic", "--max-restarts", "1", str(path)], cwd=tmp_path,
+               timeout=120, env=clean_env(OUT=str(tmp_path / "out")))
+    assert r.returncode == 0, r
+    assert (tmp_path / "out" / "paused").exists(), r
+    done = [line.split("] ", 1)[1] for line in lines_with(r.stdout, "done world=")]
+    assert len(done) == 2, r
+    assert all(line.startswith("done world=2 steps=8 changes=0 ") for line in done), done
+    assert len({line.split("params=")[1] for line in done}) == 1, done
+    assert "elastic: lost" not in r.stdout + r.stderr and "exited with" not in r.stderr, r
+    assert r.orphans == []

@@ -1,0 +1,131 @@
+"""Which process a rank is, and whether it has ended: :class:`ProcessId` and
+the launcher's exit notices.
+
+# Note [deaths seen at once]
+A heartbeat says a process is gone only after a window of silence (Note [dead
+peers] in peers.py), and that window cannot be short: a rank that is only slow
+(a pause of seconds, a long batch, a stopped process) must not be counted dead.
+But most deaths are not silences. A killed worker's process has ended, and two
+parties can tell at once:
+
+- a peer on the same kernel: each rank posts its :class:`ProcessId` (the
+  kernel's boot id and pid namespace, the pid, and the process's start time)
+  in the job's store when it starts watching; a peer whose id is of this
+  kernel is gone when ``/proc/<pid>`` is gone, a zombie, or another process
+  (the start time differs: the pid was reused). A stopped process (SIGSTOP,
+  state ``T``) is alive;
+- its launcher, on any host: ``tandem run --elastic`` polls its workers'
+  exit codes every ``--monitor-interval`` (0.1 s), and when one has ended it
+  writes an exit notice under :func:`exit_notice_key` (below every prefix of
+  the workers' store, where the id's kernel and pid name it).
+
+Whoever judges a peer (a collective's wait: :class:`~tandem.comm.peers.PeerWatch`;
+an elastic member: :class:`~tandem.comm.membership.Membership`) asks these first
+and the heartbeat after, so a death is seen within a wait slice or a store poll,
+while the heartbeat window only decides the deaths nobody saw: a host lost with
+its launcher, a link cut.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["ProcessId", "exit_notice", "exit_notice_key", "write_exit_notice"]
+
+_NOTICES = "tandem/exited"
+
+
+@functools.cache
+def _this_kernel() -> str | None:
+    """The boot id and pid namespace of this process: processes with the same
+    one see each other's pids (None where /proc cannot tell)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    inode = namespace[namespace.find("[") + 1:namespace.rfind("]")]
+    return f"{boot}-{inode}"
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and start time (clock ticks after boot), or None if it has none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    return fields[0], int(fields[19])
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process, named so that it cannot be mistaken for a later one."""
+
+    kernel: str
+    """The boot id and pid namespace it runs in."""
+    pid: int
+    started: int
+    """Its start time, in clock ticks after boot."""
+
+    @classmethod
+    def this_process(cls) -> ProcessId | None:
+        return cls.of(os.getpid())
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        """The process ``pid`` of this kernel, or None where /proc cannot tell."""
+        kernel, stat = _this_kernel(), _stat(pid)
+        if kernel is None or stat is None:
+            return None
+        return cls(kernel, pid, stat[1])
+
+    def encode(self) -> str:
+        return f"{self.kernel} {self.pid} {self.started}"
+
+    @classmethod
+    def decode(cls, text: str) -> ProcessId:
+        kernel, pid, started = text.split()
+        return cls(kernel, int(pid), int(started))
+
+    def ended_here(self) -> str | None:
+        """Why this process has ended, where this kernel can tell (Note [deaths
+        seen at once]); None when it runs, or runs on another kernel."""
+        if self.kernel != _this_kernel():
+            return None
+        stat = _stat(self.pid)
+        if stat is None or stat[1] != self.started:
+            return f"its process (pid {self.pid}) has ended"
+        if stat[0] in ("Z", "X"):
+            return f"its process (pid {self.pid}) has exited"
+        return None
+
+    def ended(self, store: dist.Store) -> str | None:
+        """Why this process has ended, from this kernel or from its launcher's
+        notice in ``store`` (the job's, below every prefix); None when neither says so."""
+        return self.ended_here() or exit_notice(store, self)
+
+
+def exit_notice_key(kernel: str, pid: int) -> str:
+    return f"{_NOTICES}/{kernel}/{pid}"
+
+
+def exit_notice(store: dist.Store, process: ProcessId) -> str | None:
+    """What ``process``'s launcher wrote when it saw the process end, or None."""
+    key = exit_notice_key(process.kernel, process.pid)
+    if not store.check([key]):
+        return None
+    return store.get(key).decode()
+
+
+def write_exit_notice(store: dist.Store, pid: int, what: str) -> None:
+    """The launcher's side: its worker ``pid`` (a child, so of this kernel) has ended (``what``)."""
+    kernel = _this_kernel()
+    if kernel is not None:
+        store.set(exit_notice_key(kernel, pid), what)

@@ -1,0 +1,106 @@
+"""Deaths seen at once (Note [deaths seen at once] in tandem/comm/process_id.py):
+a peer's process that has ended on this kernel, or whose launcher posted its
+exit, is gone without waiting out the heartbeat window; a stopped one is not."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tandem.comm.membership import ElasticConfig, Membership, PREFIX
+from tandem.comm.peers import PeerWatch, heartbeat_key, process_key
+from tandem.comm.process_id import ProcessId, exit_notice_key
+from tandem.launch.exit_notices import ExitNotices
+
+pytestmark = pytest.mark.skipif(ProcessId.this_process() is None, reason="needs Linux's /proc")
+
+
+def _child() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_process_ended_is_seen_and_a_stopped_one_is_alive() -> None:
+    child = _child()
+    try:
+        me = ProcessId.this_process()
+        process = ProcessId.of(child.pid)
+        assert me is not None and process is not None and process.kernel == me.kernel
+        assert ProcessId.decode(process.encode()) == process
+        assert process.ended_here() is None
+        os.kill(child.pid, signal.SIGSTOP)  # paused, not dead
+        assert process.ended_here() is None
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while process.ended_here() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process.ended_here() == f"its process (pid {child.pid}) has exited"  # a zombie, not reaped
+        child.wait()
+        assert process.ended_here() == f"its process (pid {child.pid}) has ended"
+    finally:
+        child.kill()
+        child.wait()
+    # A reused pid is another process: its start time differs.
+    me = ProcessId.this_process()
+    assert me is not None
+    assert ProcessId(me.kernel, me.pid, me.started + 1).ended_here() == f"its process (pid {me.pid}) has ended"
+
+
+def test_a_process_of_another_kernel_is_judged_by_its_launchers_notice() -> None:
+    store = dist.HashStore()
+    elsewhere = ProcessId("another-host", 4242, 17)
+    assert elsewhere.ended_here() is None and elsewhere.ended(store) is None
+    store.set(exit_notice_key("another-host", 4242), "exited with -9, seen by its launcher")
+    assert elsewhere.ended(store) == "exited with -9, seen by its launcher"
+
+
+def test_a_collectives_watch_sees_a_dead_peer_without_waiting_out_the_window() -> None:
+    store = dist.HashStore()
+    child = _child()
+    store.set(heartbeat_key(1), "3")
+    process = ProcessId.of(child.pid)
+    assert process is not None
+    store.set(process_key(1), process.encode())
+    watch = PeerWatch(store, 0, clock=lambda: 0.0)  # the clock never moves: no beat goes stale
+    assert watch.observe([0, 1]) == {}
+    child.kill()
+    child.wait()
+    assert watch.observe([0, 1]) == {1: f"has died: its process (pid {child.pid}) has ended"}
+    # Posted by the watch itself:
+    PeerWatch(store, 2).post_process()
+    assert ProcessId.decode(store.get(process_key(2)).decode()) == ProcessId.this_process()
+
+
+def test_a_member_whose_launcher_posted_its_exit_is_dead_at_once() -> None:
+    store = dist.HashStore()
+    config = ElasticConfig(beat_s=0.01, stale_after_s=1.0, regroup_timeout_s=5.0)
+    clock = lambda: 1000.0  # noqa: E731 - no beat ever goes stale
+    members = [Membership.founding(store, r, 2, config, clock=clock) for r in range(2)]
+    try:
+        # Member 1 as if on another host (its id is read once, at the first look).
+        store.set(f"{PREFIX}/process/1", ProcessId("another-host", 99, 1).encode())
+        assert members[0].dead(["0", "1"]) == {}
+        store.set(exit_notice_key("another-host", 99), "exited with -9, seen by its launcher")
+        assert members[0].dead(["0", "1"]) == {"1": "has died: exited with -9, seen by its launcher"}
+    finally:
+        for m in members:
+            m.stop()
+
+
+def test_the_launcher_posts_an_exit_to_the_workers_store() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    notices = ExitNotices()
+    try:
+        notices.post(("127.0.0.1", server.port), 1234, "exited with -9, seen by its launcher")
+        me = ProcessId.this_process()
+        assert me is not None
+        server.wait([exit_notice_key(me.kernel, 1234)], datetime.timedelta(seconds=10))
+        assert server.get(exit_notice_key(me.kernel, 1234)) == b"exited with -9, seen by its launcher"
+    finally:
+        notices.stop()
