@@ -24,6 +24,7 @@ is the founding world. Keys, under ``tandem/elastic/``:
                       reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``
 ``joiners``           how many replacements ever asked to join (ids ``j1..jN``)
 ``join/<id>``         a replacement's request
+``admitted/<id>``     set when a generation admits the replacement, which waits on it
 ``process/<id>``      the member's :class:`~tandem.comm.process_id.ProcessId`
 ====================  ==========================================================
 
@@ -202,6 +203,7 @@ class Membership:
         limit = timeout.total_seconds() if timeout is not None else config.regroup_timeout_s
         deadline = time.monotonic() + limit
         logger.info("elastic: %s asks to join", member)
+        admitted = f"{PREFIX}/admitted/{member}"
         while time.monotonic() < deadline:
             generation = self.latest()
             if generation is not None and member in generation.members:
@@ -213,7 +215,13 @@ class Membership:
                     f"elastic: replacement {member} found no live member of generation "
                     f"{generation.number} ({list(generation.members)}): the job has ended (or died) "
                     "before admitting it; nothing to join")
-            time.sleep(config.beat_s)
+            # Woken the moment a generation admits it (the members then wait for it
+            # to connect), else after a beat, to look at the members again.
+            try:
+                store.wait([admitted], datetime.timedelta(seconds=config.beat_s))
+            except RuntimeError as e:
+                if "timeout" not in str(e).lower():
+                    raise
         self.stop()
         raise MembershipError(
             f"elastic: replacement {member} was not admitted within {limit:.0f} s; the job's members "
@@ -295,6 +303,9 @@ class Membership:
                                      json.dumps(list(generation.members)))
         winner = Generation(generation.number, tuple(json.loads(won.decode())))
         self.store.set(f"{PREFIX}/latest", str(generation.number))
+        for member in winner.members:
+            if member.startswith("j"):  # wake the replacements it admits
+                self.store.set(f"{PREFIX}/admitted/{member}", str(generation.number))
         return winner
 
     def waiting_joiners(self) -> list[str]:
