@@ -8,22 +8,27 @@ import datetime
 import logging
 import os
 import socket
+import sys
 
 import torch.distributed as dist
 
 from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group
 from tandem.comm import group_record
 from tandem.comm.device import bind_device, default_backend
-from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership
+from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
-__all__ = ["JOIN_ENV", "below_prefixes", "elastic_membership", "enter_generation", "join_elastic", "job_store"]
+__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "below_prefixes", "elastic_membership", "enter_generation", "join_elastic", "job_store"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
 elastic job at its next step boundary instead of starting a new one."""
+
+NOTHING_TO_JOIN_EXITCODE = 76
+"""A replacement's exit status when the job had ended before it could join: no
+failure, and nothing for a launcher to replace."""
 
 logger = logging.getLogger(__name__)
 
@@ -108,5 +113,11 @@ def join_elastic(backend: str | None, init_method: str | None, timeout_td: datet
     world_size = int(os.environ.get("WORLD_SIZE", "2"))
     # Rendezvous as a client: the store exists; rank 0 would try to host it.
     store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
-    membership = Membership.joining(below_prefixes(store), ElasticConfig())
+    try:
+        membership = Membership.joining(below_prefixes(store), ElasticConfig())
+    except NothingToJoin as e:
+        # A replacement started as the job finished: it did nothing wrong, and the
+        # script it runs must not go on as if it had joined.
+        print(f"tandem: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(NOTHING_TO_JOIN_EXITCODE) from None
     return enter_generation(membership, membership.generation, timeout=timeout_td, backend=backend)

@@ -66,7 +66,7 @@ from tandem._compat import own_tcp_client
 from tandem.comm.peers import Liveness
 from tandem.comm.process_id import ProcessId
 
-__all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError"]
+__all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,10 @@ class MembershipError(RuntimeError):
     judged dead by the others, or the regroup timed out."""
 
 
+class NothingToJoin(MembershipError):
+    """A replacement found every member of the job gone: it has finished (or died)."""
+
+
 class Membership:
     """This process's place in an elastic job (see Note [elastic membership]).
 
@@ -211,7 +215,7 @@ class Membership:
                 return self
             if generation is not None and len(self.dead(generation.members)) == generation.world_size:
                 self.stop()
-                raise MembershipError(
+                raise NothingToJoin(
                     f"elastic: replacement {member} found no live member of generation "
                     f"{generation.number} ({list(generation.members)}): the job has ended (or died) "
                     "before admitting it; nothing to join")

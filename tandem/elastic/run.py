@@ -123,6 +123,8 @@ class WorldChange:
     steps_lost: int
     """Steps whose work was dropped: the one in flight, or every step since the
     checkpoint the state came from."""
+    seen_at: float = 0.0
+    """When the failure (or the replacement) was seen: wall-clock seconds (``time.time()``)."""
     checkpoint_step: int | None = None
     """Set when the state could not be recovered from live ranks (a shard and its
     buddy copy both lost): the step of the checkpoint it was read from instead."""
@@ -151,7 +153,7 @@ class WorldChange:
                 "lost_ranks": sorted(self.lost), "joined": list(self.joined),
                 "world_size": self.world_size, "previous_world_size": self.previous_world_size,
                 "detect_s": self.detect_s, "regroup_s": self.regroup_s, "steps_lost": self.steps_lost,
-                "cause": self.cause, "checkpoint_step": self.checkpoint_step}
+                "cause": self.cause, "checkpoint_step": self.checkpoint_step, "seen_at": self.seen_at}
 
 
 class ElasticRun:
@@ -187,7 +189,7 @@ class ElasticRun:
         call ``rebuild(before, after)`` for what depends on the world; it returns
         the checkpoint's step where it had to read the state from one, else None.
         ``cause`` is the failure (None for a planned grow); ``step`` the step to go on from."""
-        seen = time.monotonic()
+        seen, seen_at = time.monotonic(), time.time()
         before = self.membership.generation
         if cause is not None:
             self.membership.abort_step(step)
@@ -203,7 +205,8 @@ class ElasticRun:
             joined=generation.joined_since(before), world_size=generation.world_size,
             previous_world_size=before.world_size, cause=text,
             detect_s=seen - self._step_started if cause is not None else 0.0,
-            regroup_s=time.monotonic() - seen, steps_lost=int(in_step and cause is not None))
+            regroup_s=time.monotonic() - seen, steps_lost=int(in_step and cause is not None),
+            seen_at=seen_at)
         self.changes.append(change)  # recorded even if a peer is lost again while rebuilding
         resumed = rebuild(before, generation)
         self.grow_pending = False

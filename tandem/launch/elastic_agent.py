@@ -18,7 +18,9 @@ uses too), and nothing else:
   reach it either; Note [cut off] in tandem/comm/cut_off.py): a new process
   with the same command and environment plus ``TANDEM_ELASTIC_JOIN=1`` (its
   ``tandem.init()`` then asks to join, and the members admit it at their next
-  step boundary). It is started through torch's own subprocess handler and put
+  step boundary; one that finds every member gone, the job finished, exits
+  with ``NOTHING_TO_JOIN_EXITCODE`` and is not replaced in turn). It is started
+  through torch's own subprocess handler and put
   in the dead worker's place, so torch's process context watches it, forwards
   signals to it and stops it as it does the others. Its output goes to
   ``stdout.join<k>.log`` / ``stderr.join<k>.log`` beside the dead worker's logs.
@@ -64,6 +66,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
+from tandem.comm.elastic_group import NOTHING_TO_JOIN_EXITCODE
 from tandem.launch.exit_notices import ExitNotices
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.node_roll import NodeRoll
@@ -115,6 +118,10 @@ class ElasticAgent(LocalElasticAgent):
                 worker = worker_group.workers[local]
                 self._notices.post(getattr(worker_group.spec.rdzv_handler, "workers_store", None),
                                    handlers[local].proc.pid, f"exited with {code}, seen by its launcher")
+                if code == NOTHING_TO_JOIN_EXITCODE:
+                    self._on_event(f"elastic: replacement pid {handlers[local].proc.pid} for local rank "
+                                   f"{local} found the job finished; nothing to replace")
+                    continue
                 if code == CUT_OFF_EXITCODE:
                     self._on_event(f"elastic: worker {worker.global_rank} (local {local}, pid "
                                    f"{handlers[local].proc.pid}) was cut off from the job's store and "

@@ -1,0 +1,359 @@
+"""A soak: an elastic job that loses a worker every few seconds, and the checks
+that nothing was lost or counted twice (:func:`run_soak`).
+
+# Note [soak]
+``tandem run --elastic`` starts :mod:`tandem.testing.soak_job` on ``workers``
+processes with a replacement for every failure. Failures come two ways: every
+``every_s`` seconds (uniform in [0.5, 1.5] x ``every_s``) this process SIGKILLs
+one of the launcher's live workers at random, rank 0 and replacements included,
+wherever it is (forward, a reduction, the optimizer, a save, a regroup, a join);
+and ``kills`` makes chosen members kill themselves at chosen points (the
+job's docstring), so that a short run covers each point for sure.
+
+What is measured, from the job's events (its docstring):
+
+- step efficiency: steps committed / steps attempted (committed, plus the
+  attempts the world changes dropped);
+- training efficiency: time in committed steps / wall time of the training.
+  A committed step's time runs from the previous commit when no world change
+  came between them (so data loading and saves count as training), else from
+  its own first forward; the rest of the wall time, from the first forward to
+  the last commit, was lost to failures;
+- how long after a kill the members saw it (the world change's ``seen_at``),
+  and how long admitting a replacement stopped them.
+
+What is checked, each a line in :attr:`SoakResult.problems` when it fails:
+the job exits 0; every step's committed attempt has a batch from every rank of
+its world; every sample of an epoch is trained once (an epoch the job finished);
+the final parameters equal one process that trains the committed global
+batches in order (plain torch, nothing of tandem); no process of the job is
+left; the last checkpoint loads and is of the last step.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.testing.soak_job import Indexed, loss_of, make_model, make_optimizer
+
+__all__ = ["SoakPlan", "SoakResult", "run_soak"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoakPlan:
+    """One soak run."""
+
+    directory: Path
+    """Where the job writes its events, checkpoints and logs (made if missing)."""
+    strategy: str = "ddp"
+    """``ddp``, ``zero2`` or ``fsdp``."""
+    workers: int = 4
+    """Processes of the job's first world."""
+    steps: int = 200
+    """Optimizer steps the job trains."""
+    every_s: float | None = None
+    """Kill a random worker about this often (None: only ``kills``)."""
+    failures: int = 0
+    """How many random kills, at most (they stop with the training)."""
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    """Kills on purpose: the job's ``SOAK_KILLS``."""
+    samples: int = 1536
+    """Dataset size."""
+    batch: int = 16
+    """Samples per rank per step."""
+    checkpoint_every: int = 25
+    """Steps between checkpoints (saves are a point to be killed at, too)."""
+    seed: int = 0
+    """Of the random kills."""
+    timeout_s: float = 600.0
+    """The job is killed, and the soak fails, after this long."""
+    replacements: int | None = None
+    """Replacements the launcher may start (default: one per failure, and two spare)."""
+
+
+@dataclass
+class SoakResult:
+    wall_s: float = 0.0
+    """The training's wall time: first forward to last commit."""
+    steps: int = 0
+    attempted: int = 0
+    committed_s: float = 0.0
+    kills: list[tuple[float, int]] = field(default_factory=list)
+    """(time, pid) of each random kill."""
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    """The world changes, as the last rank 0 recorded them."""
+    detect_s: list[float] = field(default_factory=list)
+    """From each random kill to the members seeing a loss."""
+    admit_s: list[float] = field(default_factory=list)
+    """How long each replacement's admission stopped the members."""
+    step_s: float = 0.0
+    """The median time between commits in the same world."""
+    problems: list[str] = field(default_factory=list)
+    output: str = ""
+
+    @property
+    def step_efficiency(self) -> float:
+        return self.steps / max(self.attempted, 1)
+
+    @property
+    def training_efficiency(self) -> float:
+        return self.committed_s / max(self.wall_s, 1e-9)
+
+
+def run_soak(plan: SoakPlan) -> SoakResult:
+    """Run ``plan``'s job with its failures, then measure and check it (Note [soak])."""
+    out = plan.directory
+    out.mkdir(parents=True, exist_ok=True)
+    failures = plan.failures + len(plan.kills)
+    replacements = plan.replacements if plan.replacements is not None else failures + 2
+    env = {**os.environ, "SOAK_DIR": str(out), "SOAK_STRATEGY": plan.strategy, "SOAK_STEPS": str(plan.steps),
+           "SOAK_KILLS": json.dumps(plan.kills), "SOAK_SAMPLES": str(plan.samples), "SOAK_BATCH": str(plan.batch),
+           "SOAK_CHECKPOINT_EVERY": str(plan.checkpoint_every)}
+    command = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", str(plan.workers), "--elastic",
+               "--max-restarts", str(replacements), "--log-dir", str(out / "logs"), "-m",
+               "tandem.testing.soak_job"]
+    result = SoakResult()
+    with (out / "launcher.log").open("w") as log:
+        launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            result.kills = _kill_now_and_then(launcher, plan, out)
+            launcher.wait(timeout=max(1.0, plan.timeout_s))
+        except subprocess.TimeoutExpired:
+            result.problems.append(f"the job ran past {plan.timeout_s:.0f} s and was killed")
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    result.output = (out / "launcher.log").read_text(errors="replace")
+    if launcher.returncode != 0:
+        result.problems.append(f"the launcher exited with {launcher.returncode}")
+    _measure_and_check(result, plan, _read_events(out))
+    left = _processes_with(f"SOAK_DIR={out}")
+    if left:
+        result.problems.append(f"processes of the job left running: {left}")
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    return result
+
+
+def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) -> list[tuple[float, int]]:
+    """SIGKILL a random live worker about every ``every_s`` (Note [soak]) until
+    ``failures`` or the job's end; returns when and whom."""
+    kills: list[tuple[float, int]] = []
+    if plan.every_s is None or plan.failures == 0:
+        return kills
+    rng = random.Random(plan.seed)
+    while not any(out.glob("events-*.jsonl")) and launcher.poll() is None:
+        time.sleep(0.1)  # the workers have started training
+    while len(kills) < plan.failures and launcher.poll() is None:
+        deadline = time.monotonic() + plan.every_s * rng.uniform(0.5, 1.5)
+        while time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        if _trained_all(out, plan.steps):
+            break
+        workers = _children(launcher.pid)
+        if not workers:
+            continue
+        pid = rng.choice(workers)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            kills.append((time.time(), pid))
+        except ProcessLookupError:
+            pass
+    return kills
+
+
+def _trained_all(out: Path, steps: int) -> bool:
+    return any('"e": "done"' in p.read_text() for p in out.glob("events-*.jsonl"))
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (the launcher's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def _read_events(out: Path) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(out.glob("events-*.jsonl")):
+        pid = int(path.stem.split("-")[1])
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # the last line of a killed process
+            event["pid"] = pid
+            events.append(event)
+    return sorted(events, key=lambda e: e["t"])
+
+
+def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str, Any]]) -> None:
+    problems = result.problems
+    done = [e for e in events if e["e"] == "done"]
+    if not done:
+        problems.append("no process finished the job")
+        return
+    last = max(done, key=lambda e: (e["world"], -e["rank"]))
+    result.steps = last["step"]
+    result.changes = next((e["changes"] for e in done if e["rank"] == 0), last["changes"])
+    result.attempted = result.steps + sum(c["steps_lost"] for c in result.changes)
+    commits = {}
+    for e in events:
+        if e["e"] == "commit":
+            commits.setdefault(e["step"], e)  # the first process to commit a step
+    starts = {(e["gen"], e["step"]): e["t"] for e in reversed(events) if e["e"] == "forward"}
+    if sorted(commits) != list(range(result.steps)):
+        problems.append(f"steps committed: {len(commits)}, not 0..{result.steps - 1}")
+        return
+    intervals, committed = [], 0.0
+    for step in range(result.steps):
+        c = commits[step]
+        previous = commits.get(step - 1)
+        if previous is not None and previous["gen"] == c["gen"]:
+            span = c["t"] - previous["t"]
+            intervals.append(span)
+        else:
+            span = c["t"] - starts.get((c["gen"], step), c["t"])
+        committed += span
+    first = starts.get((commits[0]["gen"], 0), commits[0]["t"])
+    result.wall_s = commits[result.steps - 1]["t"] - first
+    result.committed_s = committed
+    result.step_s = statistics.median(intervals) if intervals else 0.0
+    trained = {e["pid"]: e["t"] for e in reversed(events) if e["e"] == "batch"}  # a pid's first batch
+    for at, pid in result.kills:
+        if trained.get(pid, at) >= at:
+            continue  # a replacement killed before it trained: no member was lost
+        seen = [c["seen_at"] for c in result.changes if c["lost_ranks"] and c["seen_at"] >= at]
+        if seen:
+            result.detect_s.append(min(seen) - at)
+    result.admit_s = [c["regroup_s"] for c in result.changes if c["joined"] and not c["lost_ranks"]]
+    batches = _committed_batches(events, commits, problems)
+    if batches is None:
+        return
+    _check_each_sample_once(batches, plan, problems)
+    _check_parameters(batches, plan, problems)
+    _check_checkpoint(plan, result.steps, problems)
+
+
+def _committed_batches(events: list[dict[str, Any]], commits: dict[int, dict[str, Any]],
+                       problems: list[str]) -> list[tuple[int, list[int]]] | None:
+    """Each step's (epoch, global batch in rank order), from its committed attempt."""
+    by_attempt: dict[tuple[int, int], dict[int, dict[str, Any]]] = collections.defaultdict(dict)
+    for e in events:
+        if e["e"] == "batch":
+            by_attempt[(e["gen"], e["step"])][e["rank"]] = e  # a redo in the same world: the last
+    out = []
+    for step in sorted(commits):
+        ranks = by_attempt.get((commits[step]["gen"], step), {})
+        world = next(iter(ranks.values()))["world"] if ranks else 0
+        if world == 0 or sorted(ranks) != list(range(world)):
+            problems.append(f"step {step}: batches of ranks {sorted(ranks)} in generation "
+                            f"{commits[step]['gen']}, not of every rank of its world ({world})")
+            return None
+        out.append((ranks[0]["epoch"], [i for r in range(world) for i in ranks[r]["idx"]]))
+    return out
+
+
+def _check_each_sample_once(batches: list[tuple[int, list[int]]], plan: SoakPlan, problems: list[str]) -> None:
+    epochs: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for epoch, idx in batches:
+        epochs[epoch].update(idx)
+    last = max(epochs)
+    for epoch, counts in sorted(epochs.items()):
+        twice = sorted(i for i, n in counts.items() if n > 1)
+        missing = sorted(set(range(plan.samples)) - set(counts)) if epoch != last else []
+        if twice or missing:
+            problems.append(f"epoch {epoch}: {len(twice)} sample(s) trained more than once "
+                            f"(first: {twice[:5]}), {len(missing)} never (first: {missing[:5]})")
+
+
+def _check_parameters(batches: list[tuple[int, list[int]]], plan: SoakPlan, problems: list[str]) -> None:
+    """One process, plain torch, the committed global batches in order."""
+    data = Indexed(plan.samples)
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    for _, idx in batches:
+        index = torch.tensor(idx)
+        optimizer.zero_grad()
+        loss_of(model(data.x[index]), data.y[index]).backward()
+        optimizer.step()
+    final = plan.directory / "final.pt"
+    if not final.exists():
+        problems.append("no final export")
+        return
+    saved = torch.load(final, weights_only=False)["model"]
+    for name, expected in model.state_dict().items():
+        got = saved[name]
+        if not torch.allclose(got, expected, rtol=1e-9, atol=1e-11):
+            problems.append(f"parameter {name} differs from one process on the committed batches by "
+                            f"{(got - expected).abs().max().item():.3g}")
+
+
+def _check_checkpoint(plan: SoakPlan, steps: int, problems: list[str]) -> None:
+    from tandem.checkpoint.one_rank import latest_checkpoint
+    latest = latest_checkpoint(plan.directory / "run" / "checkpoints")
+    if latest is None:
+        problems.append("no checkpoint")
+        return
+    try:
+        if latest.is_dir():
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            dcp_to_torch_save(latest, plan.directory / "checkpoint-as-one.pt")
+            state = torch.load(plan.directory / "checkpoint-as-one.pt", weights_only=False)
+        else:
+            state = torch.load(latest, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - reported, whatever it is
+        problems.append(f"the last checkpoint {latest} does not load: {type(e).__name__}: {e}")
+        return
+    step = _find_step(state)
+    if step != steps:
+        problems.append(f"the last checkpoint {latest} is of step {step}, not {steps}")
+
+
+def _find_step(state: Any) -> int | None:
+    if isinstance(state, dict):
+        if isinstance(state.get("step"), int):
+            return state["step"]
+        for value in state.values():
+            found = _find_step(value)
+            if found is not None:
+                return found
+    return None

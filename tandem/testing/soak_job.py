@@ -1,0 +1,211 @@
+"""The job a soak runs (``tandem run --elastic -m tandem.testing.soak_job``):
+a Trainer on an MLP over an indexed dataset, under DDP, ZeRO-2 or fully_shard,
+that writes what the soak checks (:mod:`tandem.testing.soak`).
+
+Every process appends events to ``$SOAK_DIR/events-<pid>.jsonl``, one JSON line
+each (a killed process may leave its last line cut; the reader skips it):
+
+- ``batch``: the generation, step, epoch, rank and world size of a step's
+  attempt, and the dataset indices it trained on this rank;
+- ``commit``: a step committed (the optimizer stepped), with the time; a
+  step's first forward (``forward``) is timed too;
+- ``done``: the step count and the world changes this process went through.
+
+Faults on purpose (``SOAK_KILLS``, JSON): ``[{"member": "2", "step": 5,
+"phase": "forward"}, ...]``: the process of that elastic member SIGKILLs itself
+in that step's forward, in its backward while the gradient reductions run
+(``backward``), after the optimizer's update (``step``), inside a checkpoint
+save (``save``), in the world's rebuild after a regroup (``regroup``: the step
+is the one the job goes on from), or, for a replacement (``"member": "j1"``),
+as soon as it is admitted (``join``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+FEATURES, HIDDEN = 32, 256
+
+
+class Indexed(Dataset):
+    """Samples whose targets carry their index, so that the soak sees which were trained."""
+
+    def __init__(self, size: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        # float64: the soak compares with one process after thousands of steps, where
+        # float32's rounding (sums in another order) would hide a real difference.
+        self.x = torch.randn(size, FEATURES, generator=g, dtype=torch.float64)
+        self.y = torch.randn(size, 2, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
+        return self.x[i], (self.y[i], i)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, 2)).double()
+
+
+def make_optimizer(params: Any, lr: float = 0.05) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def loss_of(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((outputs - y) ** 2).mean()
+
+
+class Events:
+    """This process's event file."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = (directory / f"events-{os.getpid()}.jsonl").open("a", buffering=1)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"e": kind, "t": time.time(), **fields}) + "\n")
+
+
+class Commits:
+    """The Trainer's scheduler slot, stepped once per committed step: records it."""
+
+    def __init__(self, on_commit: Any) -> None:
+        self._on_commit = on_commit
+
+    def step(self) -> None:
+        self._on_commit()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def main() -> None:
+    import tandem
+    from tandem import Trainer, TrainerConfig
+
+    out = Path(os.environ["SOAK_DIR"])
+    strategy = os.environ.get("SOAK_STRATEGY", "ddp")
+    kills = json.loads(os.environ.get("SOAK_KILLS", "[]"))
+    events = Events(out)
+    tandem.init()
+    trainer: Trainer | None = None
+
+    def member() -> str:
+        return trainer._elastic.membership.member if trainer is not None and trainer._elastic else "?"
+
+    def generation() -> int:
+        return trainer._elastic.membership.generation.number if trainer is not None and trainer._elastic else -1
+
+    def kill_if(phase: str, step: int | None = None) -> None:
+        if trainer is None:
+            return
+        step = trainer.state.step if step is None else step
+        if any(k["member"] == member() and k["phase"] == phase and k["step"] == step for k in kills):
+            events.write("killed", member=member(), phase=phase, step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    joined = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
+    if joined:
+        from tandem.comm import group_record
+        record = group_record.current()
+        me = record.elastic.member if record is not None and record.elastic is not None else "?"
+        if any(k["member"] == me and k["phase"] == "join" for k in kills):
+            events.write("killed", member=me, phase="join", step=-1)
+            os.kill(os.getpid(), signal.SIGKILL)  # admitted, then gone before the state arrives
+
+    def loss_fn(outputs: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        y, idx = targets
+        assert trainer is not None
+        events.write("batch", gen=generation(), step=trainer.state.step, epoch=trainer.state.epoch,
+                     rank=trainer.rank, world=trainer.world_size, idx=idx.tolist())
+        return loss_of(outputs, y)
+
+    model = make_model()
+    wrapped: nn.Module = model
+    if strategy == "fsdp":
+        fully_shard = tandem.fully_shard
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, min_unit_bytes=0)
+        fully_shard(model)
+        optimizer: torch.optim.Optimizer = make_optimizer(model.parameters())
+    elif strategy == "zero2":
+        wrapped = tandem.DistributedDataParallel(model, zero_stage=2)
+        optimizer = tandem.ZeroOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9)
+    elif strategy == "ddp":
+        optimizer = make_optimizer(model.parameters())
+    else:
+        raise ValueError(f"SOAK_STRATEGY must be ddp, zero2 or fsdp, got {strategy!r}")
+
+    def on_forward(module: nn.Module, inputs: Any) -> None:
+        assert trainer is not None
+        events.write("forward", gen=generation(), step=trainer.state.step)
+        kill_if("forward")
+
+    def on_grad(grad: torch.Tensor) -> torch.Tensor:
+        kill_if("backward")  # the first layer's gradient: the later layers' reductions are under way
+        return grad
+
+    def on_commit() -> None:
+        assert trainer is not None
+        events.write("commit", gen=generation(), step=trainer.state.step)
+        kill_if("step")
+
+    model.register_forward_pre_hook(on_forward)
+    if strategy == "fsdp":
+        model[0].register_forward_hook(lambda m, i, o: (o.register_hook(on_grad), o)[1])
+    else:
+        model[0].weight.register_hook(on_grad)
+
+    config = TrainerConfig(batch_size=int(os.environ.get("SOAK_BATCH", "16")), epochs=1_000,
+                           max_steps=int(os.environ["SOAK_STEPS"]), progress=False, plot=False,
+                           log_every=50, resume=False, output_dir=out / "run",
+                           checkpoint_every=int(os.environ.get("SOAK_CHECKPOINT_EVERY", "0")),
+                           keep_checkpoints=1)
+    trainer = Trainer(wrapped, optimizer, Indexed(int(os.environ.get("SOAK_SAMPLES", "1536"))), loss_fn,
+                      scheduler=Commits(on_commit), config=config)
+    elastic = trainer._elastic
+    if elastic is not None:
+        own_shard = elastic.own_shard
+
+        def own_shard_or_die() -> Any:  # the first thing a rebuild does: Note [elastic trainer]
+            kill_if("regroup")
+            return own_shard()
+        elastic.own_shard = own_shard_or_die  # type: ignore[method-assign]
+    save = trainer._checkpoints.save
+
+    def save_or_die(*args: Any, **kwargs: Any) -> Any:
+        assert trainer is not None
+        if any(k["member"] == member() and k["phase"] == "save" and k["step"] == trainer.state.step
+               for k in kills):
+            # Killed from another thread a moment into the save, not before it starts.
+            threading.Timer(0.002, kill_if, args=("save", trainer.state.step)).start()
+        return save(*args, **kwargs)
+    trainer._checkpoints.save = save_or_die  # type: ignore[method-assign]
+
+    trainer.fit()
+    trainer.export(out / "final.pt")
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
+    digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in local))
+    events.write("done", member=member(), rank=trainer.rank, world=trainer.world_size, step=trainer.state.step,
+                 params=digest.hexdigest()[:16], changes=[c.record() for c in trainer.world_changes])
+    tandem.shutdown()
+
+
+if __name__ == "__main__":
+    main()
