@@ -16,7 +16,11 @@ dataset, with the original's batch size, collate function, workers, pinning,
   last ``R * ceil(n / R) - n`` positions repeating samples from the start of the
   epoch's order, as torch's sampler and Accelerate's ``even_batches`` do, so no
   rank waits in a collective for a batch that never comes.
-  :func:`gather_for_metrics` drops exactly those repeats.
+  :func:`gather_for_metrics` drops exactly those repeats. After an elastic
+  world change in the middle of an epoch the rest is split without padding
+  instead (Note [exact split] in tandem/data/split.py): every rank still gets
+  the same number of batches (an empty one where it has no sample left), and
+  :attr:`DistributedLoader.batch_weight` says how much each counts.
 - Each ``iter(loader)`` starts the next epoch: the first iteration yields epoch
   0, the k-th epoch k - 1, as if ``sampler.set_epoch`` had been called before
   each (the classic pitfall of a forgotten ``set_epoch`` cannot happen).
@@ -37,12 +41,12 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from tandem._tree import iter_tensors, to_device
 from tandem.comm.group import GroupComm
+from tandem.data.batches import PlannedBatch, empty_batch, planned_batches
 from tandem.data.metrics import Samples, gather_samples
 from tandem.data.sampler import DistributedSampler
+from tandem.data.split import RestSplit
 
 __all__ = ["DistributedLoader", "LoaderSpec", "distributed_loader", "gather_for_metrics", "loader_spec"]
-
-_END = object()  # the end of a DataLoader's iterator (a batch may be anything, None included)
 
 
 @dataclass(frozen=True)
@@ -139,12 +143,15 @@ class DistributedLoader:
         self._epoch = 0
         self._fresh = True     # the sampler is set for _epoch, and no iteration has used it yet
         self._yielded = 0      # samples this rank received in the current iteration
-        self._remaining = self.sampler.dataset_size  # positions of the epoch left at its start
+        self._split = self._new_split()  # the current iteration's global batches (Note [exact split])
+        self._index = 0        # global batches of _split yielded so far
+        self._weight = 1.0     # the weight of the batch yielded last
         # Note [elastic prepare] in tandem/elastic/loop.py: an elastic loop's position.
         self._active = False   # an iteration started and has not reached its end
         self._committed = 0    # positions of _epoch that the job's committed steps consumed
         self._resplit = False  # the world changed: the iteration goes on from _committed
         self.before_batch: Callable[[], None] | None = None  # an elastic loop's step boundary
+        self.on_weight: Callable[[float], None] | None = None  # told each batch's weight (Note [exact split])
 
     @property
     def dataset(self) -> Any:
@@ -173,13 +180,22 @@ class DistributedLoader:
     def remaining(self) -> int:
         """Samples of the dataset the current iteration covers, all ranks together
         (the dataset size, less a resume position)."""
-        return self._remaining
+        return self.sampler.dataset_size - self._split.start
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
+    @property
+    def batch_weight(self) -> float:
+        """How many times the gradient of the batch yielded last counts in DDP's
+        mean over the ranks: 1.0, except in the last batch of an epoch split
+        exactly after a world change, whose ranks' batches differ in size
+        (Note [exact split] in tandem/data/split.py). :attr:`on_weight` is told it."""
+        return self._weight
+
+    def set_epoch(self, epoch: int, start: int = 0, *, exact: bool = False) -> None:
         """Make the next iteration yield ``epoch``, after the first ``start`` samples
-        the whole job consumed (see :meth:`tandem.DistributedSampler.set_epoch`);
-        later iterations continue with ``epoch + 1``, ``epoch + 2``, ... from their start."""
-        self.sampler.set_epoch(epoch, start)
+        the whole job consumed (see :meth:`tandem.DistributedSampler.set_epoch`,
+        and its ``exact``); later iterations continue with ``epoch + 1``,
+        ``epoch + 2``, ... from their start."""
+        self.sampler.set_epoch(epoch, start, exact=exact)
         self._epoch = epoch
         self._fresh = True
 
@@ -195,36 +211,50 @@ class DistributedLoader:
         self._active, self._resplit = True, False
         return self._batches(self._start_split())
 
-    def _start_split(self) -> Iterator[Any]:
-        """The DataLoader's iterator over what the sampler is set to; counts restart."""
-        self._yielded = 0
-        self._remaining = self.sampler.dataset_size - self.sampler.start
-        self._committed = self.sampler.start
-        return iter(self.loader)
+    def _new_split(self) -> RestSplit:
+        return self.sampler.split(self.batch_size, self.drop_last)
 
-    def _batches(self, batches: Iterator[Any]) -> Iterator[Any]:
-        share, index = len(self.sampler), 0
+    def _start_split(self) -> Iterator[PlannedBatch]:
+        """This rank's batches of what the sampler is set to; counts restart."""
+        self._yielded, self._index = 0, 0
+        self._split = self._new_split()
+        self._committed = self.sampler.start
+        return planned_batches(iter(self.loader), self._split, self.sampler.rank, self._empty_batch)
+
+    def _empty_batch(self) -> Any:
+        return empty_batch(self.loader.collate_fn, self.dataset)
+
+    def _batches(self, batches: Iterator[PlannedBatch]) -> Iterator[Any]:
         while True:
             if self.before_batch is not None:  # may change the world, and so set _resplit
                 self.before_batch()
             if self._resplit:  # Note [elastic prepare]: the rest of the epoch, over the new world
                 self._resplit = False
-                self.sampler.set_epoch(self._epoch, self._committed)
-                batches, share, index = self._start_split(), len(self.sampler), 0
-            batch = next(batches, _END)
-            if batch is _END:
+                # Note [exact split]: mid-epoch, the rest is split without padding.
+                self.sampler.set_epoch(self._epoch, self._committed, exact=self._committed > 0)
+                batches = self._start_split()
+            planned = next(batches, None)
+            if planned is None:
                 self._active = False
+                self._set_weight(1.0)
                 return
-            index += 1
-            self._yielded = min(index * self.batch_size, share)
+            self._index += 1
+            self._yielded += planned.count
+            self._set_weight(planned.weight)
+            batch = planned.batch
             yield batch if self.device is None else to_device(batch, self.device)
+
+    def _set_weight(self, weight: float) -> None:
+        self._weight = weight
+        if self.on_weight is not None:
+            self.on_weight(weight)
 
     # ------------------------------------------------------------------ an elastic loop
     def commit(self) -> None:
         """A step of an elastic loop committed: what this iteration yielded so far,
         on every rank, is consumed (Note [elastic prepare])."""
         if self._active:
-            consumed = self.sampler.start + self.sampler.num_replicas * self._yielded
+            consumed = self._split.consumed_after(self._index)
             self._committed = min(consumed, self.sampler.dataset_size)
 
     @property
@@ -234,7 +264,9 @@ class DistributedLoader:
 
     def position(self) -> tuple[int, int]:
         """``(epoch, start)`` that a replacement's loader takes up: where this
-        loader's iteration in progress goes on, else where its next one starts."""
+        loader's iteration in progress goes on, else where its next one starts.
+        A replacement takes up a ``start`` past 0 with ``exact``, as this loader
+        goes on after the world changed (Note [exact split])."""
         if self._active:
             return self._epoch, self._committed
         if self._fresh:
@@ -244,11 +276,12 @@ class DistributedLoader:
     def regroup(self, num_replicas: int, rank: int) -> None:
         """Split over a new world (an elastic job's changed, Note [elastic prepare]):
         an iteration in progress goes on, from its next batch, with the positions
-        that its committed steps did not consume; a later one splits its whole epoch."""
+        that its committed steps did not consume; a later one splits its whole
+        epoch. Past the start of an epoch, the rest is split exactly (Note [exact split])."""
         old = self.sampler
         sampler = DistributedSampler(cast(Sized, self.dataset), num_replicas=num_replicas, rank=rank,
                                      shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last)
-        sampler.set_epoch(old.epoch, old.start)
+        sampler.set_epoch(old.epoch, old.start, exact=old.start > 0)
         self.loader = _loader_over(self.loader, self.batch_size, sampler)
         self.sampler = sampler
         self._resplit = self._active
@@ -291,6 +324,11 @@ def gather_for_metrics(values: Samples, loader: DistributedLoader,
             the ranks' values differ in rows, shapes or kinds (on every rank).
     """
     rows = _rows(values)
+    if loader.sampler.exact:
+        raise RuntimeError(
+            f"gather_for_metrics (rank {loader.sampler.rank}): the loader's epoch was split again after "
+            "a world change, without padding (Note [exact split] in tandem/data/split.py), so the ranks "
+            "hold different numbers of samples; gather over an iteration that started in this world")
     if rows > loader.yielded:
         raise ValueError(
             f"gather_for_metrics (rank {loader.sampler.rank}): values hold {rows} rows, but the loader "

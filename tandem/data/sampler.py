@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from tandem.data.split import RestSplit
+
 __all__ = ["DistributedSampler"]
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,11 @@ logger = logging.getLogger(__name__)
 # start / R samples: a resumed run is bit-identical to one that never stopped.
 # At a different R every sample not yet consumed is still yielded exactly once,
 # plus fewer than R padding samples (or, with drop_last, fewer than R dropped).
+# That is the split for a loop that only knows a sampler: every rank gets as
+# many samples, so none waits in a collective for a batch that never comes.
+# tandem's own loaders split the rest after an elastic world change exactly
+# instead (``exact=True``: no padding, Note [exact split] in split.py), and make
+# up for the uneven shares themselves.
 
 
 def _epoch_order(size: int, *, shuffle: bool, seed: int, epoch: int) -> list[int]:
@@ -55,21 +62,25 @@ def _epoch_order(size: int, *, shuffle: bool, seed: int, epoch: int) -> list[int
     return torch.randperm(size, generator=generator).tolist()
 
 
-def _remaining_length(size: int, start: int, num_replicas: int, drop_last: bool) -> int:
+def _remaining_length(size: int, start: int, num_replicas: int, drop_last: bool,
+                      exact: bool = False) -> int:
     """How many positions are left after ``start``, padded or cut to a multiple of
-    ``num_replicas`` (see Note [resume position])."""
+    ``num_replicas`` (see Note [resume position]); with ``exact``, never padded."""
     left = size - start
     if drop_last:
         return left - left % num_replicas
+    if exact:
+        return left
     return left + (-left) % num_replicas
 
 
 def _remaining_positions(order: Sequence[int], start: int, num_replicas: int,
-                         drop_last: bool) -> list[int]:
+                         drop_last: bool, exact: bool = False) -> list[int]:
     """The rest of the epoch's global order after ``start``, padded or cut to a
-    multiple of ``num_replicas`` (see Note [resume position])."""
+    multiple of ``num_replicas`` (see Note [resume position]), or with ``exact``
+    only cut (Note [exact split] in split.py)."""
     remaining = list(order[start:])
-    total = _remaining_length(len(order), start, num_replicas, drop_last)
+    total = _remaining_length(len(order), start, num_replicas, drop_last, exact)
     if total <= len(remaining):
         return remaining[:total]
     # Padding is only needed when something is left, so ``order`` is not empty here.
@@ -147,6 +158,7 @@ class DistributedSampler(Sampler[int]):
                 "would yield nothing; check the dataset (len(dataset) == 0)")
         self._epoch = 0
         self._start = 0
+        self._exact = False
         logger.debug("DistributedSampler: rank %d of %d, %d samples, shuffle=%s, seed=%d, "
                      "drop_last=%s", self._rank, self._num_replicas, self._dataset_size,
                      self._shuffle, self._seed, self._drop_last)
@@ -161,6 +173,12 @@ class DistributedSampler(Sampler[int]):
         """Positions of this epoch's global order already consumed by the whole
         job before this iteration (see Note [resume position])."""
         return self._start
+
+    @property
+    def exact(self) -> bool:
+        """Whether the rest of this epoch is split without padding (Note [exact
+        split] in tandem/data/split.py): set by :meth:`set_epoch`."""
+        return self._exact
 
     @property
     def num_replicas(self) -> int:
@@ -192,7 +210,7 @@ class DistributedSampler(Sampler[int]):
         """Whether the uneven tail is dropped rather than padded."""
         return self._drop_last
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
+    def set_epoch(self, epoch: int, start: int = 0, *, exact: bool = False) -> None:
         """Choose the epoch to yield and, to resume it, how much of it is done.
 
         Args:
@@ -203,6 +221,16 @@ class DistributedSampler(Sampler[int]):
                 epoch's global order. 0 for a fresh epoch. At the same world
                 size use a multiple of ``num_replicas`` (``steps * batch_size *
                 num_replicas``) to continue exactly where the job stopped.
+            exact: split the rest without padding (Note [exact split] in
+                tandem/data/split.py): every sample left is yielded once and
+                none twice, but the ranks' shares differ by up to one sample.
+                For tandem's loaders after an elastic world change, which give
+                a rank left short an empty batch and weigh the uneven ones.
+
+        .. warning:: With ``exact``, a plain DataLoader over this sampler may
+            give one rank a batch fewer than another, and DDP then waits for it
+            forever; iterate it through :class:`tandem.data.loader.DistributedLoader`
+            or the Trainer, which keep the ranks' batch counts equal.
 
         Raises:
             ValueError: ``start`` is negative or larger than the dataset.
@@ -217,10 +245,11 @@ class DistributedSampler(Sampler[int]):
                 "together, or start the next epoch with set_epoch(epoch + 1) if it is finished")
         self._epoch = epoch
         self._start = start
+        self._exact = bool(exact)
         if start:
             logger.info("DistributedSampler (rank %d of %d): resuming epoch %d after %d of %d "
-                        "samples", self._rank, self._num_replicas, epoch, start,
-                        self._dataset_size)
+                        "samples%s", self._rank, self._num_replicas, epoch, start,
+                        self._dataset_size, ", split exactly" if exact else "")
 
     def __iter__(self) -> Iterator[int]:
         size = _dataset_length(self.dataset)
@@ -230,14 +259,30 @@ class DistributedSampler(Sampler[int]):
                 f"samples at construction and has {size} now; build a new sampler after "
                 "changing the dataset")
         order = _epoch_order(size, shuffle=self._shuffle, seed=self._seed, epoch=self._epoch)
-        positions = _remaining_positions(order, self._start, self._num_replicas, self._drop_last)
+        positions = _remaining_positions(order, self._start, self._num_replicas, self._drop_last,
+                                         self._exact)
         return iter(positions[self._rank::self._num_replicas])
 
     def __len__(self) -> int:
         """Number of samples this rank yields for the current epoch and start."""
-        total = _remaining_length(self._dataset_size, self._start, self._num_replicas,
-                                  self._drop_last)
-        return total // self._num_replicas
+        return len(range(self._rank, self._total(), self._num_replicas))
+
+    def _total(self) -> int:
+        """Positions the ranks yield together, from :attr:`start`."""
+        return _remaining_length(self._dataset_size, self._start, self._num_replicas, self._drop_last,
+                                 self._exact)
+
+    def split(self, batch_size: int, drop_last: bool = False) -> RestSplit:
+        """What the ranks yield from :attr:`start`, cut into global batches of
+        ``batch_size`` per rank (Note [exact split] in tandem/data/split.py).
+
+        Args:
+            batch_size: samples per rank per batch.
+            drop_last: a DataLoader's ``drop_last``: a last global batch that is
+                not full is dropped on every rank.
+        """
+        return RestSplit(start=self._start, length=self._total(), world=self._num_replicas,
+                         batch_size=batch_size, drop_last=drop_last)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this sampler stands, for a checkpoint: ``epoch``, ``start``, and

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from tandem._compat import enter_ddp_forward, exit_ddp_forward, not_traced
 from tandem._tree import to_device
 from tandem.comm.group import GroupComm
+from tandem.ddp.batch_weight import check_batch_weight, weigh_gradients
 from tandem.ddp.checks import NonFinite, NonFiniteReport, check_tensor_parallel
 from tandem.ddp.compile import split_hint
 from tandem.ddp.fused import FusedOptimizer, ShardedStepSource, check_fusable, patch_step, unpatch_step
@@ -206,6 +207,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by the join hook
+        self._batch_weight = 1.0  # Note [batch weight] in batch_weight.py
 
         self._init_sync_buffers = init_sync_buffers
         if init_sync:
@@ -325,6 +327,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _post_forward(self, output: Any, join_work: Any, outer_ddp: Any) -> Any:
         if self._split_hint is not None:
             exit_ddp_forward(outer_ddp)
+        if self._batch_weight != 1.0 and torch.is_grad_enabled():
+            weigh_gradients(output, self._batch_weight)  # Note [batch weight] in batch_weight.py
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             if self._reducer is not None:
@@ -343,6 +347,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         return int(join_work.result()[0].item())
 
     # ------------------------------------------------------------------ toggles
+    @property
+    def batch_weight(self) -> float:
+        """How many times this rank's gradients of the forwards that follow count
+        in the mean over the ranks (Note [batch weight] in batch_weight.py): 1.0,
+        torch's plain mean, unless batches of unequal sizes are weighed by
+        ``n_rank * world_size / global_batch_size``. A prepared elastic loader
+        sets it for each batch; the weights assume a loss that is a mean over
+        the batch."""
+        return self._batch_weight
+
+    @batch_weight.setter
+    def batch_weight(self, weight: float) -> None:
+        self._batch_weight = check_batch_weight(weight, self._comm.rank)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first synchronised backward after the

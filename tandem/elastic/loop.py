@@ -26,8 +26,14 @@ The pieces are the Trainer's, placed where that loop already calls in:
    the job has now consumed (``DistributedLoader.commit``).
 3. The loaders: an iteration in progress goes on, at its next batch, with the
    positions of its epoch that no committed step consumed, split over the new
-   world: the dropped step's samples come again, each once, to the new world,
-   and nothing is seen twice (Note [resume position] in tandem/data/sampler.py).
+   world without padding: the dropped step's samples come again, each once, to
+   the new world, and nothing is seen twice (Note [exact split] in
+   tandem/data/split.py). The ranks still get the same number of batches (an
+   empty one where a rank has no sample left), and in the last one, where
+   their sizes differ, each loader tells the model its batch's weight
+   (``DistributedLoader.on_weight`` -> ``batch_weight``, Note [batch weight] in
+   tandem/ddp/batch_weight.py), so that the step's gradient is the mean loss's
+   over the global batch.
 4. A replacement (``TANDEM_ELASTIC_JOIN=1``) runs the same script: its
    ``tandem.init()`` waits to be admitted. The members admit it after a step
    decided ``grow``, when the loader they train from is asked for its next
@@ -118,10 +124,12 @@ class ElasticLoop:
         model.set_failure_handler(self._record)
         for loader in self.loaders:
             loader.before_batch = functools.partial(self._before_batch, loader)
+            loader.on_weight = self._weigh  # Note [exact split] in tandem/data/split.py
         if run.needs_state:
             self._share_state()
             for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
-                loader.set_epoch(epoch, start)
+                # Mid-epoch the members split the rest exactly (DistributedLoader.regroup): so does this rank.
+                loader.set_epoch(epoch, start, exact=start > 0)
             self._received = self.state.extra["objects"]
             run.needs_state = False
         run.step_started()
@@ -181,6 +189,11 @@ class ElasticLoop:
                 self._change_world(None, in_step=False)
         self.run.step_started()
         return True, result
+
+    def _weigh(self, weight: float) -> None:
+        """A loader yields a batch of this weight: the model's next forwards count so
+        (Note [batch weight] in tandem/ddp/batch_weight.py)."""
+        self.model.batch_weight = weight
 
     def _before_batch(self, loader: DistributedLoader) -> None:
         """A loader is about to fetch a batch: the step boundary where replacements join."""

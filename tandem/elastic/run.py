@@ -15,8 +15,11 @@ flight, and nothing is read from disk:
    and broadcasts rank 0's), the sampler and the loaders.
 3. The epoch goes on from ``state.consumed``, the positions of the epoch's
    global order that committed steps used: the sampler splits the rest over the
-   new world (Note [resume position] in tandem.data.sampler), so no sample is
-   lost or seen twice. The dropped step is redone by the new world.
+   new world without padding (Note [exact split] in tandem/data/split.py), so no
+   sample is lost or seen twice; a rank left with none in the last step trains
+   an empty batch, and that step's uneven batches are weighed in the loss so
+   that it equals one process on its global batch. The dropped step is redone
+   by the new world.
 4. A replacement asks to join; the member that completes a step's count sees
    it and decides ``grow``. After that step every member, and the replacement,
    enter the next generation; rank 0 (a member that trained all along) sends

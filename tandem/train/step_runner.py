@@ -65,8 +65,11 @@ class StepRunner:
         """Whether records count the steps skipped for NaN/Inf gradients."""
         return self.guard is not None or self.config.nonfinite is not None
 
-    def run(self, micro_batches: list[Any], loss_mean: RunningMean) -> StepResult:
-        """One optimizer step over ``micro_batches`` (their losses go into ``loss_mean``)."""
+    def run(self, micro_batches: list[Any], loss_mean: RunningMean,
+            weights: list[float] | None = None) -> StepResult:
+        """One optimizer step over ``micro_batches`` (their losses go into ``loss_mean``),
+        each counting ``weights[i]`` times in the mean over the ranks (default 1:
+        Note [exact split] in tandem/data/split.py)."""
         samples = 0
         self.in_step = True
         if self._elastic is not None:
@@ -77,9 +80,15 @@ class StepRunner:
                 with self.autocast():
                     loss = self.loss_fn(self.model(inputs), targets)
                 n = batch_len(targets)
-                loss_mean.update(loss, weight=n)
+                if n:  # an empty batch (Note [exact split]) has a loss of 0/0
+                    loss_mean.update(loss, weight=n)
                 # Note [equal to one process] in trainer.py: micro-batches weigh by their count.
                 scaled = loss / len(micro_batches)
+                weight = 1.0 if weights is None else weights[i]
+                if weight != 1.0:
+                    # Note [exact split]: ranks' batches of unequal sizes; every strategy
+                    # averages over the ranks, so weighing the loss covers DDP, ZeRO and fully_shard.
+                    scaled = scaled * weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             samples += n
         if self._elastic is not None:

@@ -20,7 +20,11 @@ ranks with batch B consumes positions [iRB, (i+1)RB) of the epoch's order: the
 same samples as step i of one process with batch RB. Micro-batches accumulated
 under no_sync divide their loss by their count, so accumulation adds nothing
 either. Hence R ranks train like one process on the global batch, which the
-tests check to 1e-6 (for models without batch statistics).
+tests check to 1e-6 (for models without batch statistics). After an elastic
+world change in the middle of an epoch the rest is split without padding, and
+the one global batch whose ranks' batches differ in size weighs each rank's
+loss by n_r * R / N (Note [exact split] in tandem/data/split.py): still one
+process on the global batch, each sample once.
 
 The Trainer is one class (here: construction, ``fit``, epochs, evaluation, a
 changing world) whose collaborators own their work: :class:`StepRunner`
@@ -51,6 +55,8 @@ from tandem._tree import to_device
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import Generation
 from tandem.data import DistributedSampler, gather_samples
+from tandem.data.batches import empty_batch, planned_batches
+from tandem.data.split import RestSplit
 from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
@@ -154,6 +160,10 @@ class Trainer:
                                   device=self.device, rank=self.rank, scaler=self.scaler,
                                   scaled=self._scaled(), guard=self._nonfinite_guard(),
                                   autocast=self._autocast, elastic=run)
+        # Note [exact split] in tandem/data/split.py: the world changed in this epoch, so a
+        # rest past its start is split without padding; and the split being trained.
+        self._exact_rest = False
+        self._split: RestSplit | None = None
         self._elastic = None if run is None else ElasticWorld(run, self.model, optimizer, self.state,
                                                                self._checkpoints, sharded=zero or fsdp)
 
@@ -260,6 +270,7 @@ class Trainer:
                 self._restore_shards(None)
             self._elastic.share_state()
             self._elastic.run.needs_state = False
+            self._exact_rest = True  # as the members after the change it joins in
         else:
             resumed_from = self._checkpoints.resume(self.rank, self._share_all) if cfg.resume else None
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
@@ -286,6 +297,7 @@ class Trainer:
                     if self._epoch_done():
                         self.state.epoch += 1
                         self.state.consumed = 0
+                        self._exact_rest = False
                         self._evaluate_into(history, progress)
                     checkpoint = self._save(history)
                 except Exception as e:
@@ -313,17 +325,23 @@ class Trainer:
     def _train_epoch(self, history: History, progress: Progress) -> None:
         """Train the rest of ``state.epoch``, or up to max_steps."""
         cfg, state = self.config, self.state
-        self.sampler.set_epoch(state.epoch, start=state.consumed)
+        if state.consumed >= self.sampler.dataset_size:
+            return  # the world changed after the epoch's last step: nothing is left
+        # Note [exact split] in tandem/data/split.py: after a world change, the rest without padding.
+        self.sampler.set_epoch(state.epoch, start=state.consumed, exact=self._exact_rest and state.consumed > 0)
+        split = self._split = self.sampler.split(cfg.batch_size)
         self.model.train()
         window = Window()
-        batches = iter(self.train_loader)
-        while micro_batches := list(islice(batches, cfg.grad_accum)):
+        batches = planned_batches(iter(self.train_loader), split, self.rank, self._empty_batch)
+        done = 0  # global batches of the split trained
+        while planned := list(islice(batches, cfg.grad_accum)):
             started = time.perf_counter()
-            step = self._runner.run(micro_batches, window.loss)
-            window.add(step.samples * self.world_size, time.perf_counter() - started, step.comm_wait,
-                       step.grad_norm, step.skipped if self._runner.counts_skips else None)
+            step = self._runner.run([p.batch for p in planned], window.loss, [p.weight for p in planned])
+            window.add(sum(split.size_of(p.index) for p in planned), time.perf_counter() - started,
+                       step.comm_wait, step.grad_norm, step.skipped if self._runner.counts_skips else None)
+            done += len(planned)
             state.step += 1
-            state.consumed += step.samples * self.world_size
+            state.consumed = split.consumed_after(done)
             self._refresh_buddy()
             progress.advance()
             if state.step % cfg.log_every == 0:
@@ -339,7 +357,12 @@ class Trainer:
                 return  # fit() admits the replacements before the next step
 
     def _epoch_done(self) -> bool:
-        return self.state.consumed >= self._loaders.samples_per_rank * self.world_size
+        consumed = self.state.consumed
+        return consumed >= self.sampler.dataset_size or (self._split is not None and consumed >= self._split.end)
+
+    def _empty_batch(self) -> Any:
+        """The batch of a rank with no sample left in a step (Note [exact split] in tandem/data/split.py)."""
+        return empty_batch(self.train_loader.collate_fn, self.train_data)
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate_into(self, history: History, progress: Progress) -> None:
@@ -410,6 +433,7 @@ class Trainer:
                     self.optimizer.reset_process_group()  # type: ignore[attr-defined]
                 resumed = self._restore_shards(own)
             self._loaders = self._new_loaders()
+            self._exact_rest = True  # Note [exact split] in tandem/data/split.py
             if after.joined_since(before):
                 elastic.share_state()
             self._refresh_buddy()  # copies for the new world, before its first step
