@@ -20,7 +20,8 @@ from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
-__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "below_prefixes", "elastic_membership", "enter_generation", "join_elastic", "job_store"]
+__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "below_prefixes", "elastic_membership", "enter_generation",
+           "join_elastic", "job_store"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
