@@ -63,7 +63,8 @@ class SoakPlan:
     workers: int = 4
     """Processes of the job's first world."""
     steps: int = 200
-    """Optimizer steps the job trains."""
+    """Optimizer steps the job trains; with ``every_s``, it stops instead a
+    couple of seconds after the last random kill."""
     every_s: float | None = None
     """Kill a random worker about this often (None: only ``kills``)."""
     failures: int = 0
@@ -163,7 +164,7 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) ->
         deadline = time.monotonic() + plan.every_s * rng.uniform(0.5, 1.5)
         while time.monotonic() < deadline and launcher.poll() is None:
             time.sleep(0.05)
-        if _trained_all(out, plan.steps):
+        if _trained_all(out):
             break
         workers = _children(launcher.pid)
         if not workers:
@@ -174,10 +175,24 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) ->
             kills.append((time.time(), pid))
         except ProcessLookupError:
             pass
+    if kills and launcher.poll() is None:
+        _stop_soon(out, plan.every_s)
     return kills
 
 
-def _trained_all(out: Path, steps: int) -> bool:
+def _stop_soon(out: Path, every_s: float) -> None:
+    """Tell the job to stop a little after now: at the step its commits reach in
+    about ``every_s`` more seconds of training (Note [soak])."""
+    commits = [e for e in _read_events(out) if e["e"] == "commit"]
+    recent = [e for e in commits if e["t"] > time.time() - 5.0]
+    rate = len({e["step"] for e in recent}) / 5.0
+    last = max(e["step"] for e in commits)
+    tmp = out / "stop.tmp"
+    tmp.write_text(str(last + max(20, int(rate * every_s))))
+    tmp.rename(out / "stop")
+
+
+def _trained_all(out: Path) -> bool:
     return any('"e": "done"' in p.read_text() for p in out.glob("events-*.jsonl"))
 
 
@@ -235,7 +250,7 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     result.steps = last["step"]
     result.changes = next((e["changes"] for e in done if e["rank"] == 0), last["changes"])
     result.attempted = result.steps + sum(c["steps_lost"] for c in result.changes)
-    commits = {}
+    commits: dict[int, dict[str, Any]] = {}
     for e in events:
         if e["e"] == "commit":
             commits.setdefault(e["step"], e)  # the first process to commit a step

@@ -11,6 +11,9 @@ each (a killed process may leave its last line cut; the reader skips it):
   step's first forward (``forward``) is timed too;
 - ``done``: the step count and the world changes this process went through.
 
+It trains ``SOAK_STEPS`` steps, or, once the soak writes a step number into
+``$SOAK_DIR/stop`` (atomically), up to that step: every rank reads the same.
+
 Faults on purpose (``SOAK_KILLS``, JSON): ``[{"member": "2", "step": 5,
 "phase": "forward"}, ...]``: the process of that elastic member SIGKILLs itself
 in that step's forward, in its backward while the gradient reductions run
@@ -22,6 +25,7 @@ as soon as it is admitted (``join``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -55,7 +59,7 @@ class Indexed(Dataset):
         return self.x[i], (self.y[i], i)
 
 
-def make_model() -> nn.Module:
+def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
                          nn.Linear(HIDDEN, 2)).double()
@@ -102,6 +106,7 @@ def main() -> None:
     out = Path(os.environ["SOAK_DIR"])
     strategy = os.environ.get("SOAK_STRATEGY", "ddp")
     kills = json.loads(os.environ.get("SOAK_KILLS", "[]"))
+    steps = int(os.environ["SOAK_STEPS"])
     events = Events(out)
     tandem.init()
     trainer: Trainer | None = None
@@ -161,19 +166,25 @@ def main() -> None:
         kill_if("backward")  # the first layer's gradient: the later layers' reductions are under way
         return grad
 
+    stop = out / "stop"
+
     def on_commit() -> None:
         assert trainer is not None
         events.write("commit", gen=generation(), step=trainer.state.step)
         kill_if("step")
+        if stop.exists() and trainer.config.max_steps == steps:
+            # The soak had its failures: stop at the step it names, the same on every rank.
+            trainer.config = dataclasses.replace(trainer.config, max_steps=int(stop.read_text()))
 
     model.register_forward_pre_hook(on_forward)
     if strategy == "fsdp":
         model[0].register_forward_hook(lambda m, i, o: (o.register_hook(on_grad), o)[1])
     else:
-        model[0].weight.register_hook(on_grad)
+        first: nn.Linear = model[0]  # type: ignore[assignment]
+        first.weight.register_hook(on_grad)
 
-    config = TrainerConfig(batch_size=int(os.environ.get("SOAK_BATCH", "16")), epochs=1_000,
-                           max_steps=int(os.environ["SOAK_STEPS"]), progress=False, plot=False,
+    config = TrainerConfig(batch_size=int(os.environ.get("SOAK_BATCH", "16")), epochs=1_000_000,
+                           max_steps=steps, progress=False, plot=False,
                            log_every=50, resume=False, output_dir=out / "run",
                            checkpoint_every=int(os.environ.get("SOAK_CHECKPOINT_EVERY", "0")),
                            keep_checkpoints=1)
