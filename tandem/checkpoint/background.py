@@ -19,6 +19,7 @@ from collections.abc import Callable
 from enum import Enum, auto
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from tandem.checkpoint.agree import describe, gather, group_comm, raise_failures
@@ -100,8 +101,16 @@ class BackgroundWrite:
             f"rank {self.rank}: the background save of {path} failed: {describe(error)}")
         if own is not None:
             own.__cause__ = error
-        outcomes = gather(group_comm(self._group), {"error": describe(error)}, "background checkpoint")
-        raise_failures(self.rank, outcomes, own, f"the background save of {path} failed", CheckpointError)
+        comm = group_comm(self._group)
+        if comm is not None and comm.size > 1:
+            # One flag, not the messages: the messages are gathered only when a write failed.
+            failed = torch.tensor([0 if error is None else 1], device=comm.device)
+            comm.all_reduce(failed, tag="background checkpoint")
+            if failed.item():
+                outcomes = gather(comm, {"error": describe(error)}, "background checkpoint errors")
+                raise_failures(self.rank, outcomes, own, f"the background save of {path} failed", CheckpointError)
+        if own is not None:
+            raise own
         return path
 
     def abandon(self) -> None:

@@ -34,6 +34,7 @@ from tandem.checkpoint.flat import FlatPiece, FlatShard
 __all__ = ["Stager"]
 
 Path = tuple[Any, ...]  # a value's place in the state: its keys and indices
+_ATOMS = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 class Stager:
@@ -66,6 +67,8 @@ class Stager:
         return staged
 
     def _walk(self, value: Any, path: Path, copies: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+        if value is None or type(value) in _ATOMS:  # immutable: a long history stays cheap to stage
+            return value
         if isinstance(value, dict):
             return type(value)((k, self._walk(v, path + (k,), copies)) for k, v in value.items())
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
@@ -88,12 +91,11 @@ class Stager:
                 t.stride()) if t.numel() else None
         if same is not None and same in copies:
             return copies[same]
+        on_gpu = t.device.type == "cuda"
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-            on_gpu = t.device.type == "cuda"
             buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=on_gpu)
             self._buffers[path] = buffer
-        on_gpu = t.device.type == "cuda"
         buffer.copy_(t.detach(), non_blocking=on_gpu)
         self._on_gpu |= on_gpu
         if same is not None:

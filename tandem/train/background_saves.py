@@ -43,8 +43,8 @@ group interleave differently on each rank). The full format's writer issues
 none: its outcome is agreed on the training thread at step 1. The sharded
 format's writer must talk (DCP plans the files across ranks; the commit
 gathers every rank's files before rank 0 writes the marker), so it does so on
-a gloo group of its own, made once, on the training thread of every rank, at
-the first sharded save. A gloo group has its own connections and its own
+a gloo group of its own, made once, on the training thread of every rank, when
+the Trainer is built. A gloo group has its own connections and its own
 queue of work, so its gathers neither pair with nor delay the training's; and
 on it the collectives come in the same order on every rank, because only the
 writer thread uses it and only one save is in flight.
@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
-
 import torch.distributed as dist
 
 from tandem.checkpoint.atomic import atomic_save
@@ -93,7 +91,9 @@ class BackgroundSaves:
         self.state, self.directory, self.format, self._keep = state, directory, fmt, keep
         self._stager = Stager()
         self._write = BackgroundWrite(rank=0)
-        self._group: dist.ProcessGroup | None = None  # the sharded writer's own (made at the first save)
+        # The sharded writer's own group, made now: every rank builds its Trainer, and the
+        # first save does not pay for the group's rendezvous.
+        self._group = _checkpoint_group() if fmt is CheckpointFormat.SHARDED else None
 
     def save(self, rank: int) -> Path:
         """Finish the previous save, stage this one and launch its write (a
@@ -104,7 +104,7 @@ class BackgroundSaves:
         if self.format is CheckpointFormat.SHARDED:
             loop, shards = capture_sharded_state(self.state)
             staged_loop, staged_shards = self._stager.stage((loop, shards))
-            group = self._checkpoint_group()
+            group = self._group
             path = step_directory(self.directory, step)
 
             def write() -> None:
@@ -140,8 +140,10 @@ class BackgroundSaves:
         """On an error path: wait for the save in flight, log its error."""
         self._write.abandon()
 
-    def _checkpoint_group(self) -> Any:
-        """The sharded writer's gloo group (None without torch.distributed)."""
-        if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
-        return self._group
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank for the sharded writer's collectives (None
+    without torch.distributed). A collective."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.new_group(backend="gloo")
+    return None
