@@ -35,6 +35,7 @@ import argparse
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import tandem
@@ -85,6 +86,7 @@ def _run(rank: int, args: argparse.Namespace, mode: str, output_dir: str, data: 
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    warnings.filterwarnings("ignore", "No artists with labels")  # loss.png of a run without records
     codec, train_ids, val_ids = gpt.split_text(gpt.load_text())
     out = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,9 +6,10 @@ state in memory, not for the write.
 What runs where, at a save after step N:
 
 training thread   1. finish the previous save: join its writer thread, and
-                     agree on its outcome in one small gather on the training's
-                     group (a failure on any rank raises on every rank, here,
-                     naming the path, the rank and the error);
+                     agree on its outcome on the training's group (an
+                     all-reduce of a flag; the messages are gathered when it is
+                     set): a failure on any rank raises on every rank, here,
+                     naming the path, the rank and the error;
                   2. capture the state with the collectives of a synchronous
                      save (every rank's RNG state; the full format also
                      gathers a sharded model or ZeRO's shards onto rank 0);
