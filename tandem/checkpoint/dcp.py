@@ -82,8 +82,9 @@ def dcp_writer(state: dict[str, Any], group: dist.ProcessGroup | None,
     rank, world = (comm.rank, comm.size) if comm else (0, 1)
 
     def write(directory: Path) -> list[str]:
-        if before is not None:
-            before(directory)
+        if before is not None:  # agreed: a rank failing here must not leave the others inside dcp.save
+            agree(lambda: before(directory), what=f"writing the own files of {directory}",
+                  error_type=CheckpointError, group=group)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), planner=FlatSavePlanner(),
                  process_group=group, no_dist=comm is None)
         # DCP's last collective follows the coordinator's .metadata: every rank

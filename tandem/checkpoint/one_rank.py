@@ -27,8 +27,8 @@ from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.steps import committed_steps, remove_step_directory, step_directory
 from tandem.comm.group import GroupComm
 
-__all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "remove_checkpoint",
-           "save_checkpoint"]
+__all__ = ["atomic_save", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune_checkpoints",
+           "remove_checkpoint", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,15 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
         remove_step_directory(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def prune_checkpoints(directory: str | os.PathLike[str], keep: int, *, keeping: Path) -> None:
+    """Remove all but the newest ``keep`` checkpoints in ``directory``, never
+    ``keeping`` (the one just saved stays even below newer ones). Local: call it
+    on one rank, once ``keeping`` is complete."""
+    for old in list_checkpoints(directory)[:-keep]:
+        if old != keeping:
+            remove_checkpoint(old)
 
 
 def _distributed(group: dist.ProcessGroup | None) -> bool:

@@ -30,11 +30,13 @@ model at temperature 0.8 with a fixed seed.
 
 The run writes to ``tandem-gpt/``: ``checkpoints/step-*/`` (after every epoch;
 sharded: each rank writes its own shards with torch.distributed.checkpoint),
-``metrics.jsonl`` and ``loss.png``. Run the same command again and it resumes
-from the latest checkpoint (interrupted: exactly where it stopped; finished: it
-only prints the result and a sample). ``--fresh`` starts over, ``--max-steps N`` stops
-early. ``--batch-size`` is per rank; the flags for the model's size
-(``--layers``, ``--embd``, ...) must stay the same across a resume.
+``metrics.jsonl`` and ``loss.png`` (``--checkpoint-every N`` saves every N steps
+too, ``--async-checkpoint`` writes the checkpoints in the background while
+training goes on). Run the same command again and it resumes from the latest
+checkpoint (interrupted: exactly where it stopped; finished: it only prints the
+result and a sample). ``--fresh`` starts over, ``--max-steps N`` stops early.
+``--batch-size`` is per rank; the flags for the model's size (``--layers``,
+``--embd``, ...) must stay the same across a resume.
 """
 
 from __future__ import annotations
@@ -174,6 +176,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=None, help="train on the text's first N characters only")
     p.add_argument("--output-dir", default="tandem-gpt")
     p.add_argument("--max-steps", type=int, default=None, help="stop early (resume later)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also save every N steps (0: after each epoch only)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (TrainerConfig.async_checkpoint)")
     p.add_argument("--fresh", action="store_true", help="delete the output directory first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-chars", type=int, default=300, help="length of the sample printed at the end")
@@ -200,7 +206,8 @@ def build_trainer(args: argparse.Namespace, world: tandem.WorldInfo, codec: Char
         epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=4 * args.batch_size,
         precision=precision_for(args.precision, world.device), max_grad_norm=1.0, output_dir=args.output_dir,
         max_steps=args.max_steps, seed=args.seed, log_every=args.log_every,
-        progress=not args.no_progress)
+        progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
+        async_checkpoint=args.async_checkpoint)
     return tandem.Trainer(model, optimizer, train_set, lm_loss, eval_data=val_set,
                           scheduler=scheduler, config=config)
 

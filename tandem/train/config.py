@@ -88,6 +88,13 @@ class TrainerConfig:
     writes one file holding the whole state in torch's format. None: "sharded"
     for a fully-sharded model or a ZeroOptimizer, "full" otherwise. Resuming reads
     either; ``Trainer.export`` writes the full format on demand."""
+    async_checkpoint: bool = False
+    """Save checkpoints without stopping training for the write: each is copied
+    into host memory (kept between saves: a second copy of the state) and
+    written on a background thread, at most one at a time, as atomically as a
+    synchronous save; a failed write raises at the next save or at the end of
+    ``fit`` (Note [saves in the background] in tandem/train/background_saves.py).
+    Not with ``elastic``."""
     resume: bool = True
     """Continue from the latest checkpoint in ``output_dir`` when there is one."""
     max_steps: int | None = None
@@ -139,6 +146,8 @@ class TrainerConfig:
             object.__setattr__(self, "elastic", ElasticConfig())
         elif self.elastic is not None and not isinstance(self.elastic, (bool, ElasticConfig)):
             raise TypeError(f"elastic must be a bool or an ElasticConfig, got {self.elastic!r}")
+        if not isinstance(self.async_checkpoint, bool):
+            raise ValueError(f"async_checkpoint must be a bool, got {self.async_checkpoint!r}")
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             _check_positive(name, getattr(self, name))

@@ -1,24 +1,62 @@
 """The Trainer's checkpoints: saved after each epoch (and every
 ``checkpoint_every`` steps), pruned, resumed from, exported; whole files on
 one rank, or every rank's shard for sharded models (Note [sharded trainer
-checkpoints] in sharded_checkpoint.py)."""
+checkpoints] in sharded_checkpoint.py); written while training waits, or in
+the background (Note [saves in the background] in background_saves.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from tandem.checkpoint.one_rank import checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, \
-    remove_checkpoint, save_checkpoint
+from tandem.checkpoint.one_rank import checkpoint_name, latest_checkpoint, load_checkpoint, prune_checkpoints, \
+    save_checkpoint
+from tandem.train.background_saves import BackgroundSaves
 from tandem.train.config import CheckpointFormat
 from tandem.train.history import History
 from tandem.train.sharded_checkpoint import load_sharded_state, save_sharded_state
 from tandem.checkpoint.state import TrainingState
 
 __all__ = ["RunCheckpoints"]
+
+
+class Saves(Protocol):
+    """How a run's checkpoints are written: while training waits, or in the background."""
+
+    def save(self, rank: int) -> Path: ...
+    def finish(self) -> Path | None: ...
+    def join(self) -> None: ...
+    def abandon(self) -> None: ...
+
+
+class WaitedSaves:
+    """Saves that training waits for: written, committed and pruned before
+    :meth:`save` returns."""
+
+    def __init__(self, state: TrainingState, directory: Path, fmt: CheckpointFormat, keep: int) -> None:
+        self.state, self.directory, self.format, self._keep = state, directory, fmt, keep
+
+    def save(self, rank: int) -> Path:
+        """Save now (a collective), then prune the oldest on rank 0."""
+        if self.format is CheckpointFormat.SHARDED:
+            path = save_sharded_state(self.state, self.directory)
+        else:
+            path = save_checkpoint(self.state.state_dict(), self.directory / checkpoint_name(self.state.step))
+        if rank == 0:
+            prune_checkpoints(self.directory, self._keep, keeping=path)
+        return path
+
+    def finish(self) -> Path | None:
+        return None
+
+    def join(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
 
 
 class RunCheckpoints:
@@ -30,35 +68,42 @@ class RunCheckpoints:
         fmt: whole files, or every rank's shard.
         keep: how many to keep (the newest).
         device: where a resume loads tensors.
+        background: stage each save in memory and write it on a thread (Note
+            [saves in the background] in background_saves.py).
     """
 
     def __init__(self, state: TrainingState, directory: Path, fmt: CheckpointFormat, keep: int,
-                 device: torch.device) -> None:
-        self.state, self.directory, self.format, self._keep, self._device = state, directory, fmt, keep, device
+                 device: torch.device, *, background: bool = False) -> None:
+        self.state, self.directory, self.format, self._device = state, directory, fmt, device
+        self._saves: Saves = (BackgroundSaves if background else WaitedSaves)(state, directory, fmt, keep)
 
     def latest(self) -> Path | None:
+        self._saves.join()  # a save in flight is listed once it is complete
         return latest_checkpoint(self.directory)
 
     def save(self, history: History, rank: int) -> Path:
-        """Save now (a collective), then prune the oldest on rank 0."""
+        """Save now, or launch the save (a collective); prune the oldest on rank 0."""
         self.state.extra = {"history": history.records}
-        if self.format is CheckpointFormat.SHARDED:
-            path = save_sharded_state(self.state, self.directory)
-        else:
-            path = save_checkpoint(self.state.state_dict(), self.directory / checkpoint_name(self.state.step))
-        if rank == 0:
-            for old in list_checkpoints(self.directory)[:-self._keep]:
-                if old != path:  # the step just saved stays, even below newer ones
-                    remove_checkpoint(old)
-        return path
+        return self._saves.save(rank)
+
+    def finish(self) -> Path | None:
+        """Wait for the save in flight, raising its error on every rank (a
+        collective); the path it committed, or None."""
+        return self._saves.finish()
+
+    def abandon(self) -> None:
+        """On an error path: wait for the save in flight without communicating."""
+        self._saves.abandon()
 
     def export(self, path: str | Path) -> Path:
         """The whole state in one file (see :meth:`tandem.Trainer.export`)."""
+        self.finish()
         return save_checkpoint(self.state.state_dict(), path)
 
     def resume(self, rank: int, share_all: Callable[[Any], list[Any]]) -> Path | None:
         """Load the latest checkpoint, which every rank must see (``share_all``:
         every rank's value, on every rank); None when there is none."""
+        self.finish()
         latest = self.latest()
         seen = share_all(None if latest is None else latest.name)
         if len(set(seen)) > 1:

@@ -48,7 +48,8 @@ from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.zero.dcp_state import zero_dcp_state, zero_load_target
 from tandem.zero.optimizer import ZeroOptimizer
 
-__all__ = ["KIND", "LOOP_FILE", "load_sharded_state", "save_sharded_state"]
+__all__ = ["KIND", "LOOP_FILE", "capture_sharded_state", "load_sharded_state", "save_sharded_state",
+           "write_sharded_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +69,33 @@ def save_sharded_state(state: TrainingState, root: str | Path, *, group: dist.Pr
     Raises:
         tandem.checkpoint.CheckpointError: on every rank, when a rank failed.
     """
-    loop = state.loop_state_dict(group)  # the one gather: every rank's RNG state
-    shards = _dcp_state(state.model, state.optimizer)
+    loop, shards = capture_sharded_state(state, group)
+    return write_sharded_state(loop, shards, root, state.step, group=group)
 
+
+def capture_sharded_state(state: TrainingState, group: dist.ProcessGroup | None = None
+                          ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """What a sharded checkpoint of ``state`` holds: the loop part (on rank 0,
+    None elsewhere) and this rank's DCP state, whose tensors are the live ones
+    (stage them before training goes on: Note [saves in the background] in
+    background_saves.py). A collective: the one gather of every rank's RNG state."""
+    return state.loop_state_dict(group), _dcp_state(state.model, state.optimizer)
+
+
+def write_sharded_state(loop: dict[str, Any] | None, shards: dict[str, Any], root: str | Path, step: int, *,
+                        group: dist.ProcessGroup | None = None) -> Path:
+    """Write what :func:`capture_sharded_state` returned into the committed step
+    directory of ``step`` under ``root``. A collective over ``group``, which
+    need not be the group that captured it (only its ranks must be the same).
+
+    Returns:
+        The committed step directory.
+    """
     def write_loop(directory: Path) -> None:
         if loop is not None:  # rank 0
             atomic_save(loop, directory / LOOP_FILE)
 
-    return save_committed(root, state.step, dcp_writer(shards, group, before=write_loop), kind=KIND, group=group)
+    return save_committed(root, step, dcp_writer(shards, group, before=write_loop), kind=KIND, group=group)
 
 
 def load_sharded_state(state: TrainingState, directory: str | Path, *,

@@ -133,6 +133,10 @@ class Trainer:
         self.config = config or TrainerConfig()
         self.rank, self.world_size = rank_and_size()
         run = _elastic_run(self.config, model, self.rank)
+        if run is not None and self.config.async_checkpoint:
+            raise ValueError(f"rank {self.rank}: async_checkpoint=True does not go with an elastic job, whose "
+                             "world may change under a save in flight; pass async_checkpoint=False, or "
+                             "elastic=False")
         self.device = device_of(model)
         fsdp = is_fully_sharded(model)
         self.model = _wrap(model, self.config, self.world_size, elastic=run is not None)
@@ -154,7 +158,7 @@ class Trainer:
         self._checkpoints = RunCheckpoints(
             self.state, self._output_dir / "checkpoints",
             chosen or (CheckpointFormat.SHARDED if zero or fsdp else CheckpointFormat.FULL),
-            self.config.keep_checkpoints, self.device)
+            self.config.keep_checkpoints, self.device, background=self.config.async_checkpoint)
         self._autocast = autocast_for(self._precision, self.device)
         self._runner = StepRunner(self.model, optimizer, scheduler, loss_fn, self.config, self.state,
                                   device=self.device, rank=self.rank, scaler=self.scaler,
@@ -304,10 +308,12 @@ class Trainer:
                     if self._elastic is None or not is_peer_failure(e):
                         raise
                     self._change_world(e, history, progress)
+            self._checkpoints.finish()  # the last save complete, or its error raised on every rank
             if self.state.epoch < cfg.epochs:
                 progress.say(f"stopped at step {self.state.step} (max_steps {cfg.max_steps}); "
                              "run again with resume to continue")
         finally:
+            self._checkpoints.abandon()  # an error above: the save in flight ends before fit does
             progress.close()
         plot = None
         if cfg.plot and self.rank == 0:
