@@ -63,7 +63,7 @@ from enum import Enum
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
-from tandem.comm.peers import Liveness
+from tandem.comm.peers import WAIT_SLICE_S, Liveness
 from tandem.comm.process_id import ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
@@ -105,8 +105,11 @@ class ElasticConfig:
                              f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
 
     def liveness(self) -> Liveness:
-        """The window a collective's wait judges the peers' beats by (Note [dead peers])."""
-        return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s)
+        """The window a collective's wait judges the peers' beats by (Note [dead
+        peers]), and its slices: a beat long at most, so that a death that fails
+        no connection of a waiting rank is seen within a beat."""
+        return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s,
+                        slice_s=min(self.beat_s, WAIT_SLICE_S))
 
 
 class Decision(Enum):

@@ -63,7 +63,6 @@ WAIT_SLICE_S = 0.5
 EXITED = "exited"
 """The beat of a rank that left the job on purpose."""
 
-_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +72,9 @@ class Liveness:
 
     beat_s: float = HEARTBEAT_INTERVAL_S
     stale_after_s: float = STALE_AFTER_S
+    slice_s: float = WAIT_SLICE_S
+    """How long one slice of a watched wait lasts: a death that fails no
+    connection of this rank (Note [deaths seen at once]) is seen within one."""
 
     def __post_init__(self) -> None:
         if not 0 < 4 * self.beat_s <= self.stale_after_s:
@@ -235,7 +237,7 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
     try:
         while True:
             try:
-                work.wait(_SLICE)
+                work.wait(datetime.timedelta(seconds=watch.liveness.slice_s))
                 return
             except RuntimeError as e:
                 # A slice of a ThreadedWait says so by its type; a gloo collective's own
@@ -258,8 +260,8 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
                 if not sliced:
                     raise
             if note is None:  # a wait longer than one slice: say where this rank waits
-                note = WaitNote(during(), tuple(r for r in ranks if r != watch.rank), time.time() - WAIT_SLICE_S,
-                                header)
+                note = WaitNote(during(), tuple(r for r in ranks if r != watch.rank),
+                                time.time() - watch.liveness.slice_s, header)
                 watch.board.post(note)
             else:
                 waits = watch.board.mismatch(note)

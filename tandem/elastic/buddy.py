@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.comm.p2p import isend, recv
+from tandem.comm.watched_call import watched
 
 __all__ = ["BuddyCopies", "Located", "ShardsLost"]
 
@@ -110,7 +111,7 @@ class BuddyCopies:
         elif own is not None and self.held is not None and self.held.member not in survivors:
             mine.append((self.held.step, self.held.shard))
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        watched("all_gather_object of buddy copies", dist.all_gather_object, gathered, mine)
         self.held = None
         chosen = _choose([[(stamp, shard["rank"], shard["world_size"]) for stamp, shard in c] for c in gathered])
         shards = {old: gathered[new][k][1] for old, (new, k) in chosen.items()}
@@ -135,7 +136,8 @@ class BuddyCopies:
         if own is not None and self.held is not None and self.held.member not in survivors:
             mine.append((self.held.step, self.held.shard))
         headers: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(headers, [(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine])
+        watched("all_gather_object of shard headers", dist.all_gather_object, headers,
+                [(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine])
         chosen = _choose(headers)
         here = dist.get_rank()
         return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here})
@@ -144,7 +146,8 @@ class BuddyCopies:
         """``part(shard)`` of every old rank's shard, in old rank order, on every
         rank. A collective of the new group."""
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [(old, part(shard)) for old, shard in located.provided.items()])
+        watched("all_gather_object of lost shards", dist.all_gather_object, gathered,
+                [(old, part(shard)) for old, shard in located.provided.items()])
         parts = dict(p for c in gathered for p in c)
         return [parts[r] for r in range(located.old_world)]
 

@@ -51,6 +51,7 @@ from tandem.comm.bootstrap import enter_generation
 from tandem.comm.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
+from tandem.comm.watched_call import watched
 
 __all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence", "is_peer_failure",
            "share_state"]
@@ -98,7 +99,7 @@ def share_state(state: TrainingState) -> None:
     [elastic trainer], 4). A collective of the new group (every rank's RNG state
     is gathered first); each rank keeps its own RNG stream."""
     box: list[Any] = [state.state_dict()]
-    dist.broadcast_object_list(box, src=0)
+    watched("broadcast_object_list of the training state", dist.broadcast_object_list, box, src=0)
     state.load_state_dict(box[0])
 
 

@@ -62,9 +62,9 @@ class SoakPlan:
     """``ddp``, ``zero2`` or ``fsdp``."""
     workers: int = 4
     """Processes of the job's first world."""
-    steps: int = 200
-    """Optimizer steps the job trains; with ``every_s``, it stops instead a
-    couple of seconds after the last random kill."""
+    steps: int = 1_000_000
+    """Optimizer steps the job trains at most: with failures, it stops instead
+    soon after the last one (after ``every_s`` more, or a second)."""
     every_s: float | None = None
     """Kill a random worker about this often (None: only ``kills``)."""
     failures: int = 0
@@ -95,7 +95,7 @@ class SoakResult:
     kills: list[tuple[float, int]] = field(default_factory=list)
     """(time, pid) of each random kill."""
     changes: list[dict[str, Any]] = field(default_factory=list)
-    """The world changes, as the last rank 0 recorded them."""
+    """The world changes, by generation, as their members recorded them."""
     detect_s: list[float] = field(default_factory=list)
     """From each random kill to the members seeing a loss."""
     admit_s: list[float] = field(default_factory=list)
@@ -122,7 +122,7 @@ def run_soak(plan: SoakPlan) -> SoakResult:
     replacements = plan.replacements if plan.replacements is not None else failures + 2
     env = {**os.environ, "SOAK_DIR": str(out), "SOAK_STRATEGY": plan.strategy, "SOAK_STEPS": str(plan.steps),
            "SOAK_KILLS": json.dumps(plan.kills), "SOAK_SAMPLES": str(plan.samples), "SOAK_BATCH": str(plan.batch),
-           "SOAK_CHECKPOINT_EVERY": str(plan.checkpoint_every)}
+           "SOAK_CHECKPOINT_EVERY": str(plan.checkpoint_every), "SOAK_WORKERS": str(plan.workers)}
     command = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", str(plan.workers), "--elastic",
                "--max-restarts", str(replacements), "--log-dir", str(out / "logs"), "-m",
                "tandem.testing.soak_job"]
@@ -142,6 +142,8 @@ def run_soak(plan: SoakPlan) -> SoakResult:
     result.output = (out / "launcher.log").read_text(errors="replace")
     if launcher.returncode != 0:
         result.problems.append(f"the launcher exited with {launcher.returncode}")
+    if _killed_on_purpose(out) != len(plan.kills):
+        result.problems.append(f"{_killed_on_purpose(out)} of the {len(plan.kills)} kills on purpose happened")
     _measure_and_check(result, plan, _read_events(out))
     left = _processes_with(f"SOAK_DIR={out}")
     if left:
@@ -155,12 +157,10 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) ->
     """SIGKILL a random live worker about every ``every_s`` (Note [soak]) until
     ``failures`` or the job's end; returns when and whom."""
     kills: list[tuple[float, int]] = []
-    if plan.every_s is None or plan.failures == 0:
-        return kills
     rng = random.Random(plan.seed)
     while not any(out.glob("events-*.jsonl")) and launcher.poll() is None:
         time.sleep(0.1)  # the workers have started training
-    while len(kills) < plan.failures and launcher.poll() is None:
+    while plan.every_s is not None and len(kills) < plan.failures and launcher.poll() is None:
         deadline = time.monotonic() + plan.every_s * rng.uniform(0.5, 1.5)
         while time.monotonic() < deadline and launcher.poll() is None:
             time.sleep(0.05)
@@ -175,9 +175,15 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) ->
             kills.append((time.time(), pid))
         except ProcessLookupError:
             pass
-    if kills and launcher.poll() is None:
-        _stop_soon(out, plan.every_s)
+    while plan.kills and launcher.poll() is None and _killed_on_purpose(out) < len(plan.kills):
+        time.sleep(0.1)
+    if (kills or plan.kills) and launcher.poll() is None:
+        _stop_soon(out, plan.every_s or 1.0)
     return kills
+
+
+def _killed_on_purpose(out: Path) -> int:
+    return sum(p.read_text().count('"e": "killed"') for p in out.glob("events-*.jsonl"))
 
 
 def _stop_soon(out: Path, every_s: float) -> None:
@@ -248,7 +254,14 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
         return
     last = max(done, key=lambda e: (e["world"], -e["rank"]))
     result.steps = last["step"]
-    result.changes = next((e["changes"] for e in done if e["rank"] == 0), last["changes"])
+    by_generation: dict[int, dict[str, Any]] = {}
+    for e in events:  # every member writes the changes it saw: one each, by generation
+        if e["e"] == "change":
+            by_generation.setdefault(e["generation"], {k: v for k, v in e.items() if k not in ("e", "t", "pid")})
+    for e in done:
+        for change in e["changes"]:
+            by_generation.setdefault(change["generation"], change)
+    result.changes = [by_generation[g] for g in sorted(by_generation)]
     result.attempted = result.steps + sum(c["steps_lost"] for c in result.changes)
     commits: dict[int, dict[str, Any]] = {}
     for e in events:
@@ -352,7 +365,9 @@ def _check_checkpoint(plan: SoakPlan, steps: int, problems: list[str]) -> None:
         if latest.is_dir():
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
             dcp_to_torch_save(latest, plan.directory / "checkpoint-as-one.pt")
-            state = torch.load(plan.directory / "checkpoint-as-one.pt", weights_only=False)
+            state = {"shards": torch.load(plan.directory / "checkpoint-as-one.pt", weights_only=False),
+                     **({"trainer": torch.load(latest / "trainer.pt", weights_only=False)}
+                        if (latest / "trainer.pt").exists() else {})}
         else:
             state = torch.load(latest, weights_only=False)
     except Exception as e:  # noqa: BLE001 - reported, whatever it is

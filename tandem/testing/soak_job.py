@@ -9,6 +9,8 @@ each (a killed process may leave its last line cut; the reader skips it):
   attempt, and the dataset indices it trained on this rank;
 - ``commit``: a step committed (the optimizer stepped), with the time; a
   step's first forward (``forward``) is timed too;
+- ``change``: a world change this process went through (its record), written
+  at the next commit;
 - ``done``: the step count and the world changes this process went through.
 
 It trains ``SOAK_STEPS`` steps, or, once the soak writes a step number into
@@ -16,7 +18,9 @@ It trains ``SOAK_STEPS`` steps, or, once the soak writes a step number into
 
 Faults on purpose (``SOAK_KILLS``, JSON): ``[{"member": "2", "step": 5,
 "phase": "forward"}, ...]``: the process of that elastic member SIGKILLs itself
-in that step's forward, in its backward while the gradient reductions run
+at the first such point of a step at or after that one, in a world at full
+size (``SOAK_WORKERS``: one loss at a time, so that the job never runs out of
+members): in its forward, in its backward while the gradient reductions run
 (``backward``), after the optimizer's update (``step``), inside a checkpoint
 save (``save``), in the world's rebuild after a regroup (``regroup``: the step
 is the one the job goes on from), or, for a replacement (``"member": "j1"``),
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -79,8 +84,8 @@ class Events:
     def __init__(self, directory: Path) -> None:
         self._file = (directory / f"events-{os.getpid()}.jsonl").open("a", buffering=1)
 
-    def write(self, kind: str, **fields: Any) -> None:
-        self._file.write(json.dumps({"e": kind, "t": time.time(), **fields}) + "\n")
+    def write(self, event: str, /, **fields: Any) -> None:
+        self._file.write(json.dumps({**fields, "e": event, "t": time.time()}) + "\n")
 
 
 class Commits:
@@ -107,6 +112,7 @@ def main() -> None:
     strategy = os.environ.get("SOAK_STRATEGY", "ddp")
     kills = json.loads(os.environ.get("SOAK_KILLS", "[]"))
     steps = int(os.environ["SOAK_STEPS"])
+    full = int(os.environ.get("SOAK_WORKERS", "1"))
     events = Events(out)
     tandem.init()
     trainer: Trainer | None = None
@@ -121,7 +127,9 @@ def main() -> None:
         if trainer is None:
             return
         step = trainer.state.step if step is None else step
-        if any(k["member"] == member() and k["phase"] == phase and k["step"] == step for k in kills):
+        if dist.get_world_size() < full:
+            return  # one loss at a time: a kill waits for the world to have grown back
+        if any(k["member"] == member() and k["phase"] == phase and k["step"] <= step for k in kills):
             events.write("killed", member=member(), phase=phase, step=step)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -168,9 +176,15 @@ def main() -> None:
 
     stop = out / "stop"
 
+    written = 0
+
     def on_commit() -> None:
+        nonlocal written
         assert trainer is not None
         events.write("commit", gen=generation(), step=trainer.state.step)
+        for change in trainer.world_changes[written:]:  # each member writes each change it saw
+            events.write("change", **change.record())
+        written = len(trainer.world_changes)
         kill_if("step")
         if stop.exists() and trainer.config.max_steps == steps:
             # The soak had its failures: stop at the step it names, the same on every rank.
@@ -202,8 +216,9 @@ def main() -> None:
 
     def save_or_die(*args: Any, **kwargs: Any) -> Any:
         assert trainer is not None
-        if any(k["member"] == member() and k["phase"] == "save" and k["step"] == trainer.state.step
-               for k in kills):
+        if dist.get_world_size() == full and any(
+                k["member"] == member() and k["phase"] == "save" and k["step"] <= trainer.state.step
+                for k in kills):
             # Killed from another thread a moment into the save, not before it starts.
             threading.Timer(0.002, kill_if, args=("save", trainer.state.step)).start()
         return save(*args, **kwargs)

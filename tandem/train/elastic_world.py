@@ -21,6 +21,7 @@ from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
 from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.state import TrainingState
+from tandem.comm.watched_call import watched
 
 __all__ = ["ElasticWorld"]
 
@@ -102,12 +103,12 @@ class ElasticWorld:
         if is_fully_sharded(model):
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             box: list[Any] = [(state.loop_state_dict(), groups)]  # a collective: every rank's RNG state
-            dist.broadcast_object_list(box, src=0)
+            watched("broadcast_object_list of the loop state", dist.broadcast_object_list, box, src=0)
             loop, groups = box[0]
             state.load_loop_state_dict(loop)
             for group, saved in zip(optimizer.param_groups, groups):
                 group.update(saved)  # the scheduler's current learning rate, say
             for buffer in model.buffers():
-                dist.broadcast(buffer, src=0)
+                watched("broadcast of a buffer", dist.broadcast, buffer, src=0)
             return
         share_state(state)

@@ -74,6 +74,7 @@ from tandem.checkpoint.full_state import check_optimizer, is_fully_sharded
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
 from tandem.train.strategy import Strategy, apply_strategy
+from tandem.comm.watched_call import watched
 
 __all__ = ["FitResult", "Metric", "Trainer"]
 
@@ -253,7 +254,7 @@ class Trainer:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        watched("all_gather_object of every rank's part", dist.all_gather_object, out, obj)
         return out
 
     # ------------------------------------------------------------------ the run

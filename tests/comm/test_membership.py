@@ -120,9 +120,10 @@ def test_a_collectives_watch_judges_by_the_elastic_configs_window() -> None:
     # Note [dead peers]: an elastic job's collectives judge silent peers by its own
     # window, shorter or longer than the default (a death is seen at once anyway:
     # Note [deaths seen at once]; the window is for silences).
-    assert CONFIG.liveness() == Liveness(beat_s=0.01, stale_after_s=1.0)
-    assert ElasticConfig().liveness() == Liveness(beat_s=0.25, stale_after_s=10.0)
-    assert DEFAULT_LIVENESS == Liveness(beat_s=0.25, stale_after_s=2.5)
+    # Its waits are sliced by a beat at most (a death seen within a beat, Note [dead peers]).
+    assert CONFIG.liveness() == Liveness(beat_s=0.01, stale_after_s=1.0, slice_s=0.01)
+    assert ElasticConfig().liveness() == Liveness(beat_s=0.25, stale_after_s=10.0, slice_s=0.25)
+    assert DEFAULT_LIVENESS == Liveness(beat_s=0.25, stale_after_s=2.5, slice_s=0.5)
     store, clock = dist.HashStore(), Clock()
     short = PeerWatch(store, 0, CONFIG.liveness(), clock=clock)
     default = PeerWatch(store, 0, clock=clock)
