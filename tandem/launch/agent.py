@@ -49,7 +49,7 @@ from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of
 from tandem.launch.node_roll import JoinRunningJob, NodeRoll
 from tandem.launch.rendezvous import FreshWorkerStore
-from tandem.launch.watchdog import Watchdog
+from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
 __all__ = ["HANG_EXITCODE", "LaunchError", "SignalException", "quiet_torch_launch_logs",
            "run_workers"]
@@ -69,8 +69,6 @@ class LaunchError(RuntimeError):
     the rendezvous store could not be reached."""
 
 
-HANG_EXITCODE = -int(signal.SIGUSR1)
-"""What a hung worker's failure records: the watchdog's signal (it is then stopped)."""
 
 
 class _WatchedAgent(LocalElasticAgent):
@@ -170,7 +168,8 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
     if config.elastic:
         agent: LocalElasticAgent = ElasticAgent(
             spec, logs, replacements=config.max_restarts, on_event=on_event, roll=roll,
-            hosts_endpoint=hosts_endpoint,
+            hosts_endpoint=hosts_endpoint, on_hang=on_hang,
+            watchdog=Watchdog(config.hang_timeout_s) if config.hang_timeout_s is not None else None,
             start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
     elif config.hang_timeout_s is not None:
         agent = _WatchedAgent(

@@ -39,6 +39,7 @@ from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import socket_interface_env, usable_cpus, visible_gpus
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
+from tandem.launch.watchdog import HANG_EXITCODE
 
 __all__ = ["build_parser", "command", "config_from_args", "main", "run_job"]
 
@@ -220,7 +221,9 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
         path = Path(log_root) / f"hang-report-attempt_{number}.txt"
         path.write_text(report + "\n")
         hangs[number] = f"{report}\n  (saved in {path})"
-        if number < config.max_restarts:  # else the failure summary shows it, once
+        if config.elastic:  # Note [a hung rank under --elastic] in elastic_agent.py
+            _say(stderr, f"the job hung:\n{hangs[number]}")
+        elif number < config.max_restarts:  # else the failure summary shows it, once
             _say(stderr, f"attempt {number} hung; stopping it and restarting the group:\n"
                          f"{hangs[number]}")
 
@@ -249,7 +252,8 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     elapsed = time.monotonic() - start
     if result.is_failed():
         last = logs.attempts[-1].number if logs.attempts else -1
-        if last in hangs:
+        hung = {int(getattr(f, "exitcode", 0)) for f in result.failures.values()} == {HANG_EXITCODE}
+        if last in hangs and (hung or not config.elastic):
             gave_up = (f"\n  gave up after {len(logs.attempts)} attempt(s) (--max-restarts "
                        f"{config.max_restarts})" if config.max_restarts else "")
             _say(stderr, f"the job hung after {elapsed:.1f} s: {hangs[last]}{gave_up}\n"

@@ -98,8 +98,6 @@ class LaunchConfig:
                "a positive number of seconds")
         _check(self.hang_timeout_s is None or self.hang_timeout_s > 0, "--hang-timeout",
                self.hang_timeout_s, "a positive number of seconds")
-        _check(not (self.elastic and self.hang_timeout_s is not None), "--hang-timeout",
-               self.hang_timeout_s, "left out with --elastic (the two do not combine yet)")
         _check(self.exit_barrier_timeout_s > 0, "exit_barrier_timeout_s",
                self.exit_barrier_timeout_s, "a positive number of seconds")
         _check(self.omp_num_threads is None or self.omp_num_threads >= 1, "omp_num_threads",

@@ -34,6 +34,20 @@ The group has succeeded when every worker has exited and at least one exited
 with 0 (the job finished on the survivors); it has failed when none did, or
 when a worker crashed after it had finished (Note [a crash after finishing]).
 
+# Note [a hung rank under --elastic]
+With ``--hang-timeout``, the watchdog (Note [progress without a collective] in
+watchdog.py) also watches an elastic job. A rank that is stuck but alive (a
+deadlock in its data loader, a wait on a dead file system) keeps beating, so
+nobody counts it dead, and the others wait for it in their next collective
+for good. When no worker of this node has progressed for the timeout, the
+agent writes the hang report as without ``--elastic``, and then stops the
+workers that hold the others up: those in no collective while another waits
+in one (:func:`~tandem.launch.hang.stuck_ranks`). Each is SIGKILLed, which
+makes it a loss like any other: the members see it at once, shrink and go on,
+and a replacement is started. The watchdog then counts from zero again. A hang
+with no one to blame (every rank waits, in collectives that do not match) is
+no loss: the job fails with the report, as it does without ``--elastic``.
+
 # Note [a crash after finishing]
 A worker that dies while the others train is a loss: they go on without it. One
 that dies after it finished training (its process aborted in the interpreter's
@@ -56,7 +70,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import os
+import signal
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +84,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.elastic_group import NOTHING_TO_JOIN_EXITCODE
 from tandem.launch.exit_notices import ExitNotices
+from tandem.launch.hang import stuck_ranks
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.node_roll import NodeRoll
+from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
 __all__ = ["ElasticAgent"]
 
@@ -90,10 +108,14 @@ class ElasticAgent(LocalElasticAgent):
             and replacement.
         roll: the job's roll of nodes, in a job of several nodes.
         hosts_endpoint: this node hosts the rendezvous store.
+        watchdog: with ``--hang-timeout``: a hung worker is stopped, a loss like
+            any other (Note [a hung rank under --elastic]).
+        on_hang: called with the hang report when the watchdog fires.
     """
 
     def __init__(self, spec: Any, logs: WorkerLogs, *args: Any, replacements: int, on_event: Any = None,
-                 roll: NodeRoll | None = None, hosts_endpoint: bool = False, **kwargs: Any) -> None:
+                 roll: NodeRoll | None = None, hosts_endpoint: bool = False, watchdog: Watchdog | None = None,
+                 on_hang: Callable[[str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(spec, logs, *args, **kwargs)
         self._logs = logs
         self._roll = roll
@@ -105,6 +127,9 @@ class ElasticAgent(LocalElasticAgent):
         self._crashed: dict[int, int] = {}  # local rank -> exit code: Note [a crash after finishing]
         self._on_event = on_event or (lambda line: None)
         self._notices = ExitNotices()
+        self._watchdog = watchdog
+        self._on_hang = on_hang or (lambda report: None)
+        self._hung = False  # a hang with no worker to blame: the job fails
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         context = self._pcontext
@@ -139,6 +164,9 @@ class ElasticAgent(LocalElasticAgent):
                     self._replace(local, worker_group)
                     codes[local] = None
         if any(code is None for code in codes.values()):
+            if self._watchdog is not None and self._stop_hung(worker_group):
+                return RunResult(state=WorkerState.FAILED, failures=self._failures(
+                    worker_group, {local: HANG_EXITCODE for local, code in codes.items() if code is None}))
             return RunResult(state=WorkerState.HEALTHY)
         if self._crashed:
             return RunResult(state=WorkerState.FAILED, failures=self._failures(worker_group, self._crashed))
@@ -158,6 +186,38 @@ class ElasticAgent(LocalElasticAgent):
         return {worker_group.workers[local].global_rank: ProcessFailure(
             local_rank=local, pid=context.subprocess_handlers[local].proc.pid, exitcode=int(code or 1),
             error_file=context.error_files[local]) for local, code in codes.items()}
+
+    def _stop_hung(self, worker_group: WorkerGroup) -> bool:
+        """Ask the watchdog; SIGKILL the workers that hold the others up (Note [a
+        hung rank under --elastic]). Returns whether the job has hung with no
+        worker to blame, and fails."""
+        attempts = self._logs.attempts
+        assert self._watchdog is not None
+        stalled = self._watchdog.stalled_for(attempts[-1]) if attempts else None
+        if stalled is None:
+            return False
+        attempt = attempts[-1]
+        handlers: Any = self._pcontext.subprocess_handlers  # type: ignore[union-attr]
+        pids = {w.global_rank: handlers[w.local_rank].proc.pid for w in worker_group.workers}
+        address = getattr(worker_group.spec.rdzv_handler, "workers_store", None)
+        report = self._watchdog.report(attempt, pids, stalled, store_address=address)
+        # A replacement's own snapshot, not its predecessor's (they share the file).
+        snapshots = {rank: snap for rank, snap in self._watchdog.snapshots(attempt).items()
+                     if snap is not None and snap.get("pid") == pids.get(rank)}
+        stuck = [rank for rank in stuck_ranks(snapshots) if rank in pids]
+        self._on_hang(report)
+        if not stuck:
+            self._on_event("elastic: the job hung and no worker of this node holds the others up; the job fails")
+            return True
+        for rank in stuck:
+            self._on_event(f"elastic: worker {rank} (pid {pids[rank]}) hung: it is in no collective while "
+                           f"the others have waited {stalled:.0f} s; stopped, a loss like any other")
+            try:
+                os.kill(pids[rank], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._watchdog.rearm()
+        return False
 
     def _finished(self, local: int) -> bool:
         """Whether local rank ``local``'s worker marked its progress finished

@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Frame", "format_hang_report", "main_thread_stack"]
+__all__ = ["Frame", "format_hang_report", "main_thread_stack", "stuck_ranks"]
 
 STACK_FRAMES_SHOWN = 12
 """At most this many frames of each rank's main-thread stack (innermost first)."""
@@ -141,6 +141,19 @@ def format_hang_report(snapshots: Mapping[int, Mapping[str, Any] | None], stacks
             if len(frames) > STACK_FRAMES_SHOWN:
                 lines.append(f"    ... {len(frames) - STACK_FRAMES_SHOWN} more")
     return "\n".join(lines)
+
+
+def stuck_ranks(snapshots: Mapping[int, Mapping[str, Any] | None]) -> list[int]:
+    """The ranks that hold the others up: in no collective, and not finished,
+    while another rank waits in one. Under ``--elastic`` these are treated as
+    lost (Note [a hung rank under --elastic] in elastic_agent.py); none when
+    every rank waits (a mismatch), or none does."""
+    waiting = [r for r, s in snapshots.items()
+               if s is not None and any(e.get("completed_at") is None for e in s.get("entries", []))]
+    if not waiting:
+        return []
+    return sorted(r for r, s in snapshots.items()
+                  if s is not None and r not in waiting and "finished_at" not in s)
 
 
 def _node(snap: Mapping[str, Any]) -> str:

@@ -7,6 +7,13 @@ with the worker's global rank in front, flushing after each line::
     [rank 0] step 10 loss 0.52
     [rank 1] step 10 loss 0.49
 
+Under ``tandem run --elastic`` a worker's rank changes with the world (a rank
+before it is lost, a replacement admitted last): the prefix follows, read from
+the rank the worker's monitor writes in its progress file (Note [progress
+without a collective] in watchdog.py), so that ``[rank 1]`` is the process that
+``dist.get_rank()`` calls 1 now. The rank filters go by the rank a worker was
+launched as (a replacement: the rank of the worker it replaced).
+
 A line is printed only once its newline has arrived, so lines of different
 ranks never interleave mid-line (torch's own log tailer prints a half-written
 line with a prefix and its rest with another). Output can be limited to chosen
@@ -24,6 +31,7 @@ ends on a terminal from ``TANDEM_STDOUT_ISATTY=1``.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,6 +77,9 @@ class _Follow:
     path: Path
     dst: TextIO
     prefix: str
+    progress: Path | None = None  # where the worker's current rank is read (elastic)
+    world_size: int = 1  # of the launch, for the prefix's width
+    progress_read: float = 0.0  # the progress file's mtime when its rank was read
     fp: BinaryIO | None = None
     pending: bytes = b""
     redrawn: bytes = b""  # the redraw last shown live, for a terminal
@@ -108,7 +119,7 @@ class RankOutput:
         have exited by the time the agent starts the next, so its files are
         read to the end and closed."""
         new = [
-            _Follow(path, dst, rank_prefix(rank, attempt.world_size))
+            _Follow(path, dst, rank_prefix(rank, attempt.world_size), logs.progress, attempt.world_size)
             for rank, logs in sorted(attempt.ranks.items()) if self._shows(logs)
             for path, dst in ((logs.stdout, self._stdout), (logs.stderr, self._stderr))
         ]
@@ -124,7 +135,8 @@ class RankOutput:
             return
         prefix = rank_prefix(logs.rank, world_size)
         with self._lock:
-            self._follows += [_Follow(logs.stdout, self._stdout, prefix), _Follow(logs.stderr, self._stderr, prefix)]
+            self._follows += [_Follow(logs.stdout, self._stdout, prefix, logs.progress, world_size),
+                              _Follow(logs.stderr, self._stderr, prefix, logs.progress, world_size)]
 
     def _shows(self, logs: RankLogs) -> bool:
         """Whether the rank filters let this worker's output through."""
@@ -155,6 +167,8 @@ class RankOutput:
                 follows = list(self._follows)
             for f in retired:
                 self._drain(f)
+            for f in follows:
+                _follow_rank(f)
             for f in follows:
                 self._pump(f)
             self._stopping.wait(_POLL_S)
@@ -220,6 +234,23 @@ class RankOutput:
         except (BrokenPipeError, ValueError):
             # The console went away (a closed pipe): the log files still have everything.
             self._broken = True
+
+
+def _follow_rank(f: _Follow) -> None:
+    """Prefix ``f``'s lines with the rank its worker has now (see the module's
+    docstring), when its progress file says."""
+    if f.progress is None:
+        return
+    try:
+        written = f.progress.stat().st_mtime
+        if written == f.progress_read:
+            return
+        rank = json.loads(f.progress.read_text())["rank"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not written yet: the prefix stays
+    f.progress_read = written
+    if isinstance(rank, int):
+        f.prefix = rank_prefix(rank, f.world_size)
 
 
 def is_terminal(stream: TextIO) -> bool:

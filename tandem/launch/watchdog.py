@@ -82,10 +82,12 @@ from tandem.comm.monitor import progress_key
 from tandem.launch.hang import format_hang_report
 from tandem.launch.logs import Attempt
 
-__all__ = ["Watchdog"]
+__all__ = ["HANG_EXITCODE", "Watchdog"]
 
 logger = logging.getLogger(__name__)
 
+HANG_EXITCODE = -int(signal.SIGUSR1)
+"""What a hung worker's failure records: the watchdog's signal (it is then stopped)."""
 CHECK_INTERVAL_S = 0.5
 """How often the progress files are looked at."""
 STACKS_WAIT_S = 2.0
@@ -134,6 +136,16 @@ class Watchdog:
                 s is not None and "finished_at" in s for s in snapshots):
             return None  # a worker has finished: Note [finishing]
         return stalled
+
+    def rearm(self) -> None:
+        """Count a stall from now on: a hung rank was stopped, and the others
+        need the time to go on without it."""
+        self._started = time.time()
+        self._next_check = 0.0
+
+    def snapshots(self, attempt: Attempt) -> dict[int, dict[str, Any] | None]:
+        """This node's workers' last progress, by global rank."""
+        return {rank: _read_json(logs.progress) for rank, logs in attempt.ranks.items()}
 
     def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float,
                store_address: tuple[str, int] | None = None) -> str:

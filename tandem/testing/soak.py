@@ -83,6 +83,8 @@ class SoakPlan:
     """The job is killed, and the soak fails, after this long."""
     replacements: int | None = None
     """Replacements the launcher may start (default: one per failure, and two spare)."""
+    hidden: int = 256
+    """The width of the job's MLP: what a step costs."""
 
 
 @dataclass
@@ -122,7 +124,8 @@ def run_soak(plan: SoakPlan) -> SoakResult:
     replacements = plan.replacements if plan.replacements is not None else failures + 2
     env = {**os.environ, "SOAK_DIR": str(out), "SOAK_STRATEGY": plan.strategy, "SOAK_STEPS": str(plan.steps),
            "SOAK_KILLS": json.dumps(plan.kills), "SOAK_SAMPLES": str(plan.samples), "SOAK_BATCH": str(plan.batch),
-           "SOAK_CHECKPOINT_EVERY": str(plan.checkpoint_every), "SOAK_WORKERS": str(plan.workers)}
+           "SOAK_CHECKPOINT_EVERY": str(plan.checkpoint_every), "SOAK_WORKERS": str(plan.workers),
+           "SOAK_HIDDEN": str(plan.hidden)}
     command = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", str(plan.workers), "--elastic",
                "--max-restarts", str(replacements), "--log-dir", str(out / "logs"), "-m",
                "tandem.testing.soak_job"]
@@ -265,8 +268,10 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     result.attempted = result.steps + sum(c["steps_lost"] for c in result.changes)
     commits: dict[int, dict[str, Any]] = {}
     for e in events:
-        if e["e"] == "commit":
-            commits.setdefault(e["step"], e)  # the first process to commit a step
+        if e["e"] == "commit" and (e["step"] not in commits or commits[e["step"]]["gen"] != e["gen"]):
+            # The first process to commit it in the last generation that did: a state read
+            # back from a checkpoint redoes the steps after it, and those redos count.
+            commits[e["step"]] = e
     starts = {(e["gen"], e["step"]): e["t"] for e in reversed(events) if e["e"] == "forward"}
     if sorted(commits) != list(range(result.steps)):
         problems.append(f"steps committed: {len(commits)}, not 0..{result.steps - 1}")
@@ -297,7 +302,7 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     if batches is None:
         return
     _check_each_sample_once(batches, plan, problems)
-    _check_parameters(batches, plan, problems)
+    _check_parameters(batches, plan, problems, commits)
     _check_checkpoint(plan, result.steps, problems)
 
 
@@ -333,16 +338,26 @@ def _check_each_sample_once(batches: list[tuple[int, list[int]]], plan: SoakPlan
                             f"(first: {twice[:5]}), {len(missing)} never (first: {missing[:5]})")
 
 
-def _check_parameters(batches: list[tuple[int, list[int]]], plan: SoakPlan, problems: list[str]) -> None:
-    """One process, plain torch, the committed global batches in order."""
+def _check_parameters(batches: list[tuple[int, list[int]]], plan: SoakPlan, problems: list[str],
+                      commits: dict[int, dict[str, Any]]) -> None:
+    """One process, plain torch, the committed global batches in order; with the
+    parameters' sums the job recorded, the first step where they part."""
     data = Indexed(plan.samples)
-    model = make_model()
+    model = make_model(plan.hidden)
     optimizer = make_optimizer(model.parameters())
-    for _, idx in batches:
+    parted = None
+    for step, (_, idx) in enumerate(batches):
         index = torch.tensor(idx)
         optimizer.zero_grad()
         loss_of(model(data.x[index]), data.y[index]).backward()
         optimizer.step()
+        recorded = commits[step].get("sum")
+        if parted is None and recorded is not None:
+            expected = float(sum(p.detach().sum() for p in model.parameters()))
+            if abs(recorded - expected) > 1e-9 * max(1.0, abs(expected)):
+                parted = step
+                problems.append(f"the parameters part from one process's at step {step} (generation "
+                                f"{commits[step]['gen']}): sum {recorded!r} against {expected!r}")
     final = plan.directory / "final.pt"
     if not final.exists():
         problems.append("no final export")

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-FEATURES, HIDDEN = 32, 256
+FEATURES = 32
 
 
 class Indexed(Dataset):
@@ -64,14 +64,17 @@ class Indexed(Dataset):
         return self.x[i], (self.y[i], i)
 
 
-def make_model() -> nn.Sequential:
+def make_model(hidden: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, 2)).double()
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, 2)).double()
 
 
-def make_optimizer(params: Any, lr: float = 0.05) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+LR = 0.01  # stable at every width the soak uses: a run that diverges compares nothing
+
+
+def make_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
 def loss_of(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -149,7 +152,7 @@ def main() -> None:
                      rank=trainer.rank, world=trainer.world_size, idx=idx.tolist())
         return loss_of(outputs, y)
 
-    model = make_model()
+    model = make_model(int(os.environ.get("SOAK_HIDDEN", "256")))
     wrapped: nn.Module = model
     if strategy == "fsdp":
         fully_shard = tandem.fully_shard
@@ -159,7 +162,7 @@ def main() -> None:
         optimizer: torch.optim.Optimizer = make_optimizer(model.parameters())
     elif strategy == "zero2":
         wrapped = tandem.DistributedDataParallel(model, zero_stage=2)
-        optimizer = tandem.ZeroOptimizer(wrapped, torch.optim.SGD, lr=0.05, momentum=0.9)
+        optimizer = tandem.ZeroOptimizer(wrapped, torch.optim.SGD, lr=LR, momentum=0.9)
     elif strategy == "ddp":
         optimizer = make_optimizer(model.parameters())
     else:
@@ -178,17 +181,26 @@ def main() -> None:
 
     written = 0
 
+    def stop_when_told() -> None:
+        # The soak had its failures: stop at the step it names, the same on every rank.
+        # (Read at each commit, and by a replacement before its first step: it is
+        # admitted before the members reach that step, so it finds the file if they stop.)
+        assert trainer is not None
+        if stop.exists() and trainer.config.max_steps == steps:
+            trainer.config = dataclasses.replace(trainer.config, max_steps=int(stop.read_text()))
+
     def on_commit() -> None:
         nonlocal written
         assert trainer is not None
-        events.write("commit", gen=generation(), step=trainer.state.step)
+        # The parameters' sum after the step (replicated parameters only): where a run
+        # parts from one process, the soak names the step.
+        total = None if strategy == "fsdp" else float(sum(p.detach().sum() for p in model.parameters()))
+        events.write("commit", gen=generation(), step=trainer.state.step, sum=total)
         for change in trainer.world_changes[written:]:  # each member writes each change it saw
             events.write("change", **change.record())
         written = len(trainer.world_changes)
         kill_if("step")
-        if stop.exists() and trainer.config.max_steps == steps:
-            # The soak had its failures: stop at the step it names, the same on every rank.
-            trainer.config = dataclasses.replace(trainer.config, max_steps=int(stop.read_text()))
+        stop_when_told()
 
     model.register_forward_pre_hook(on_forward)
     if strategy == "fsdp":
@@ -224,6 +236,7 @@ def main() -> None:
         return save(*args, **kwargs)
     trainer._checkpoints.save = save_or_die  # type: ignore[method-assign]
 
+    stop_when_told()
     trainer.fit()
     trainer.export(out / "final.pt")
     local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]

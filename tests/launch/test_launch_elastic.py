@@ -56,10 +56,13 @@ def test_a_killed_worker_is_replaced_and_the_job_finishes(tmp_path):
     assert "started replacement 1" in r.stderr, r
     assert lines_with(r.stdout, "elastic: lost rank 1"), r
     assert lines_with(r.stdout, "admitted j1"), r
-    # The replacement's output is on the console like the others', under the rank it
-    # replaces (it was only in its log file), and in that file.
+    # The replacement's output is on the console like the others' (it was only in its
+    # log file), and in that file; every line's prefix is the rank its worker has
+    # now (it was the launch rank: "[rank 2] done world=3 rank=1").
     done = [line.split("] ", 1)[1] for line in lines_with(r.stdout, "done world=")]
-    assert len(done) == 3 and len(lines_with(r.stdout, "[rank 1] done world=")) == 1, (done, r)
+    assert len(done) == 3, (done, r)
+    for line in lines_with(r.stdout, "done world="):
+        assert line.startswith(f"[rank {line.split('rank=')[1].split()[0]}] "), (line, r)
     replacement = (tmp_path / "logs").glob("**/stdout.join1.log")
     assert [line for p in replacement for line in p.read_text().splitlines() if "done world=" in line], r
     assert "its output: on the console, and in " in r.stderr, r
@@ -175,4 +178,49 @@ def test_a_rank_paused_for_5_s_is_not_a_loss(tmp_path):
     assert all(line.startswith("done world=2 steps=8 changes=0 ") for line in done), done
     assert len({line.split("params=")[1] for line in done}) == 1, done
     assert "elastic: lost" not in r.stdout + r.stderr and "exited with" not in r.stderr, r
+    assert r.orphans == []
+
+
+HUNG = """
+    import os, time
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    import tandem
+
+    tandem.init()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 2, generator=g))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = None
+
+    def loss_fn(out, y):
+        if os.environ["RANK"] == "2" and trainer.state.step == 3:
+            time.sleep(600)   # stuck, alive: its heartbeat goes on, nobody counts it dead
+        return ((out - y) ** 2).mean()
+
+    config = tandem.TrainerConfig(batch_size=4, epochs=1, progress=False, plot=False, log_every=1,
+                                  resume=False, output_dir=os.environ["OUT"])
+    trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), data, loss_fn,
+                             config=config)
+    trainer.fit()
+    print(f"done world={trainer.world_size} steps={trainer.state.step}", flush=True)
+    tandem.shutdown()
+"""
+
+
+def test_a_hung_rank_under_elastic_is_stopped_and_the_others_go_on(tmp_path):
+    """Note [a hung rank under --elastic]: the watchdog's report, then the rank that
+    holds the others up is a loss like any other."""
+    path = script(tmp_path, "train.py", HUNG)
+    r = tandem(["--nproc-per-node", "3", "--elastic", "--hang-timeout", "3", "--log-dir", str(tmp_path / "logs"),
+                str(path)], cwd=tmp_path, timeout=120, env=clean_env(OUT=str(tmp_path / "out")))
+    assert r.returncode == 0, r
+    assert "the job hung:\nno rank completed a collective" in r.stderr, r
+    assert "elastic: worker 2 (pid " in r.stderr and "hung: it is in no collective" in r.stderr, r
+    assert "the others go on" in r.stderr and lines_with(r.stdout, "elastic: lost rank 2"), r
+    done = lines_with(r.stdout, "done world=")
+    assert len(done) == 2 and all("done world=2 " in line for line in done), r
+    assert "2 of 3 worker(s) on this node finished in" in r.stderr, r
     assert r.orphans == []

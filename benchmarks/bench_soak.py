@@ -1,0 +1,63 @@
+"""A failure every T seconds: how much of its time an elastic job still trains.
+
+Run book::
+
+    python benchmarks/bench_soak.py                                  # T = 5 and 10 s, 30 failures each
+    python benchmarks/bench_soak.py --every 30 --failures 10 --strategies ddp
+    python benchmarks/bench_soak.py --every 5 --failures 4 --strategies ddp   # a quick look (1 min)
+
+Each run is :func:`tandem.testing.soak.run_soak` (Note [soak]): ``tandem run
+--elastic`` with 4 workers training the soak job (an MLP of ``--hidden`` units,
+float64, SGD with momentum, 16 samples per worker per step, a checkpoint every
+25 steps), with one worker SIGKILLed at a random point about every T seconds
+(uniform in [0.5 T, 1.5 T]; rank 0 and replacements too), and a replacement
+started for each. Per run it prints the failures, step efficiency (steps
+committed / attempted), training efficiency (time in committed steps / wall
+time), the median time from a kill to the members seeing it, the median time
+an admission stopped the members against the median step, and whether every
+check passed (parameters equal to one process on the committed batches,
+every sample once per epoch, the last checkpoint loadable, no process left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tandem.testing.soak import SoakPlan, run_soak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--every", type=float, nargs="+", default=[5.0, 10.0], help="seconds between failures")
+    parser.add_argument("--failures", type=int, default=30)
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "zero2", "fsdp"])
+    parser.add_argument("--hidden", type=int, default=512, help="the MLP's width")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print("| T (s) | strategy | failures | steps | step eff. | training eff. | seen after (median) "
+          "| admission (median) | step (median) | checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for every in args.every:
+        for strategy in args.strategies:
+            with tempfile.TemporaryDirectory(prefix="tandem-soak-") as tmp:
+                started = time.monotonic()
+                r = run_soak(SoakPlan(directory=Path(tmp), strategy=strategy, every_s=every,
+                                      failures=args.failures, seed=args.seed, hidden=args.hidden,
+                                      timeout_s=every * args.failures * 3 + 300))
+                took = time.monotonic() - started
+            seen = f"{statistics.median(r.detect_s) * 1000:.0f} ms" if r.detect_s else "-"
+            admit = f"{statistics.median(r.admit_s) * 1000:.0f} ms" if r.admit_s else "-"
+            checks = "all passed" if not r.problems else "; ".join(r.problems)
+            print(f"| {every:g} | {strategy} | {len(r.kills)} | {r.steps} | {r.step_efficiency:.1%} | "
+                  f"{r.training_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",
+                  flush=True)
+            if r.problems:
+                print(f"<!-- run took {took:.0f} s; launcher output tail:\n{r.output[-3000:]}\n-->", flush=True)
+
+
+if __name__ == "__main__":
+    main()
