@@ -22,6 +22,7 @@ every sample once per epoch, the last checkpoint loadable, no process left).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -43,12 +44,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for every in args.every:
         for strategy in args.strategies:
-            with tempfile.TemporaryDirectory(prefix="tandem-soak-") as tmp:
-                started = time.monotonic()
-                r = run_soak(SoakPlan(directory=Path(tmp), strategy=strategy, every_s=every,
-                                      failures=args.failures, seed=args.seed, hidden=args.hidden,
-                                      timeout_s=every * args.failures * 3 + 300))
-                took = time.monotonic() - started
+            tmp = Path(tempfile.mkdtemp(prefix=f"tandem-soak-{strategy}-{every:g}s-"))
+            started = time.monotonic()
+            r = run_soak(SoakPlan(directory=tmp, strategy=strategy, every_s=every, failures=args.failures,
+                                  seed=args.seed, hidden=args.hidden, timeout_s=every * args.failures * 3 + 300))
+            took = time.monotonic() - started
+            if not r.problems:  # a failed run's events and logs stay, to be looked at
+                shutil.rmtree(tmp, ignore_errors=True)
             seen = f"{statistics.median(r.detect_s) * 1000:.0f} ms" if r.detect_s else "-"
             admit = f"{statistics.median(r.admit_s) * 1000:.0f} ms" if r.admit_s else "-"
             checks = "all passed" if not r.problems else "; ".join(r.problems)
@@ -56,7 +58,8 @@ def main() -> None:
                   f"{r.training_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",
                   flush=True)
             if r.problems:
-                print(f"<!-- run took {took:.0f} s; launcher output tail:\n{r.output[-3000:]}\n-->", flush=True)
+                print(f"<!-- run took {took:.0f} s; its events and logs are in {tmp}; launcher output tail:\n"
+                      f"{r.output[-3000:]}\n-->", flush=True)
 
 
 if __name__ == "__main__":
