@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -165,7 +166,9 @@ def test_elastic_a_node_lost_then_back_rejoins_with_live_state(tmp_path: Path) -
     assert code0 == 0, out0[-4000:]
     assert code1 == 0, out1[-4000:]
     assert "this node's workers join it" in out1, out1[-3000:]
-    assert out0.count("admitted j") == 2, out0[-4000:]
+    # Node 1's two replacements are admitted, together or one after the other.
+    admitted = {j for found in re.findall(r"admitted (j\d+(?:, j\d+)*)", out0) for j in found.split(", ")}
+    assert len(admitted) == 2, out0[-4000:]
     shrink = next(c for c in _done(tmp_path)[0]["changes"] if c["lost_ranks"])
     assert _used_samples(tmp_path, cutoff=shrink["step"]) == _check_result(_done(tmp_path), 4) == list(range(N))
     assert cluster.leftovers() == []
