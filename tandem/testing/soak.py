@@ -195,7 +195,7 @@ def _stop_soon(out: Path, every_s: float) -> None:
     commits = [e for e in _read_events(out) if e["e"] == "commit"]
     recent = [e for e in commits if e["t"] > time.time() - 5.0]
     rate = len({e["step"] for e in recent}) / 5.0
-    last = max(e["step"] for e in commits)
+    last = max((e["step"] for e in commits), default=0)  # the failures may all come before a commit
     tmp = out / "stop.tmp"
     tmp.write_text(str(last + max(20, int(rate * every_s))))
     tmp.rename(out / "stop")
