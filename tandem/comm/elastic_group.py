@@ -17,6 +17,7 @@ from tandem.comm import group_record
 from tandem.comm.device import bind_device, default_backend
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
+from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
@@ -47,12 +48,6 @@ def job_store() -> dist.Store:
     """The store the job's processes met in, below every prefix (the default
     group's, torch's per-group ones), as a replacement's rendezvous reaches it."""
     return below_prefixes(default_store())
-
-
-def below_prefixes(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
 
 
 def elastic_membership(config: ElasticConfig) -> Membership:

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
 from tandem.comm.peers import WAIT_SLICE_S, Liveness
-from tandem.comm.process_id import ProcessId
+from tandem.comm.process_id import PostedProcesses, ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
 
@@ -173,7 +173,7 @@ class Membership:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._processes: dict[str, ProcessId] = {}
+        self._processes = PostedProcesses(store, lambda member: f"{PREFIX}/process/{member}")
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
@@ -260,16 +260,6 @@ class Membership:
         if process is not None:
             self.store.set(f"{PREFIX}/process/{self.member}", process.encode())
 
-    def _ended(self, member: str) -> str | None:
-        """Why ``member``'s process has ended, where its kernel or launcher can tell."""
-        process = self._processes.get(member)
-        if process is None:
-            key = f"{PREFIX}/process/{member}"
-            if not self.store.check([key]):
-                return None
-            process = self._processes[member] = ProcessId.decode(self.store.get(key).decode())
-        return process.ended(self.store)
-
     def dead(self, members: Sequence[str]) -> dict[str, str]:
         """The members among ``members`` whose process has ended, or whose beat
         is stale (or missing), with why."""
@@ -278,7 +268,7 @@ class Membership:
         for m in members:
             if m == self.member:
                 continue
-            ended = self._ended(m)
+            ended = self._processes.ended(m)
             if ended is not None:
                 out[m] = f"has died: {ended}"
                 continue

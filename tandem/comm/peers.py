@@ -48,7 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem.comm.process_id import ProcessId
+from tandem.comm.process_id import PostedProcesses, ProcessId
 from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
@@ -135,7 +135,7 @@ class PeerWatch:
         self.liveness = liveness
         self._clock = clock
         self._seen: dict[int, tuple[str | None, float]] = {}
-        self._processes: dict[int, ProcessId] = {}
+        self._processes = PostedProcesses(store, process_key)  # Note [deaths seen at once]
         self.board = WaitBoard(store, rank)  # where each rank waits (Note [mismatched waits])
 
     def post_process(self) -> None:
@@ -164,7 +164,7 @@ class PeerWatch:
                 lost[r] = "has left the job (its process finished or called tandem.shutdown)"
                 continue
             try:
-                ended = self._ended(r)
+                ended = self._processes.ended(r)
             except Exception as e:  # noqa: BLE001 - any store failure means the same thing here
                 raise self._store_gone(e) from e
             if ended is not None:
@@ -190,17 +190,6 @@ class PeerWatch:
                 return lost
             time.sleep(self.liveness.beat_s)
 
-    def _ended(self, rank: int) -> str | None:
-        """Why ``rank``'s process has ended, if this kernel or its launcher can
-        tell (Note [deaths seen at once]); its id is read once, when posted."""
-        process = self._processes.get(rank)
-        if process is None:
-            key = process_key(rank)
-            if not self.store.check([key]):
-                return None
-            process = self._processes[rank] = ProcessId.decode(self.store.get(key).decode())
-        return process.ended(_below_prefixes(self.store))
-
     def _read(self, ranks: Sequence[int]) -> list[str | None]:
         out: list[str | None] = []
         try:
@@ -215,12 +204,6 @@ class PeerWatch:
         return RuntimeError(
             f"rank {self.rank}: the job's store cannot be reached ({type(error).__name__}: {error}); "
             "its host (the launcher, or rank 0 without one) has probably died")
-
-
-def _below_prefixes(store: dist.Store) -> dist.Store:
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
 
 
 def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],

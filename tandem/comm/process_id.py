@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ProcessId", "exit_notice", "exit_notice_key", "write_exit_notice"]
+__all__ = ["PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key",
+           "write_exit_notice"]
 
 _NOTICES = "tandem/exited"
 
@@ -129,3 +132,33 @@ def write_exit_notice(store: dist.Store, pid: int, what: str) -> None:
     kernel = _this_kernel()
     if kernel is not None:
         store.set(exit_notice_key(kernel, pid), what)
+
+
+def below_prefixes(store: dist.Store) -> dist.Store:
+    """The store below every :class:`~torch.distributed.PrefixStore` of ``store``."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class PostedProcesses:
+    """The :class:`ProcessId` each peer posted in ``store`` under ``key(peer)``,
+    read once, when posted, and asked whether it has ended (Note [deaths seen
+    at once]): a collective's watch keys them by rank, the membership by member."""
+
+    def __init__(self, store: dist.Store, key: Callable[[Any], str]) -> None:
+        self._store = store
+        self._notices = below_prefixes(store)
+        self._key = key
+        self._posted: dict[Any, ProcessId] = {}
+
+    def ended(self, peer: Any) -> str | None:
+        """Why ``peer``'s process has ended, where its kernel or launcher can tell;
+        None when it runs, or has posted no id yet."""
+        process = self._posted.get(peer)
+        if process is None:
+            key = self._key(peer)
+            if not self._store.check([key]):
+                return None
+            process = self._posted[peer] = ProcessId.decode(self._store.get(key).decode())
+        return process.ended(self._notices)
