@@ -6,6 +6,7 @@ Run book (a machine with one CUDA GPU; about a minute)::
     python benchmarks/bench_gpu.py                       # GPT-2 small (124M), bf16 autocast
     python benchmarks/bench_gpu.py --layers 24 --width 1024 --rounds 12
     python benchmarks/bench_gpu.py --only ddp --profile bare,torch-ddp,tandem-reducer
+    python benchmarks/bench_gpu.py --only ddp --host-profile tandem-reducer
 
 A world of one on NCCL (tandem.init()). The model is the GPT example's
 (tandem/examples/gpt_model.py, no activation checkpointing), batch x sequence
@@ -36,14 +37,25 @@ torch.cuda.max_memory_allocated over two steps of a contender built alone
 parameters, gradients, optimizer state and activations. Host synchronisations:
 torch.cuda.set_sync_debug_mode("warn") over 3 steps after 3 warm-up steps,
 counting the warnings CUDA raises.
+
+``--host-profile``: the Python time of the autograd engine's thread during
+backward (where DDP's gradient hooks run on a GPU; the main thread only waits
+there), by cProfile over 20 steps: started by a hook on every parameter the
+first time it runs on that thread in a backward, stopped by a callback at the
+end of that backward (after the reducer's own). Its thread CPU time per
+backward comes with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -146,17 +158,48 @@ def timed_rounds(steps: dict[str, Callable[[], None]], args: argparse.Namespace
     torch.cuda.synchronize()
     per_step: dict[str, list[float]] = {n: [] for n in names}
     host: dict[str, list[float]] = {n: [] for n in names}  # the Python thread's CPU per step
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            torch.cuda.synchronize()
-            start, cpu = time.perf_counter(), time.thread_time()
-            for _ in range(args.steps):
-                steps[name]()
-            host[name].append((time.thread_time() - cpu) / args.steps)
-            torch.cuda.synchronize()
-            per_step[name].append((time.perf_counter() - start) / args.steps)
+    collections = GcTime()
+    gc.callbacks.append(collections)
+    try:
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                torch.cuda.synchronize()
+                collections.owner = name
+                start, cpu = time.perf_counter(), time.thread_time()
+                for _ in range(args.steps):
+                    steps[name]()
+                host[name].append((time.thread_time() - cpu) / args.steps)
+                torch.cuda.synchronize()
+                per_step[name].append((time.perf_counter() - start) / args.steps)
+                collections.owner = None
+    finally:
+        gc.callbacks.remove(collections)
+    total = args.rounds * args.steps
+    print("Python's garbage collector during the timed blocks, per step (ms; full collections in all): "
+          + "; ".join(f"{n} {collections.seconds.get(n, 0.0) / total * 1e3:.3f} ({collections.full.get(n, 0)})"
+                      for n in names) + "\n")
     return per_step, host
+
+
+class GcTime:
+    """A gc callback that sums collection time (any thread) by the contender being timed."""
+
+    def __init__(self) -> None:
+        self.owner: str | None = None
+        self.seconds: dict[str, float] = {}
+        self.full: dict[str, int] = {}
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if self.owner is None:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds[self.owner] = self.seconds.get(self.owner, 0.0) + time.perf_counter() - self._started
+        if info.get("generation") == 2:
+            self.full[self.owner] = self.full.get(self.owner, 0) + 1
 
 
 def profile(name: str, step: Callable[[], None], steps: int = 5) -> str:
@@ -179,6 +222,47 @@ def profile(name: str, step: Callable[[], None], steps: int = 5) -> str:
     key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     table = events.table(sort_by=key, row_limit=14, max_name_column_width=60)
     return f"### {name}: {wall * 1e3:.2f} ms/step under the profiler, {steps} steps\n\n```\n{table}\n```\n"
+
+
+def host_profile(name: str, model: nn.Module, step: Callable[[], None], steps: int = 20,
+                 main: int | None = None) -> str:
+    """cProfile of the autograd engine's thread over ``steps`` backwards (see the module's docstring)."""
+    prof = cProfile.Profile()
+    state = {"on": False, "cpu": 0.0, "started": 0.0, "backwards": 0}
+    main = threading.get_ident() if main is None else main  # on CPU backward runs on the caller's thread
+
+    def stop() -> None:
+        prof.disable()
+        state["cpu"] += time.thread_time() - state["started"]
+        state["backwards"] += 1
+        state["on"] = False
+
+    def start(_: torch.Tensor) -> None:
+        if state["on"] or threading.get_ident() == main:
+            return
+        state["on"] = True
+        state["started"] = time.thread_time()
+        torch.autograd.Variable._execution_engine.queue_callback(stop)
+        prof.enable()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    handles = [p.register_post_accumulate_grad_hook(start) for p in model.parameters() if p.requires_grad]
+    try:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(20)
+    per = state["cpu"] / max(1, state["backwards"]) * 1e3
+    return (f"### {name}: the autograd thread, {state['backwards']} backwards, {per:.2f} ms of its CPU per "
+            f"backward from its first parameter hook\n\n```\n{out.getvalue()}\n```\n")
 
 
 def quartiles(values: list[float]) -> tuple[float, float]:
@@ -220,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
                              "gradient_as_bucket_view=True)")
     parser.add_argument("--profile", default="", metavar="NAMES",
                         help="comma-separated contenders to profile after the tables (torch.profiler)")
+    parser.add_argument("--host-profile", default="", metavar="NAMES",
+                        help="comma-separated contenders whose autograd thread to profile (cProfile)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA device")
@@ -246,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
             print(table(per_step, host, baseline, peaks, syncs) + "\n", flush=True)
             for name in (n for n in args.profile.split(",") if n in rows):
                 print(profile(name, steps[name]), flush=True)
+            for name in (n for n in args.host_profile.split(",") if n in rows):
+                print(host_profile(name, built[name][0], steps[name]), flush=True)
             del built, steps
             gc.collect()
             torch.cuda.empty_cache()

@@ -115,11 +115,14 @@ class Bucket:
     def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter], names: list[str],
                  data: torch.Tensor) -> None:
         self.spec = spec
-        # Note [copy granularity]: large parameters are scaled into the bucket as each
-        # becomes ready (one fused pass over memory, early); a bucket of small ones
-        # is filled with one batched copy and one scaling when it is complete (per
-        # parameter, the Python and dispatch overhead would dominate).
-        self.copies_per_param = spec.numel >= _BATCH_COPY_BELOW * len(params)
+        # Note [copy granularity]: on the CPU, large parameters are scaled into the
+        # bucket as each becomes ready (one fused pass over memory, early); a bucket
+        # of small ones is filled with one batched copy and one scaling when it is
+        # complete (per parameter, the Python and dispatch overhead would dominate).
+        # On an accelerator every bucket is filled in one batch: kernels run
+        # asynchronously, so what a copy costs the host (a Python call and a launch
+        # per parameter, on the autograd engine's thread) is what matters there.
+        self.copies_per_param = spec.device.type == "cpu" and spec.numel >= _BATCH_COPY_BELOW * len(params)
         self.index = spec.index
         self.params = params
         self.size = len(params)
@@ -200,13 +203,18 @@ class Bucket:
             if pos not in self.deferred:  # scaled at launch: scale_deferred
                 self.deferred.append(pos)
         else:
-            torch.mul(grad, scale, out=view)
+            if scale == 1.0:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
             if rebind:
                 set_local_grad(p, view)
 
     def scale_deferred(self, scale: float) -> None:
         """Scale the gradients that were accumulated into their views (:meth:`copy_in`)."""
-        if self.deferred:
+        if self.deferred and scale == 1.0:
+            self.deferred = []
+        elif self.deferred:
             views = [self.views[pos] for pos in self.deferred]
             if len(views) == 1:
                 views[0].mul_(scale)
@@ -221,12 +229,12 @@ class Bucket:
         if all(g is v for g, v in zip(grads, views)):
             # Every gradient was born in its view (Note [gradients born in their
             # bucket] in write_back.py): nothing to copy.
-            self.grads.mul_(scale)
+            self._scale(scale)
             return
         if not rebind and all(g is not None for g in grads) and not any(g is v for g, v in zip(grads, views)):
             # Separate gradient tensors, all defined: one batched copy.
             foreach_copy_(views, cast("list[torch.Tensor]", grads))
-            self.grads.mul_(scale)
+            self._scale(scale)
             return
         dst, src = [], []
         for p, view, grad in zip(self.params, self.views, grads):
@@ -239,7 +247,11 @@ class Bucket:
                     set_local_grad(p, view)
         if dst:
             foreach_copy_(dst, src)
-        self.grads.mul_(scale)
+        self._scale(scale)
+
+    def _scale(self, scale: float) -> None:
+        if scale != 1.0:  # 1.0: the collective scales (Note [scaled by the collective] in reduction.py)
+            self.grads.mul_(scale)
 
     def fill(self, scale: float, rebind: bool) -> None:
         """Before launch: the gradients not yet copied in are (batched, Note [copy

@@ -36,22 +36,31 @@ shared bucket is moved after it instead, so that the solo can stay in place.
 A solo bucket is not part of the flat buffer: its own staging tensor is
 allocated only if a step ever needs it (a gradient that cannot be reduced in
 place), so that a large parameter's gradient is held once, as in torch.
+
+On an accelerator the trade is different: the two passes are cheap for the
+GPU (over a 9 MiB gradient about 6 us of an H100's time), while each collective
+costs the host: on an H100, NCCL's all-reduce took about 60 us of the
+autograd thread per launch, where DDP's gradient hooks run. GPT-2 small with
+4 MiB solo buckets made 40 collectives a backward (37 solo) where torch's DDP
+makes about 20, and that host work left the GPU idle (BENCHMARKS.md, "On a GPU").
+So off the CPU a parameter is solo only from the bucket cap up, a size torch
+would give a bucket of its own too (``solo_threshold``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["ParamInfo", "BucketSpec", "BucketPlan", "plan_buckets", "plan_ddp_buckets", "DEFAULT_FIRST_BUCKET_BYTES",
-           "DEFAULT_BUCKET_CAP_MB", "FLAG_SLOTS", "SOLO_BYTES"]
+           "DEFAULT_BUCKET_CAP_MB", "FLAG_SLOTS", "SOLO_BYTES", "solo_threshold"]
 
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 FLAG_SLOTS = 1  # control elements in the last bucket: Note [missing-gradient flag] in reducer.py
-SOLO_BYTES = 4 * 1024 * 1024  # Note [solo buckets]
+SOLO_BYTES = 4 * 1024 * 1024  # Note [solo buckets]: on the CPU; see solo_threshold
 _MB = 1024 * 1024
 
 
@@ -125,7 +134,8 @@ def cap_bytes_from_mb(bucket_cap_mb: float | None,
 
 
 def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int], *,
-                 pad_to: int = 1, last_bucket_extra: int = 0, solo_bytes: int | None = None) -> BucketPlan:
+                 pad_to: int = 1, last_bucket_extra: int = 0,
+                 solo_bytes: int | Mapping[str, int] | None = None) -> BucketPlan:
     """Assign parameters to buckets.
 
     Args:
@@ -139,7 +149,7 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
         last_bucket_extra: control elements reserved in the bucket launched last.
         solo_bytes: a parameter of at least this many bytes gets a bucket of its
             own, without closing or counting toward the others (Note [solo
-            buckets]); None: torch's assignment.
+            buckets]); a mapping: per device type; None: torch's assignment.
 
     Returns:
         A plan whose buckets are numbered in launch order: by the position in
@@ -159,7 +169,8 @@ def plan_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequen
     solos: set[int] = set()
     for idx in order:
         p = params[idx]
-        if solo_bytes is not None and p.nbytes >= solo_bytes:
+        solo_at = solo_bytes.get(p.device.type) if isinstance(solo_bytes, Mapping) else solo_bytes
+        if solo_at is not None and p.nbytes >= solo_at:
             groups.append([idx])
             solos.add(idx)
             continue
@@ -214,8 +225,15 @@ def plan_ddp_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Se
     """The plan tandem's DDP makes (GradReducer): buckets padded to the world size,
     the flag in the last, and solo buckets only where in-place reduction can apply
     (Note [solo buckets]; not under ZeRO, gradient_as_bucket_view or check_finite)."""
-    solo = None if (zero or gradient_as_bucket_view or check_finite) else SOLO_BYTES
+    solo = None if (zero or gradient_as_bucket_view or check_finite) else \
+        {p.device.type: solo_threshold(p.device, caps) for p in params}
     return plan_buckets(params, order, caps, pad_to=world_size, last_bucket_extra=FLAG_SLOTS, solo_bytes=solo)
+
+
+def solo_threshold(device: torch.device, caps: Sequence[int]) -> int:
+    """The bytes from which a parameter on ``device`` gets a solo bucket (Note
+    [solo buckets]): SOLO_BYTES on the CPU, the bucket cap on an accelerator."""
+    return SOLO_BYTES if device.type == "cpu" else max(SOLO_BYTES, caps[-1])
 
 
 def _element_size(dtype: torch.dtype) -> int:

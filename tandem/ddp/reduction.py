@@ -27,6 +27,18 @@ the reduced buckets). A gradient that is None, non-contiguous or of another
 dtype, or the .grad of a parameter that got no gradient in this backward (it
 must stay as it was), is copied into the bucket as before.
 
+# Note [scaled by the collective]
+On NCCL the average's scaling rides in the all-reduce itself: a pre-multiplied
+sum (``PREMUL_SUM``, NCCL 2.11+; each rank multiplies its input by its factor
+as the reduction reads it), so the bucket is not scaled by a kernel of its own
+before launch. That saves the host a launch per bucket and the GPU a pass over
+the bucket's memory (a solo bucket's ``mul_``, or the scaling after a batched
+copy). The missing-gradient flag is scaled with the rest, which keeps "some
+rank raised it" readable as a sum above zero. A joined rank's zeros go through a
+pre-multiplied sum too, so that every rank issues the same operator. Not with
+check_finite, whose flags are counts; and on gloo, which has no such operator,
+the bucket is scaled as before.
+
 # Note [zero reduction]
 Under ZeRO stages 1 and 2 (Note [flat buffer layout] in plan.py) the same buckets
 are launched in the same order, but each is reduce-scattered instead of
@@ -47,9 +59,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from tandem.comm.group import GroupComm
 from tandem.ddp.bucket import Bucket, GradBuffer, PendingReduction
@@ -99,22 +112,35 @@ class AllReduce:
         self._frees = stepper if check is None else None
         self._stepper = stepper
         self.in_place = not (delivery.as_view or check is not None)
+        # Note [scaled by the collective]: the operator per factor, made once.
+        self._premul: dict[float, Any] | None = {} if check is None and _has_premul_sum(comm) else None
+
+    def _op(self, div: float) -> tuple[float, Any]:
+        """The scaling left to do before launch, and the collective's operator."""
+        if self._premul is None:
+            return div, dist.ReduceOp.SUM
+        op = self._premul.get(div)
+        if op is None:
+            op = self._premul[div] = dist._make_nccl_premul_sum(div)
+        return 1.0, op
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
         spec = bucket.spec
+        scale, op = self._op(step.div)
         if bucket.reduces_in_place:  # Note [in-place reduction]
             # A parameter without a gradient this step keeps its .grad as it was.
             grad = bucket.reducible_in_place() if step.used[spec.params[0]] else None
             if grad is not None:
-                grad.mul_(step.div)
+                if scale != 1.0:
+                    grad.mul_(scale)
                 bucket.in_place = True
-                bucket.launched(self._comm.all_reduce(grad, tag=f"bucket {bucket.index}", async_op=True))
+                bucket.launched(self._comm.all_reduce(grad, op=op, tag=f"bucket {bucket.index}", async_op=True))
                 return
             bucket.ensure_data()
-            bucket.copy_in(0, step.div, rebind=False)
-            bucket.scale_deferred(step.div)
+            bucket.copy_in(0, scale, rebind=False)
+            bucket.scale_deferred(scale)
         else:
-            bucket.fill(step.div, self._delivery.as_view)
+            bucket.fill(scale, self._delivery.as_view)
         if self._check is not None:  # Note [check_finite] in finite.py
             self._check.mark(bucket)
         if spec.extra:
@@ -122,7 +148,7 @@ class AllReduce:
             # the host, which waits for the GPU (Note [late flag] in late_flag.py).
             bucket.data[spec.numel].fill_(step.missing_flag)
         payload = bucket.data.narrow(0, 0, spec.numel + spec.extra)
-        bucket.launched(self._comm.all_reduce(payload, tag=f"bucket {bucket.index}", async_op=True))
+        bucket.launched(self._comm.all_reduce(payload, op=op, tag=f"bucket {bucket.index}", async_op=True))
         if self._frees is not None:
             for i, p in zip(spec.params, bucket.params):
                 if self._frees.owns(i):
@@ -140,7 +166,9 @@ class AllReduce:
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
         spec = bucket.spec
         zeros = torch.zeros(spec.numel + spec.extra, dtype=spec.dtype, device=spec.device)
-        return self._comm.all_reduce(zeros, tag=f"bucket {bucket.index}", async_op=True)
+        # Note [scaled by the collective]: the same operator as the ranks still training.
+        _, op = self._op(1.0)
+        return self._comm.all_reduce(zeros, op=op, tag=f"bucket {bucket.index}", async_op=True)
 
 
 class ReduceScatter:
@@ -231,3 +259,9 @@ class HookReduce:
         work = HookWork(self._hook(self._state, GradBucket(bucket, is_last, self._comm)), bucket, self.name)
         work.settle()
         return work
+
+
+def _has_premul_sum(comm: GroupComm) -> bool:
+    """Whether ``comm`` reduces on NCCL with a pre-multiplied sum (Note [scaled by the collective])."""
+    return (hasattr(dist, "_make_nccl_premul_sum") and torch.cuda.is_available()
+            and dist.get_backend(comm.group) == "nccl")

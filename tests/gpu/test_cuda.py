@@ -146,6 +146,53 @@ def _ddp_vs_torch(rank: int, world_size: int, cap_mb: float) -> dict[str, Any]:
             "buckets": len(ours.reducer.buckets), "backend": torch.distributed.get_backend()}
 
 
+class WithLarge(Net):
+    """Net with a 36 MiB weight: a solo bucket on CUDA too (Note [solo buckets] in tandem/ddp/plan.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.large = nn.Linear(D, 3000 * 3000 // D, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) + 1e-3 * self.large.weight.pow(2).sum()
+
+
+def _solo_vs_torch(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = TorchDDP(WithLarge().to(_cuda()), device_ids=[0])
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+    torch.manual_seed(0)
+    ours = _reducing(tandem.DistributedDataParallel(WithLarge().to(_cuda()), device_ids=[0]))
+    _train(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9))
+    return {"diff": _diff(_params(ref), _params(ours)),
+            "solo": [b.names for b in ours.reducer.buckets if b.spec.solo]}
+
+
+def _divided_by_the_collective(rank: int, world_size: int) -> dict[str, Any]:
+    """A step armed to average over 4 ranks (as join does with a divisor): on NCCL
+    the factor rides in the all-reduce (Note [scaled by the collective] in
+    tandem/ddp/reduction.py); each gradient must be the local one / 4, in the
+    solo bucket and in the shared ones, and the flag bucket still reads clean."""
+    from tandem.ddp.reduction import AllReduce
+
+    torch.manual_seed(0)
+    plain = WithLarge().to(_cuda())
+    ddp = _reducing(tandem.DistributedDataParallel(copy.deepcopy(plain), device_ids=[0]))
+    tokens, target = _batch(0)
+    _loss(plain, tokens, target).backward()
+    reducer = ddp.reducer
+    grads = []
+    for _ in range(2):  # the second step: buckets rebuilt in arrival order
+        ddp.zero_grad(set_to_none=True)
+        reducer.before_forward()
+        out = ddp.module(tokens)
+        reducer.arm(out, divisor=4)
+        nn.functional.cross_entropy(out.float().reshape(-1, V), target.reshape(-1)).backward()
+        grads.append(max((p.grad - q.grad / 4).abs().max().item()
+                         for p, q in zip(ddp.module.parameters(), plain.parameters())))
+    reduction = reducer.group.reduction
+    return {"diff": max(grads), "premul": isinstance(reduction, AllReduce) and reduction._premul is not None,
+            "solo": sum(b.spec.solo for b in reducer.buckets)}
 def _zero_vs_torch(rank: int, world_size: int, stage: int) -> float:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -270,6 +317,8 @@ def _missing_gradient_later(rank: int, world_size: int) -> tuple[int, str]:
 WORLD_OF_ONE = {
     "ddp": Case(_ddp_vs_torch, args=(25.0,)),
     "ddp_many_buckets": Case(_ddp_vs_torch, args=(0.01,)),
+    "ddp_solo": Case(_solo_vs_torch),
+    "divided_by_the_collective": Case(_divided_by_the_collective),
     "zero1": Case(_zero_vs_torch, args=(1,)),
     "zero2": Case(_zero_vs_torch, args=(2,)),
     "fsdp": Case(_fsdp_vs_torch, args=(False,)),
@@ -293,6 +342,20 @@ def test_ddp_on_nccl_equals_torch(nccl1: Any, case: str) -> None:
     assert out["backend"] == "nccl"
     assert out["buckets"] > 1 if case == "ddp_many_buckets" else out["buckets"] >= 1
     assert out["diff"] <= TOL, out
+
+
+@needs_cuda
+def test_a_parameter_over_the_cap_is_reduced_in_place_on_cuda(nccl1: Any) -> None:
+    (out,) = nccl1["ddp_solo"]
+    assert out["solo"] == [["large.weight"]], out
+    assert out["diff"] <= TOL, out
+
+
+@needs_cuda
+def test_the_average_is_scaled_by_the_collective_on_nccl(nccl1: Any) -> None:
+    (out,) = nccl1["divided_by_the_collective"]
+    assert out["premul"] and out["solo"] == 1, out
+    assert out["diff"] <= 1e-7, out
 
 
 @needs_cuda

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.ddp.plan import (DEFAULT_FIRST_BUCKET_BYTES, ParamInfo, cap_bytes_from_mb,
-                             plan_buckets)
+from tandem.ddp.plan import (DEFAULT_FIRST_BUCKET_BYTES, SOLO_BYTES, ParamInfo, cap_bytes_from_mb,
+                             plan_buckets, plan_ddp_buckets)
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.float64, torch.float16]
@@ -101,3 +101,19 @@ def test_solo_buckets_stand_alone_and_the_flag_bucket_goes_last() -> None:
     assert plan.buckets[-1].buffer_offset == 0
     without = plan_buckets(params, order, [1 << 20], pad_to=2, last_bucket_extra=1)
     assert [b.params for b in without.buckets] == [(5, 4, 3, 2, 1, 0)]
+
+
+def test_solo_buckets_on_an_accelerator_start_at_the_cap() -> None:
+    """Note [solo buckets]: on the CPU a parameter of SOLO_BYTES or more is solo; on
+    an accelerator only one of at least the bucket cap (each collective costs the
+    host there), so GPT-2 small's 7-9 MiB weights share buckets as in torch."""
+    mib = 1 << 20
+    sizes_mib = [9, 0.01, 7, 0.01, 30, 5]  # a 30 MiB embedding, 5-9 MiB weights
+    caps = cap_bytes_from_mb(None)  # 1 MiB first, then 25 MiB
+    for device, solo in ((CPU, {0, 2, 4, 5}), (torch.device("cuda", 0), {4})):
+        params = [ParamInfo(f"p{i}", int(m * mib) // 4, torch.float32, device) for i, m in enumerate(sizes_mib)]
+        plan = plan_ddp_buckets(params, list(reversed(range(len(params)))), caps, 2, zero=False,
+                                gradient_as_bucket_view=False, check_finite=False)
+        assert {b.params[0] for b in plan.buckets if b.solo} == solo, device
+        assert sorted(i for b in plan.buckets for i in b.params) == list(range(len(params)))
+    assert SOLO_BYTES < caps[-1]
