@@ -554,3 +554,25 @@ def forget_default_group() -> None:
     # for the blocked workers (up to the group's timeout) and hold up the exit.
     for group in _FORGOTTEN[forgotten_before:]:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+# ---------------------------------------------------------------- testing (tandem.testing)
+
+__all__ += ["fake_store"]
+
+
+def fake_store() -> torch.distributed.Store:
+    """The store for ``init_process_group("fake", ...)``: one rank of a world of N
+    in one process, whose collectives return at once and leave their outputs as
+    they are.
+
+    Why: torch's fake process group is the way to run one rank of a large world
+    for real (its shards, gathered units, kernels) without the other ranks. Its
+    ``FakeStore`` lives in ``torch.testing._internal.distributed.fake_pg``, and
+    importing that module is also what registers the ``"fake"`` backend on
+    torch before 2.10 (later ones have it built in; torch 2.4 to 2.13 all have
+    the module).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

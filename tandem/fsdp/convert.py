@@ -53,7 +53,11 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
     if dtype != unit.orig_dtype:
         _change_dtype(unit, dtype)
     if device != unit.shard_flat.device or dtype != unit.shard_flat.dtype:
-        unit.params.shard_flat = torch.zeros(unit.shard_flat.shape, dtype=dtype, device=device)
+        # On the shard device, a new buffer as the unit makes it: pinned under CPUOffloadPolicy
+        # (a meta model's shards get their memory here), so that each gather's copy to the
+        # device is asynchronous, as torch's FSDP2 pins them in to_empty too.
+        unit.params.shard_flat = (unit.params.new_shard_buffer() if device == unit.config.shard_device
+                                  else torch.zeros(unit.shard_flat.shape, dtype=dtype, device=device))
     with torch.no_grad():
         for m, t in zip(unit.managed, locals_):
             view = unit.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)

@@ -110,6 +110,24 @@ def test_mixed_precision_sizes() -> None:
     assert bf16.gathered == fp32.gathered // 2 + 2 * biggest
 
 
+def test_cpu_offload_moves_the_steady_state_to_the_host() -> None:
+    model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 10))
+    spec = functools.partial(FullyShardSpec, units=["0", "1"], min_unit_bytes=0, param_dtype=torch.bfloat16,
+                             reduce_dtype=torch.float32)
+    kept = estimate_memory(model, 3, fsdp=spec())[3]
+    offloaded = estimate_memory(model, 3, fsdp=spec(cpu_offload=True))[3]
+    assert offloaded.params == offloaded.grads == offloaded.optimizer == 0
+    assert offloaded.host == kept.params + kept.grads + kept.optimizer and kept.host == 0
+    assert offloaded.reducing == kept.reducing and offloaded.gathered == kept.gathered  # bf16: cast either way
+    fp32 = functools.partial(FullyShardSpec, units=["0", "1"], min_unit_bytes=0)
+    biggest = max(u.layout.shard_numel for u in kept.units)
+    # fp32 parameters are gathered from the shard itself, unless it is on the host
+    assert (estimate_memory(model, 3, fsdp=fp32(cpu_offload=True))[3].gathered
+            == estimate_memory(model, 3, fsdp=fp32())[3].gathered + 4 * biggest)
+    with pytest.raises(ValueError, match="FullyShardSpec.cpu_offload must be a bool, got 1"):
+        FullyShardSpec(cpu_offload=1)  # type: ignore[arg-type]
+
+
 def test_tiny_units_merge_into_the_enclosing_call() -> None:
     model = nn.Module()
     model.embed = nn.Linear(4, 64)                                        # 1280 bytes

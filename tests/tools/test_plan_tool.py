@@ -129,6 +129,25 @@ def test_command_line_on_the_digits_example(capsys: pytest.CaptureFixture[str]) 
     assert "has no attribute 'nope'" in capsys.readouterr().err
 
 
+def test_mixed_precision_and_offload_are_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    model, sample = _small(), torch.randn(5, 8)
+    fp32 = plan(model, world_size=2, sample=sample)
+    bf16 = plan(model, world_size=2, sample=sample, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the sample measured as fully_shard computes: in bf16, on a copy (the model stays fp32)
+    assert bf16.measurement is not None and fp32.measurement is not None
+    assert bf16.measurement.activation_bytes * 2 == fp32.measurement.activation_bytes
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert bf16.strategies[3].estimate.gathered < fp32.strategies[3].estimate.gathered
+    offloaded = plan(model, world_size=2, param_dtype=torch.bfloat16, cpu_offload=True)
+    e = offloaded.strategies[3].estimate
+    assert e.params == e.grads == e.optimizer == 0 and e.host > 0
+    argv = ["--model", "tandem.examples.plan_digits:model", "--world-size", "2"]
+    assert main([*argv, "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--cpu-offload"]) == 0
+    assert "fully_shard: CPUOffloadPolicy:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--param-dtype", "int8"])
+
+
 def test_the_tandem_command_dispatches_to_plan(capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.launch.cli import main as tandem_main
     assert tandem_main(["plan", "--model", "tandem.examples.plan_digits:model", "--world-size", "3"]) == 0

@@ -4,6 +4,7 @@ measured (:func:`measure`), the report built (:func:`plan_report`)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,9 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
          fsdp_units: Sequence[str] | None = None, min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
          broadcast_buffers: bool = True, tensor_parallel: int = 1,
          tp_plan: Mapping[str, Any] | str | None = None, hsdp: int = 1,
-         activation_checkpointing: bool = False, elastic: bool = False, nodes: int = 1) -> PlanReport:
+         activation_checkpointing: bool = False, elastic: bool = False, nodes: int = 1,
+         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+         cpu_offload: bool = False) -> PlanReport:
     """Will ``model`` fit on ``world_size`` ranks, and how should it be sharded?
 
     Args:
@@ -63,6 +66,13 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
             (``fsdp_units``: every block) checkpointed, as torchtitan applies
             ``checkpoint_wrapper``; the report shows each block's activations
             with and without (Note [checkpointed activations]).
+        param_dtype: fully_shard's ``MixedPrecisionPolicy.param_dtype``: the
+            units are gathered in it, and the sample's forward runs on a copy
+            of the model with its floating parameters and inputs cast to it,
+            as fully_shard computes (None: in the parameters' own dtype).
+        reduce_dtype: ``MixedPrecisionPolicy.reduce_dtype`` (None: ``param_dtype``).
+        cpu_offload: fully_shard with ``offload_policy=CPUOffloadPolicy()``
+            (shards, gradients and optimizer state on the host).
 
     Returns:
         The :class:`PlanReport`; ``print(report.describe())`` shows it.
@@ -73,7 +83,8 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
 
     .. warning:: the sample's forward runs for real, on the device the model is
         on: build the model on CPU (and measure with the per-rank batch) when it
-        is large.
+        is large. With ``param_dtype`` the copy it runs on adds the
+        parameters' size in that dtype.
     """
     if isinstance(model, str):
         model = _call(model, "--model")
@@ -89,12 +100,23 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
     blocks: Sequence[str] = ()
     if activation_checkpointing:
         blocks = default_fsdp_units(model) if fsdp_units is None else fsdp_units
-    measurement = None if sample is None else measure(model, sample, loss_fn=loss_fn, blocks=blocks)
+    measurement = None if sample is None else measure(
+        _computing_in(model, param_dtype), sample, loss_fn=loss_fn, blocks=blocks, input_dtype=param_dtype)
     return plan_report(model, world_size=world_size, measurement=measurement, optimizer=optimizer,
                        device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
                        fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers,
                        tensor_parallel=tensor_parallel, tp_plan=styles, hsdp=hsdp,
-                       activation_checkpointing=activation_checkpointing, elastic=elastic, nodes=nodes)
+                       activation_checkpointing=activation_checkpointing, elastic=elastic, nodes=nodes,
+                       param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+
+
+def _computing_in(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """``model``, or a copy of it computing in ``dtype`` as fully_shard does under
+    ``MixedPrecisionPolicy(param_dtype=dtype)``: floating parameters cast,
+    buffers as they are. Only the cast parameters are new memory."""
+    cast = {id(p): nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            for p in model.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype}
+    return copy.deepcopy(model, cast) if cast else model
 
 
 def _call(spec: str, what: str) -> Any:

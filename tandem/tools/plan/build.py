@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from tandem.ddp.plan import BucketPlan
@@ -39,7 +40,9 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                 bucket_cap_mb: float | None = None, fsdp_units: Sequence[str] | None = None,
                 min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES, broadcast_buffers: bool = True,
                 tensor_parallel: int = 1, tp_plan: Mapping[str, Any] | None = None, hsdp: int = 1,
-                activation_checkpointing: bool = False, elastic: bool = False, nodes: int = 1) -> PlanReport:
+                activation_checkpointing: bool = False, elastic: bool = False, nodes: int = 1,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                cpu_offload: bool = False) -> PlanReport:
     """The plan, from the model's parameters and buffers (shapes, dtypes,
     ``requires_grad``; nothing runs) and an optional :class:`Measurement`.
 
@@ -74,11 +77,18 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         nodes: the nodes the ranks are on, ``world_size // nodes`` each: the
             report adds each strategy's bytes per step between the nodes
             (Note [bytes between nodes] in tandem/zero/traffic.py).
+        param_dtype: fully_shard's ``MixedPrecisionPolicy.param_dtype``: units are
+            gathered in it (None: the parameters' own dtype). The measurement
+            should have run in it too (:func:`tandem.tools.plan.plan` does).
+        reduce_dtype: ``MixedPrecisionPolicy.reduce_dtype`` (None: ``param_dtype``).
+        cpu_offload: fully_shard with ``offload_policy=CPUOffloadPolicy()``: its
+            shards, gradients and optimizer state are on the host, not in the
+            device's peak (Note [stage 3 memory] in tandem/zero/memory/fully_shard.py).
 
     Raises:
         ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
             ``device_memory``, ``tensor_parallel``, ``tp_plan``, ``hsdp`` or ``nodes``,
-            and what :func:`tandem.zero.estimate_memory` rejects.
+            ``param_dtype``, ``reduce_dtype`` and what :func:`tandem.zero.estimate_memory` rejects.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -99,7 +109,8 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     if device is not None and device <= 0:
         raise ValueError(f"device_memory must be positive, got {device_memory!r}")
     units = tuple(default_fsdp_units(model) if fsdp_units is None else fsdp_units)
-    spec = FullyShardSpec(units=units, min_unit_bytes=min_unit_bytes)
+    spec = FullyShardSpec(units=units, min_unit_bytes=min_unit_bytes, param_dtype=param_dtype,
+                          reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
     local_shapes = {s.name: s.local_shape for s in shards}
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
                                 bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)

@@ -6,11 +6,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from tandem.tools.plan.api import plan
 from tandem.tools.plan.build import OPTIMIZER_STATE_BYTES
 from tandem.tools.tp_plan import parse_mesh
 
 __all__ = ["build_parser", "main"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The dtypes ``--param-dtype`` and ``--reduce-dtype`` take."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="plan with each block (the fully_shard units) checkpointed; shows each block's "
                         "activations with and without (needs --sample)")
+    p.add_argument("--param-dtype", choices=sorted(DTYPES), metavar="DTYPE",
+                   help="fully_shard's MixedPrecisionPolicy param_dtype (bf16, fp16, fp32): units gathered and "
+                        "the sample measured in it")
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), metavar="DTYPE",
+                   help="MixedPrecisionPolicy reduce_dtype (default: the param dtype)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="fully_shard with CPUOffloadPolicy: shards, gradients and optimizer state on the host")
     return p
 
 
@@ -64,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       bucket_cap_mb=args.bucket_cap_mb, fsdp_units=units,
                       broadcast_buffers=not args.no_broadcast_buffers, tensor_parallel=tp, tp_plan=args.tp_plan,
                       hsdp=args.hsdp, activation_checkpointing=args.activation_checkpointing,
-                      elastic=args.elastic, nodes=args.nodes)
+                      elastic=args.elastic, nodes=args.nodes, param_dtype=DTYPES.get(args.param_dtype),
+                      reduce_dtype=DTYPES.get(args.reduce_dtype), cpu_offload=args.cpu_offload)
     except ValueError as e:
         print(f"tandem plan: error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem._tree import iter_tensors
+from tandem._tree import iter_tensors, map_tensors
 from tandem.ddp.graph import reachable_params
 from tandem.tools.activations import ActivationRecorder, BlockActivations, checkpointed_bytes
 
@@ -58,7 +58,7 @@ class Measurement:
 
 
 def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-            blocks: Sequence[str] = ()) -> Measurement:
+            blocks: Sequence[str] = (), input_dtype: torch.dtype | None = None) -> Measurement:
     """One forward with ``sample`` and the gradients of its loss, measuring the
     activations (Note [measured activations]) and the parameters the outputs
     do not reach. The model's ``.grad`` and buffers are left as they were.
@@ -72,12 +72,17 @@ def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torc
             of the outputs' floating tensors stands in for the loss.
         blocks: module paths whose share of the activations to measure, for
             activation checkpointing (Note [checkpointed activations]).
+        input_dtype: cast the inputs' floating tensors to it first, as
+            ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts them to
+            ``param_dtype`` (None: as they are).
 
     Raises:
         ValueError: the forward produces no tensor that requires grad, or a
             block that is not a module of ``model``.
     """
     inputs, targets = _split(sample)
+    if input_dtype is not None:
+        inputs = map_tensors(lambda t: t.to(input_dtype) if t.is_floating_point() else t, inputs)
     ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
     params = [p for _, p in named]

@@ -250,6 +250,10 @@ def _memory_lines(r: PlanReport) -> list[str]:
                  + (", ".join(u.name or "<root>" for u in units[:4]) + (", ..." if len(units) > 4 else ""))
                  + (")" if r.strategies[1].refused else
                     "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer"))
+    host = r.strategies[3].estimate.host
+    if host:
+        lines.append(f"  fully_shard: CPUOffloadPolicy: {_size(host)} per rank on the host (shards, gradients, "
+                     "optimizer state), not in its row")
     if r.elastic:
         buddy = r.strategies[1].estimate.buddy
         lines.append(f"  elastic: ZeRO-1/2 also hold a copy of the previous rank's optimizer-state shard "

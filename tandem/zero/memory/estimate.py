@@ -34,6 +34,10 @@ class FullyShardSpec:
     min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES
     """fully_shard's ``min_unit_bytes``: smaller units join the unit of an
     enclosing call (Note [tiny units] in tandem/fsdp/api.py)."""
+    cpu_offload: bool = False
+    """``offload_policy=CPUOffloadPolicy()``: the shards, their gradients and the
+    optimizer state live on the host; the device holds what a step gathers and
+    reduces (Note [stage 3 memory])."""
 
     def __post_init__(self) -> None:
         units = (self.units,) if isinstance(self.units, str) else self.units
@@ -49,6 +53,8 @@ class FullyShardSpec:
                              f"{self.reshard_after_forward!r} (partial resharding to k ranks is not planned)")
         if not isinstance(self.min_unit_bytes, int) or self.min_unit_bytes < 0:
             raise ValueError(f"FullyShardSpec.min_unit_bytes must be an int >= 0, got {self.min_unit_bytes!r}")
+        if not isinstance(self.cpu_offload, bool):
+            raise ValueError(f"FullyShardSpec.cpu_offload must be a bool, got {self.cpu_offload!r}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class MemoryEstimate:
     optimizer: int
     state: int = 0                                          # optimizer state alone, without master copies
     buddy: int = 0                                          # elastic: a copy of the previous rank's state shard
+    host: int = 0                                           # stage 3 under CPUOffloadPolicy: held on the host
     gathered: int = 0                                       # parameters gathered (stages 1-3)
     reducing: int = 0                                       # gradients being reduced in backward
     units: tuple[UnitEstimate, ...] = field(default=(), repr=False)   # stage 3: the units planned

@@ -35,9 +35,15 @@ parameters, ``w`` the world size:
   reduced and of the units enclosing it (the root's first gradients wait for
   the root's last), the largest such sum over units.
 
+Under ``CPUOffloadPolicy`` (``spec.cpu_offload``) ``params``, ``grads`` and
+``optimizer`` are held on the host (``host``), and 0 on the device; each
+gather copies its unit's shard to the device first, in ``param_dtype``, so
+the ``S``-element cast input is counted whatever the dtypes, and the reduced
+gradients are copied back to the host from the reduce-scatter output.
+
 Activations, the autograd graph and the collectives' own scratch space are
-not included, and ``ignored_params``, CPU offloading and
-``reshard_after_forward=k`` are not modelled.
+not included, and ``ignored_params`` and ``reshard_after_forward=k`` are not
+modelled.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def _unit_bytes(u: UnitEstimate, spec: FullyShardSpec, optimizer_bytes_per_param
     return _UnitBytes(
         shard=shard_numel * u.dtype.itemsize,
         full=layout.unsharded_numel * param_dtype.itemsize,
-        cast_input=shard_numel * param_dtype.itemsize if param_dtype != u.dtype else 0,
+        cast_input=shard_numel * param_dtype.itemsize if param_dtype != u.dtype or spec.cpu_offload else 0,
         grads=grads if trains else 0,
         optimizer=trainable_numel * optimizer_bytes_per_param,
         full_grads=layout.numel * param_dtype.itemsize if trains else 0,
@@ -89,11 +95,15 @@ def stage3_estimate(units: tuple[UnitEstimate, ...], spec: FullyShardSpec, optim
             ) -> MemoryEstimate:
     sizes = {u.name: _unit_bytes(u, spec, optimizer_bytes_per_param) for u in units}
     enclosing = {u.name: [v.name for v in units if _encloses(v.name, u.name)] for u in units}
+    steady = (sum(b.shard for b in sizes.values()), sum(b.grads for b in sizes.values()),
+              sum(b.optimizer for b in sizes.values()))
+    (params, grads, optimizer), host = ((0, 0, 0), sum(steady)) if spec.cpu_offload else (steady, 0)
     return MemoryEstimate(
         3,
-        params=sum(b.shard for b in sizes.values()),
-        grads=sum(b.grads for b in sizes.values()),
-        optimizer=sum(b.optimizer for b in sizes.values()),
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        host=host,
         gathered=_gathered_peak(units, sizes, enclosing, spec.reshard_after_forward),
         reducing=sum(sorted(b.reduce_buffers for b in sizes.values())[-2:])
         + max(sum(sizes[n].full_grads for n in [name, *outer]) for name, outer in enclosing.items()),
