@@ -13,13 +13,35 @@ and one received per step. ZeRO's shard is its optimizer's
 state's rows (Note [elastic fully_shard] in fsdp_shards.py), which travel one
 unit at a time (:meth:`BuddyCopies.locate`, :meth:`BuddyCopies.gather_part`).
 A lost rank's shard is then read from its buddy; any set of losses that does
-not take a rank and the next one together is recovered from memory. When both
-are gone, or a copy is older than the survivors' own shards (the rank died
-while the copies were being sent), the survivors say so and fall back to the
+not take a rank and the next one together is recovered from memory (one step
+back when the rank died before its copy of the last step arrived: Note [one
+step back]). When both are gone, the survivors say so and fall back to the
 last checkpoint.
 
 Each copy is stamped with the step it holds, and the recovery checks that every
 shard it assembles has the same stamp.
+
+# Note [one step back]
+A rank can die while the copies are being sent (after step k was committed:
+some ranks hold their neighbour's shard of step k, others still that of step
+k-1), or, under ZeRO, inside the step's parameter all-gather (after every
+rank agreed to step and updated its shard, before the step was committed). In
+the first case the lost rank's shard of step k may be on no survivor; in the
+second the survivors' own shards are of step k while the lost one's copy and
+the loop state are of step k-1. Assembling step k from the first, or a mix of
+k and k-1 from the second, would part the run from training on one process
+(the soak found the second: a step's update applied twice on three quarters of
+the optimizer state). So every rank also keeps its own shard as it was before
+the latest update (:meth:`BuddyCopies.keep_own`, taken when the ranks have
+agreed to step, before the optimizer changes anything), and the recovery
+assembles the newest step that every old rank's shard is available at: step
+k when every copy of step k arrived, else step k-1, from the survivors' kept
+shards and the copies of step k-1 that the rank after the lost one still
+holds (it replaces a copy only when the new one has arrived). The trainer then
+goes back one step: the loop state of step k-1 (kept at each commit), and
+under ZeRO the parameters, whose rows of step k-1 travel with each shard.
+That costs a second shard of memory per rank: the kept one, which replaces
+the last at each step.
 """
 
 from __future__ import annotations
@@ -57,21 +79,29 @@ class BuddyCopies:
 
     def __init__(self) -> None:
         self.held: _Held | None = None
+        # Note [one step back]: this rank's shard before the latest update, and its step.
+        self.kept: tuple[int, dict[str, Any]] | None = None
         # Every old rank's shard, from the last recovery, until the next refresh: a
         # loss during the change itself (a replacement dying as it joins) is then
         # recovered from these rather than from shards laid out for a world that
         # never trained.
         self._complete: list[tuple[int, dict[str, Any]]] | None = None
-        # This rank's own shard as the change began: a failed attempt may have
+        # This rank's own shards as the change began: a failed attempt may have
         # dropped the optimizer's state before the shards were recovered.
-        self._own: dict[str, Any] | None = None
+        self._own: list[tuple[int, dict[str, Any]]] | None = None
 
-    def own_shard(self, take: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """This rank's shard as the current change of world began (``take()`` the
-        first time in a change)."""
+    def own_shard(self, take: Callable[[], list[tuple[int, dict[str, Any]]]]) -> list[tuple[int, dict[str, Any]]]:
+        """This rank's shards as the current change of world began, each with its
+        step (``take()`` the first time in a change): Note [one step back]."""
         if self._own is None:
             self._own = take()
         return self._own
+
+    def keep_own(self, step: int, shard: dict[str, Any], *, live: bool) -> None:
+        """Keep ``shard``, this rank's of ``step``, before the optimizer updates it
+        (Note [one step back]); ``live``: it holds the live tensors (views), which
+        are copied, as the update will change them."""
+        self.kept = (step, _copied(shard) if live else shard)
 
     def refresh(self, shard: dict[str, Any], step: int, members: tuple[str, ...], rank: int) -> None:
         """Send ``shard`` (this rank's, after ``step``) to the next rank and keep
@@ -95,52 +125,64 @@ class BuddyCopies:
         as Adam's step, are left out, as ``tandem plan`` leaves them out)."""
         return 0 if self.held is None else _tensor_bytes(self.held.shard)
 
-    def recover(self, own: dict[str, Any] | None, step: int, survivors: tuple[str, ...]) -> list[dict[str, Any]]:
-        """Every shard of the old world, in old rank order, from the survivors'
-        own shards (``own``, after ``step``; None on a replacement, which has
-        none) and their copies of the lost ones. A collective of the new group,
-        whose old members are ``survivors``. Every rank receives every shard
-        (ZeRO's optimizer state; fully_shard's goes by :meth:`locate`).
+    @property
+    def kept_nbytes(self) -> int:
+        """Memory the kept shard's per-element tensors take (Note [one step back])."""
+        return 0 if self.kept is None else _tensor_bytes(self.kept[1])
+
+    def recover(self, own: list[tuple[int, dict[str, Any]]] | None,
+                survivors: tuple[str, ...]) -> tuple[int, list[dict[str, Any]]]:
+        """Every shard of the old world, in old rank order, and the step they are
+        of, from the survivors' own shards (``own``, each with its step: the live
+        one and the kept one, Note [one step back]; None on a replacement, which
+        has none) and their copies of the lost ones. A collective of the new
+        group, whose old members are ``survivors``. Every rank receives every
+        shard (ZeRO's optimizer state; fully_shard's goes by :meth:`locate`).
 
         Raises:
             ShardsLost: on every rank, naming the old ranks whose shard is gone.
         """
-        mine: list[tuple[int, dict[str, Any]]] = [] if own is None else [(step, own)]
-        if own is not None and self._complete is not None:
-            mine = self._complete
-        elif own is not None and self.held is not None and self.held.member not in survivors:
-            mine.append((self.held.step, self.held.shard))
-        gathered: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of buddy copies", dist.all_gather_object, gathered, mine)
+        mine = self._offered(own, survivors, complete=True)
+        located = self._locate(mine)
+        shards = self.gather_part(located, lambda shard: shard)
         self.held = None
-        chosen = _choose([[(stamp, shard["rank"], shard["world_size"]) for stamp, shard in c] for c in gathered])
-        shards = {old: gathered[new][k][1] for old, (new, k) in chosen.items()}
-        result = [shards[r] for r in range(len(shards))]
-        current = next(c for c in gathered if c)[0][0]
-        self._complete = [(current, shard) for shard in result]
-        return result
+        self._complete = [(located.step, shard) for shard in shards]
+        return located.step, shards
 
-    def locate(self, own: dict[str, Any] | None, step: int, survivors: tuple[str, ...]) -> Located:
-        """Which rank of the new group provides each old rank's shard: its own
-        (``own``, after ``step``; None on a replacement) or its copy of a lost
-        rank's. A collective of the new group (small: stamps and ranks only);
-        the shards then travel part by part (:meth:`gather_part`), so that no
-        rank holds every shard at once. The held copy is kept until the next
-        :meth:`refresh`: a loss during the change is recovered from the same
-        copies.
+    def locate(self, own: list[tuple[int, dict[str, Any]]] | None, survivors: tuple[str, ...]) -> Located:
+        """Which rank of the new group provides each old rank's shard, and at
+        which step: its own (``own``, each with its step, Note [one step back];
+        None on a replacement) or its copy of a lost rank's. A collective of the
+        new group (small: stamps and ranks only); the shards then travel part by
+        part (:meth:`gather_part`), so that no rank holds every shard at once.
+        The held copy is kept until the next :meth:`refresh`: a loss during the
+        change is recovered from the same copies.
 
         Raises:
             ShardsLost: on every rank, naming the old ranks whose shard is gone.
         """
-        mine: list[tuple[int, dict[str, Any]]] = [] if own is None else [(step, own)]
-        if own is not None and self.held is not None and self.held.member not in survivors:
+        return self._locate(self._offered(own, survivors, complete=False))
+
+    def _offered(self, own: list[tuple[int, dict[str, Any]]] | None, survivors: tuple[str, ...], *,
+                 complete: bool) -> list[tuple[int, dict[str, Any]]]:
+        """What this rank can provide: its own shards and its copy of a lost rank's
+        (or, within a change, every shard the last recovery assembled)."""
+        if own is None:
+            return []
+        if complete and self._complete is not None:
+            return self._complete
+        mine = list(own)
+        if self.held is not None and self.held.member not in survivors:
             mine.append((self.held.step, self.held.shard))
+        return mine
+
+    def _locate(self, mine: list[tuple[int, dict[str, Any]]]) -> Located:
         headers: list[Any] = [None] * dist.get_world_size()
         watched("all_gather_object of shard headers", dist.all_gather_object, headers,
                 [(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine])
-        chosen = _choose(headers)
+        step, chosen = _choose(headers)
         here = dist.get_rank()
-        return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here})
+        return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here}, step)
 
     def gather_part(self, located: Located, part: Callable[[dict[str, Any]], Any]) -> list[Any]:
         """``part(shard)`` of every old rank's shard, in old rank order, on every
@@ -160,33 +202,45 @@ class Located:
     """The world size the shards were laid out for."""
     provided: dict[int, dict[str, Any]]
     """The shards this rank provides, by old rank."""
+    step: int
+    """The step every provided shard is of (Note [one step back])."""
 
 
-def _choose(headers: list[list[tuple[int, int, int]]]) -> dict[int, tuple[int, int]]:
-    """For each old rank, ``(new rank, index)`` of the contribution that provides
-    its shard: the first whose step is the survivors' own. ``headers[n]`` lists
-    new rank n's contributions as ``(step, old rank, old world size)``, its own
-    shard first.
+def _choose(headers: list[list[tuple[int, int, int]]]) -> tuple[int, dict[int, tuple[int, int]]]:
+    """The newest step at which every old rank's shard is provided (Note [one
+    step back]), and for each old rank ``(new rank, index)`` of the first
+    contribution of that step. ``headers[n]`` lists new rank n's contributions
+    as ``(step, old rank, old world size)``.
 
     Raises:
-        ShardsLost: naming the old ranks whose shard is on no survivor.
+        ShardsLost: naming the old ranks whose shard is on no survivor at the
+            survivors' newest step.
     """
-    first = next(c for c in headers if c)  # a survivor's own shard: the step every shard must hold
-    current, old_world = first[0][0], first[0][2]
-    chosen: dict[int, tuple[int, int]] = {}
-    stale: set[int] = set()
+    old_world = next(c for c in headers if c)[0][2]
+    by_step: dict[int, dict[int, tuple[int, int]]] = {}
     for new, contributions in enumerate(headers):
         for k, (stamp, old, _) in enumerate(contributions):
-            if stamp != current:
-                stale.add(old)
-            elif old not in chosen:
-                chosen[old] = (new, k)
-    missing = [r for r in range(old_world) if r not in chosen]
-    if missing:
-        why = (f"the copies of old ranks {sorted(stale & set(missing))} are older than step {current}"
-               if stale & set(missing) else "each was lost together with the rank that held its copy")
-        raise ShardsLost(f"the shards of old ranks {missing} are on no survivor: {why}")
-    return chosen
+            by_step.setdefault(stamp, {}).setdefault(old, (new, k))
+    for step in sorted(by_step, reverse=True):
+        if len(by_step[step]) == old_world:
+            return step, by_step[step]
+    newest = max(by_step)
+    missing = [r for r in range(old_world) if r not in by_step[newest]]
+    stale = [r for r in missing if any(r in found for found in by_step.values())]
+    why = (f"the copies of old ranks {stale} are older than step {newest}, and no step is complete"
+           if stale else "each was lost together with the rank that held its copy")
+    raise ShardsLost(f"the shards of old ranks {missing} are on no survivor: {why}")
+
+
+def _copied(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists and tuples) with every tensor copied."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
 
 
 def _tensor_bytes(obj: Any) -> int:

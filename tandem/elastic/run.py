@@ -53,8 +53,8 @@ from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
 
-__all__ = ["ElasticRun", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence", "is_peer_failure",
-           "share_state"]
+__all__ = ["ElasticRun", "Resumed", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence",
+           "is_peer_failure", "share_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,17 @@ def share_state(state: TrainingState) -> None:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """Where a world change's rebuild took the training state back to."""
+
+    step: int
+    """The step training goes on from."""
+    checkpoint: bool
+    """Read from the last checkpoint (a shard and its buddy copy both lost); else
+    one step back on the survivors (Note [one step back] in buddy.py)."""
+
+
+@dataclass(frozen=True)
 class WorldChange:
     """One change of an elastic job's world, as the log and the Trainer's history show it."""
 
@@ -132,6 +143,8 @@ class WorldChange:
     checkpoint_step: int | None = None
     """Set when the state could not be recovered from live ranks (a shard and its
     buddy copy both lost): the step of the checkpoint it was read from instead."""
+    stepped_back: bool = False
+    """The survivors went one step back (Note [one step back] in buddy.py)."""
 
     def describe(self) -> str:
         what = []
@@ -147,6 +160,8 @@ class WorldChange:
                 f"{self.steps_lost} step(s) redone{self._fallback()}. Cause: {self.cause}")
 
     def _fallback(self) -> str:
+        if self.stepped_back:
+            return ", one step back (a copy of the last step's shard had not arrived)"
         if self.checkpoint_step is None:
             return ""
         return (f", the state read from the checkpoint of step {self.checkpoint_step} (a shard and "
@@ -157,7 +172,8 @@ class WorldChange:
                 "lost_ranks": sorted(self.lost), "joined": list(self.joined),
                 "world_size": self.world_size, "previous_world_size": self.previous_world_size,
                 "detect_s": self.detect_s, "regroup_s": self.regroup_s, "steps_lost": self.steps_lost,
-                "cause": self.cause, "checkpoint_step": self.checkpoint_step, "seen_at": self.seen_at}
+                "cause": self.cause, "checkpoint_step": self.checkpoint_step, "stepped_back": self.stepped_back,
+                "seen_at": self.seen_at}
 
 
 class ElasticRun:
@@ -188,10 +204,10 @@ class ElasticRun:
         self.grow_pending = decision is Decision.GROW
 
     def change_world(self, cause: BaseException | None, step: int, *, in_step: bool,
-                     rebuild: Callable[[Generation, Generation], int | None]) -> WorldChange:
+                     rebuild: Callable[[Generation, Generation], Resumed | None]) -> WorldChange:
         """Agree on the next generation, enter it (the default group is rebuilt) and
         call ``rebuild(before, after)`` for what depends on the world; it returns
-        the checkpoint's step where it had to read the state from one, else None.
+        where the state went back to (a checkpoint, or one step), else None.
         ``cause`` is the failure (None for a planned grow); ``step`` the step to go on from."""
         seen, seen_at = time.monotonic(), time.time()
         before = self.membership.generation
@@ -216,13 +232,15 @@ class ElasticRun:
         self.grow_pending = False
         change = dataclasses.replace(change, regroup_s=time.monotonic() - seen)
         if resumed is not None:
-            change = dataclasses.replace(change, step=resumed, checkpoint_step=resumed,
-                                         steps_lost=change.steps_lost + step - resumed)
+            change = dataclasses.replace(change, step=resumed.step,
+                                         checkpoint_step=resumed.step if resumed.checkpoint else None,
+                                         stepped_back=not resumed.checkpoint,
+                                         steps_lost=change.steps_lost + step - resumed.step)
         self.changes[-1] = change
         return change
 
     def regroup(self, cause: BaseException | None, step: int, *, in_step: bool,
-                rebuild: Callable[[Generation, Generation], int | None],
+                rebuild: Callable[[Generation, Generation], Resumed | None],
                 report: Callable[[WorldChange], None]) -> None:
         """:meth:`change_world` until a change completes, calling ``report`` with each:
         a member lost while the world is rebuilt (a replacement that died as it

@@ -21,10 +21,12 @@ Faults on purpose (``SOAK_KILLS``, JSON): ``[{"member": "2", "step": 5,
 at the first such point of a step at or after that one, in a world at full
 size (``SOAK_WORKERS``: one loss at a time, so that the job never runs out of
 members): in its forward, in its backward while the gradient reductions run
-(``backward``), after the optimizer's update (``step``), inside a checkpoint
-save (``save``), in the world's rebuild after a regroup (``regroup``: the step
-is the one the job goes on from), or, for a replacement (``"member": "j1"``),
-as soon as it is admitted (``join``).
+(``backward``), after the optimizer's update (``step``: before the step is
+committed and its buddy copies sent), under ZeRO-2 inside the optimizer's
+parameter all-gather once its own shard is updated (``gather``), inside a
+checkpoint save (``save``), in the world's rebuild after a regroup
+(``regroup``: the step is the one the job goes on from), or, for a replacement
+(``"member": "j1"``), as soon as it is admitted (``join``).
 """
 
 from __future__ import annotations
@@ -163,6 +165,14 @@ def main() -> None:
     elif strategy == "zero2":
         wrapped = tandem.DistributedDataParallel(model, zero_stage=2)
         optimizer = tandem.ZeroOptimizer(wrapped, torch.optim.SGD, lr=LR, momentum=0.9)
+        from tandem.zero.param_gather import ParamGather
+        launch = ParamGather.launch
+
+        def launch_or_die(gather: ParamGather, bucket: int) -> None:  # the shard updated, its all-gather issued
+            launch(gather, bucket)
+            kill_if("gather")
+        # On the class: a world change gives the optimizer a new one (this process is the job's own).
+        ParamGather.launch = launch_or_die  # type: ignore[method-assign]
     elif strategy == "ddp":
         optimizer = make_optimizer(model.parameters())
     else:

@@ -5,10 +5,12 @@ and the state shared with a replacement."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,16 +18,30 @@ from torch import nn
 
 from tandem.comm.membership import Membership, MembershipError
 from tandem.elastic.buddy import BuddyCopies, ShardsLost
-from tandem.elastic.run import ElasticRun, share_state
+from tandem.elastic.run import ElasticRun, Resumed, share_state
 from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
 from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.checkpoint.full_state import is_fully_sharded
+from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
 
 __all__ = ["ElasticWorld"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _LoopPoint:
+    """This rank's loop state after a committed step, to go back to (Note [one
+    step back] in tandem/elastic/buddy.py): counters, scheduler, scaler, RNG."""
+
+    step: int
+    epoch: int
+    consumed: int
+    scheduler: Any
+    scaler: Any
+    rng: Any
 
 
 class ElasticWorld:
@@ -44,42 +60,84 @@ class ElasticWorld:
         self._checkpoints = checkpoints
         # Note [buddy copies]: under ZeRO and fully_shard each rank also holds the previous rank's shard.
         self.buddy = BuddyCopies() if sharded else None
+        # Note [one step back]: whether the optimizer may have changed this rank's shard
+        # since the last commit, and the loop state of the last two commits.
+        self._updating = False
+        self._points: list[_LoopPoint] = []
+
+    # ------------------------------------------------------------------ a step's decision
+    def step_started(self) -> None:
+        self.run.step_started()
+
+    def decide(self, step: int) -> None:
+        """Every member steps, or none (Note [elastic trainer] in
+        tandem/elastic/run.py); once agreed, this rank's shard is kept as it is
+        before the optimizer changes it (Note [one step back])."""
+        self.run.decide(step)
+        if self.buddy is not None:
+            # fully_shard's shard is views of the live tensors; ZeRO's is copied already.
+            self.buddy.keep_own(self._state.step, self._own_shard(), live=is_fully_sharded(self._model))
+            self._updating = True
 
     @property
     def membership(self) -> Membership:
         return self.run.membership
 
     def _own_shard(self) -> dict[str, Any]:
-        """This rank's shard: a ZeRO optimizer's state, or a fully-sharded model's
-        parameters and their state (Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py)."""
+        """This rank's shard: a ZeRO optimizer's state and its rows of the
+        parameters (Note [one step back] in tandem/elastic/buddy.py), or a
+        fully-sharded model's parameters and their state (Note [elastic
+        fully_shard] in tandem/elastic/fsdp_shards.py)."""
         if is_fully_sharded(self._model):
             return fsdp_shard(self._model, self._optimizer)
-        return cast(dict[str, Any], self._optimizer.sharded_state_dict())  # type: ignore[attr-defined]
+        optimizer: Any = self._optimizer
+        return {**optimizer.sharded_state_dict(), "param_rows": optimizer.param_rows()}
 
-    def own_shard(self) -> dict[str, Any] | None:
-        """This rank's shard before the world changes (None without buddy copies)."""
-        return self.buddy.own_shard(self._own_shard) if self.buddy is not None else None
+    def _own_shards(self) -> list[tuple[int, dict[str, Any]]]:
+        """This rank's shards with their steps: the live one unless the optimizer
+        may have changed it since the last commit, and the one kept before the
+        latest update (Note [one step back])."""
+        assert self.buddy is not None
+        own = [] if self._updating else [(self._state.step, self._own_shard())]
+        if self.buddy.kept is not None and (self._updating or self.buddy.kept[0] != self._state.step):
+            own.append(self.buddy.kept)
+        return own
+
+    def own_shard(self) -> list[tuple[int, dict[str, Any]]] | None:
+        """This rank's shards before the world changes, each with its step (None
+        without buddy copies)."""
+        return self.buddy.own_shard(self._own_shards) if self.buddy is not None else None
 
     def refresh_buddy(self, rank: int) -> None:
-        """Note [buddy copies]: send this rank's shard to the next rank after a step."""
+        """After a committed step: note its loop state, and send this rank's shard
+        to the next rank (Note [buddy copies])."""
         if self.buddy is not None:
+            self._updating = False
+            state = self._state
+            self._points = [*self._points[-1:], _LoopPoint(
+                state.step, state.epoch, state.consumed,
+                None if state.scheduler is None else copy.deepcopy(state.scheduler.state_dict()),
+                None if state.scaler is None else copy.deepcopy(state.scaler.state_dict()),
+                capture_rng_state())]
             members = self.run.membership.generation.members
-            self.buddy.refresh(self._own_shard(), self._state.step, members, rank)
+            self.buddy.refresh(self._own_shard(), state.step, members, rank)
 
-    def restore_shards(self, own: dict[str, Any] | None, rank: int,
-                       share_all: Callable[[Any], list[Any]]) -> int | None:
-        """Every rank's shard of a ZeRO optimizer's state, or of a fully-sharded
-        model and its optimizer's state, laid out for the new world: from the
-        survivors and their buddy copies, else from the last checkpoint (whose
-        step it returns)."""
+    def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
+                       share_all: Callable[[Any], list[Any]]) -> Resumed | None:
+        """Every rank's shard of a ZeRO optimizer's state (and the parameters),
+        or of a fully-sharded model and its optimizer's state, laid out for the
+        new world: from the survivors and their buddy copies, one step back where
+        a copy of the last step did not arrive (Note [one step back]), else from
+        the last checkpoint. Returns where the loop state went back to, if it did."""
         assert self.buddy is not None
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
         try:
             if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py: unit by unit
-                located = self.buddy.locate(own, self._state.step, members)
+                located = self.buddy.locate(own, members)
+                step = located.step
             else:
-                shards = self.buddy.recover(own, self._state.step, members)
+                step, shards = self.buddy.recover(own, members)
         except ShardsLost as e:
             if self._checkpoints.latest() is None:
                 raise MembershipError(f"rank {rank}: {e}, and {self._checkpoints.directory} holds no "
@@ -88,12 +146,42 @@ class ElasticWorld:
             if fsdp:
                 self._optimizer.state.clear()  # laid out for the old world; the checkpoint has it
             self._checkpoints.resume(rank, share_all)
-            return self._state.step
+            self._forget_kept()
+            return Resumed(self._state.step, checkpoint=True)
         if fsdp:
             load_fsdp_shards(self._model, self._optimizer, functools.partial(self.buddy.gather_part, located))
-            return None
-        self._optimizer.load_sharded_state_dicts(shards)  # type: ignore[attr-defined]
-        return None
+        else:
+            optimizer: Any = self._optimizer
+            optimizer.load_param_rows([shard["param_rows"] for shard in shards])
+            optimizer.load_sharded_state_dicts([{k: v for k, v in shard.items() if k != "param_rows"}
+                                                for shard in shards])
+        self._forget_kept()
+        if own is None or step == self._state.step:
+            return None  # a replacement's loop state comes from rank 0 (share_state)
+        self._go_back(step, rank)
+        return Resumed(step, checkpoint=False)
+
+    def _forget_kept(self) -> None:
+        """The shards are laid out for the new world now: the kept one, for the old, is of no use."""
+        assert self.buddy is not None
+        self.buddy.kept = None
+        self._updating = False
+
+    def _go_back(self, step: int, rank: int) -> None:
+        """Note [one step back]: the loop state of ``step``, which the shards are of."""
+        point = next((p for p in self._points if p.step == step), None)
+        if point is None:
+            raise MembershipError(f"rank {rank}: the shards were recovered at step {step}, but this rank "
+                                  f"kept the loop state of steps {[p.step for p in self._points]} only")
+        state = self._state
+        state.step, state.epoch, state.consumed = point.step, point.epoch, point.consumed
+        if state.scheduler is not None:
+            state.scheduler.load_state_dict(point.scheduler)
+        if state.scaler is not None:
+            state.scaler.load_state_dict(point.scaler)
+        restore_rng_state(point.rng)
+        logger.warning("rank %d: a copy of the last step's shard did not arrive before the loss: "
+                       "going back to step %d", rank, step)
 
     def share_state(self) -> None:
         """Rank 0's whole training state, on every rank (a replacement joined). A

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -17,12 +17,11 @@ from tandem._tree import to_device
 from tandem.data import RunningMean
 from tandem.ddp.checks import NonFinite, NonFiniteReport, nonfinite_names
 from tandem.train.config import TrainerConfig
-from tandem.elastic.run import ElasticRun
 from tandem.train.probes import batch_len, is_ddp, plain_tensor
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.state import TrainingState
 
-__all__ = ["StepResult", "StepRunner"]
+__all__ = ["StepDecider", "StepResult", "StepRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +38,14 @@ class StepResult:
     """Whether the step was skipped for non-finite gradients (the same on every rank)."""
 
 
+class StepDecider(Protocol):
+    """What decides each step of an elastic world with the other members
+    (:class:`~tandem.train.elastic_world.ElasticWorld`)."""
+
+    def step_started(self) -> None: ...
+    def decide(self, step: int) -> None: ...
+
+
 class StepRunner:
     """Runs the Trainer's optimizer steps.
 
@@ -47,18 +54,19 @@ class StepRunner:
         optimizer: its optimizer; ``scaled``: what a GradScaler unscales and steps
             (the optimizer, or a ZeroOptimizer's gradient shards).
         guard: what a step with NaN/Inf gradients does, when the Trainer must look.
-        elastic: the elastic run, which decides each step with the other members.
+        elastic: the elastic world, which decides each step with the other members
+            (Note [elastic trainer] in tandem/elastic/run.py).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainerConfig, state: TrainingState, *,
                  device: torch.device, rank: int, scaler: Any, scaled: Any, guard: NonFinite | None,
-                 autocast: Callable[[], Any], elastic: ElasticRun | None) -> None:
+                 autocast: Callable[[], Any], elastic: StepDecider | None) -> None:
         self.model, self.optimizer, self.scheduler, self.loss_fn = model, optimizer, scheduler, loss_fn
         self.config, self.state, self.device, self.rank = config, state, device, rank
         self.scaler, self.scaled, self.guard, self.autocast = scaler, scaled, guard, autocast
         self._elastic = elastic
-        self.in_step = False  # between a step's first forward and its decision (an elastic world)
+        self.in_step = False  # between a step's first forward and its commit (an elastic world)
 
     @property
     def counts_skips(self) -> bool:
@@ -94,14 +102,15 @@ class StepRunner:
         if self._elastic is not None:
             # every rank steps, or none (Note [elastic trainer] in tandem/elastic/run.py)
             self._elastic.decide(self.state.step)
-        self.in_step = False
         stats = getattr(self.model, "comm_stats", None)
         comm_wait = None if stats is None else stats.wait_s
         if self.guard is not None and self._found_nonfinite():
             # The gradients are dropped already: no optimizer or scheduler step.
             self.optimizer.zero_grad(set_to_none=True)
+            self.in_step = False
             return StepResult(samples, comm_wait, None, True)
         grad_norm, skipped = self._optimizer_step()
+        self.in_step = False
         return StepResult(samples, comm_wait, grad_norm, skipped)
 
     def _found_nonfinite(self) -> bool:

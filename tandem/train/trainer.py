@@ -60,7 +60,7 @@ from tandem.data.split import RestSplit
 from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
-from tandem.elastic.run import ElasticRun, WorldChange, elastic_config, is_peer_failure
+from tandem.elastic.run import ElasticRun, Resumed, WorldChange, elastic_config, is_peer_failure
 from tandem.train.elastic_world import ElasticWorld
 from tandem.train.history import History
 from tandem.train.loaders import Loaders
@@ -161,16 +161,16 @@ class Trainer:
             chosen or (CheckpointFormat.SHARDED if zero or fsdp else CheckpointFormat.FULL),
             self.config.keep_checkpoints, self.device, background=self.config.async_checkpoint)
         self._autocast = autocast_for(self._precision, self.device)
+        self._elastic = None if run is None else ElasticWorld(run, self.model, optimizer, self.state,
+                                                               self._checkpoints, sharded=zero or fsdp)
         self._runner = StepRunner(self.model, optimizer, scheduler, loss_fn, self.config, self.state,
                                   device=self.device, rank=self.rank, scaler=self.scaler,
                                   scaled=self._scaled(), guard=self._nonfinite_guard(),
-                                  autocast=self._autocast, elastic=run)
+                                  autocast=self._autocast, elastic=self._elastic)
         # Note [exact split] in tandem/data/split.py: the world changed in this epoch, so a
         # rest past its start is split without padding; and the split being trained.
         self._exact_rest = False
         self._split: RestSplit | None = None
-        self._elastic = None if run is None else ElasticWorld(run, self.model, optimizer, self.state,
-                                                               self._checkpoints, sharded=zero or fsdp)
 
     def _new_loaders(self) -> Loaders:
         return Loaders(self.train_data, self.eval_data, self._collate_fn, self.config, self.device,
@@ -428,7 +428,7 @@ class Trainer:
         assert elastic is not None
         in_step, self._runner.in_step = self._runner.in_step, False
 
-        def rebuild(before: Generation, after: Generation) -> int | None:
+        def rebuild(before: Generation, after: Generation) -> Resumed | None:
             own = elastic.own_shard()
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self._runner.rank = self.rank
@@ -454,7 +454,7 @@ class Trainer:
         progress.say(change.describe())
         history.append(change.record())
 
-    def _restore_shards(self, own: dict[str, Any] | None) -> int | None:
+    def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None) -> Resumed | None:
         assert self._elastic is not None
         resumed = self._elastic.restore_shards(own, self.rank, self._share_all)
         self._runner.scaled = self._scaled()  # a ZeroOptimizer laid out again: its new shards

@@ -355,6 +355,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "param_groups": self._groups_for_save(), "shapes": self._shapes(),
                 "entries": self._local_entries()}
 
+    def param_rows(self) -> list[Entry]:
+        """This rank's rows of every parameter (its shard's pieces), copied to the
+        host, in the entries' format of :meth:`sharded_state_dict`: with it, what
+        puts a replicated model back at the step both were taken (Note [one step
+        back] in tandem/elastic/buddy.py)."""
+        index, params = self._param_index(), self._reducer.params
+        return [(index[piece.param], piece.param_start, piece.length,
+                 {"param": params[piece.param].detach().reshape(-1)
+                  .narrow(0, piece.param_start, piece.length).cpu().clone()})
+                for piece in self._shards.pieces()]
+
+    def load_param_rows(self, per_rank: list[list[Entry]]) -> None:
+        """Set every parameter, on this rank, from every old rank's
+        :meth:`param_rows` (at any world size); the masters follow at the next
+        load or step."""
+        state = assemble_state(per_rank, self._groups_for_save(), self._shapes())["state"]
+        flat = [p for g in self.param_groups for p in g["params"]]
+        missing = [k for k, p in enumerate(flat) if k not in state and p.numel()]
+        if missing:
+            raise ValueError(f"the parameter rows cover no element of parameter(s) {missing}")
+        with torch.no_grad():
+            for k, slot in state.items():
+                flat[k].copy_(slot["param"].view_as(flat[k]))
+
     def load_sharded_state_dicts(self, shards: list[dict[str, Any]], *,
                                  sources: list[str] | None = None) -> None:
         """Load the :meth:`sharded_state_dict` of every rank of a run, at any world

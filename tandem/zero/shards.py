@@ -45,6 +45,10 @@ class ZeroShards:
         """How many parameter elements this rank steps."""
         return sum(run.length for run in self.runs)
 
+    def pieces(self) -> list[ShardPiece]:
+        """Every piece of this rank's shard, stepped or not: its rows of each parameter."""
+        return [p for run in self.runs for p in run.pieces] + [p for found in self._unstepped for p in found]
+
     def pairs(self) -> list[tuple[ShardRun, torch.Tensor]]:
         return list(zip(self.runs, self.masters))
 

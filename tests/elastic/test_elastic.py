@@ -152,6 +152,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
             "buddy_bytes": (trainer._elastic.buddy.nbytes  # type: ignore[union-attr]
                             if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
+            "kept_bytes": (trainer._elastic.buddy.kept_nbytes  # type: ignore[union-attr]
+                           if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "steps": result.steps}
 
 
@@ -325,15 +327,18 @@ def test_sharded_shrink_recovers_the_lost_shard_from_its_buddy(scenarios: dict, 
     _check_reference(live, schedule, zero=True)
     # A world that stayed at 3 gives other parameters: the comparison can fail.
     assert not torch.allclose(live[0]["params"][0], _reference([3] * (N // 6), zero=True)[0], atol=1e-6)
-    # `tandem plan --elastic` shows the copy rank 1 holds of rank 0's shard at world 2.
+    # `tandem plan --elastic` shows the copy rank 1 holds of rank 0's shard at world 2, and
+    # its own kept shard (Note [one step back]), planned as the same size.
     from tandem.tools.plan import plan_report
     if sharding == "zero2":
         planned = plan_report(make_model(), world_size=2, optimizer="adam", bucket_cap_mb=0.0001, elastic=True)
-        assert live[1]["buddy_bytes"] == planned.strategies[2].estimate.buddy > 0
+        assert 2 * live[1]["buddy_bytes"] == planned.strategies[2].estimate.buddy > 0
+        assert 0 < live[1]["kept_bytes"] <= live[1]["buddy_bytes"]  # rank 1's own: no larger than rank 0's
     else:  # the units of _rank: one per Linear, and a root without parameters
         planned = plan_report(make_model(), world_size=2, optimizer="adam", fsdp_units=["0", "2", ""],
                               min_unit_bytes=0, elastic=True)
-        assert live[1]["buddy_bytes"] == planned.strategies[3].estimate.buddy > 0
+        assert 2 * live[1]["buddy_bytes"] == planned.strategies[3].estimate.buddy > 0
+        assert 0 < live[1]["kept_bytes"] <= live[1]["buddy_bytes"]
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 

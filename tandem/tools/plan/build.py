@@ -115,10 +115,12 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     estimates = estimate_memory(model, world_size, optimizer_bytes_per_param=opt_bytes,
                                 bucket_cap_mb=bucket_cap_mb, fsdp=spec, local_shapes=local_shapes)
     if elastic:
-        # Note [buddy copies] in tandem/elastic/buddy.py: ZeRO-1/2 copy the state shard;
-        # fully_shard the parameter shard and its state (Note [elastic fully_shard]).
-        estimates = [dataclasses.replace(e, buddy=e.state) if e.stage in (1, 2) else
-                     dataclasses.replace(e, buddy=e.params + e.optimizer) if e.stage == 3 else e
+        # Notes [buddy copies] and [one step back] in tandem/elastic/buddy.py: the copy of the
+        # previous rank's shard and this rank's kept one; ZeRO-1/2's is the state shard and the
+        # rows of the parameters, fully_shard's the parameter shard and its state (Note
+        # [elastic fully_shard]).
+        estimates = [dataclasses.replace(e, buddy=2 * (e.state + e.rows)) if e.stage in (1, 2) else
+                     dataclasses.replace(e, buddy=2 * (e.params + e.optimizer)) if e.stage == 3 else e
                      for e in estimates]
     shard_size = world_size // hsdp
     hybrid = (estimate_memory(model, shard_size, optimizer_bytes_per_param=opt_bytes, fsdp=spec)[3]

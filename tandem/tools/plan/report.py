@@ -256,8 +256,9 @@ def _memory_lines(r: PlanReport) -> list[str]:
                      "optimizer state), not in its row")
     if r.elastic:
         buddy = r.strategies[1].estimate.buddy
-        lines.append(f"  elastic: ZeRO-1/2 also hold a copy of the previous rank's optimizer-state shard "
-                     f"({_size(buddy)} at ZeRO-1), fully_shard of its parameter and optimizer-state shards "
+        lines.append(f"  elastic: ZeRO-1/2 also hold a copy of the previous rank's optimizer-state shard and "
+                     f"rows of the parameters, and their own as before the last update ({_size(buddy)} at "
+                     "ZeRO-1), fully_shard the same of its parameter and optimizer-state shards "
                      f"({_size(r.strategies[3].estimate.buddy)}), counted as optimizer; sent to the next rank "
                      "after every step")
     return lines

@@ -102,7 +102,8 @@ def zero_stage_estimate(stage: int, plan: BucketPlan, infos: list[ParamInfo], pa
         grads, reducing = trainable + shards, flat
     else:
         grads, reducing = shards, flat + max(b.numel * _itemsize(b.dtype) for b in plan.buckets)
-    return MemoryEstimate(stage, params=params, grads=grads, optimizer=optimizer, state=state,
+    rows = sum(n * _itemsize(dtype) for n, dtype in owned)
+    return MemoryEstimate(stage, params=params, grads=grads, optimizer=optimizer, state=state, rows=rows,
                           gathered=flat + shards, reducing=reducing, buckets=plan)
 
 

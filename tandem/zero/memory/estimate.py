@@ -78,7 +78,8 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     state: int = 0                                          # optimizer state alone, without master copies
-    buddy: int = 0                                          # elastic: a copy of the previous rank's state shard
+    buddy: int = 0                                          # elastic: buddy copy and kept shard (Note [one step back])
+    rows: int = 0                                           # stages 1-2: this rank's rows of the parameters
     host: int = 0                                           # stage 3 under CPUOffloadPolicy: held on the host
     gathered: int = 0                                       # parameters gathered (stages 1-3)
     reducing: int = 0                                       # gradients being reduced in backward
@@ -88,8 +89,9 @@ class MemoryEstimate:
     @property
     def steady(self) -> int:
         """What is held between steps: parameters, gradients, optimizer state (and,
-        in an elastic job under ZeRO, the buddy copy: Note [buddy copies] in
-        tandem/elastic/buddy.py)."""
+        in an elastic job under ZeRO or fully_shard, the copy of the previous
+        rank's shard and this rank's own kept shard: Notes [buddy copies] and
+        [one step back] in tandem/elastic/buddy.py)."""
         return self.params + self.grads + self.optimizer + self.buddy
 
     @property
