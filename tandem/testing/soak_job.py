@@ -172,7 +172,7 @@ def main() -> None:
             launch(gather, bucket)
             kill_if("gather")
         # On the class: a world change gives the optimizer a new one (this process is the job's own).
-        ParamGather.launch = launch_or_die  # type: ignore[method-assign]
+        ParamGather.launch = launch_or_die  # type: ignore[method-assign, assignment]
     elif strategy == "ddp":
         optimizer = make_optimizer(model.parameters())
     else:
