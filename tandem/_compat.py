@@ -529,7 +529,9 @@ def forget_default_group() -> None:
     blocked in a collective with a peer that is alive but has left the group
     (it started the next bucket's all-reduce, the peer did not), until the
     group's timeout (10 minutes). So the old group is kept, unreachable, in
-    ``_FORGOTTEN`` (its threads end at its own timeout) and torch's registry is
+    ``_FORGOTTEN`` (what is blocked in it ends when the new world's members cut
+    its connections, Note [severing a forgotten group] in
+    ``tandem.comm.connections``, or at its timeout) and torch's registry is
     cleared as ``destroy_process_group`` clears it for the default group. The
     bookkeeping is torch's private ``_world`` (torch 2.4 to 2.13).
     """

@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from tandem._compat import bind_group_defaults_before_init, default_store
 from tandem.comm import group_record
+from tandem.comm.connections import Connection
 from tandem.comm.device import bind_device, default_backend
-from tandem.comm.elastic_group import JOIN_ENV, below_prefixes, elastic_membership, enter_generation, \
-    join_elastic, job_store
+from tandem.comm.elastic_group import JOIN_ENV, below_prefixes, default_group_connections, elastic_membership, \
+    enter_generation, join_elastic, job_store
 from tandem.comm.exit import uninstall_clean_exit
 from tandem.comm.monitor import stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
@@ -151,6 +152,7 @@ def init(
                           slurm_task=launch is not None and launch.launcher is Launcher.SLURM)
     bind_group_defaults_before_init()
 
+    connections: list[Connection] = []  # Note [severing a forgotten group] in connections.py
     if scheme is None and launch is None:
         # A world of one has nobody to meet: an in-memory store needs no port or file.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -163,12 +165,13 @@ def init(
             assert launch.master_addr is not None and launch.master_port is not None
             url = _tcp_url(launch.master_addr, launch.master_port)
             logger.debug("tandem: srun task %d of %d meets at %s", rank, world_size, url)
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,
-                                timeout=timeout_td)
+        with default_group_connections(backend) as connections:
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,
+                                    timeout=timeout_td)
 
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
-    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td)
+    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td, connections=tuple(connections))
     logger.info("tandem: rank %d/%d (local %d/%d), backend %s, device %s", info.rank,
                 info.world_size, info.local_rank, info.local_world_size, info.backend,
                 info.device)

@@ -4,16 +4,19 @@ group]); the rules of membership itself are in membership.py."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group
 from tandem.comm import group_record
+from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
@@ -21,8 +24,8 @@ from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
-__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "below_prefixes", "elastic_membership", "enter_generation",
-           "join_elastic", "job_store"]
+__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "below_prefixes", "default_group_connections",
+           "elastic_membership", "enter_generation", "join_elastic", "job_store"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
@@ -42,12 +45,29 @@ logger = logging.getLogger(__name__)
 # default group's "default_pg" prefix: the launcher's, which outlives any
 # worker. Everything tandem added to the old group (monitor, exit hook, the
 # record in group_record.py) moves to the new one, and tandem owns the new group.
+# Once every member stands in the new group, each cuts the old group's
+# connections, so that nothing stays blocked in it until the job ends (Note
+# [severing a forgotten group] in connections.py).
 
 
 def job_store() -> dist.Store:
     """The store the job's processes met in, below every prefix (the default
     group's, torch's per-group ones), as a replacement's rendezvous reaches it."""
     return below_prefixes(default_store())
+
+
+@contextlib.contextmanager
+def default_group_connections(backend: str) -> Iterator[list[Connection]]:
+    """Around the creation of the default group: its gloo connections, in the
+    list this yields, once the block ends (Note [severing a forgotten group] in
+    connections.py); the job's store's are left out. Empty for another backend."""
+    connections: list[Connection] = []
+    with opened_connections() as opened:
+        yield connections
+    if backend == "gloo" and dist.is_initialized():
+        store = job_store()
+        port = store.port if isinstance(store, dist.TCPStore) else None
+        connections.extend(c for c in opened if port not in c.ports)
 
 
 def elastic_membership(config: ElasticConfig) -> Membership:
@@ -84,8 +104,9 @@ def enter_generation(membership: Membership, generation: Generation, *,
     rank = generation.rank_of(membership.member)
     bind_group_defaults_before_init()
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
-                            timeout=timeout_td)
+    with default_group_connections(backend) as connections:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
+                                timeout=timeout_td)
     # The device stays the one the launcher gave this process; the local rank and
     # size are this process's place among the generation's members on its host.
     device = previous.device if previous is not None else bind_device(
@@ -96,7 +117,14 @@ def enter_generation(membership: Membership, generation: Generation, *,
     local_rank, local_size = here.index(rank), len(here)
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,
                      local_world_size=local_size, device=device, backend=backend)
-    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td, elastic=membership)
+    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td, elastic=membership,
+                             connections=tuple(connections))
+    if record is not None:
+        # Every member of the new world is here, so done with the old group:
+        # Note [severing a forgotten group] in connections.py.
+        severed = sever(record.connections)
+        logger.debug("tandem: elastic generation %d: cut %d connection(s) of the old group",
+                     generation.number, severed)
     logger.info("tandem: elastic generation %d: member %s is rank %d of %d", generation.number,
                 membership.member, rank, generation.world_size)
     return info

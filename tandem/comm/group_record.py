@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from tandem.comm.connections import Connection
 from tandem.comm.exit import install_clean_exit
 from tandem.comm.membership import Membership
 from tandem.comm.monitor import start_monitor
@@ -52,6 +53,10 @@ class GroupRecord:
     elastic: Membership | None = None
     """This process's place in an elastic job (Note [elastic membership] in
     membership.py), once it has one."""
+    connections: tuple[Connection, ...] = ()
+    """The group's gloo connections, when :func:`init` or a new generation made
+    it: cut once it is left behind (Note [severing a forgotten group] in
+    connections.py)."""
 
     def is_current(self) -> bool:
         """Whether this is still this process's default group."""
@@ -106,7 +111,8 @@ def stop_elastic_at_exit() -> None:
 
 
 def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
-                 timeout: datetime.timedelta | None, elastic: Membership | None = None) -> None:
+                 timeout: datetime.timedelta | None, elastic: Membership | None = None,
+                 connections: tuple[Connection, ...] = ()) -> None:
     """What :func:`init` adds to a group it created or adopted, and the record of it."""
     global _membership
     start_monitor(timeout_s=timeout_td.total_seconds(),
@@ -115,4 +121,4 @@ def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
     group = dist.group.WORLD
     assert group is not None, "the default group is initialised"
     _membership = GroupRecord(pid=os.getpid(), group=weakref.ref(group), owned=owned,
-                              info=info, timeout=timeout, elastic=elastic)
+                              info=info, timeout=timeout, elastic=elastic, connections=connections)
