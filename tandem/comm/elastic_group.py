@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -24,8 +25,8 @@ from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
-__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "below_prefixes", "default_group_connections",
-           "elastic_membership", "enter_generation", "join_elastic", "job_store"]
+__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "below_prefixes", "default_group_connections",
+           "elastic_membership", "enter_generation", "join_elastic", "job_store", "nothing_to_join"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
@@ -130,18 +131,59 @@ def enter_generation(membership: Membership, generation: Generation, *,
     return info
 
 
+# Note [a replacement builds first]
+# A replacement does not ask to join in tandem.init(): the members would wait in
+# their regroup while it imports, builds its model, its optimizer and its Trainer
+# (seconds), and a member lost meanwhile would fail the collectives that its
+# DistributedDataParallel or ZeroOptimizer issue as they are built, in the user's
+# code, where nothing can take part in the next change. It meets the job's store,
+# draws its id and starts its heartbeat, and then stands in a world of its own (a
+# default group of one, over an in-memory store): what it builds there is laid
+# out for one rank. It asks to join when it is ready to train (the Trainer's
+# fit(), an elastic prepare()); the members admit it at their next step
+# boundary, and it then rebuilds for the new world exactly as they do in that
+# change (ElasticRun.join in tandem/elastic/run.py): the DDP reducer, the ZeRO or
+# fully_shard layouts, the loaders, the shards and the state from live peers.
+# Until then, tandem.get_rank() is 0 and the world size 1 on a replacement.
+
+
 def join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:
     """:func:`tandem.comm.init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
-    running job in its store and wait to be admitted (Note [elastic membership] in membership.py)."""
+    running job in its store, and stand in a world of one until it asks to join
+    (Note [a replacement builds first])."""
     url = init_method or "env://"
     world_size = int(os.environ.get("WORLD_SIZE", "2"))
     # Rendezvous as a client: the store exists; rank 0 would try to host it.
     store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
     try:
-        membership = Membership.joining(below_prefixes(store), ElasticConfig())
+        membership = Membership.replacement(below_prefixes(store), ElasticConfig())
     except NothingToJoin as e:
-        # A replacement started as the job finished: it did nothing wrong, and the
-        # script it runs must not go on as if it had joined.
-        print(f"tandem: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(NOTHING_TO_JOIN_EXITCODE) from None
-    return enter_generation(membership, membership.generation, timeout=timeout_td, backend=backend)
+        nothing_to_join(e)
+    backend = backend or default_backend()
+    bind_group_defaults_before_init()
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout_td)
+    device = bind_device(backend, int(os.environ.get("LOCAL_RANK", "0")), 0)
+    info = WorldInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, backend=backend)
+    group_record.start_watch(info, timeout_td, owned=True, timeout=timeout_td, elastic=membership)
+    logger.info("tandem: elastic replacement %s stands in a world of one until it asks to join",
+                membership.member)
+    return info
+
+
+def ask_to_join(membership: Membership) -> Generation:
+    """A replacement's request to join, and its entry in the generation that
+    admits it (Note [a replacement builds first]): its default group is then
+    that generation's."""
+    try:
+        generation = membership.ask_to_join()
+    except NothingToJoin as e:
+        nothing_to_join(e)
+    enter_generation(membership, generation)
+    return generation
+
+
+def nothing_to_join(error: NothingToJoin) -> NoReturn:
+    """A replacement started as the job finished: it did nothing wrong, and the
+    script it runs must not go on as if it had joined."""
+    print(f"tandem: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(NOTHING_TO_JOIN_EXITCODE) from None

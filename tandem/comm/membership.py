@@ -193,35 +193,49 @@ class Membership:
         return self
 
     @classmethod
-    def joining(cls, store: dist.Store, config: ElasticConfig, *,
-                timeout: datetime.timedelta | None = None, **kwargs: Callable[[], float]) -> Membership:
-        """A replacement: ask to join and wait until a generation admits it
-        (the members admit it at their next step boundary).
+    def replacement(cls, store: dist.Store, config: ElasticConfig, **kwargs: Callable[[], float]) -> Membership:
+        """A replacement that has not asked to join yet: its id (``j<n>``) drawn,
+        its heartbeat started. It asks with :meth:`ask_to_join` once it has built
+        what it trains (Note [a replacement builds first] in elastic_group.py).
 
         Raises:
+            NothingToJoin: every member of the job's latest generation is gone.
+        """
+        number = store.add(f"{PREFIX}/joiners", 1)
+        self = cls(store, f"j{number}", Generation(-1, ()), config, **kwargs)
+        self.start()
+        self._check_something_to_join()
+        return self
+
+    @classmethod
+    def joining(cls, store: dist.Store, config: ElasticConfig, *,
+                timeout: datetime.timedelta | None = None, **kwargs: Callable[[], float]) -> Membership:
+        """A replacement that asks to join at once and waits until a generation
+        admits it: :meth:`replacement`, then :meth:`ask_to_join`."""
+        self = cls.replacement(store, config, **kwargs)
+        self.ask_to_join(timeout)
+        return self
+
+    def ask_to_join(self, timeout: datetime.timedelta | None = None) -> Generation:
+        """Ask to join and wait until a generation admits this replacement (the
+        members admit it at their next step boundary); it becomes this member's.
+
+        Raises:
+            NothingToJoin: every member of the job's latest generation is gone.
             MembershipError: no generation admitted it within ``timeout``
                 (default: ``config.regroup_timeout_s``).
         """
-        number = store.add(f"{PREFIX}/joiners", 1)
-        member = f"j{number}"
-        self = cls(store, member, Generation(-1, ()), config, **kwargs)
-        self.start()
+        member, store, config = self.member, self.store, self.config
         store.set(f"{PREFIX}/join/{member}", "waiting")
         limit = timeout.total_seconds() if timeout is not None else config.regroup_timeout_s
         deadline = time.monotonic() + limit
         logger.info("elastic: %s asks to join", member)
         admitted = f"{PREFIX}/admitted/{member}"
         while time.monotonic() < deadline:
-            generation = self.latest()
+            generation = self._check_something_to_join()
             if generation is not None and member in generation.members:
                 self.generation = generation
-                return self
-            if generation is not None and len(self.dead(generation.members)) == generation.world_size:
-                self.stop()
-                raise NothingToJoin(
-                    f"elastic: replacement {member} found no live member of generation "
-                    f"{generation.number} ({list(generation.members)}): the job has ended (or died) "
-                    "before admitting it; nothing to join")
+                return generation
             # The members wait for it to connect once they admit it: it looks often
             # (a check, not a wait that times out: c10d logs every timed-out wait).
             looked = time.monotonic()
@@ -231,6 +245,18 @@ class Membership:
         raise MembershipError(
             f"elastic: replacement {member} was not admitted within {limit:.0f} s; the job's members "
             "admit replacements at a step boundary, so check that they are still training")
+
+    def _check_something_to_join(self) -> Generation | None:
+        """The latest generation; raises NothingToJoin when all its members are gone."""
+        generation = self.latest()
+        if generation is not None and self.member not in generation.members and \
+                len(self.dead(generation.members)) == generation.world_size:
+            self.stop()
+            raise NothingToJoin(
+                f"elastic: replacement {self.member} found no live member of generation "
+                f"{generation.number} ({list(generation.members)}): the job has ended (or died) "
+                "before admitting it; nothing to join")
+        return generation
 
     # ------------------------------------------------------------------ heartbeat
     def start(self) -> None:

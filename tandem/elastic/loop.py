@@ -35,16 +35,17 @@ The pieces are the Trainer's, placed where that loop already calls in:
    tandem/ddp/batch_weight.py), so that the step's gradient is the mean loss's
    over the global batch.
 4. A replacement (``TANDEM_ELASTIC_JOIN=1``) runs the same script: its
-   ``tandem.init()`` waits to be admitted. The members admit it after a step
+   ``tandem.init()`` puts it in a world of one, where its ``prepare`` builds
+   the model and loaders, and then asks to join (Note [a replacement builds
+   first] in tandem/comm/elastic_group.py). The members admit it after a step
    decided ``grow``, when the loader they train from is asked for its next
    batch (``DistributedLoader.before_batch``): after whatever the loop does
    after ``step()`` (a scheduler's step), at the top of the loop, which is
    where the replacement's loop starts (with no loader in an iteration, at
    the end of ``step()``; a loop that stops without asking for another batch
-   leaves the replacement waiting until it sees the members gone). Its ``prepare``
-   then issues prepare's collectives (agreeing on the loaders, DDP's model check
-   and broadcast), which the members mirror in the same order in their
-   regroup, and rank 0 sends the whole state (:func:`share_state`: model,
+   leaves the replacement waiting until it sees the members gone). It then
+   rebuilds for the new world as the members do in their regroup (agreeing on
+   the loaders, DDP's model check and broadcast), and rank 0 sends the whole state (:func:`share_state`: model,
    optimizer, step count, RNG, each loader's epoch and position, and what the
    loop registered: ``optimizer.register_for_replacements(scheduler)``), so the
    replacement's first iteration starts where the members' goes on. That is
@@ -125,13 +126,8 @@ class ElasticLoop:
         for loader in self.loaders:
             loader.before_batch = functools.partial(self._before_batch, loader)
             loader.on_weight = self._weigh  # Note [exact split] in tandem/data/split.py
-        if run.needs_state:
-            self._share_state()
-            for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
-                # Mid-epoch the members split the rest exactly (DistributedLoader.regroup): so does this rank.
-                loader.set_epoch(epoch, start, exact=start > 0)
-            self._received = self.state.extra["objects"]
-            run.needs_state = False
+        if run.needs_state:  # Note [a replacement builds first] in tandem/comm/elastic_group.py
+            run.join(self._rebuild, self._report)
         run.step_started()
 
     def register(self, obj: Any) -> None:
@@ -208,22 +204,27 @@ class ElasticLoop:
 
     def _rebuild(self, before: Generation, after: Generation) -> None:
         """What depends on the world, in the order of a replacement's ``prepare``."""
-        joined = bool(after.joined_since(before))
         self.failure = None
         self.optimizer.zero_grad(set_to_none=True)
-        if joined:
-            self._agree()
+        self._agree()  # a replacement's prepare agrees, one whose join was cut short too
         self.model.reset_process_group()
-        if joined:
+        if self.run.state_wanted():  # Note [a join cut short] in tandem/elastic/run.py
             self._share_state()
         for loader in self.loaders:
             loader.regroup(dist.get_world_size(), dist.get_rank())
 
     def _share_state(self) -> None:
-        """Rank 0's state on every rank, the loaders' positions with it."""
+        """Rank 0's state on every rank, the loaders' positions with it; a
+        replacement takes them up."""
         self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
                             "objects": [obj.state_dict() for obj in self.registered]}
         share_state(self.state)
+        if self.run.needs_state:
+            for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
+                # Mid-epoch the members split the rest exactly (DistributedLoader.regroup): so does this rank.
+                loader.set_epoch(epoch, start, exact=start > 0)
+            self._received = self.state.extra["objects"]
+            self.run.needs_state = False
 
     def _report(self, change: WorldChange) -> None:
         """Log the change, and print it on the new world's rank 0 (the Trainer's

@@ -20,13 +20,26 @@ flight, and nothing is read from disk:
    an empty batch, and that step's uneven batches are weighed in the loss so
    that it equals one process on its global batch. The dropped step is redone
    by the new world.
-4. A replacement asks to join; the member that completes a step's count sees
+4. A replacement builds its model, optimizer and Trainer in a world of its own,
+   then asks to join (Note [a replacement builds first] in
+   tandem/comm/elastic_group.py); the member that completes a step's count sees
    it and decides ``grow``. After that step every member, and the replacement,
-   enter the next generation; rank 0 (a member that trained all along) sends
-   the whole training state (model, optimizer, scheduler, scaler, counters,
-   RNG) to every rank over the new group (:func:`share_state`; a fully-sharded
-   model's shards come from every live rank instead: Note [elastic fully_shard]
-   in fsdp_shards.py).
+   enter the next generation and rebuild for it; rank 0 (a member that trained
+   all along) sends the whole training state (model, optimizer, scheduler,
+   scaler, counters, RNG) to every rank over the new group (:func:`share_state`;
+   a fully-sharded model's shards come from every live rank instead: Note
+   [elastic fully_shard] in fsdp_shards.py).
+
+# Note [a join cut short]
+A member can die while a replacement is being admitted: the members' rebuild
+fails, and so does the replacement's wait for its state (the shards, or rank
+0's broadcast). Both are a peer's failure: the replacement takes part in the
+next change like a member, with no state of its own to offer, and the rebuild
+of that change sends the state to whoever still has none. Which ranks want it
+is asked of the group (:meth:`ElasticRun.state_wanted`), not read from who
+joined in this change, as a rank whose rebuild completed just before the loss
+was seen would disagree with one whose rebuild did not. A replacement that
+dies as it is admitted is the same case seen from the members.
 
 A loop the user writes gets the same through ``tandem.prepare(elastic=...)``
 (Note [elastic prepare] in loop.py), with this module's pieces.
@@ -48,6 +61,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.comm.bootstrap import enter_generation
+from tandem.comm.elastic_group import ask_to_join
 from tandem.comm.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
@@ -195,6 +209,19 @@ class ElasticRun:
     def step_started(self) -> None:
         self._step_started = time.monotonic()
 
+    def state_wanted(self) -> bool:
+        """Whether a rank of the current group has no training state yet: a
+        replacement admitted in this change, or in an earlier one whose rebuild a
+        loss cut short (Note [a join cut short]). A collective of the group."""
+        wants: list[Any] = [None] * dist.get_world_size()
+        watched("all_gather_object of who wants the state", dist.all_gather_object, wants, self.needs_state)
+        if wants[0]:
+            raise MembershipError(
+                f"elastic: rank 0 (member {self.membership.generation.members[0]}) of generation "
+                f"{self.membership.generation.number} is a replacement whose state never arrived: every member "
+                "that held the training state is gone; resume the job from its last checkpoint")
+        return any(wants)
+
     def decide(self, step: int) -> None:
         """Wait for ``step``'s decision; raises :class:`StepAbandoned` on abort."""
         decision = self.membership.decide_step(step)
@@ -238,6 +265,22 @@ class ElasticRun:
                                          steps_lost=change.steps_lost + step - resumed.step)
         self.changes[-1] = change
         return change
+
+    def join(self, rebuild: Callable[[Generation, Generation], Resumed | None],
+             report: Callable[[WorldChange], None]) -> None:
+        """A replacement, built in its world of one, asks to join, enters the
+        generation that admits it, and calls ``rebuild`` as the members do in
+        that change (Note [a replacement builds first] in
+        tandem/comm/elastic_group.py); a member lost meanwhile makes it take part
+        in the next change (Note [a join cut short])."""
+        before = self.membership.generation
+        generation = ask_to_join(self.membership)
+        try:
+            rebuild(before, generation)
+        except Exception as e:
+            if not is_peer_failure(e):
+                raise
+            self.regroup(e, 0, in_step=False, rebuild=rebuild, report=report)
 
     def regroup(self, cause: BaseException | None, step: int, *, in_step: bool,
                 rebuild: Callable[[Generation, Generation], Resumed | None],

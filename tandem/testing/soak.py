@@ -23,11 +23,12 @@ What is measured, from the job's events (its docstring):
   and how long admitting a replacement stopped them.
 
 What is checked, each a line in :attr:`SoakResult.problems` when it fails:
-the job exits 0; every step's committed attempt has a batch from every rank of
-its world; every sample of an epoch is trained once (an epoch the job finished);
-the final parameters equal one process that trains the committed global
-batches in order (plain torch, nothing of tandem); no process of the job is
-left; the last checkpoint loads and is of the last step.
+the job exits 0; every worker that died was SIGKILLed (none crashed); every
+step's committed attempt has a batch from every rank of its world; every
+sample of an epoch is trained once (an epoch the job finished); the final
+parameters equal one process that trains the committed global batches in order
+(plain torch, nothing of tandem); no process of the job is left; the last
+checkpoint loads and is of the last step.
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ def run_soak(plan: SoakPlan) -> SoakResult:
     with (out / "launcher.log").open("w") as log:
         launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+        deadline = time.monotonic() + plan.timeout_s
         try:
-            result.kills = _kill_now_and_then(launcher, plan, out)
-            launcher.wait(timeout=max(1.0, plan.timeout_s))
+            result.kills = _kill_now_and_then(launcher, plan, out, deadline)
+            launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             result.problems.append(f"the job ran past {plan.timeout_s:.0f} s and was killed")
         finally:
@@ -145,6 +147,10 @@ def run_soak(plan: SoakPlan) -> SoakResult:
     result.output = (out / "launcher.log").read_text(errors="replace")
     if launcher.returncode != 0:
         result.problems.append(f"the launcher exited with {launcher.returncode}")
+    for line in result.output.splitlines():
+        # Every death is a SIGKILL, on purpose or at random: any other exit is a crash.
+        if "the others go on" in line and "exited with -9;" not in line:
+            result.problems.append(f"a worker crashed: {line.strip()}")
     if _killed_on_purpose(out) != len(plan.kills):
         result.problems.append(f"{_killed_on_purpose(out)} of the {len(plan.kills)} kills on purpose happened")
     _measure_and_check(result, plan, _read_events(out))
@@ -156,16 +162,21 @@ def run_soak(plan: SoakPlan) -> SoakResult:
     return result
 
 
-def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) -> list[tuple[float, int]]:
+def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path,
+                       deadline: float) -> list[tuple[float, int]]:
     """SIGKILL a random live worker about every ``every_s`` (Note [soak]) until
-    ``failures`` or the job's end; returns when and whom."""
+    ``failures``, the job's end or ``deadline`` (monotonic); returns when and whom."""
     kills: list[tuple[float, int]] = []
     rng = random.Random(plan.seed)
-    while not any(out.glob("events-*.jsonl")) and launcher.poll() is None:
+
+    def going() -> bool:
+        return launcher.poll() is None and time.monotonic() < deadline
+
+    while not any(out.glob("events-*.jsonl")) and going():
         time.sleep(0.1)  # the workers have started training
-    while plan.every_s is not None and len(kills) < plan.failures and launcher.poll() is None:
-        deadline = time.monotonic() + plan.every_s * rng.uniform(0.5, 1.5)
-        while time.monotonic() < deadline and launcher.poll() is None:
+    while plan.every_s is not None and len(kills) < plan.failures and going():
+        until = min(deadline, time.monotonic() + plan.every_s * rng.uniform(0.5, 1.5))
+        while time.monotonic() < until and launcher.poll() is None:
             time.sleep(0.05)
         if _trained_all(out):
             break
@@ -178,9 +189,9 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path) ->
             kills.append((time.time(), pid))
         except ProcessLookupError:
             pass
-    while plan.kills and launcher.poll() is None and _killed_on_purpose(out) < len(plan.kills):
+    while plan.kills and going() and _killed_on_purpose(out) < len(plan.kills):
         time.sleep(0.1)
-    if (kills or plan.kills) and launcher.poll() is None:
+    if (kills or plan.kills) and going():
         _stop_soon(out, plan.every_s or 1.0)
     return kills
 

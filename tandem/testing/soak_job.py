@@ -144,8 +144,17 @@ def main() -> None:
         record = group_record.current()
         me = record.elastic.member if record is not None and record.elastic is not None else "?"
         if any(k["member"] == me and k["phase"] == "join" for k in kills):
-            events.write("killed", member=me, phase="join", step=-1)
-            os.kill(os.getpid(), signal.SIGKILL)  # admitted, then gone before the state arrives
+            # Admitted, then gone before the state arrives: it asks to join in fit()
+            # (Note [a replacement builds first] in tandem/comm/elastic_group.py).
+            import tandem.elastic.run as run_module
+            admit = run_module.ask_to_join
+
+            def admitted_then_gone(membership: Any) -> Any:
+                admit(membership)
+                events.write("killed", member=me, phase="join", step=-1)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            run_module.ask_to_join = admitted_then_gone
 
     def loss_fn(outputs: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         y, idx = targets

@@ -118,8 +118,9 @@ class TrainerConfig:
     elastic: bool | ElasticConfig | None = None
     """Keep training when a rank dies (DDP): the survivors drop the step in flight,
     agree on who is left, and go on as a smaller world; a replacement started
-    with ``TANDEM_ELASTIC_JOIN=1`` joins at the next step boundary and gets the
-    state from a live peer (Note [elastic trainer] in tandem/elastic/run.py). True uses
+    with ``TANDEM_ELASTIC_JOIN=1`` builds its model in a world of one, asks to join
+    in ``fit()``, joins at the next step boundary and gets the state from live
+    peers (Note [elastic trainer] in tandem/elastic/run.py). True uses
     :class:`~tandem.comm.membership.ElasticConfig`'s defaults; None: on when the
     job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 

@@ -64,6 +64,9 @@ class ElasticWorld:
         # since the last commit, and the loop state of the last two commits.
         self._updating = False
         self._points: list[_LoopPoint] = []
+        # ZeRO's shard as sent after the last commit: a copy the update leaves as it
+        # is, and the shard the next step keeps (built once a step, not twice).
+        self._sent: tuple[int, dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ a step's decision
     def step_started(self) -> None:
@@ -76,7 +79,9 @@ class ElasticWorld:
         self.run.decide(step)
         if self.buddy is not None:
             # fully_shard's shard is views of the live tensors; ZeRO's is copied already.
-            self.buddy.keep_own(self._state.step, self._own_shard(), live=is_fully_sharded(self._model))
+            step, sent = self._state.step, self._sent
+            shard = sent[1] if sent is not None and sent[0] == step else self._own_shard()
+            self.buddy.keep_own(step, shard, live=is_fully_sharded(self._model))
             self._updating = True
 
     @property
@@ -106,7 +111,9 @@ class ElasticWorld:
     def own_shard(self) -> list[tuple[int, dict[str, Any]]] | None:
         """This rank's shards before the world changes, each with its step (None
         without buddy copies)."""
-        return self.buddy.own_shard(self._own_shards) if self.buddy is not None else None
+        if self.buddy is None or self.run.needs_state:
+            return None  # a replacement whose state has not arrived: Note [a join cut short]
+        return self.buddy.own_shard(self._own_shards)
 
     def refresh_buddy(self, rank: int) -> None:
         """After a committed step: note its loop state, and send this rank's shard
@@ -120,7 +127,9 @@ class ElasticWorld:
                 None if state.scaler is None else copy.deepcopy(state.scaler.state_dict()),
                 capture_rng_state())]
             members = self.run.membership.generation.members
-            self.buddy.refresh(self._own_shard(), state.step, members, rank)
+            shard = self._own_shard()
+            self._sent = None if is_fully_sharded(self._model) else (state.step, shard)
+            self.buddy.refresh(shard, state.step, members, rank)
 
     def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
                        share_all: Callable[[Any], list[Any]]) -> Resumed | None:
@@ -146,6 +155,7 @@ class ElasticWorld:
             if fsdp:
                 self._optimizer.state.clear()  # laid out for the old world; the checkpoint has it
             self._checkpoints.resume(rank, share_all)
+            self.run.needs_state = False  # every rank's state is the checkpoint's
             self._forget_kept()
             return Resumed(self._state.step, checkpoint=True)
         if fsdp:
@@ -165,6 +175,7 @@ class ElasticWorld:
         """The shards are laid out for the new world now: the kept one, for the old, is of no use."""
         assert self.buddy is not None
         self.buddy.kept = None
+        self._sent = None
         self._updating = False
 
     def _go_back(self, step: int, rank: int) -> None:

@@ -271,13 +271,10 @@ class Trainer:
                              "resume=True, or give this run an empty output_dir")
         if self._elastic is not None and joining:
             resumed_from = None  # a replacement: the state comes from a live peer
-            if self._elastic.buddy is not None:
-                self._restore_shards(None)
-            self._elastic.share_state()
-            self._elastic.run.needs_state = False
-            self._exact_rest = True  # as the members after the change it joins in
+            self._join()
         else:
             resumed_from = self._checkpoints.resume(self.rank, self._share_all) if cfg.resume else None
+            self._refresh_buddy()
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"))
         total_steps = self._loaders.steps_per_epoch * cfg.epochs
@@ -291,7 +288,6 @@ class Trainer:
                      f"global batch {self.global_batch_size}, {cfg.epochs} epoch(s), "
                      f"precision {self._precision.value}")
         checkpoint = resumed_from
-        self._refresh_buddy()
         try:
             while self.state.epoch < cfg.epochs and not self._reached_max_steps():
                 try:
@@ -422,37 +418,57 @@ class Trainer:
         return self._checkpoints.export(path)
 
     # ------------------------------------------------------------------ a changing world
-    def _change_world(self, cause: BaseException | None, history: History, progress: Progress) -> None:
+    def _change_world(self, cause: BaseException | None, history: History | None,
+                      progress: Progress | None) -> None:
         """Note [elastic trainer] in tandem/elastic/run.py: regroup, rebuild what depends on the world, go on."""
         elastic = self._elastic
         assert elastic is not None
         in_step, self._runner.in_step = self._runner.in_step, False
-
-        def rebuild(before: Generation, after: Generation) -> Resumed | None:
-            own = elastic.own_shard()
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            self._runner.rank = self.rank
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.reset_process_group()  # type: ignore[operator]
-            resumed = None
-            if elastic.buddy is not None:
-                if not is_fully_sharded(self.model):
-                    self.optimizer.reset_process_group()  # type: ignore[attr-defined]
-                resumed = self._restore_shards(own)
-            self._loaders = self._new_loaders()
-            self._exact_rest = True  # Note [exact split] in tandem/data/split.py
-            if after.joined_since(before):
-                elastic.share_state()
-            self._refresh_buddy()  # copies for the new world, before its first step
-            return resumed
-
-        elastic.run.regroup(cause, self.state.step, in_step=in_step, rebuild=rebuild,
+        elastic.run.regroup(cause, self.state.step, in_step=in_step, rebuild=self._rebuild,
                             report=lambda change: self._report(change, history, progress))
 
-    def _report(self, change: WorldChange, history: History, progress: Progress) -> None:
+    def _rebuild(self, before: Generation, after: Generation) -> Resumed | None:
+        """What depends on the world, for the new one: on the members, and on a
+        replacement as it joins (Note [a replacement builds first] in
+        tandem/comm/elastic_group.py). Returns where the state went back to, if it did."""
+        elastic = self._elastic
+        assert elastic is not None
+        own = elastic.own_shard()  # None on a replacement: it has no state yet
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._runner.rank = self.rank
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.reset_process_group()  # type: ignore[operator]
+        resumed = None
+        if elastic.buddy is not None:
+            if not is_fully_sharded(self.model):
+                self.optimizer.reset_process_group()  # type: ignore[attr-defined]
+            resumed = self._restore_shards(own)
+        self._loaders = self._new_loaders()
+        self._exact_rest = True  # Note [exact split] in tandem/data/split.py
+        self._share_state_if_wanted()
+        self._refresh_buddy()  # copies for the new world, before its first step
+        return resumed
+
+    def _join(self) -> None:
+        """A replacement's start, in its world of one: join the job, and rebuild
+        for its world as the members do (Note [a replacement builds first] in
+        tandem/comm/elastic_group.py)."""
+        assert self._elastic is not None
+        self._elastic.run.join(self._rebuild, report=lambda change: self._report(change, None, None))
+
+    def _share_state_if_wanted(self) -> None:
+        """Rank 0's state on every rank when a rank has none (a replacement)."""
+        assert self._elastic is not None
+        if self._elastic.run.state_wanted():
+            self._elastic.share_state()
+            self._elastic.run.needs_state = False
+
+    def _report(self, change: WorldChange, history: History | None, progress: Progress | None) -> None:
         logger.warning("rank %d: %s", self.rank, change.describe())
-        progress.say(change.describe())
-        history.append(change.record())
+        if progress is not None:
+            progress.say(change.describe())
+        if history is not None:
+            history.append(change.record())
 
     def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None) -> Resumed | None:
         assert self._elastic is not None

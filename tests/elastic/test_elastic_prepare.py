@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_elastic import (BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference, _launched,
-                          _reference, _schedule, _used_samples, launch_all, make_model, make_optimizer)
+from test_elastic import (BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
+                          _die_once_admitted, _launched, _reference, _schedule, _used_samples, launch_all, make_model,
+                          make_optimizer)
 from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
@@ -36,12 +37,14 @@ from tandem.testing.harness import still_running
 
 
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at: int | None,
-          epochs: int = 1, join_dies: bool = False, before_forward: bool = False) -> dict:
+          epochs: int = 1, join_dies: bool = False, before_forward: bool = False,
+          admitting_dies: int | None = None) -> dict:
     """One rank's own loop over ``epochs``; ``deaths`` maps a founding rank to the
     step in whose backward (or, ``before_forward``, before whose forward) it kills
     itself. With ``join_at`` the members hold that step until a replacement asks
     to join, so that it joins through the step's decision; with ``join_dies`` the
-    replacement dies once admitted."""
+    replacement dies once admitted; founding rank ``admitting_dies`` kills itself
+    as the state is sent to the replacement."""
     import tandem
 
     joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
@@ -51,9 +54,12 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
             time.sleep(0.02)
         tandem.init("gloo", init_method=url)
         if join_dies:
-            os.kill(os.getpid(), signal.SIGKILL)  # admitted, then gone before the state arrives
+            _die_once_admitted()
     else:
         tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
+    if rank == admitting_dies and not joining:
+        from tandem.elastic.loop import ElasticLoop
+        ElasticLoop._share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
 
@@ -106,9 +112,10 @@ def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
          join_at: int | None = None, epochs: int = 1, join_dies: bool = False,
-         before_forward: bool = False) -> list[dict]:
-    may_die = list(deaths) + ([3] if join_dies else [])
-    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies, before_forward),
+         before_forward: bool = False, admitting_dies: int | None = None) -> list[dict]:
+    may_die = list(deaths) + ([3] if join_dies else []) + ([admitting_dies] if admitting_dies is not None else [])
+    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies, before_forward,
+                                              admitting_dies),
                               timeout=TIMEOUT, init_process_group=False, may_die=may_die, replace=replace)
     assert still_running([r["pid"] for r in results if r is not None]) == []
     return [r for r in results if r is not None]
@@ -120,6 +127,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "fails-in-forward": ({1: 1}, {"before_forward": True}),
     "replacement": ({1: 2}, {**JOIN, "epochs": 2}),
     "lost-joining": ({1: 2}, {**JOIN, "join_dies": True}),
+    "member-lost-admitting": ({1: 2}, {**JOIN, "admitting_dies": 2}),
 }
 
 
@@ -194,6 +202,22 @@ def test_own_loop_survives_a_replacement_lost_while_joining(scenarios: dict) -> 
     assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
         [([1], [], 2), ([], ["j1"], 3), ([2], [], 2)]
     _check_reference(live, _schedule(changes))
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_own_loop_survives_a_member_lost_while_a_replacement_is_admitted(scenarios: dict) -> None:
+    # Note [a join cut short] in tandem/elastic/run.py: member 2 dies as the state is sent
+    # to j1, which takes part in the next change, gets the state there, and trains on.
+    tmp_path, live = _launched(scenarios, "member-lost-admitting")
+    assert sorted(r["member"] for r in live) == ["0", "j"] and all(r["world_size"] == 2 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
+        [([1], [], 2), ([], ["j1"], 3), ([1], [], 2)]
+    schedule = _schedule(changes)
+    assert [r["steps"] for r in live] == [len(schedule)] * 2
+    assert [r["scheduler_steps"] for r in live] == [len(schedule)] * 2  # registered: shared in the retry
+    _check_reference(live, schedule)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
