@@ -103,6 +103,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     if dist.is_initialized():
         forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
     rank = generation.rank_of(membership.member)
+    membership.await_members(generation)  # Note [arrivals] in membership.py
     bind_group_defaults_before_init()
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
     with default_group_connections(backend) as connections:

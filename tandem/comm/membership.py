@@ -13,20 +13,21 @@ Members have ids that survive a change of rank: the founding ranks are ``"0"``,
 membership is a *generation* ``g`` with its members in rank order; generation 0
 is the founding world. Keys, under ``tandem/elastic/``:
 
-====================  ==========================================================
-``beat/<id>``         the member's heartbeat: the wall-clock time of its last
-                      beat, written every ``beat_s`` by a daemon thread
-``gen/<g>/members``   the generation's members (JSON), written once, by
-                      ``compare_set``: the first proposal wins, every rank reads it
-``latest``            the newest generation number
-``gen/<g>/cand/<id>`` a member of ``g - 1`` that is alive and wants in ``g``
-``gen/<g>/step/<s>``  ``.../done`` counts the members that finished step ``s``'s
-                      reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``
-``joiners``           how many replacements ever asked to join (ids ``j1..jN``)
-``join/<id>``         a replacement's request
-``admitted/<id>``     set when a generation admits the replacement, which waits on it
-``process/<id>``      the member's :class:`~tandem.comm.process_id.ProcessId`
-====================  ==========================================================
+========================  ==========================================================
+``beat/<id>``             the member's heartbeat: the wall-clock time of its last
+                          beat, written every ``beat_s`` by a daemon thread
+``gen/<g>/members``       the generation's members (JSON), written once, by
+                          ``compare_set``: the first proposal wins, every rank reads it
+``latest``                the newest generation number
+``gen/<g>/cand/<id>``     a member of ``g - 1`` that is alive and wants in ``g``
+``gen/<g>/step/<s>``      ``.../done`` counts the members that finished step ``s``'s
+                          reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``
+``joiners``               how many replacements ever asked to join (ids ``j1..jN``)
+``join/<id>``             a replacement's request
+``admitted/<id>``         set when a generation admits the replacement, which waits on it
+``gen/<g>/arrived/<id>``  the member is about to build ``g``'s group (Note [arrivals])
+``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
+========================  ==========================================================
 
 Why a step needs a decision: a dead peer can fail a ring all-reduce on one rank
 after another rank already has its result. If the one stepped its optimizer and
@@ -63,7 +64,7 @@ from enum import Enum
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
-from tandem.comm.peers import WAIT_SLICE_S, Liveness
+from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
 from tandem.comm.process_id import PostedProcesses, ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
@@ -328,6 +329,46 @@ class Membership:
             if member.startswith("j"):  # wake the replacements it admits
                 self.store.set(f"{PREFIX}/admitted/{member}", str(generation.number))
         return winner
+
+    def await_members(self, generation: Generation) -> None:
+        """Mark this member arrived to build ``generation``'s group, and wait until
+        every member has (Note [arrivals]).
+
+        # Note [arrivals]
+        Building a generation's gloo group waits, in torch, until every member has
+        connected, for the group's whole timeout: a replacement admitted and then
+        killed before it connected, or a member killed between the agreement and
+        the group, left the others there for as long. So each member first marks
+        itself arrived in the store and waits for the others' marks, watching
+        the missing ones for death as a failed collective does; a dead one
+        fails the change with a PeerLostError, and the next change leaves it out.
+        A death after a member's mark and before it connects is not seen (a
+        window of milliseconds, against the seconds between admission and
+        connection that a replacement used to take).
+
+        Raises:
+            PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
+            MembershipError: not every member arrived within ``regroup_timeout_s``.
+        """
+        base = f"{PREFIX}/gen/{generation.number}/arrived"
+        self.store.set(f"{base}/{self.member}", "1")
+        deadline = time.monotonic() + self.config.regroup_timeout_s
+        missing = [m for m in generation.members if m != self.member]
+        while True:
+            missing = [m for m in missing if not self.store.check([f"{base}/{m}"])]
+            if not missing:
+                return
+            dead = self.dead(missing)
+            if dead:
+                raise PeerLostError(generation.rank_of(self.member),
+                                    {generation.rank_of(m): why for m, why in dead.items()},
+                                    f"the arrival of generation {generation.number}'s members")
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for members "
+                    f"{missing} to build generation {generation.number}'s group; raise "
+                    "ElasticConfig.regroup_timeout_s if they are slow")
+            time.sleep(0.005)
 
     def waiting_joiners(self) -> list[str]:
         """Replacements that asked to join, are alive, and no generation admitted yet."""

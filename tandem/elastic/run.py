@@ -274,8 +274,8 @@ class ElasticRun:
         tandem/comm/elastic_group.py); a member lost meanwhile makes it take part
         in the next change (Note [a join cut short])."""
         before = self.membership.generation
-        generation = ask_to_join(self.membership)
         try:
+            generation = ask_to_join(self.membership)
             rebuild(before, generation)
         except Exception as e:
             if not is_peer_failure(e):

@@ -74,10 +74,17 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
 
 
-def _die_once_admitted() -> None:
-    """Make this replacement die as soon as a generation admits it, before the
-    state arrives (it asks to join in fit() or prepare(): Note [a replacement
-    builds first] in tandem/comm/elastic_group.py)."""
+def _die_once_admitted(when: str = "admitted") -> None:
+    """Make this replacement die once a generation admits it (it asks to join in
+    fit() or prepare(): Note [a replacement builds first] in
+    tandem/comm/elastic_group.py): ``"admitted"``, in the new group, before the
+    state arrives; ``"connecting"``, before it marks itself arrived to build
+    the group (Note [arrivals] in tandem/comm/membership.py)."""
+    if when == "connecting":
+        from tandem.comm.membership import Membership
+        Membership.await_members = lambda self, generation: os.kill(  # type: ignore[method-assign]
+            os.getpid(), signal.SIGKILL)
+        return
     import tandem.elastic.run as run_module
     admit = run_module.ask_to_join
 
@@ -88,7 +95,7 @@ def _die_once_admitted() -> None:
     run_module.ask_to_join = admitted_then_gone
 
 
-def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: bool,
+def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
@@ -110,7 +117,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             time.sleep(0.02)
         tandem.init("gloo", init_method=url)
         if join_dies:
-            _die_once_admitted()
+            _die_once_admitted(join_dies)
     else:
         tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
     if rank == admitting_dies and not joining:
@@ -232,7 +239,7 @@ def _used_samples(out: Path, died_at: dict[str, int]) -> list[int]:
 
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
-         join_dies: bool = False, join_at: int | None = None, zero: bool = False,
+         join_dies: str | None = None, join_at: int | None = None, zero: bool = False,
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + ([admitting_dies] if admitting_dies is not None else [])
     results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
@@ -267,7 +274,8 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     **{f"sharded-replacement-{s}": ({1: 2}, {**JOIN, **_sharded(s)}) for s in ("zero2", "fsdp")},
     **{f"buddy-lost-{s}": ({1: 3, 2: 3}, {"checkpoint_every": 2, **_sharded(s)}) for s in ("zero2", "fsdp")},
     **{f"two-losses-{s}": ({1: 1, 2: 3}, _sharded(s)) for s in ("ddp", "zero2", "fsdp")},
-    **{f"lost-joining-{s}": ({1: 2}, {**JOIN, "join_dies": True, **_sharded(s)}) for s in ("ddp", "zero2", "fsdp")},
+    **{f"lost-joining-{s}": ({1: 2}, {**JOIN, "join_dies": "admitted", **_sharded(s)}) for s in ("ddp", "zero2", "fsdp")},
+    "lost-connecting": ({1: 2}, {**JOIN, "join_dies": "connecting"}),
     **{f"member-lost-admitting-{s}": ({1: 2}, {**JOIN, "admitting_dies": 2, **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
 }
@@ -433,6 +441,21 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     assert all(c["checkpoint_step"] is None and not c["stepped_back"] for c in changes)
     assert [r["steps"] for r in live] == [len(_schedule(changes))] * 2
     _check_reference(live, _schedule(changes), zero=sharding != "ddp")
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict) -> None:
+    # Note [arrivals] in tandem/comm/membership.py: admitted, j1 dies before building the
+    # new group; the members saw to it that it never connected and go on without it (they
+    # waited in torch's group creation for its timeout before).
+    tmp_path, results = _launched(scenarios, "lost-connecting")
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "2"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["world_size"]) for c in changes] == [([1], 2), ([2], 2)]
+    assert "the arrival of generation 2's members" in changes[1]["cause"], changes[1]
+    _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 

@@ -37,7 +37,7 @@ from tandem.testing.harness import still_running
 
 
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at: int | None,
-          epochs: int = 1, join_dies: bool = False, before_forward: bool = False,
+          epochs: int = 1, join_dies: str | None = None, before_forward: bool = False,
           admitting_dies: int | None = None) -> dict:
     """One rank's own loop over ``epochs``; ``deaths`` maps a founding rank to the
     step in whose backward (or, ``before_forward``, before whose forward) it kills
@@ -54,7 +54,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
             time.sleep(0.02)
         tandem.init("gloo", init_method=url)
         if join_dies:
-            _die_once_admitted()
+            _die_once_admitted(join_dies)
     else:
         tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
     if rank == admitting_dies and not joining:
@@ -111,7 +111,7 @@ def _hold_for_a_joiner(out: Path, optimizer: Any) -> None:
 
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
-         join_at: int | None = None, epochs: int = 1, join_dies: bool = False,
+         join_at: int | None = None, epochs: int = 1, join_dies: str | None = None,
          before_forward: bool = False, admitting_dies: int | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + ([admitting_dies] if admitting_dies is not None else [])
     results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_at, epochs, join_dies, before_forward,
@@ -126,7 +126,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "shrink": ({1: 2}, {}),
     "fails-in-forward": ({1: 1}, {"before_forward": True}),
     "replacement": ({1: 2}, {**JOIN, "epochs": 2}),
-    "lost-joining": ({1: 2}, {**JOIN, "join_dies": True}),
+    "lost-joining": ({1: 2}, {**JOIN, "join_dies": "admitted"}),
     "member-lost-admitting": ({1: 2}, {**JOIN, "admitting_dies": 2}),
 }
 
