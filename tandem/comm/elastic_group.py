@@ -26,7 +26,8 @@ from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 
 __all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "below_prefixes", "default_group_connections",
-           "elastic_membership", "enter_generation", "join_elastic", "job_store", "nothing_to_join"]
+           "elastic_membership", "enter_generation", "join_elastic", "job_store", "new_world_group",
+           "nothing_to_join"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
@@ -146,6 +147,19 @@ def enter_generation(membership: Membership, generation: Generation, *,
 # change (ElasticRun.join in tandem/elastic/run.py): the DDP reducer, the ZeRO or
 # fully_shard layouts, the loaders, the shards and the state from live peers.
 # Until then, tandem.get_rank() is 0 and the world size 1 on a replacement.
+
+
+def new_world_group(what: str) -> dist.ProcessGroup:
+    """A new group over every rank of the default group (``what`` names it). In
+    an elastic job the members first wait for each other's arrival, watching for
+    deaths (Note [arrivals] in membership.py): torch waits for a rank that never
+    comes for the group's whole timeout."""
+    record = group_record.current()
+    if record is not None and record.elastic is not None and record.elastic.generation.number >= 0:
+        record.elastic.await_members(record.elastic.generation, what)
+    group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True)
+    assert group is not None, "every rank is a member"
+    return group
 
 
 def join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:

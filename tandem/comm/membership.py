@@ -25,7 +25,8 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``joiners``               how many replacements ever asked to join (ids ``j1..jN``)
 ``join/<id>``             a replacement's request
 ``admitted/<id>``         set when a generation admits the replacement, which waits on it
-``gen/<g>/arrived/<id>``  the member is about to build ``g``'s group (Note [arrivals])
+``gen/<g>/arrived/...``  ``.../<what>/<id>``: the member is about to build a group
+                          over ``g``'s members (Note [arrivals])
 ``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
 ========================  ==========================================================
 
@@ -330,9 +331,10 @@ class Membership:
                 self.store.set(f"{PREFIX}/admitted/{member}", str(generation.number))
         return winner
 
-    def await_members(self, generation: Generation) -> None:
-        """Mark this member arrived to build ``generation``'s group, and wait until
-        every member has (Note [arrivals]).
+    def await_members(self, generation: Generation, what: str = "group") -> None:
+        """Mark this member arrived to build ``generation``'s group (or another group
+        over its members, named by ``what``), and wait until every member has
+        (Note [arrivals]).
 
         # Note [arrivals]
         Building a generation's gloo group waits, in torch, until every member has
@@ -342,6 +344,9 @@ class Membership:
         itself arrived in the store and waits for the others' marks, watching
         the missing ones for death as a failed collective does; a dead one
         fails the change with a PeerLostError, and the next change leaves it out.
+        The same goes for a second group over the members (fully_shard's
+        reduce-scatter group, built at the first forward in a new world:
+        :func:`tandem.comm.elastic_group.new_world_group`).
         A death after a member's mark and before it connects is not seen (a
         window of milliseconds, against the seconds between admission and
         connection that a replacement used to take).
@@ -350,7 +355,7 @@ class Membership:
             PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
             MembershipError: not every member arrived within ``regroup_timeout_s``.
         """
-        base = f"{PREFIX}/gen/{generation.number}/arrived"
+        base = f"{PREFIX}/gen/{generation.number}/arrived/{what}"
         self.store.set(f"{base}/{self.member}", "1")
         deadline = time.monotonic() + self.config.regroup_timeout_s
         missing = [m for m in generation.members if m != self.member]
@@ -362,7 +367,7 @@ class Membership:
             if dead:
                 raise PeerLostError(generation.rank_of(self.member),
                                     {generation.rank_of(m): why for m, why in dead.items()},
-                                    f"the arrival of generation {generation.number}'s members")
+                                    f"the arrival of generation {generation.number}'s members ({what})")
             if time.monotonic() > deadline:
                 raise MembershipError(
                     f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for members "

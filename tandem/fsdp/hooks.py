@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem._compat import not_traced
+from tandem.comm.elastic_group import new_world_group
 from tandem.comm.group import GroupComm
 from tandem.fsdp.schedule import Schedule
 from tandem.fsdp.unit import ShardedUnit, unit_of
@@ -118,6 +119,8 @@ def _second_group(ranks: tuple[int, ...], comm: GroupComm) -> GroupComm:
     """The reduce-scatter group (Note [two groups])."""
     if comm.size == 1:
         return comm
+    if len(ranks) == dist.get_world_size():  # an elastic job's members wait for each other first
+        return GroupComm(new_world_group("fully_shard reduce-scatters"))
     return GroupComm(dist.new_group(list(ranks), use_local_synchronization=True))
 
 

@@ -97,13 +97,15 @@ def _die_once_admitted(when: str = "admitted") -> None:
 
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
-          admitting_dies: int | None = None) -> dict:
+          admitting_dies: int | None = None, group_dies: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
     hold step ``join_at`` until a replacement asks to join, so that it joins
     before the (short) epoch ends; founding rank ``admitting_dies`` kills itself
-    as the state is sent to the replacement (its shards have arrived)."""
+    as the state is sent to the replacement (its shards have arrived), and
+    ``group_dies`` as fully_shard builds its reduce-scatter group in a smaller
+    world (at the first forward after a loss)."""
     import tandem
     from tandem import Trainer, TrainerConfig
 
@@ -120,6 +122,16 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             _die_once_admitted(join_dies)
     else:
         tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
+    if rank == group_dies and not joining:
+        import tandem.fsdp.hooks as hooks
+        build = hooks.new_world_group
+
+        def die_in_a_smaller_world(what: str) -> Any:
+            if dist.get_world_size() < world_size:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return build(what)
+
+        hooks.new_world_group = die_in_a_smaller_world
     if rank == admitting_dies and not joining:
         from tandem.train.elastic_world import ElasticWorld
         ElasticWorld.share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
@@ -240,10 +252,11 @@ def _used_samples(out: Path, died_at: dict[str, int]) -> list[int]:
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
          join_dies: str | None = None, join_at: int | None = None, zero: bool = False,
-         checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None) -> list[dict]:
-    may_die = list(deaths) + ([3] if join_dies else []) + ([admitting_dies] if admitting_dies is not None else [])
+         checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
+         group_dies: int | None = None) -> list[dict]:
+    may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies) if r is not None]
     results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
-                                              fsdp, admitting_dies),
+                                              fsdp, admitting_dies, group_dies),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -274,8 +287,10 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     **{f"sharded-replacement-{s}": ({1: 2}, {**JOIN, **_sharded(s)}) for s in ("zero2", "fsdp")},
     **{f"buddy-lost-{s}": ({1: 3, 2: 3}, {"checkpoint_every": 2, **_sharded(s)}) for s in ("zero2", "fsdp")},
     **{f"two-losses-{s}": ({1: 1, 2: 3}, _sharded(s)) for s in ("ddp", "zero2", "fsdp")},
-    **{f"lost-joining-{s}": ({1: 2}, {**JOIN, "join_dies": "admitted", **_sharded(s)}) for s in ("ddp", "zero2", "fsdp")},
+    **{f"lost-joining-{s}": ({1: 2}, {**JOIN, "join_dies": "admitted", **_sharded(s)})
+       for s in ("ddp", "zero2", "fsdp")},
     "lost-connecting": ({1: 2}, {**JOIN, "join_dies": "connecting"}),
+    "lost-building-a-group": ({1: 2}, {"group_dies": 2, "fsdp": True}),
     **{f"member-lost-admitting-{s}": ({1: 2}, {**JOIN, "admitting_dies": 2, **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
 }
@@ -457,6 +472,21 @@ def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict) -> 
     assert "the arrival of generation 2's members" in changes[1]["cause"], changes[1]
     _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_a_rank_lost_as_fully_shard_builds_its_reduce_group_holds_no_one(scenarios: dict) -> None:
+    # Note [arrivals] in tandem/comm/membership.py: after rank 1's loss, member 2 dies as the
+    # first forward of world 2 builds fully_shard's reduce-scatter group; rank 0 sees it
+    # dead before building, and goes on alone (it waited in torch's new_group before).
+    tmp_path, results = _launched(scenarios, "lost-building-a-group")
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0"]
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(2, [1], 2), (2, [1], 1)]
+    assert "fully_shard reduce-scatters" in changes[1]["cause"], changes[1]
+    assert all(c["checkpoint_step"] is None for c in changes)
+    _check_reference(live, _schedule(changes), zero=True)
+    assert _used_samples(tmp_path, {"1": 2, "2": 2}) == list(range(N))
 
 
 @pytest.mark.parametrize("bad", [{"min_world_size": 0}, {"beat_s": 0}, {"beat_s": 1.0, "stale_after_s": 2.0}])
