@@ -54,6 +54,13 @@ class Progress:
         elif self._plain:
             print("  ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
 
+    def set_enabled(self, enabled: bool) -> None:
+        """Print from now on, or stop: an elastic job's rank 0 is another process
+        after a world change. A process that takes over prints plain lines."""
+        if enabled != self.enabled:
+            self.close()
+            self.enabled = self._plain = enabled
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

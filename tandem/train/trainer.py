@@ -465,9 +465,12 @@ class Trainer:
 
     def _report(self, change: WorldChange, history: History | None, progress: Progress | None) -> None:
         logger.warning("rank %d: %s", self.rank, change.describe())
+        # The new world's rank 0 prints and writes the metrics, whichever process it is.
         if progress is not None:
+            progress.set_enabled(self.rank == 0)
             progress.say(change.describe())
         if history is not None:
+            history.path = self._output_dir / "metrics.jsonl" if self.rank == 0 else None
             history.append(change.record())
 
     def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None) -> Resumed | None:

@@ -46,6 +46,10 @@ def test_a_short_soak_loses_nothing_and_counts_nothing_twice(tmp_path: Path, str
     lost = [c for c in result.changes if c["lost_ranks"]]
     assert len(lost) >= len(POINTS[strategy]) - 1, result.changes  # the admitted-then-killed j1 may go unseen
     assert result.steps > 0 and result.attempted >= result.steps
+    # The first kill takes rank 0 (DDP) or another member: whichever process is rank 0
+    # after the last change prints it (a new rank 0 printed nothing before).
+    last = max(c["generation"] for c in result.changes)
+    assert f"(generation {last})" in result.output, result.output[-3000:]
     if strategy != "ddp":
         # Note [one step back] in tandem/elastic/buddy.py: a rank that dies after its update,
         # before its copy is sent, takes the survivors one step back, not to a checkpoint.
