@@ -38,6 +38,23 @@ schedule.py), so the all-reduces of every replicate group match. With
 link only once per step, as in torch) the reduce-scatter runs and its output
 is added to a partial sum kept on the unit, which the next all-reduce takes.
 
+# Note [reduce-scatter in place]
+A unit's reduce-scatter writes this rank's block of the sum into this rank's
+chunk of its own input (in place, as NCCL and gloo allow), so while it is in
+flight only the input is alive, where torch's FSDP2 holds a separate output
+beside it. When it has completed, the block's gradients are copied out (cast
+to the parameters' dtype, or to the host under CPUOffloadPolicy, which copy
+anyway) and the input freed: the sharded gradients are ``1/world`` of it,
+without the flags, and keep no reduction buffer alive. The copy costs
+``1/world`` of the copy-in. This also leaves room for the gradient flags'
+``world * n`` elements (Note [gradient flags]), which FSDP2's input does not
+carry: in flight tandem holds less than FSDP2 by a block's size, and while
+the block is copied out as much as FSDP2 holds in flight plus the flags. A
+custom reduce-scatter (``set_custom_reduce_scatter``) gets an output of its
+own from its ``allocate``. Under HSDP the block is copied out before the
+all-reduce over the replicate group, so that the whole input is not kept
+alive during it.
+
 # Note [accumulation dtype]
 With gradient sync off (``set_requires_gradient_sync(False)``: micro-batches,
 a chunked loss) a unit's gradients are summed over several backwards before
@@ -134,9 +151,10 @@ class UnitReduce:
         for m in p.managed:
             m.unsharded.grad = None
             m.accumulated = None
-        out = overrides.allocate(custom, width, p.reduce_dtype, p.config.device)
+        in_place = custom is None  # Note [reduce-scatter in place]; a custom one gets its own output
+        out = inp[reduce_comm.rank] if in_place else overrides.allocate(custom, width, p.reduce_dtype, p.config.device)
         work = reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {p.name}", async_op=True, via=custom)
-        self.pending = PendingReduce(work, out, inp)
+        self.pending = PendingReduce(work, out, inp, in_place)
         self.state = ReduceState.IN_FLIGHT
 
     @property
@@ -161,24 +179,30 @@ class UnitReduce:
         reduce = self.pending
         assert reduce is not None
         reduce.work.wait()
+        self.pending = None
+        output = reduce.output
         if self.state is ReduceState.IN_FLIGHT and replicate_comm is not None and replicate_comm.size > 1:
+            if reduce.in_place:  # the second stage must not keep the whole input alive
+                output = output.clone()
+            del reduce
             if self._partial is not None:
-                reduce.output.add_(self._partial)
+                output.add_(self._partial)
                 self._partial = None
             if not all_reduce:  # keep the partial sum for the next all-reduce
-                self._partial = reduce.output
-                self.pending = None
+                self._partial = output
                 self.state = ReduceState.IDLE
                 return
-            work = replicate_comm.all_reduce(reduce.output, tag=f"unit {self.params.name}", async_op=True)
-            self.pending = PendingReduce(work, reduce.output, reduce.output)
+            work = replicate_comm.all_reduce(output, tag=f"unit {self.params.name}", async_op=True)
+            self.pending = PendingReduce(work, output, output)
             self.state = ReduceState.ALL_REDUCING
             return
-        self.pending = None
+        del reduce  # the input, unless output is a view of it
         self.state = ReduceState.IDLE
-        self._set_grads(reduce.output, divide_factor, unused_params)
+        self._set_grads(output, divide_factor, unused_params)
 
     def _set_grads(self, output: torch.Tensor, divide_factor: float, unused_params: bool) -> None:
+        """Divide the reduced block and set the sharded gradients from a copy of it,
+        which keeps no reduction buffer alive (Note [reduce-scatter in place])."""
         p = self.params
         n = p.layout.shard_numel
         # Every flag's sum is at least this rank's: where this rank has every
@@ -195,7 +219,8 @@ class UnitReduce:
             grads.div_(divide_factor)
         if hook is not None and not self._overrides.force_sum:
             hook(grads)
-        grads = grads.to(p.config.shard_device, p.orig_dtype)
+        cast = grads.to(p.config.shard_device, p.orig_dtype)
+        grads = cast.clone() if cast.data_ptr() == grads.data_ptr() else cast
         for m, flag in zip(p.managed, flags):
             # No rank produced it: None stays None, unless set_reduce_scatter_unused_params
             # asked for the zeros every rank sent (Note [gradient flags]).
