@@ -59,8 +59,9 @@ does; tandem then keeps one input buffer alive, as FSDP2 does (Note
 [reductions in flight] in tandem/fsdp/schedule.py). Plan: ``tandem.tools.plan.plan``
 on the unsharded model with one rank's batch, ``param_dtype``,
 ``reduce_dtype``, ``cpu_offload`` and ``activation_checkpointing`` as the
-variant has them: the fully_shard row's peak, and its error against each
-contender's measured peak.
+variant has them: the fully_shard row's peak (the largest phase of the
+measured step: Note [stage 3 peak] in tandem/zero/memory/phases.py), and its
+error against each contender's measured peak.
 """
 
 from __future__ import annotations

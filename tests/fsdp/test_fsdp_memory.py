@@ -4,6 +4,7 @@ the bytes each rank of a fully_shard model holds, at 2 and 3 ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from torch import nn
 from tandem.fsdp import MixedPrecisionPolicy, fully_shard, plan_unit
 from tandem.testing import run_distributed
 from tandem.zero import FullyShardSpec, MemoryEstimate, estimate_memory, format_memory_table
+from tandem.zero.memory import StepActivity, stage3_peak
 
 
 def _ceil(a: int, b: int) -> int:
@@ -124,6 +126,30 @@ def test_cpu_offload_moves_the_steady_state_to_the_host() -> None:
             == estimate_memory(model, 3, fsdp=fp32())[3].gathered)
     with pytest.raises(ValueError, match="FullyShardSpec.cpu_offload must be a bool, got 1"):
         FullyShardSpec(cpu_offload=1)  # type: ignore[arg-type]
+
+
+def test_the_phased_peak_takes_the_largest_phase_of_a_step() -> None:
+    model = nn.Module()
+    model.embed = nn.Linear(8, 16)
+    model.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+    names = tuple(f"blocks.{i}" for i in range(3))
+    spec = FullyShardSpec(units=names, min_unit_bytes=0)
+    s3 = estimate_memory(model, 2, fsdp=spec)[3]
+    step = StepActivity(before=100, after=1000, blocks=tuple((n, 5000, 400) for n in names), outputs=300)
+    root_full = 2 * 4 * s3.units[0].layout.shard_numel
+    state = s3.params + s3.optimizer
+    # the loss: everything saved, the root gathered, the outputs and the loss's own gradients
+    big_loss = dataclasses.replace(step, loss=10**6)
+    assert stage3_peak(s3, spec, big_loss, 8) == state + root_full + 100 + 1000 + 3 * 5000 + 300 + 10**6
+    # checkpointed: the blocks keep their inputs, and one recomputes its forward
+    plain = stage3_peak(s3, spec, step, 8)
+    ckpt = stage3_peak(s3, spec, dataclasses.replace(step, checkpointed=True), 8)
+    assert ckpt < plain
+    # offloaded: the state and the sharded gradients stay on the host
+    offloaded = FullyShardSpec(units=names, min_unit_bytes=0, cpu_offload=True)
+    assert stage3_peak(estimate_memory(model, 2, fsdp=offloaded)[3], offloaded, step, 8) <= plain - state
+    # never above stage 3's upper bound with the activations
+    assert plain <= s3.peak(100 + 1000 + 3 * 5000 + 300)
 
 
 def test_tiny_units_merge_into_the_enclosing_call() -> None:
@@ -271,9 +297,9 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
         gathered = sum(u.unsharded_flat.untyped_storage().nbytes() for u in units)
         for u in units:
             g = u.gather.pending
-            if g is not None and not g.direct:
-                gathered += _distinct_bytes(t for t in (g.output, g.input)
-                                            if t.untyped_storage().data_ptr() != u.shard_flat.untyped_storage().data_ptr())
+            if g is not None and not g.direct:   # the input: the shard itself, or a chunk of the output
+                shard = u.shard_flat.untyped_storage().data_ptr()
+                gathered += _distinct_bytes(t for t in (g.output, g.input) if t.untyped_storage().data_ptr() != shard)
         reducing = _distinct_bytes(t for r in (u.reduction.pending for u in units) if r is not None
                                    for t in (r.input, r.output))
         reducing += _distinct_bytes(m.unsharded.grad for u in units for m in u.managed if m.unsharded.grad is not None)

@@ -45,7 +45,8 @@ input.
 ``total`` adds both peaks to the steady state: an upper bound without
 activations. Activations, the autograd graph and the collectives' own scratch
 space are not included, and ``ignored_params`` and ``reshard_after_forward=k``
-are not modelled.
+are not modelled; with a measured step, Note [stage 3 peak] in phases.py
+follows the phases of a step instead.
 """
 
 from __future__ import annotations
