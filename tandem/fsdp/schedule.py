@@ -308,6 +308,7 @@ class Schedule:
         self._launch_ready()
         self._finish_reductions()
         for unit in self.units:
+            unit.wait_host_grads()  # Note [gradients to the host] in unit_reduce.py
             if _reshards_after_backward(unit):
                 unit.reshard()
             unit.phase = UnitPhase.IDLE

@@ -237,6 +237,10 @@ class ShardedUnit:
         while self.reducing:
             self.advance_reduce(divide_factor)
 
+    def wait_host_grads(self) -> None:
+        """Wait for the gradients' copies to the host (Note [gradients to the host] in unit_reduce.py)."""
+        self.reduction.wait_host_grads()
+
     def skip_reduce(self) -> None:
         """Gradient sync is off: keep the unsharded gradients (Note [accumulation dtype])."""
         self.reduction.skip()

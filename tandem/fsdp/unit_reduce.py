@@ -55,6 +55,19 @@ own from its ``allocate``. Under HSDP the block is copied out before the
 all-reduce over the replicate group, so that the whole input is not kept
 alive during it.
 
+# Note [gradients to the host]
+Under ``CPUOffloadPolicy`` the reduced gradients are copied to the host. A
+synchronous copy (into pageable memory) stops the host until the GPU has run
+everything queued before it, at every unit's reduction: the host loses the
+lead it keeps over the GPU in backward, and the GPU waits while it catches
+up. As torch's FSDP2 does, the copy is asynchronous, into pinned memory
+(``Tensor.to(..., non_blocking=True)`` from a GPU pins its host output), an
+event is recorded after it, and the end of backward waits for the events
+(:meth:`UnitReduce.wait_host_grads`), before an optimizer on the host reads
+the gradients. Where a sharded gradient is there already (accumulation
+across backwards) the copy stays synchronous: the addition on the host needs
+it; so it does with ``pin_memory=False``.
+
 # Note [accumulation dtype]
 With gradient sync off (``set_requires_gradient_sync(False)``: micro-batches,
 a chunked loss) a unit's gradients are summed over several backwards before
@@ -99,6 +112,7 @@ class UnitReduce:
         self.pending: PendingReduce | None = None
         self._partial: torch.Tensor | None = None  # HSDP without all-reduce: the sum so far
         self._all_local = True  # this rank had every gradient in its last reduce-scatter
+        self._to_host: torch.cuda.Event | None = None  # Note [gradients to the host]: copies in flight
         self.num_ready = 0
         self.completed = False      # this backward (Note [unit completion] in schedule.py)
 
@@ -219,8 +233,14 @@ class UnitReduce:
             grads.div_(divide_factor)
         if hook is not None and not self._overrides.force_sum:
             hook(grads)
-        cast = grads.to(p.config.shard_device, p.orig_dtype)
+        # Note [gradients to the host]: asynchronous unless added to gradients already there
+        to_host = (p.config.pin_memory and grads.is_cuda and p.config.shard_device.type == "cpu"
+                   and all(m.sharded.grad is None for m in p.managed))
+        cast = grads.to(p.config.shard_device, p.orig_dtype, non_blocking=to_host)
         grads = cast.clone() if cast.data_ptr() == grads.data_ptr() else cast
+        if to_host:
+            self._to_host = torch.cuda.Event()
+            self._to_host.record()
         for m, flag in zip(p.managed, flags):
             # No rank produced it: None stays None, unless set_reduce_scatter_unused_params
             # asked for the zeros every rank sent (Note [gradient flags]).
@@ -256,10 +276,19 @@ class UnitReduce:
                 m.accumulated += g
                 m.unsharded.grad = None
 
+    def wait_host_grads(self) -> None:
+        """Wait until the sharded gradients copied to the host have arrived (Note
+        [gradients to the host]): at the end of backward, before an optimizer
+        on the host reads them."""
+        if self._to_host is not None:
+            self._to_host.synchronize()
+            self._to_host = None
+
     def discard(self) -> None:
         """Drop this iteration's gradients (FSDPModule.reset_iter_state): wait for
         a reduction in flight and forget it, the HSDP partial sum and the
         unsynced gradients; the sharded ``.grad`` of earlier steps stays."""
+        self.wait_host_grads()
         if self.pending is not None:
             self.pending.work.wait()
         self.pending = None

@@ -8,7 +8,7 @@ rank (which holds short or empty chunks); a training step runs under
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with and without
 ``CPUOffloadPolicy`` and activation checkpointing, leaving each rank's
 gradients and AdamW state as FSDP2 leaves them, 1/N of the model's (and on
-CUDA the offloaded shards pinned, as FSDP2 pins them); and the peak memory of
+CUDA the offloaded shards and gradients pinned, as FSDP2 pins them); and the peak memory of
 building the model and two steps is at most FSDP2's and ``tandem plan``
 predicts it within 10% (on CPU a smaller GPT, measured from the profiler's
 allocation events, without the offloaded variant, which changes nothing
@@ -151,6 +151,9 @@ def test_step_leaves_gradients_and_state_as_fsdp2(device: str, world: int, varia
                 g = p.grad.to_local()
                 assert g.dtype == torch.float32 and g.device.type == shard_device.type, (impl, n, g.dtype, g.device)
                 grads[n] = tuple(g.shape)
+                # copied to the host asynchronously (Note [gradients to the host] in tandem/fsdp/unit_reduce.py)
+                if variant == "offload" and device == "cuda":
+                    assert g.is_pinned(), f"{impl}: the offloaded gradient of '{n}' is not in pinned memory"
             state = sum(t.to_local().numel() * t.element_size() for s in opt.state.values()
                         for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
             found[impl] = grads, state
