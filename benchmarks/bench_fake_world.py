@@ -53,13 +53,15 @@ the profiler's allocation events, which under CPUOffloadPolicy count the
 host's shards too, which the plan leaves out).
 
 Under the fake group a collective never reports itself completed
-(``is_completed()`` stays False), so tandem always holds two reduce-scatter
-inputs in backward (Note [two reductions in flight] in tandem/fsdp/schedule.py,
-its worst case on a real group) where FSDP2 holds one. Plan: ``tandem.tools.plan.plan``
+(``is_completed()`` stays False), so a reduce-scatter stays in flight until
+the next unit's launch finishes it, as one launched on NCCL ahead of the GPU
+does; tandem then keeps one input buffer alive, as FSDP2 does (Note
+[reductions in flight] in tandem/fsdp/schedule.py). Plan: ``tandem.tools.plan.plan``
 on the unsharded model with one rank's batch, ``param_dtype``,
 ``reduce_dtype``, ``cpu_offload`` and ``activation_checkpointing`` as the
-variant has them: the fully_shard row's peak, and its error against each
-contender's measured peak.
+variant has them: the fully_shard row's peak (the largest phase of the
+measured step: Note [stage 3 peak] in tandem/zero/memory/phases.py), and its
+error against each contender's measured peak.
 """
 
 from __future__ import annotations

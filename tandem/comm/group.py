@@ -112,6 +112,7 @@ class GroupComm:
         self.label = group_label(group)
         self.members = (list(range(self.size)) if group is None
                         else dist.get_process_group_ranks(group))
+        self.backend = str(dist.get_backend(group))  # "gloo", "nccl", "cpu:gloo,cuda:nccl", "fake", ...
         # gloo waits are sliced and watch the peers; NCCL has its own watchdog.
         self._watched = self.size > 1 and self.monitor.peers is not None and \
             dist.get_backend(group) == "gloo"
@@ -184,7 +185,8 @@ class GroupComm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
                        async_op: bool = False, via: Any = None) -> Work:
         """Sum ``input`` (``size`` equal chunks) across ranks; this rank's chunk of
-        the sum lands in ``output``. ``output`` must not alias ``input``. A group
+        the sum lands in ``output``, which may be this rank's chunk of ``input``
+        (in place: NCCL and gloo allow it) and must not overlap it otherwise. A group
         of one copies. ``via``: a callable issuing it instead of torch's
         collective, with torch's ``ReduceScatter`` signature (fully_shard's
         ``set_custom_reduce_scatter``), still written to the ledger."""
@@ -252,6 +254,19 @@ class GroupComm:
                         t.copy_(flat[offset: offset + n].view_as(t))
                         offset += n
 
+    def wait_blocks_host(self, device: torch.device) -> bool:
+        """Whether waiting on one of this group's collectives on ``device`` holds
+        the calling thread until the collective has completed: gloo's and MPI's
+        waits do, and every wait on CPU tensors; a device backend's (NCCL) only
+        orders the device's current stream after the collective and returns,
+        and the fake backend's collectives (tandem.testing.fake_world) are
+        complete when issued. fully_shard chooses how many reduce-scatters to
+        keep in flight by it (Note [reductions in flight] in tandem/fsdp/schedule.py)."""
+        backend = _backend_for(self.backend, device)
+        if backend == "fake":
+            return False
+        return device.type == "cpu" or backend in ("gloo", "mpi")
+
     @property
     def device(self) -> torch.device:
         """Where this group's backend wants its tensors: the current CUDA device for nccl."""
@@ -259,3 +274,12 @@ class GroupComm:
         if backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _backend_for(backend: str, device: torch.device) -> str:
+    """The backend that runs a group's collectives on ``device``: a group built
+    with one per device type names them ``"cpu:gloo,cuda:nccl"``."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.split(":", 1) for part in backend.split(","))
+    return pairs.get(device.type, backend)

@@ -157,7 +157,8 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """At most ``max_input_buffers`` reduce-scatters in flight, each holding
         its full-size input, when one of these units launches its own (Note
-        [two reductions in flight] in schedule.py; tandem's default is 2)."""
+        [reductions in flight] in schedule.py; by default 1, as torch's, where a
+        wait does not hold the host (NCCL), 2 where it does (gloo))."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
             raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers={max_input_buffers!r} must be "
                              "an int >= 1 (1: each reduce-scatter finishes before the next starts)")

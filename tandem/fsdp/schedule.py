@@ -235,7 +235,7 @@ class Schedule:
             if unit.reduce_state is not ReduceState.READY:
                 return
             if unit.requires_grad_sync:
-                self._finish_reductions(keep=unit.max_reduce_buffers - 1)  # Note [two reductions in flight]
+                self._finish_reductions(keep=unit.reduce_buffers - 1)  # Note [reductions in flight]
                 unit.launch_reduce()
             else:
                 unit.skip_reduce()
@@ -245,14 +245,29 @@ class Schedule:
         """Finish the reductions in flight that have completed, then the oldest
         until at most ``keep`` remain.
 
-        # Note [two reductions in flight]
-        A reduce-scatter holds its input (the unit's gradients, full size) until
-        it is finished. Finishing each one as the next is launched keeps at most
-        two such buffers alive instead of one per unit, and waits only when the
-        one launched a unit earlier has not completed yet: waiting for the
-        previous one at every launch stalled backward for a tenth of the step
-        on 2 gloo ranks (BENCHMARKS.md). ``set_reduce_scatter_max_input_buffers(k)``
-        (torch's name) keeps at most ``k`` instead of two.
+        # Note [reductions in flight]
+        A reduce-scatter holds its input (the unit's gradients, full size, in
+        ``reduce_dtype``) until it is finished, so before a unit launches its
+        own, the reductions in flight are finished (waited for) until fewer
+        than the cap remain; those that have completed are finished first
+        either way. The cap (``set_reduce_scatter_max_input_buffers(k)``,
+        torch's name and meaning) depends on what a wait costs, unless set:
+
+        - 1 where a wait does not hold the host (NCCL: it orders the compute
+          stream after the collective and returns; the fake backend: done when
+          issued), as torch's FSDP2 by default: one input buffer alive, the
+          next unit's copy-in runs after the previous reduce-scatter on the
+          device, as FSDP2's event wait orders it. Two here kept a second
+          full-size buffer alive at the peak of backward (a collective the
+          host ran ahead of has not completed when the next unit launches):
+          +0.24 GiB over FSDP2 for a 1.4B GPT checkpointed at 8 ranks.
+        - 2 where a wait holds the host until the collective completes (gloo,
+          CPU tensors): backward goes on while the previous unit's
+          reduce-scatter runs, and blocks only when the one launched a unit
+          earlier is still running; blocking on the previous one at every
+          launch stalled backward for a tenth of the step on 2 gloo ranks
+          (BENCHMARKS.md). torch's FSDP2 waits for each reduce-scatter there
+          as it issues it.
 
         Under HSDP a reduction has two stages (Note [hybrid sharding] in
         unit_reduce.py): a completed reduce-scatter launches its all-reduce here, and
@@ -293,6 +308,7 @@ class Schedule:
         self._launch_ready()
         self._finish_reductions()
         for unit in self.units:
+            unit.wait_host_grads()  # Note [gradients to the host] in unit_reduce.py
             if _reshards_after_backward(unit):
                 unit.reshard()
             unit.phase = UnitPhase.IDLE

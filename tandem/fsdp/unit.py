@@ -82,7 +82,8 @@ class ShardedUnit:
         self.requires_all_reduce = True   # Note [hybrid sharding] in unit_reduce.py
         self.unshard_in_backward = True   # False: backward needs no parameter values (an embedding)
         self.reduce_scatter_unused_params = False  # zeros, not None, for a gradient no rank produced
-        self.max_reduce_buffers = 2       # Note [two reductions in flight] in schedule.py
+        # set_reduce_scatter_max_input_buffers; None: by the backend (Note [reductions in flight] in schedule.py)
+        self.max_reduce_buffers: int | None = None
         self.divide_factor: float | None = None
         self.schedule: Any = None  # the root's Schedule, set at the root's first forward
         self.modules: tuple[nn.Module, ...] = ()  # the module(s) fully_shard was called on
@@ -211,6 +212,14 @@ class ShardedUnit:
         self.reduction.launch(self.reduce_comm)
 
     @property
+    def reduce_buffers(self) -> int:
+        """The most reduce-scatters in flight once this unit's has launched, each
+        holding its full-size input (Note [reductions in flight] in schedule.py)."""
+        if self.max_reduce_buffers is not None:
+            return self.max_reduce_buffers
+        return 2 if self.reduce_comm.wait_blocks_host(self.config.device) else 1
+
+    @property
     def reduce_done(self) -> bool:
         return self.reduction.done
 
@@ -227,6 +236,10 @@ class ShardedUnit:
         """Finish every stage of the reduction in flight (waiting for them)."""
         while self.reducing:
             self.advance_reduce(divide_factor)
+
+    def wait_host_grads(self) -> None:
+        """Wait for the gradients' copies to the host (Note [gradients to the host] in unit_reduce.py)."""
+        self.reduction.wait_host_grads()
 
     def skip_reduce(self) -> None:
         """Gradient sync is off: keep the unsharded gradients (Note [accumulation dtype])."""

@@ -2,7 +2,18 @@
 them (:meth:`UnitGather.launch` / :meth:`UnitGather.wait`), and
 :meth:`UnitGather.reshard`, which frees the full parameters and registers the
 shards again (or keeps a 1/k slice for ``reshard_after_forward=k``). It owns the
-unit's :class:`ShardState` and the gather in flight."""
+unit's :class:`ShardState` and the gather in flight.
+
+# Note [gather input in place]
+An all-gather sends this rank's shard buffer as it is when it has the
+gather's dtype and device (no copy). Otherwise (a ``param_dtype``, a shard
+offloaded to the host) the shard is cast or copied straight into this rank's
+chunk of the all-gather's output, which is the collective's input (an
+in-place all-gather, as torch's FSDP2 issues them): a separate cast copy
+would stay alive beside the output until the gather is waited on, a unit's
+shard in ``param_dtype`` more at the peak than FSDP2 for every prefetched
+unit.
+"""
 
 from __future__ import annotations
 
@@ -42,9 +53,13 @@ class UnitGather:
             work = group_comm.all_gather_into(out, self.group_shard, tag=tag, async_op=True, via=custom)
             self.pending = PendingGather(work, out, self.group_shard, direct=True)
         else:
-            inp = p.shard_flat.to(p.config.device, p.param_dtype, non_blocking=True)
             custom = overrides.all_gather
             out = overrides.allocate(custom, p.layout.unsharded_numel, p.param_dtype, p.config.device)
+            inp = p.shard_flat
+            if inp.dtype != p.param_dtype or inp.device != out.device:
+                # Note [gather input in place]
+                inp = out.view(comm.size, -1)[comm.rank]
+                inp.copy_(p.shard_flat, non_blocking=True)
             work = comm.all_gather_into(out, inp, tag=tag, async_op=True, via=custom)
             self.pending = PendingGather(work, out, inp, direct=False)
         self.state = ShardState.GATHERING

@@ -38,6 +38,36 @@ schedule.py), so the all-reduces of every replicate group match. With
 link only once per step, as in torch) the reduce-scatter runs and its output
 is added to a partial sum kept on the unit, which the next all-reduce takes.
 
+# Note [reduce-scatter in place]
+A unit's reduce-scatter writes this rank's block of the sum into this rank's
+chunk of its own input (in place, as NCCL and gloo allow), so while it is in
+flight only the input is alive, where torch's FSDP2 holds a separate output
+beside it. When it has completed, the block's gradients are copied out (cast
+to the parameters' dtype, or to the host under CPUOffloadPolicy, which copy
+anyway) and the input freed: the sharded gradients are ``1/world`` of it,
+without the flags, and keep no reduction buffer alive. The copy costs
+``1/world`` of the copy-in. This also leaves room for the gradient flags'
+``world * n`` elements (Note [gradient flags]), which FSDP2's input does not
+carry: in flight tandem holds less than FSDP2 by a block's size, and while
+the block is copied out as much as FSDP2 holds in flight plus the flags. A
+custom reduce-scatter (``set_custom_reduce_scatter``) gets an output of its
+own from its ``allocate``. Under HSDP the block is copied out before the
+all-reduce over the replicate group, so that the whole input is not kept
+alive during it.
+
+# Note [gradients to the host]
+Under ``CPUOffloadPolicy`` the reduced gradients are copied to the host. A
+synchronous copy (into pageable memory) stops the host until the GPU has run
+everything queued before it, at every unit's reduction: the host loses the
+lead it keeps over the GPU in backward, and the GPU waits while it catches
+up. As torch's FSDP2 does, the copy is asynchronous, into pinned memory
+(``Tensor.to(..., non_blocking=True)`` from a GPU pins its host output), an
+event is recorded after it, and the end of backward waits for the events
+(:meth:`UnitReduce.wait_host_grads`), before an optimizer on the host reads
+the gradients. Where a sharded gradient is there already (accumulation
+across backwards) the copy stays synchronous: the addition on the host needs
+it; so it does with ``pin_memory=False``.
+
 # Note [accumulation dtype]
 With gradient sync off (``set_requires_gradient_sync(False)``: micro-batches,
 a chunked loss) a unit's gradients are summed over several backwards before
@@ -82,6 +112,7 @@ class UnitReduce:
         self.pending: PendingReduce | None = None
         self._partial: torch.Tensor | None = None  # HSDP without all-reduce: the sum so far
         self._all_local = True  # this rank had every gradient in its last reduce-scatter
+        self._to_host: torch.cuda.Event | None = None  # Note [gradients to the host]: copies in flight
         self.num_ready = 0
         self.completed = False      # this backward (Note [unit completion] in schedule.py)
 
@@ -134,9 +165,10 @@ class UnitReduce:
         for m in p.managed:
             m.unsharded.grad = None
             m.accumulated = None
-        out = overrides.allocate(custom, width, p.reduce_dtype, p.config.device)
+        in_place = custom is None  # Note [reduce-scatter in place]; a custom one gets its own output
+        out = inp[reduce_comm.rank] if in_place else overrides.allocate(custom, width, p.reduce_dtype, p.config.device)
         work = reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {p.name}", async_op=True, via=custom)
-        self.pending = PendingReduce(work, out, inp)
+        self.pending = PendingReduce(work, out, inp, in_place)
         self.state = ReduceState.IN_FLIGHT
 
     @property
@@ -161,24 +193,30 @@ class UnitReduce:
         reduce = self.pending
         assert reduce is not None
         reduce.work.wait()
+        self.pending = None
+        output = reduce.output
         if self.state is ReduceState.IN_FLIGHT and replicate_comm is not None and replicate_comm.size > 1:
+            if reduce.in_place:  # the second stage must not keep the whole input alive
+                output = output.clone()
+            del reduce
             if self._partial is not None:
-                reduce.output.add_(self._partial)
+                output.add_(self._partial)
                 self._partial = None
             if not all_reduce:  # keep the partial sum for the next all-reduce
-                self._partial = reduce.output
-                self.pending = None
+                self._partial = output
                 self.state = ReduceState.IDLE
                 return
-            work = replicate_comm.all_reduce(reduce.output, tag=f"unit {self.params.name}", async_op=True)
-            self.pending = PendingReduce(work, reduce.output, reduce.output)
+            work = replicate_comm.all_reduce(output, tag=f"unit {self.params.name}", async_op=True)
+            self.pending = PendingReduce(work, output, output)
             self.state = ReduceState.ALL_REDUCING
             return
-        self.pending = None
+        del reduce  # the input, unless output is a view of it
         self.state = ReduceState.IDLE
-        self._set_grads(reduce.output, divide_factor, unused_params)
+        self._set_grads(output, divide_factor, unused_params)
 
     def _set_grads(self, output: torch.Tensor, divide_factor: float, unused_params: bool) -> None:
+        """Divide the reduced block and set the sharded gradients from a copy of it,
+        which keeps no reduction buffer alive (Note [reduce-scatter in place])."""
         p = self.params
         n = p.layout.shard_numel
         # Every flag's sum is at least this rank's: where this rank has every
@@ -195,7 +233,14 @@ class UnitReduce:
             grads.div_(divide_factor)
         if hook is not None and not self._overrides.force_sum:
             hook(grads)
-        grads = grads.to(p.config.shard_device, p.orig_dtype)
+        # Note [gradients to the host]: asynchronous unless added to gradients already there
+        to_host = (p.config.pin_memory and grads.is_cuda and p.config.shard_device.type == "cpu"
+                   and all(m.sharded.grad is None for m in p.managed))
+        cast = grads.to(p.config.shard_device, p.orig_dtype, non_blocking=to_host)
+        grads = cast.clone() if cast.data_ptr() == grads.data_ptr() else cast
+        if to_host:
+            self._to_host = torch.cuda.Event()
+            self._to_host.record()
         for m, flag in zip(p.managed, flags):
             # No rank produced it: None stays None, unless set_reduce_scatter_unused_params
             # asked for the zeros every rank sent (Note [gradient flags]).
@@ -231,10 +276,19 @@ class UnitReduce:
                 m.accumulated += g
                 m.unsharded.grad = None
 
+    def wait_host_grads(self) -> None:
+        """Wait until the sharded gradients copied to the host have arrived (Note
+        [gradients to the host]): at the end of backward, before an optimizer
+        on the host reads them."""
+        if self._to_host is not None:
+            self._to_host.synchronize()
+            self._to_host = None
+
     def discard(self) -> None:
         """Drop this iteration's gradients (FSDPModule.reset_iter_state): wait for
         a reduction in flight and forget it, the HSDP partial sum and the
         unsynced gradients; the sharded ``.grad`` of earlier steps stays."""
+        self.wait_host_grads()
         if self.pending is not None:
             self.pending.work.wait()
         self.pending = None

@@ -107,3 +107,4 @@ class PendingReduce:
     work: Work
     output: torch.Tensor
     input: torch.Tensor
+    in_place: bool = False  # output is this rank's chunk of input (Note [reduce-scatter in place] in unit_reduce.py)

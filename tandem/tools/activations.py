@@ -32,7 +32,7 @@ from torch import nn
 
 from tandem._tree import iter_tensors
 
-__all__ = ["ActivationRecorder", "BlockActivations"]
+__all__ = ["ActivationRecorder", "BlockActivations", "storage_of"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class ActivationRecorder:
         self._saved: dict[int, tuple[int, str | None]] = {}   # storage -> (bytes, block)
         self._inputs: dict[str, dict[int, int]] = {name: {} for name in blocks}
         self._running: list[str] = []
+        self._before: set[int] = set()   # storages saved outside the blocks before the first one ran
+        self._started = False             # a block has run
         self._handles: list[Any] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -86,6 +88,17 @@ class ActivationRecorder:
     def total(self) -> int:
         """Bytes of every distinct storage saved."""
         return sum(nbytes for nbytes, _ in self._saved.values())
+
+    @property
+    def saved_storages(self) -> frozenset[int]:
+        """The storages saved (their keys, as :func:`storage_of` gives them)."""
+        return frozenset(self._saved)
+
+    @property
+    def outside_before(self) -> int:
+        """Bytes of the storages saved outside the blocks before the first block ran
+        (the embeddings'), alive until the end of backward."""
+        return sum(nbytes for ptr, (nbytes, _) in self._saved.items() if ptr in self._before)
 
     def blocks(self) -> tuple[BlockActivations, ...]:
         saved = {name: 0 for name, _ in self._modules}
@@ -111,9 +124,10 @@ class ActivationRecorder:
         self._handles = []
 
     def _enter(self, name: str, inputs: Any) -> None:
+        self._started = True
         if not self._running:
             for t in iter_tensors(inputs):
-                ptr, nbytes = _storage(t)
+                ptr, nbytes = storage_of(t)
                 if ptr not in self._held:
                     self._inputs[name][ptr] = nbytes
         self._running.append(name)
@@ -122,13 +136,15 @@ class ActivationRecorder:
         self._running.pop()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage(t)
+        ptr, nbytes = storage_of(t)
         if ptr not in self._held and ptr not in self._saved:
             self._saved[ptr] = (nbytes, self._running[0] if self._running else None)
+            if not self._started:
+                self._before.add(ptr)
         return t
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
     """A key for ``t``'s storage and its bytes (a tensor without a plain
     storage, sparse or nested, counts as itself)."""
     try:

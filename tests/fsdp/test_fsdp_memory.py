@@ -4,6 +4,7 @@ the bytes each rank of a fully_shard model holds, at 2 and 3 ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from torch import nn
 from tandem.fsdp import MixedPrecisionPolicy, fully_shard, plan_unit
 from tandem.testing import run_distributed
 from tandem.zero import FullyShardSpec, MemoryEstimate, estimate_memory, format_memory_table
+from tandem.zero.memory import StepActivity, stage3_peak
 
 
 def _ceil(a: int, b: int) -> int:
@@ -57,8 +59,8 @@ def test_stage3_bytes_follow_the_dim0_chunks(seed: int) -> None:
     chunks = [[_ceil(s[0], world) * _numel(s[1:]) for s in shapes] for shapes in unit_shapes]
     assert s3.params == 4 * sum(map(sum, chunks))
     assert s3.optimizer == 8 * sum(map(sum, chunks))   # rank 0 holds full chunks
-    # the sharded gradients are views of the reduce-scatter output, flags included
-    assert s3.grads == 4 * sum(sum(c) + len(c) for c in chunks)
+    # the sharded gradients are copied out of the reduce-scatter input, without the flags
+    assert s3.grads == 4 * sum(map(sum, chunks))
     for u, c, shapes in zip(s3.units, chunks, unit_shapes):
         assert u.layout.shard_numel == sum(c) and u.layout.unsharded_numel == world * sum(c)
         assert [p.shape for p in u.layout.params] == shapes
@@ -68,9 +70,10 @@ def test_stage3_bytes_follow_the_dim0_chunks(seed: int) -> None:
     # block in forward and the last in backward
     assert s3.gathered == max(full[0] + max(full[0], full[1], full[-1]),
                               *(full[0] + f + max(full[max(k - 1, 1):k + 2]) for k, f in enumerate(full) if k))
-    # two reductions in flight (inputs and outputs), plus a unit's full gradients
-    # and the root's (which encloses it and waits for its own last gradient)
-    reduce_buffers = sorted((world + 1) * 4 * (sum(c) + len(c)) for c in chunks)
+    # two reductions in flight (their inputs, flags included; the output is a chunk of
+    # it), plus a unit's full gradients and the root's (which encloses it and waits
+    # for its own last gradient)
+    reduce_buffers = sorted(world * 4 * (sum(c) + len(c)) for c in chunks)
     full_grads = [4 * sum(map(_numel, s)) for s in unit_shapes]
     assert s3.reducing == sum(reduce_buffers[-2:]) + full_grads[0] + max([0, *full_grads[1:]])
 
@@ -90,7 +93,7 @@ def test_frozen_parameters_are_sharded_but_have_no_state(world: int) -> None:
     chunk = {name: _ceil(p.shape[0], world) * p[0].numel() for name, p in model.named_parameters()}
     assert s3.params == 4 * sum(chunk.values())
     assert s3.optimizer == 8 * (chunk["1.weight"] + chunk["1.bias"])
-    assert s3.grads == 4 * (chunk["1.weight"] + chunk["1.bias"] + 2)   # unit "0" is never reduced
+    assert s3.grads == 4 * (chunk["1.weight"] + chunk["1.bias"])   # unit "0" is never reduced
 
 
 def test_mixed_precision_sizes() -> None:
@@ -102,12 +105,10 @@ def test_mixed_precision_sizes() -> None:
     low = estimate_memory(model, 3, fsdp=FullyShardSpec(units=units, min_unit_bytes=0,
                                                         param_dtype=torch.bfloat16))[3]
     assert bf16.params == fp32.params and bf16.optimizer == fp32.optimizer  # shards stay fp32
-    assert bf16.grads == fp32.grads          # reduced in fp32: still views of the output
     shard = sum(u.layout.shard_numel for u in fp32.units)
-    assert low.grads == 4 * shard            # reduced in bf16: cast into new fp32 tensors, no flags
-    # half-size gathers, plus the bf16 copy of the shard each all-gather sends
-    biggest = max(u.layout.shard_numel for u in fp32.units)
-    assert bf16.gathered == fp32.gathered // 2 + 2 * biggest
+    assert bf16.grads == fp32.grads == low.grads == 4 * shard   # fp32 shards of the gradients, however reduced
+    # half-size gathers: the bf16 copy of the shard is written into the all-gather's output
+    assert bf16.gathered == fp32.gathered // 2
 
 
 def test_cpu_offload_moves_the_steady_state_to_the_host() -> None:
@@ -118,14 +119,37 @@ def test_cpu_offload_moves_the_steady_state_to_the_host() -> None:
     offloaded = estimate_memory(model, 3, fsdp=spec(cpu_offload=True))[3]
     assert offloaded.params == offloaded.grads == offloaded.optimizer == 0
     assert offloaded.host == kept.params + kept.grads + kept.optimizer and kept.host == 0
-    assert offloaded.reducing == kept.reducing and offloaded.gathered == kept.gathered  # bf16: cast either way
+    assert offloaded.reducing == kept.reducing and offloaded.gathered == kept.gathered
     fp32 = functools.partial(FullyShardSpec, units=["0", "1"], min_unit_bytes=0)
-    biggest = max(u.layout.shard_numel for u in kept.units)
-    # fp32 parameters are gathered from the shard itself, unless it is on the host
+    # the shard on the host is copied into the all-gather's output, as a cast is
     assert (estimate_memory(model, 3, fsdp=fp32(cpu_offload=True))[3].gathered
-            == estimate_memory(model, 3, fsdp=fp32())[3].gathered + 4 * biggest)
+            == estimate_memory(model, 3, fsdp=fp32())[3].gathered)
     with pytest.raises(ValueError, match="FullyShardSpec.cpu_offload must be a bool, got 1"):
         FullyShardSpec(cpu_offload=1)  # type: ignore[arg-type]
+
+
+def test_the_phased_peak_takes_the_largest_phase_of_a_step() -> None:
+    model = nn.Module()
+    model.embed = nn.Linear(8, 16)
+    model.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+    names = tuple(f"blocks.{i}" for i in range(3))
+    spec = FullyShardSpec(units=names, min_unit_bytes=0)
+    s3 = estimate_memory(model, 2, fsdp=spec)[3]
+    step = StepActivity(before=100, after=1000, blocks=tuple((n, 5000, 400) for n in names), outputs=300)
+    root_full = 2 * 4 * s3.units[0].layout.shard_numel
+    state = s3.params + s3.optimizer
+    # the loss: everything saved, the root gathered, the outputs and the loss's own gradients
+    big_loss = dataclasses.replace(step, loss=10**6)
+    assert stage3_peak(s3, spec, big_loss, 8) == state + root_full + 100 + 1000 + 3 * 5000 + 300 + 10**6
+    # checkpointed: the blocks keep their inputs, and one recomputes its forward
+    plain = stage3_peak(s3, spec, step, 8)
+    ckpt = stage3_peak(s3, spec, dataclasses.replace(step, checkpointed=True), 8)
+    assert ckpt < plain
+    # offloaded: the state and the sharded gradients stay on the host
+    offloaded = FullyShardSpec(units=names, min_unit_bytes=0, cpu_offload=True)
+    assert stage3_peak(estimate_memory(model, 2, fsdp=offloaded)[3], offloaded, step, 8) <= plain - state
+    # never above stage 3's upper bound with the activations
+    assert plain <= s3.peak(100 + 1000 + 3 * 5000 + 300)
 
 
 def test_tiny_units_merge_into_the_enclosing_call() -> None:
@@ -273,12 +297,11 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
         gathered = sum(u.unsharded_flat.untyped_storage().nbytes() for u in units)
         for u in units:
             g = u.gather.pending
-            if g is not None and not g.direct:
-                gathered += g.output.untyped_storage().nbytes()
-                if g.input.untyped_storage().data_ptr() != u.shard_flat.untyped_storage().data_ptr():
-                    gathered += g.input.untyped_storage().nbytes()   # the cast copy under param_dtype
-        reducing = sum(r.input.untyped_storage().nbytes() + r.output.untyped_storage().nbytes()
-                       for r in (u.reduction.pending for u in units) if r is not None)
+            if g is not None and not g.direct:   # the input: the shard itself, or a chunk of the output
+                shard = u.shard_flat.untyped_storage().data_ptr()
+                gathered += _distinct_bytes(t for t in (g.output, g.input) if t.untyped_storage().data_ptr() != shard)
+        reducing = _distinct_bytes(t for r in (u.reduction.pending for u in units) if r is not None
+                                   for t in (r.input, r.output))
         reducing += _distinct_bytes(m.unsharded.grad for u in units for m in u.managed if m.unsharded.grad is not None)
         out.samples.append((tag, gathered, reducing))
         out.gathered = max(out.gathered, gathered)

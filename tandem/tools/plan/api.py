@@ -97,11 +97,11 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         loss_fn = load_entry(loss_fn, what="--loss")
     styles: Mapping[str, Any] | None = _call(tp_plan, "--tp-plan") if isinstance(tp_plan, str) else tp_plan
     tensor_parallel_shards(model, styles, tensor_parallel)   # a bad plan fails before the forward runs
-    blocks: Sequence[str] = ()
-    if activation_checkpointing:
-        blocks = default_fsdp_units(model) if fsdp_units is None else fsdp_units
+    units = default_fsdp_units(model) if fsdp_units is None else fsdp_units
+    blocks: Sequence[str] = units if activation_checkpointing else ()
     measurement = None if sample is None else measure(
-        _computing_in(model, param_dtype), sample, loss_fn=loss_fn, blocks=blocks, input_dtype=param_dtype)
+        _computing_in(model, param_dtype), sample, loss_fn=loss_fn, blocks=blocks, input_dtype=param_dtype,
+        units=units)
     return plan_report(model, world_size=world_size, measurement=measurement, optimizer=optimizer,
                        device_memory=device_memory, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb,
                        fsdp_units=fsdp_units, min_unit_bytes=min_unit_bytes, broadcast_buffers=broadcast_buffers,

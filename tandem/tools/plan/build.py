@@ -21,7 +21,7 @@ from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
 from tandem.tools.plan.measure import Measurement
 from tandem.tools.plan.report import STRATEGIES, PlanReport, StrategyMemory, _size
 from tandem.tools.tp_plan import tensor_parallel_shards
-from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory
+from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory, stage3_peak
 from tandem.train.strategy import fully_shard_units
 from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic, zero_traffic
 
@@ -132,6 +132,11 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
                          "(--sample), and blocks to checkpoint (the fully_shard units, or --fsdp-units)")
     activations = (0 if measurement is None else
                    measurement.checkpointed_bytes if activation_checkpointing else measurement.activation_bytes)
+    step = None if measurement is None or measurement.step is None or tensor_parallel > 1 else \
+        dataclasses.replace(measurement.step, checkpointed=activation_checkpointing)
+
+    def phased(e: MemoryEstimate) -> int | None:  # Note [stage 3 peak]
+        return None if step is None or e.stage != 3 else stage3_peak(e, spec, step, opt_bytes)
     ignored = frozenset(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     params = dict(model.named_parameters())
     buffers = tuple((n, b.numel() * b.element_size()) for n, b in model.named_buffers()
@@ -145,9 +150,10 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         num_trainable=sum(local[n] for n in trainable),
         param_bytes=estimates[0].params, buffers=buffers,
         buckets=_buckets_of(estimates[0]), param_names=trainable,
-        strategies=tuple(StrategyMemory(name, e, activations, refused if name.startswith("ZeRO") else None)
-                         for name, e in zip(STRATEGIES, estimates))
-        + ((StrategyMemory(f"HSDP {hsdp}x{shard_size}", hybrid, activations),) if hybrid is not None else ()),
+        strategies=tuple(StrategyMemory(name, e, activations, refused if name.startswith("ZeRO") else None,
+                                        phased(e)) for name, e in zip(STRATEGIES, estimates))
+        + ((StrategyMemory(f"HSDP {hsdp}x{shard_size}", hybrid, activations, step_peak=phased(hybrid)),)
+           if hybrid is not None else ()),
         measurement=measurement, grad_accum=grad_accum, device_memory=device, fsdp_units=units, warnings=(),
         hsdp=hsdp, traffic=_traffic(estimates, hybrid, spec, world_size, hsdp, grad_accum), nodes=nodes,
         activation_checkpointing=activation_checkpointing, elastic=elastic)

@@ -31,11 +31,15 @@ class StrategyMemory:
     activations: int
     refused: str | None = None
     """Why tandem cannot run this strategy on this model (None: it can)."""
+    step_peak: int | None = None
+    """fully_shard's peak over the phases of a measured step (Note [stage 3 peak] in
+    tandem/zero/memory/phases.py); None: :meth:`MemoryEstimate.peak`."""
 
     @property
     def peak(self) -> int:
-        """The most this rank holds at once (:meth:`MemoryEstimate.peak`)."""
-        return self.estimate.peak(self.activations)
+        """The most this rank holds at once: :attr:`step_peak` where a step was
+        measured for fully_shard, else :meth:`MemoryEstimate.peak`."""
+        return self.step_peak if self.step_peak is not None else self.estimate.peak(self.activations)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """What the memory planner is asked and what it answers: how ``fully_shard``
 is applied (:class:`FullyShardSpec`), each unit it would build
-(:class:`UnitEstimate`), and the bytes one rank holds at a stage
-(:class:`MemoryEstimate`). Plain data."""
+(:class:`UnitEstimate`), the bytes one rank holds at a stage
+(:class:`MemoryEstimate`), and what a step holds beside them
+(:class:`StepActivity`). Plain data."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from tandem.ddp.plan import BucketPlan
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES, UnitLayout
 
-__all__ = ["FullyShardSpec", "MemoryEstimate", "UnitEstimate"]
+__all__ = ["FullyShardSpec", "MemoryEstimate", "StepActivity", "UnitEstimate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,30 @@ class FullyShardSpec:
             raise ValueError(f"FullyShardSpec.min_unit_bytes must be an int >= 0, got {self.min_unit_bytes!r}")
         if not isinstance(self.cpu_offload, bool):
             raise ValueError(f"FullyShardSpec.cpu_offload must be a bool, got {self.cpu_offload!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepActivity:
+    """What one training step holds beside the model's state, from one rank's
+    batch (``tandem plan`` measures it: tandem/tools/plan/measure.py), for
+    fully_shard's peak over the phases of a step (Note [stage 3 peak] in
+    fully_shard.py). Bytes, in the dtype the step computes in."""
+
+    before: int
+    """Activations saved before the first block ran (the embeddings'): alive until the end of backward."""
+    after: int
+    """Activations saved outside the blocks after the first one ran (the head's and the loss's)."""
+    blocks: tuple[tuple[str, int, int], ...]
+    """``(module name, saved, inputs)`` of each block in forward order: the
+    activations saved while it ran, and its tensor inputs (what checkpointing keeps)."""
+    outputs: int = 0
+    """The model's outputs, not saved by the loss: held through backward as a training loop holds them."""
+    loss: int = 0
+    """The most the loss's forward and backward hold at once beyond what it saves (its gradients)."""
+    head_grads: int = 0
+    """Gradients of parameters outside the blocks that backward computes before the first block's (the head's)."""
+    checkpointed: bool = False
+    """Each block checkpointed: it keeps its inputs, and its backward first recomputes its forward."""
 
 
 @dataclass(frozen=True)

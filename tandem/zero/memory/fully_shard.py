@@ -10,10 +10,9 @@ state has no padding). Per unit, with ``S`` its shard elements, ``n`` its
 parameters, ``w`` the world size:
 
 - ``params``: the shard buffer, ``S`` elements of the parameters' dtype.
-- ``grads``: the sharded gradients are views of the reduce-scatter output,
-  ``S + n`` elements (the ``n`` gradient flags, Note [gradient flags] in
-  tandem/fsdp/unit_reduce.py, share its storage) of the reduce dtype; a reduce dtype
-  other than the parameters' casts them into a new ``S``-element tensor.
+- ``grads``: the sharded gradients, ``S`` elements of the parameters' dtype,
+  copied out of the reduce-scatter's input (Note [reduce-scatter in place] in
+  tandem/fsdp/unit_reduce.py).
 - ``optimizer``: ``optimizer_bytes_per_param`` per shard element of the
   trainable parameters. Per-tensor scalars (Adam's step count, 4 bytes per
   parameter) are not counted.
@@ -25,11 +24,13 @@ parameters, ``w`` the world size:
   buffer, the unit's own (alive with its unsharded buffer during the copy-out)
   or the prefetched neighbour's (the next unit in module order in forward, the
   one that finished forward before it in backward; Note [prefetch] in
-  tandem/fsdp/schedule.py), with its ``S``-element cast input under a
-  ``param_dtype``.
+  tandem/fsdp/schedule.py); a cast to ``param_dtype`` is written into the
+  output (Note [gather input in place] in tandem/fsdp/unit_gather.py).
 - ``reducing``, gradients in flight in backward: the reduce-scatter input
-  (``w * (S + n)`` elements of the reduce dtype) and output (``S + n``) of at
-  most two units at once (Note [two reductions in flight] in
+  (``w * (S + n)`` elements of the reduce dtype, the ``n`` gradient flags of
+  Note [gradient flags] in tandem/fsdp/unit_reduce.py included; its output is
+  a chunk of it) of at most two units at once (two where a wait holds the
+  host, as on gloo; one on NCCL: Note [reductions in flight] in
   tandem/fsdp/schedule.py), counted as the two largest, plus the full-size
   gradients (param dtype, zeros for frozen parameters) of the unit being
   reduced and of the units enclosing it (the root's first gradients wait for
@@ -38,12 +39,14 @@ parameters, ``w`` the world size:
 Under ``CPUOffloadPolicy`` (``spec.cpu_offload``) ``params``, ``grads`` and
 ``optimizer`` are held on the host (``host``), and 0 on the device; each
 gather copies its unit's shard to the device first, in ``param_dtype``, so
-the ``S``-element cast input is counted whatever the dtypes, and the reduced
-gradients are copied back to the host from the reduce-scatter output.
+and the reduced gradients are copied back to the host from the reduce-scatter
+input.
 
-Activations, the autograd graph and the collectives' own scratch space are
-not included, and ``ignored_params`` and ``reshard_after_forward=k`` are not
-modelled.
+``total`` adds both peaks to the steady state: an upper bound without
+activations. Activations, the autograd graph and the collectives' own scratch
+space are not included, and ``ignored_params`` and ``reshard_after_forward=k``
+are not modelled; with a measured step, Note [stage 3 peak] in phases.py
+follows the phases of a step instead.
 """
 
 from __future__ import annotations
@@ -53,48 +56,47 @@ from dataclasses import dataclass
 
 from tandem.zero.memory.estimate import FullyShardSpec, MemoryEstimate, UnitEstimate
 
-__all__ = ["stage3_estimate"]
+__all__ = ["UnitBytes", "enclosing_units", "stage3_estimate", "unit_bytes"]
 
 
 @dataclass(frozen=True)
-class _UnitBytes:
+class UnitBytes:
     """One unit's buffers in bytes (Note [stage 3 memory])."""
 
     shard: int             # the shard buffer
     full: int              # the unsharded buffer, and each all-gather output
-    cast_input: int        # the all-gather's input, cast to param_dtype (0 without a cast)
     grads: int             # the sharded gradients
     optimizer: int         # optimizer state of the trainable shards
     full_grads: int        # the unsharded gradients, before the reduce-scatter input is built
-    reduce_buffers: int    # the reduce-scatter's input and output
+    reduce_input: int      # the reduce-scatter's input (its output is a chunk of it)
 
 
-def _unit_bytes(u: UnitEstimate, spec: FullyShardSpec, optimizer_bytes_per_param: int) -> _UnitBytes:
+def unit_bytes(u: UnitEstimate, spec: FullyShardSpec, optimizer_bytes_per_param: int) -> UnitBytes:
     param_dtype = spec.param_dtype or u.dtype
     reduce_dtype = spec.reduce_dtype or param_dtype
     layout, world = u.layout, u.layout.world_size
-    shard_numel, flagged = layout.shard_numel, layout.shard_numel + len(layout.params)
+    flagged = layout.shard_numel + len(layout.params)
     trains = any(u.trainable)
-    if reduce_dtype == u.dtype:
-        grads = flagged * reduce_dtype.itemsize  # views of the reduce-scatter output
-    else:
-        grads = shard_numel * u.dtype.itemsize
     trainable_numel = sum(p.chunk_numel for p, t in zip(layout.params, u.trainable) if t)
-    return _UnitBytes(
-        shard=shard_numel * u.dtype.itemsize,
+    return UnitBytes(
+        shard=layout.shard_numel * u.dtype.itemsize,
         full=layout.unsharded_numel * param_dtype.itemsize,
-        cast_input=shard_numel * param_dtype.itemsize if param_dtype != u.dtype or spec.cpu_offload else 0,
-        grads=grads if trains else 0,
+        grads=layout.shard_numel * u.dtype.itemsize if trains else 0,
         optimizer=trainable_numel * optimizer_bytes_per_param,
         full_grads=layout.numel * param_dtype.itemsize if trains else 0,
-        reduce_buffers=(world + 1) * flagged * reduce_dtype.itemsize if trains else 0,
+        reduce_input=world * flagged * reduce_dtype.itemsize if trains else 0,
     )
+
+
+def enclosing_units(units: tuple[UnitEstimate, ...]) -> dict[str, list[str]]:
+    """Each unit's name -> the names of the units that enclose it (the root among them)."""
+    return {u.name: [v.name for v in units if _encloses(v.name, u.name)] for u in units}
 
 
 def stage3_estimate(units: tuple[UnitEstimate, ...], spec: FullyShardSpec, optimizer_bytes_per_param: int
             ) -> MemoryEstimate:
-    sizes = {u.name: _unit_bytes(u, spec, optimizer_bytes_per_param) for u in units}
-    enclosing = {u.name: [v.name for v in units if _encloses(v.name, u.name)] for u in units}
+    sizes = {u.name: unit_bytes(u, spec, optimizer_bytes_per_param) for u in units}
+    enclosing = enclosing_units(units)
     steady = (sum(b.shard for b in sizes.values()), sum(b.grads for b in sizes.values()),
               sum(b.optimizer for b in sizes.values()))
     (params, grads, optimizer), host = ((0, 0, 0), sum(steady)) if spec.cpu_offload else (steady, 0)
@@ -105,13 +107,13 @@ def stage3_estimate(units: tuple[UnitEstimate, ...], spec: FullyShardSpec, optim
         optimizer=optimizer,
         host=host,
         gathered=_gathered_peak(units, sizes, enclosing, spec.reshard_after_forward),
-        reducing=sum(sorted(b.reduce_buffers for b in sizes.values())[-2:])
+        reducing=sum(sorted(b.reduce_input for b in sizes.values())[-2:])
         + max(sum(sizes[n].full_grads for n in [name, *outer]) for name, outer in enclosing.items()),
         units=units,
     )
 
 
-def _gathered_peak(units: tuple[UnitEstimate, ...], sizes: dict[str, _UnitBytes], enclosing: dict[str, list[str]],
+def _gathered_peak(units: tuple[UnitEstimate, ...], sizes: dict[str, UnitBytes], enclosing: dict[str, list[str]],
                    reshard_after_forward: bool) -> int:
     """The most bytes of unsharded buffers and all-gathers alive while one unit
     computes (Note [stage 3 memory]); ``units`` are in module order, root first."""
@@ -123,7 +125,7 @@ def _gathered_peak(units: tuple[UnitEstimate, ...], sizes: dict[str, _UnitBytes]
         neighbours = [name, *_next(forward, name)]
         if reshard_after_forward:
             neighbours += _next(finished[::-1], name)  # backward prefetches the one finished before
-        in_flight = max(sizes[n].full + sizes[n].cast_input for n in neighbours)
+        in_flight = max(sizes[n].full for n in neighbours)
         peak = max(peak, sum(sizes[n].full for n in gathered) + in_flight)
     return peak
 
