@@ -8,6 +8,7 @@ file is the only one to change.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -366,6 +367,16 @@ def default_store() -> torch.distributed.Store:
     through this private accessor (torch 2.0 to 2.13 at least).
     """
     return torch.distributed.distributed_c10d._get_default_store()
+
+
+def set_group_timeout(timeout: datetime.timedelta, group: torch.distributed.ProcessGroup | None) -> None:
+    """The timeout of ``group``'s collectives (None: the default group), after it
+    was built under another (Note [arrivals] in tandem/comm/membership.py).
+
+    Why: torch has no public setter; ``_set_pg_timeout`` exists since 2.2."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
 
 
 def own_tcp_client(store: torch.distributed.Store, *, below_prefixes: bool = False,

@@ -10,17 +10,19 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from typing import NoReturn
 
 import torch.distributed as dist
 
-from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group
+from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group, set_group_timeout
 from tandem.comm import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
+from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
@@ -107,9 +109,14 @@ def enter_generation(membership: Membership, generation: Generation, *,
     membership.await_members(generation)  # Note [arrivals] in membership.py
     bind_group_defaults_before_init()
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
-    with default_group_connections(backend) as connections:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
-                                timeout=timeout_td)
+    try:
+        with default_group_connections(backend) as connections:
+            # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
+            dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
+                                    timeout=_connect_timeout(membership))
+    except Exception as e:
+        raise _not_built(membership, generation, "group", e) from e
+    set_group_timeout(timeout_td, None)
     # The device stays the one the launcher gave this process; the local rank and
     # size are this process's place among the generation's members on its host.
     device = previous.device if previous is not None else bind_device(
@@ -155,11 +162,43 @@ def new_world_group(what: str) -> dist.ProcessGroup:
     deaths (Note [arrivals] in membership.py): torch waits for a rank that never
     comes for the group's whole timeout."""
     record = group_record.current()
-    if record is not None and record.elastic is not None and record.elastic.generation.number >= 0:
-        record.elastic.await_members(record.elastic.generation, what)
-    group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True)
+    membership = record.elastic if record is not None else None
+    if membership is None or membership.generation.number < 0:
+        group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True)
+    else:
+        membership.await_members(membership.generation, what)
+        try:
+            group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
+                                   timeout=_connect_timeout(membership))
+        except Exception as e:
+            raise _not_built(membership, membership.generation, what, e) from e
+        assert group is not None, "every rank is a member"
+        set_group_timeout((record.timeout if record is not None else None) or DEFAULT_TIMEOUT, group)
     assert group is not None, "every rank is a member"
     return group
+
+
+def _connect_timeout(membership: Membership) -> datetime.timedelta:
+    """How long building a group over the members may take (Note [arrivals]):
+    torch's gloo waits for the others' addresses for the group's own timeout."""
+    return datetime.timedelta(seconds=membership.config.connect_timeout_s)
+
+
+def _not_built(membership: Membership, generation: Generation, what: str, error: Exception) -> Exception:
+    """Why building ``what`` over ``generation``'s members failed: a PeerLostError
+    naming the members found dead within ``stale_after_s`` (one died after its
+    arrival, Note [arrivals]), else ``error``."""
+    others = [m for m in generation.members if m != membership.member]
+    deadline = time.monotonic() + membership.config.stale_after_s
+    while True:
+        dead = membership.dead(others)
+        if dead:
+            return PeerLostError(generation.rank_of(membership.member),
+                                 {generation.rank_of(m): why for m, why in dead.items()},
+                                 f"building generation {generation.number}'s {what}")
+        if time.monotonic() > deadline:
+            return error
+        time.sleep(membership.config.beat_s)
 
 
 def join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:

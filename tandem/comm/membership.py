@@ -95,11 +95,15 @@ class ElasticConfig:
     regroup_timeout_s: float = 300.0
     """How long the survivors wait for every member to be accounted for (arrived
     or dead) before giving up."""
+    connect_timeout_s: float = 30.0
+    """How long building a generation's group may take once every member has
+    arrived (Note [arrivals]): a member that dies between its arrival and its
+    connection fails the change after this long, not after the group's timeout."""
 
     def __post_init__(self) -> None:
         if self.min_world_size < 1:
             raise ValueError(f"ElasticConfig: min_world_size must be >= 1, got {self.min_world_size}")
-        for name in ("beat_s", "stale_after_s", "regroup_timeout_s"):
+        for name in ("beat_s", "stale_after_s", "regroup_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ElasticConfig: {name} must be > 0, got {getattr(self, name)}")
         if self.stale_after_s < 4 * self.beat_s:
@@ -347,9 +351,11 @@ class Membership:
         The same goes for a second group over the members (fully_shard's
         reduce-scatter group, built at the first forward in a new world:
         :func:`tandem.comm.elastic_group.new_world_group`).
-        A death after a member's mark and before it connects is not seen (a
-        window of milliseconds, against the seconds between admission and
-        connection that a replacement used to take).
+        A death after a member's mark and before it connects (milliseconds, hit
+        in the 5 s soak) is seen when building the group times out: it is built
+        with ``connect_timeout_s`` as its timeout and then given the group's
+        own, and a member then found dead fails the change the same way
+        (:func:`tandem.comm.elastic_group.enter_generation`).
 
         Raises:
             PeerLostError: a member that had not arrived is dead (ranks of ``generation``).

@@ -39,7 +39,7 @@ from tandem.testing.harness import still_running
 
 N, BATCH, FEATURES = 48, 2, 6
 TIMEOUT = 120.0
-CONFIG = ElasticConfig(beat_s=0.05, stale_after_s=1.0, regroup_timeout_s=30.0)
+CONFIG = ElasticConfig(beat_s=0.05, stale_after_s=1.0, regroup_timeout_s=30.0, connect_timeout_s=10.0)
 
 
 class Indexed(Dataset):
@@ -79,11 +79,18 @@ def _die_once_admitted(when: str = "admitted") -> None:
     fit() or prepare(): Note [a replacement builds first] in
     tandem/comm/elastic_group.py): ``"admitted"``, in the new group, before the
     state arrives; ``"connecting"``, before it marks itself arrived to build
-    the group (Note [arrivals] in tandem/comm/membership.py)."""
-    if when == "connecting":
+    the group (Note [arrivals] in tandem/comm/membership.py); ``"arrived"``,
+    after it marked itself arrived, before it connects."""
+    if when in ("connecting", "arrived"):
         from tandem.comm.membership import Membership
-        Membership.await_members = lambda self, generation: os.kill(  # type: ignore[method-assign]
-            os.getpid(), signal.SIGKILL)
+        arrive = Membership.await_members
+
+        def gone(self: Membership, generation: Any, what: str = "group") -> None:
+            if when == "arrived":
+                arrive(self, generation, what)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Membership.await_members = gone  # type: ignore[method-assign]
         return
     import tandem.elastic.run as run_module
     admit = run_module.ask_to_join
@@ -290,6 +297,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     **{f"lost-joining-{s}": ({1: 2}, {**JOIN, "join_dies": "admitted", **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
     "lost-connecting": ({1: 2}, {**JOIN, "join_dies": "connecting"}),
+    "lost-after-arriving": ({1: 2}, {**JOIN, "join_dies": "arrived"}),
     "lost-building-a-group": ({1: 2}, {"group_dies": 2, "fsdp": True}),
     **{f"member-lost-admitting-{s}": ({1: 2}, {**JOIN, "admitting_dies": 2, **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
@@ -459,17 +467,22 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict) -> None:
-    # Note [arrivals] in tandem/comm/membership.py: admitted, j1 dies before building the
-    # new group; the members saw to it that it never connected and go on without it (they
-    # waited in torch's group creation for its timeout before).
-    tmp_path, results = _launched(scenarios, "lost-connecting")
+@pytest.mark.parametrize(("scenario", "seen"), [
+    ("lost-connecting", "the arrival of generation 2's members"),
+    ("lost-after-arriving", "building generation 2's group"),
+])
+def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict, scenario: str, seen: str) -> None:
+    # Note [arrivals] in tandem/comm/membership.py: admitted, j1 dies before it marks itself
+    # arrived, or after, before it connects; the members see it dead as they wait for its
+    # mark, or when building the group times out (connect_timeout_s), and go on without it
+    # (they waited in torch's group creation for the group's timeout before).
+    tmp_path, results = _launched(scenarios, scenario)
     live = [r for r in results if r is not None]
     assert sorted(r["member"] for r in live) == ["0", "2"]
     _check_equal_replicas(live)
     changes = live[0]["changes"]
     assert [(c["lost_ranks"], c["world_size"]) for c in changes] == [([1], 2), ([2], 2)]
-    assert "the arrival of generation 2's members" in changes[1]["cause"], changes[1]
+    assert seen in changes[1]["cause"], changes[1]
     _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
