@@ -22,7 +22,6 @@ from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
-from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
@@ -191,11 +190,9 @@ def _not_built(membership: Membership, generation: Generation, what: str, error:
     others = [m for m in generation.members if m != membership.member]
     deadline = time.monotonic() + membership.config.stale_after_s
     while True:
-        dead = membership.dead(others)
-        if dead:
-            return PeerLostError(generation.rank_of(membership.member),
-                                 {generation.rank_of(m): why for m, why in dead.items()},
-                                 f"building generation {generation.number}'s {what}")
+        lost = membership.lost_among(generation, others, f"building generation {generation.number}'s {what}")
+        if lost is not None:
+            return lost
         if time.monotonic() > deadline:
             return error
         time.sleep(membership.config.beat_s)

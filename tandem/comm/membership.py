@@ -369,17 +369,25 @@ class Membership:
             missing = [m for m in missing if not self.store.check([f"{base}/{m}"])]
             if not missing:
                 return
-            dead = self.dead(missing)
-            if dead:
-                raise PeerLostError(generation.rank_of(self.member),
-                                    {generation.rank_of(m): why for m, why in dead.items()},
-                                    f"the arrival of generation {generation.number}'s members ({what})")
+            lost = self.lost_among(generation, missing, f"the arrival of generation {generation.number}'s "
+                                   f"members ({what})")
+            if lost is not None:
+                raise lost
             if time.monotonic() > deadline:
                 raise MembershipError(
                     f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for members "
                     f"{missing} to build generation {generation.number}'s group; raise "
                     "ElasticConfig.regroup_timeout_s if they are slow")
             time.sleep(0.005)
+
+    def lost_among(self, generation: Generation, members: Sequence[str], during: str) -> PeerLostError | None:
+        """A PeerLostError naming those of ``members`` that are dead (their ranks in
+        ``generation``), as if ``during`` had failed on them; None when all live."""
+        dead = self.dead(members)
+        if not dead:
+            return None
+        return PeerLostError(generation.rank_of(self.member), {generation.rank_of(m): why for m, why in dead.items()},
+                             during)
 
     def waiting_joiners(self) -> list[str]:
         """Replacements that asked to join, are alive, and no generation admitted yet."""
