@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["ddp", "zero2", "fsdp"])
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep every run's events and logs (a failed run's are always kept)")
     args = parser.parse_args()
     print("| T (s) | strategy | failures | steps | step eff. | training eff. | seen after (median) "
           "| admission (median) | step (median) | checks |")
@@ -49,7 +51,7 @@ def main() -> None:
             r = run_soak(SoakPlan(directory=tmp, strategy=strategy, every_s=every, failures=args.failures,
                                   seed=args.seed, hidden=args.hidden, timeout_s=every * args.failures * 3 + 300))
             took = time.monotonic() - started
-            if not r.problems:  # a failed run's events and logs stay, to be looked at
+            if not r.problems and not args.keep:  # a failed run's events and logs stay, to be looked at
                 shutil.rmtree(tmp, ignore_errors=True)
             seen = f"{statistics.median(r.detect_s) * 1000:.0f} ms" if r.detect_s else "-"
             admit = f"{statistics.median(r.admit_s) * 1000:.0f} ms" if r.admit_s else "-"
@@ -60,6 +62,8 @@ def main() -> None:
             if r.problems:
                 print(f"<!-- run took {took:.0f} s; its events and logs are in {tmp}; launcher output tail:\n"
                       f"{r.output[-3000:]}\n-->", flush=True)
+            elif args.keep:
+                print(f"<!-- run took {took:.0f} s; its events and logs are in {tmp} -->", flush=True)
 
 
 if __name__ == "__main__":
