@@ -171,7 +171,6 @@ def new_world_group(what: str) -> dist.ProcessGroup:
                                    timeout=_connect_timeout(membership))
         except Exception as e:
             raise _not_built(membership, membership.generation, what, e) from e
-        assert group is not None, "every rank is a member"
         set_group_timeout((record.timeout if record is not None else None) or DEFAULT_TIMEOUT, group)
     assert group is not None, "every rank is a member"
     return group

@@ -25,7 +25,7 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``joiners``               how many replacements ever asked to join (ids ``j1..jN``)
 ``join/<id>``             a replacement's request
 ``admitted/<id>``         set when a generation admits the replacement, which waits on it
-``gen/<g>/arrived/...``  ``.../<what>/<id>``: the member is about to build a group
+``gen/<g>/arrived/...``   ``.../<what>/<id>``: the member is about to build a group
                           over ``g``'s members (Note [arrivals])
 ``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
 ========================  ==========================================================
