@@ -156,6 +156,12 @@ class NothingToJoin(MembershipError):
     """A replacement found every member of the job gone: it has finished (or died)."""
 
 
+NEVER_BEATEN = "has never beaten"
+"""What :meth:`Membership.dead` says of a member with no beat yet: dead to a
+regroup, which waits for members that beat before, but not to an arrival
+(Note [arrivals]), where a member may not have started beating yet."""
+
+
 class Membership:
     """This process's place in an elastic job (see Note [elastic membership]).
 
@@ -306,7 +312,7 @@ class Membership:
                 continue
             key = f"{PREFIX}/beat/{m}"
             if not self.store.check([key]):
-                out[m] = "has never beaten"
+                out[m] = NEVER_BEATEN
                 continue
             age = now - float(self.store.get(key).decode())
             if age > self.config.stale_after_s:
@@ -382,8 +388,9 @@ class Membership:
 
     def lost_among(self, generation: Generation, members: Sequence[str], during: str) -> PeerLostError | None:
         """A PeerLostError naming those of ``members`` that are dead (their ranks in
-        ``generation``), as if ``during`` had failed on them; None when all live."""
-        dead = self.dead(members)
+        ``generation``), as if ``during`` had failed on them; None when none is
+        (one that has not beaten yet is not: it may be starting)."""
+        dead = {m: why for m, why in self.dead(members).items() if why != NEVER_BEATEN}
         if not dead:
             return None
         return PeerLostError(generation.rank_of(self.member), {generation.rank_of(m): why for m, why in dead.items()},
