@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem._compat import group_label
+from tandem.comm.failure_gate import FailureGate
 from tandem.comm.ledger import LedgerEntry
 from tandem.comm.monitor import current_monitor
 from tandem.comm.peers import Waiter, wait_watching_peers
@@ -117,6 +118,8 @@ class GroupComm:
         self._watched = self.size > 1 and self.monitor.peers is not None and \
             dist.get_backend(group) == "gloo"
         self._waiter = Waiter()  # its thread starts at the first reduce-scatter watched
+        # Note [a broken step goes on] in failure_gate.py: set by an elastic loop's fully_shard model.
+        self.gate: FailureGate | None = None
 
     def __reduce__(self) -> Any:
         # A live process group cannot travel: say what holds it and what to do,
@@ -155,31 +158,49 @@ class GroupComm:
             handle.wait()
         return handle
 
+    def _run(self, op: str, tensor: torch.Tensor, tag: str, launch: Callable[[], Any], async_op: bool) -> Work:
+        """Issue a collective (``launch()`` returns its work): not at all while the
+        gate is broken, and as completed when the gate claims its failure (Note
+        [a broken step goes on] in failure_gate.py)."""
+        if self.gate is not None and self.gate.broken:
+            return Work(None)
+        entry = self._issue(op, tensor, tag)
+        try:
+            work = launch()
+        except Exception as e:
+            if self.gate is None or not self.gate.claims(e):
+                raise
+            return Work(None)
+        return self._issued(work, entry, async_op)
+
     def _wait(self, work: Any, entry: LedgerEntry | None) -> None:
-        if not self._watched or self.monitor.peers is None:
-            work.wait()
-            return
-        during = (lambda: f"{entry.describe()} of step {entry.step}") if entry is not None \
-            else (lambda: "a collective")
-        wait_watching_peers(work, self.monitor.peers, self.members, during)
+        try:
+            if not self._watched or self.monitor.peers is None:
+                work.wait()
+                return
+            during = (lambda: f"{entry.describe()} of step {entry.step}") if entry is not None \
+                else (lambda: "a collective")
+            wait_watching_peers(work, self.monitor.peers, self.members, during)
+        except Exception as e:
+            if self.gate is None or not self.gate.claims(e):
+                raise
 
     def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    tag: str = "", async_op: bool = False) -> Work:
-        entry = self._issue("all_reduce", tensor, tag)
-        return self._issued(dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
-                            entry, async_op)
+        return self._run("all_reduce", tensor, tag,
+                         lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, tag: str = "",
                   async_op: bool = False) -> Work:
         """Broadcast from group rank ``src``."""
-        entry = self._issue("broadcast", tensor, tag)
-        return self._issued(dist.broadcast(tensor, src=self.global_rank(src), group=self.group,
-                                           async_op=True), entry, async_op)
+        return self._run("broadcast", tensor, tag, lambda: dist.broadcast(
+            tensor, src=self.global_rank(src), group=self.group, async_op=True), async_op)
 
     def all_gather(self, tensor: torch.Tensor, *, tag: str = "") -> list[torch.Tensor]:
-        entry = self._issue("all_gather", tensor, tag)
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._issued(dist.all_gather(out, tensor, group=self.group, async_op=True), entry, False)
+        out = [torch.zeros_like(tensor) if self.gate is not None else torch.empty_like(tensor)
+               for _ in range(self.size)]
+        self._run("all_gather", tensor, tag, lambda: dist.all_gather(out, tensor, group=self.group, async_op=True),
+                  False)
         return out
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
@@ -190,17 +211,19 @@ class GroupComm:
         of one copies. ``via``: a callable issuing it instead of torch's
         collective, with torch's ``ReduceScatter`` signature (fully_shard's
         ``set_custom_reduce_scatter``), still written to the ledger."""
-        entry = self._issue("reduce_scatter", input, tag)
         if self.size == 1:
             output.copy_(input)
-            return self._issued(None, entry, False)
-        if via is not None:
-            work = via(output_tensor=output, input_tensor=input, group=self._process_group(),
-                       op=dist.ReduceOp.SUM, async_op=True)
-        else:
-            work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
-        # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
-        return self._issued(self._waiter.submit(work) if self._watched else work, entry, async_op)
+            return self._issued(None, self._issue("reduce_scatter", input, tag), False)
+
+        def launch() -> Any:
+            if via is not None:
+                work = via(output_tensor=output, input_tensor=input, group=self._process_group(),
+                           op=dist.ReduceOp.SUM, async_op=True)
+            else:
+                work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
+            # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
+            return self._waiter.submit(work) if self._watched else work
+        return self._run("reduce_scatter", input, tag, launch, async_op)
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
                         async_op: bool = False, via: Any = None) -> Work:
@@ -209,15 +232,15 @@ class GroupComm:
         issuing it instead of torch's collective, with torch's ``AllGather``
         signature (fully_shard's ``set_custom_all_gather``), still written to
         the ledger."""
-        entry = self._issue("all_gather_into", input, tag)
         if self.size == 1:
             output.copy_(input)
-            return self._issued(None, entry, False)
-        if via is not None:
-            work = via(output_tensor=output, input_tensor=input, group=self._process_group(), async_op=True)
-        else:
-            work = _all_gather_into_tensor(output, input, group=self.group, async_op=True)
-        return self._issued(work, entry, async_op)
+            return self._issued(None, self._issue("all_gather_into", input, tag), False)
+
+        def launch() -> Any:
+            if via is not None:
+                return via(output_tensor=output, input_tensor=input, group=self._process_group(), async_op=True)
+            return _all_gather_into_tensor(output, input, group=self.group, async_op=True)
+        return self._run("all_gather_into", input, tag, launch, async_op)
 
     def _process_group(self) -> dist.ProcessGroup:
         """The process group object (the default one for ``group=None``)."""

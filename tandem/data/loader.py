@@ -151,6 +151,7 @@ class DistributedLoader:
         self._committed = 0    # positions of _epoch that the job's committed steps consumed
         self._resplit = False  # the world changed: the iteration goes on from _committed
         self.before_batch: Callable[[], None] | None = None  # an elastic loop's step boundary
+        self.before_end: Callable[[], None] | None = None  # and its check before an iteration ends
         self.on_weight: Callable[[float], None] | None = None  # told each batch's weight (Note [exact split])
 
     @property
@@ -234,6 +235,11 @@ class DistributedLoader:
                 self.sampler.set_epoch(self._epoch, self._committed, exact=self._committed > 0)
                 batches = self._start_split()
             planned = next(batches, None)
+            if planned is None and self.before_end is not None:
+                # Note [an epoch's last step] in tandem/elastic/loop.py: the loop may go back a step.
+                self.before_end()
+                if self._resplit:
+                    continue
             if planned is None:
                 self._active = False
                 self._set_weight(1.0)
@@ -256,6 +262,23 @@ class DistributedLoader:
         if self._active:
             consumed = self._split.consumed_after(self._index)
             self._committed = min(consumed, self.sampler.dataset_size)
+
+    @property
+    def committed(self) -> tuple[int, int]:
+        """``(epoch, positions)``: what the job's committed steps consumed of the
+        epoch of the iteration in progress (or of the last one)."""
+        return self._epoch, self._committed
+
+    def go_back(self, committed: tuple[int, int]) -> bool:
+        """Make an earlier :attr:`committed` this iteration's again: an elastic loop
+        went back a step (Note [one step back] in tandem/elastic/buddy.py), and the
+        step's samples come again at the next batch (after :meth:`regroup`).
+        False, changing nothing, when that epoch's iteration is no longer in progress."""
+        epoch, positions = committed
+        if epoch != self._epoch or not self._active:
+            return False
+        self._committed = positions
+        return True
 
     @property
     def active(self) -> bool:

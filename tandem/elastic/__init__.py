@@ -19,7 +19,10 @@ Read in this order:
   new one (Note [elastic fully_shard]); the units themselves are laid out again
   by tandem/fsdp/regroup.py.
 
-The Trainer composes these in tandem/train/elastic_world.py; the launcher's
+- world.py: one rank's part, which the Trainer and a prepared loop both hold
+  (:class:`ElasticWorld`: the decisions, the buddy copies, one step back).
+
+The launcher's
 side (``tandem run --elastic``: replacements, nodes that rejoin) is
 tandem/launch/elastic_agent.py and node_roll.py.
 

@@ -37,7 +37,7 @@ tensors.
 
 Hyper-parameters (``param_groups``) are the same on every rank and are not
 part of a shard; a replacement gets rank 0's scheduler and counters with the
-rest of the loop state (elastic_world.py).
+rest of the loop state (world.py).
 """
 
 from __future__ import annotations

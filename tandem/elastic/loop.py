@@ -16,7 +16,10 @@ The pieces are the Trainer's, placed where that loop already calls in:
 
 1. Backward: a peer that dies fails the DDP reduction. The model's failure
    handler (Note [recovered reduction failures] in tandem/ddp/reducer.py) records
-   it when :func:`is_peer_failure` says so, and backward returns as if done.
+   it when :func:`is_peer_failure` says so, and backward returns as if done. A
+   fully-sharded model communicates in forward and backward: its handler
+   records the first failure, and the step goes on without communication (Note
+   [a broken step goes on] in tandem/comm/failure_gate.py).
 2. ``optimizer.step()``: with a failure recorded, or when the step's decision
    (Note [elastic membership]) is ``abort``, the update is skipped
    (``optimizer.step_abandoned``), and the survivors regroup at once: a new
@@ -45,12 +48,36 @@ The pieces are the Trainer's, placed where that loop already calls in:
    the end of ``step()``; a loop that stops without asking for another batch
    leaves the replacement waiting until it sees the members gone). It then
    rebuilds for the new world as the members do in their regroup (agreeing on
-   the loaders, DDP's model check and broadcast), and rank 0 sends the whole state (:func:`share_state`: model,
-   optimizer, step count, RNG, each loader's epoch and position, and what the
-   loop registered: ``optimizer.register_for_replacements(scheduler)``), so the
-   replacement's first iteration starts where the members' goes on. That is
-   why the epoch loop above starts at ``train_loader.epoch`` (0 in a job's
-   first world, the members' epoch on a replacement).
+   the loaders, DDP's model check and broadcast), and rank 0 sends the whole
+   state (:func:`~tandem.elastic.run.share_state`: model, optimizer, step
+   count, RNG, each loader's epoch and position, and what the loop registered:
+   ``optimizer.register_for_replacements(scheduler)``), so the replacement's
+   first iteration starts where the members' goes on. That is why the epoch
+   loop above starts at ``train_loader.epoch`` (0 in a job's first world, the
+   members' epoch on a replacement).
+5. Under ZeRO and fully_shard the loop holds an
+   :class:`~tandem.elastic.world.ElasticWorld`, as the Trainer does: buddy
+   copies sent after each commit, the shards restored for a new world, and
+   one step back (Note [one step back] in buddy.py). Its loop state is the
+   loaders' committed positions and the RNG, taken at the commit, and the
+   registered objects' states, taken as the next step is decided (the loop
+   steps its scheduler after ``step()`` returns); going back sets them, and
+   ``step_abandoned`` is True for the step being decided then (or for the one
+   whose copies were being sent). There is no checkpoint to fall back to.
+
+# Note [an epoch's last step]
+Going back a step must not cross an epoch's end: the loop has left that
+epoch's iteration, and its samples could only come again in the next epoch's.
+Yet a rank that has sent its copy of the epoch's last step may see its
+loaders end the epoch before a peer's death (which takes the job back) is
+known. So a loader that yielded a committed step's batch calls
+``before_end`` as its iteration is about to end, and under ZeRO and
+fully_shard the loop then waits on a barrier of the group: every rank is
+past its copies of the last step, or a peer's death is seen here, the world
+changes, and when it goes back the loader's iteration goes on with the
+step's samples (``DistributedLoader.go_back``). Every rank reaches the end
+of an epoch with the others (they get as many batches), so it costs one
+barrier per epoch.
 
 Under ``no_sync`` micro-batches nothing is reduced, so nothing fails; the step's
 decision covers them all, and a dropped step gives all of its micro-batches
@@ -66,32 +93,39 @@ its learning rates would differ from the members').
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from tandem.checkpoint.full_state import is_fully_sharded
+from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
+from tandem.checkpoint.state import TrainingState
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import ElasticConfig, Generation
+from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
-from tandem.ddp import DistributedDataParallel
-from tandem.elastic.run import ElasticRun, WorldChange, first_sentence, is_peer_failure, share_state
-from tandem.checkpoint.state import TrainingState
+from tandem.ddp.batch_weight import weigh_gradients
+from tandem.elastic.run import ElasticRun, Resumed, WorldChange, first_sentence, is_peer_failure
+from tandem.elastic.world import ElasticWorld
 
 __all__ = ["ElasticLoop", "ElasticOptimizer", "make_elastic"]
 
 logger = logging.getLogger(__name__)
 
 
-def make_elastic(config: ElasticConfig, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+def make_elastic(config: ElasticConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loaders: list[DistributedLoader], agree: Callable[[], None]) -> ElasticOptimizer:
-    """The optimizer ``prepare`` returns for an elastic job. ``agree`` repeats
-    prepare's agreement on the loaders over the current world (a replacement's
-    prepare issues it). A replacement receives the members' state here."""
+    """The optimizer ``prepare`` returns for an elastic job. ``model`` is a DDP
+    model (its optimizer the user's or a ZeroOptimizer) or a fully_shard one;
+    ``agree`` repeats prepare's agreement on the loaders over the current world
+    (a replacement's prepare issues it). A replacement receives the members' state here."""
     loop = ElasticLoop(ElasticRun(elastic_membership(config)), model, optimizer, loaders, agree)
     generation = loop.run.membership.generation
     logger.info("prepare: elastic, member %s is rank %d of %d (generation %d)%s",
@@ -100,34 +134,81 @@ def make_elastic(config: ElasticConfig, model: DistributedDataParallel, optimize
     return ElasticOptimizer(optimizer, loop)
 
 
+class _LoopPoints:
+    """A prepared loop's state after a committed step, to go back to with the
+    shards (Note [one step back] in buddy.py): the step's loader positions and
+    the RNG, taken at the commit, and the registered objects' states, taken when
+    the next step is decided: a loop steps its scheduler after ``step()`` returns."""
+
+    def __init__(self, loop: ElasticLoop) -> None:
+        self._loop = loop
+        self._last: dict[str, Any] | None = None
+
+    def capture(self) -> Any:
+        self._last = {"loaders": [loader.committed for loader in self._loop.loaders],
+                      "rng": capture_rng_state(), "objects": None}
+        return self._last
+
+    def complete(self) -> None:
+        """The next step is being decided: what the loop did after the last one is done."""
+        if self._last is not None and self._last["objects"] is None:
+            self._last["objects"] = [copy.deepcopy(obj.state_dict()) for obj in self._loop.registered]
+
+    def restore(self, point: Any) -> None:
+        rank = dist.get_rank()
+        for loader, committed in zip(self._loop.loaders, point["loaders"]):
+            if loader.active and not loader.go_back(committed):
+                logger.warning("rank %d: %r went on to epoch %d, past the step the job went back to (epoch %d): "
+                               "that step's samples are not trained again", rank, loader, loader.epoch, committed[0])
+        assert point["objects"] is not None, "a step was updated before it was decided"
+        for obj, state in zip(self._loop.registered, point["objects"]):
+            obj.load_state_dict(state)
+        restore_rng_state(point["rng"])
+
+
 class ElasticLoop:
-    """A prepared loop's part in an elastic job: the failure seen in backward, the
-    step's decision, and the change of world with what it rebuilds (Note [elastic prepare]).
+    """A prepared loop's part in an elastic job: the failure seen in forward or
+    backward, the step's decision, and the change of world with what it rebuilds
+    (Note [elastic prepare]); under ZeRO and fully_shard, the buddy copies of
+    the shards too (held by :class:`~tandem.elastic.world.ElasticWorld`, as the Trainer's are).
 
     Args:
         run: the decisions and world changes (shared with the Trainer).
-        model: the DDP model; its failure handler is set here.
-        optimizer: the user's optimizer.
+        model: the DDP or fully_shard model; its failure handler is set here.
+        optimizer: what steps it: the user's, a ZeroOptimizer, or the one
+            prepare rebuilt over a fully-sharded model's parameters.
         loaders: the prepared loaders, split again when the world changes.
         agree: prepare's agreement on the loaders, over the current world.
     """
 
-    def __init__(self, run: ElasticRun, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+    def __init__(self, run: ElasticRun, model: nn.Module, optimizer: torch.optim.Optimizer,
                  loaders: list[DistributedLoader], agree: Callable[[], None]) -> None:
         self.run = run
         self.model, self.optimizer, self.loaders, self._agree = model, optimizer, list(loaders), agree
         self.state = TrainingState(model=model, optimizer=optimizer)
+        self._fsdp = is_fully_sharded(model)
+        self._zero = hasattr(optimizer, "sharded_state_dict")  # a tandem.ZeroOptimizer
+        self._points = _LoopPoints(self)
+        self.world = ElasticWorld(run, model, optimizer, self.state, self._points, None,
+                                  sharded=self._zero or self._fsdp)
         self.failure: BaseException | None = None  # a peer's failure seen during this step
         self.joined = run.needs_state
         self.registered: list[Any] = []  # objects whose state a replacement receives
         self._grow_at: list[DistributedLoader] = []  # the loaders whose next batch admits replacements
+        self._confirm_at: list[DistributedLoader] = []  # Note [an epoch's last step]
         self._received: list[Any] | None = None  # on a replacement: their states, loaded as registered
-        model.set_failure_handler(self._record)
+        self._weight = 1.0
+        cast(Any, model).set_failure_handler(self._record)
+        if self._fsdp:  # DDP weighs its outputs itself (batch_weight)
+            model.register_forward_hook(self._weigh_outputs)
         for loader in self.loaders:
             loader.before_batch = functools.partial(self._before_batch, loader)
+            loader.before_end = functools.partial(self._before_end, loader)
             loader.on_weight = self._weigh  # Note [exact split] in tandem/data/split.py
         if run.needs_state:  # Note [a replacement builds first] in tandem/comm/elastic_group.py
             run.join(self._rebuild, self._report)
+        else:
+            self.world.refresh_buddy(dist.get_rank())  # the first copies, before the first step
         run.step_started()
 
     def register(self, obj: Any) -> None:
@@ -163,8 +244,17 @@ class ElasticLoop:
         cause = self.failure
         if cause is None:
             try:
-                self.run.decide(self.state.step)
+                if self.world.buddy is not None:
+                    self._points.complete()
+                self.world.decide(self.state.step)  # keeps this rank's shard as it is before the update
             except Exception as e:
+                if not is_peer_failure(e):
+                    raise
+                cause = e
+        if cause is None:
+            try:
+                result = update()
+            except Exception as e:  # a ZeroOptimizer's parameter all-gather, after the update
                 if not is_peer_failure(e):
                     raise
                 cause = e
@@ -173,10 +263,13 @@ class ElasticLoop:
             self._change_world(cause, in_step=True)
             self.run.step_started()
             return False, None
-        result = update()
         self.state.step += 1
         for loader in self.loaders:
             loader.commit()
+        self._confirm_at = [loader for loader in self.loaders if loader.active]
+        if not self._refresh_copies():
+            self.run.step_started()
+            return False, result  # the job went back before this step (Note [one step back])
         if self.run.grow_pending:
             # Admitted at the training loader's next batch, after what the loop does
             # after step() (the scheduler's step): where a replacement's loop starts.
@@ -186,10 +279,30 @@ class ElasticLoop:
         self.run.step_started()
         return True, result
 
+    def _refresh_copies(self) -> bool:
+        """Send this rank's shard to its buddy after a commit (Note [buddy copies]);
+        a peer lost meanwhile changes the world at once. False when that took the
+        job back before the step just committed (Note [one step back])."""
+        step = self.state.step
+        try:
+            self.world.refresh_buddy(dist.get_rank())
+        except Exception as e:
+            if not is_peer_failure(e):
+                raise
+            self._change_world(e, in_step=False)
+        return self.state.step == step
+
     def _weigh(self, weight: float) -> None:
         """A loader yields a batch of this weight: the model's next forwards count so
         (Note [batch weight] in tandem/ddp/batch_weight.py)."""
-        self.model.batch_weight = weight
+        self._weight = weight
+        if not self._fsdp:
+            cast(Any, self.model).batch_weight = weight
+
+    def _weigh_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A fully-sharded model's forward: weigh its outputs' gradients as DDP's batch_weight does."""
+        if self._weight != 1.0 and torch.is_grad_enabled():
+            weigh_gradients(output, self._weight)
 
     def _before_batch(self, loader: DistributedLoader) -> None:
         """A loader is about to fetch a batch: the step boundary where replacements join."""
@@ -198,27 +311,52 @@ class ElasticLoop:
             self._change_world(None, in_step=False)
             self.run.step_started()
 
+    def _before_end(self, loader: DistributedLoader) -> None:
+        """A loader's iteration is about to end (Note [an epoch's last step])."""
+        if loader not in self._confirm_at or self.world.buddy is None:
+            return
+        self._confirm_at = []
+        try:
+            watched("barrier before an epoch ends", dist.barrier)
+        except Exception as e:
+            if not is_peer_failure(e):
+                raise
+            self._change_world(e, in_step=False)
+            self.run.step_started()
+
     def _change_world(self, cause: BaseException | None, *, in_step: bool) -> None:
         self.run.regroup(cause, self.state.step, in_step=in_step, rebuild=self._rebuild,
                          report=self._report)
 
-    def _rebuild(self, before: Generation, after: Generation) -> None:
-        """What depends on the world, in the order of a replacement's ``prepare``."""
+    def _rebuild(self, before: Generation, after: Generation) -> Resumed | None:
+        """What depends on the world, in the order of a replacement's ``prepare``;
+        returns where the shards went back to, if they did."""
+        own = self.world.own_shard()  # None without buddy copies, and on a replacement
+        rank = dist.get_rank()
         self.failure = None
         self.optimizer.zero_grad(set_to_none=True)
         self._agree()  # a replacement's prepare agrees, one whose join was cut short too
-        self.model.reset_process_group()
+        model: Any = self.model
+        model.reset_process_group()  # fully_shard: issues collectives again (Note [a broken step goes on])
+        resumed = None
+        if self.world.buddy is not None:
+            if self._zero:
+                cast(Any, self.optimizer).reset_process_group()
+            resumed = self.world.restore_shards(own, rank, _gather_all)
         if self.run.state_wanted():  # Note [a join cut short] in tandem/elastic/run.py
             self._share_state()
         for loader in self.loaders:
-            loader.regroup(dist.get_world_size(), dist.get_rank())
+            loader.regroup(dist.get_world_size(), rank)
+        self.world.refresh_buddy(rank)  # copies for the new world, before its first step
+        return resumed
 
     def _share_state(self) -> None:
         """Rank 0's state on every rank, the loaders' positions with it; a
-        replacement takes them up."""
+        replacement takes them up. A fully-sharded model's shards are in place
+        already (Note [elastic fully_shard] in fsdp_shards.py)."""
         self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
                             "objects": [obj.state_dict() for obj in self.registered]}
-        share_state(self.state)
+        self.world.share_state()
         if self.run.needs_state:
             for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
                 # Mid-epoch the members split the rest exactly (DistributedLoader.regroup): so does this rank.
@@ -233,6 +371,13 @@ class ElasticLoop:
         logger.warning("rank %d: %s", dist.get_rank(), change.describe())
         if dist.get_rank() == 0:
             print(f"tandem: {change.describe()}", file=sys.stderr, flush=True)
+
+
+def _gather_all(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (for a checkpoint fall-back, which a prepared loop has not)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    watched("all_gather_object of every rank's part", dist.all_gather_object, out, obj)
+    return out
 
 
 class ElasticOptimizer(torch.optim.Optimizer):

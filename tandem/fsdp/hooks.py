@@ -100,6 +100,7 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
         if ranks not in reduce_comms:
             reduce_comms[ranks] = _second_group(ranks, unit.comm)
         unit.reduce_comm = reduce_comms[ranks]
+        unit.guard_comms()
         k = unit.reshard_after_forward
         if not isinstance(k, bool):
             key = (ranks, k)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.comm.failure_gate import FailureGate
 from tandem.fsdp.arguments import check_reshard
 from tandem.fsdp.convert import adopt_sharded_tensors
 from tandem.fsdp.regroup import reset_process_group, units_of
@@ -232,12 +233,27 @@ class FSDPModule:
         """Lay every unit under this module out again over the current default
         group, after an elastic job replaced it (Note [regrouped units] in
         regroup.py): the same parameter objects, with zeros in the shards until
-        the caller loads them. No communication.
+        the caller loads them. No communication. Collectives are issued again
+        after a failure the handler of :meth:`set_failure_handler` claimed.
 
         Raises:
             RuntimeError: a sharded parameter still holds a gradient.
         """
         reset_process_group(cast(nn.Module, self))
+
+    def set_failure_handler(self, handler: Callable[[BaseException], bool] | None) -> None:
+        """Let a collective that fails in this model's forward or backward be
+        recovered from, as ``DistributedDataParallel.set_failure_handler`` does for
+        its reduction (an elastic loop's, Note [a broken step goes on] in
+        tandem/comm/failure_gate.py): ``handler(error)`` returns True when it
+        claims the failure, and the step then goes on without communication
+        until :meth:`reset_process_group` lays the units out for the new world.
+        None removes it. Call it on the root; it covers every unit under it.
+        """
+        gate = None if handler is None else FailureGate(handler)
+        for unit in _units(self, True):
+            unit.gate = gate
+            unit.guard_comms()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch compatibility; every backward finishes its reductions."""

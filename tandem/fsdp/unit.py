@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.comm.failure_gate import FailureGate
 from tandem.comm.group import GroupComm
 from tandem.fsdp.layout import ParamShard, UnitLayout
 from tandem.fsdp.tensor_parallel import TensorParallelParam
@@ -63,6 +64,7 @@ class ShardedUnit:
         self.replicate_comm = replicate_comm  # HSDP: all-reduces of the reduced shards
         self.reduce_comm: GroupComm = comm    # reduce-scatters (a second group, set by the schedule)
         self.group_comm: GroupComm | None = None  # reshard_after_forward=k
+        self.gate: FailureGate | None = None  # Note [a broken step goes on] in tandem/comm/failure_gate.py
         self.config = config
         self.overrides = CommOverrides()
         self.params = UnitParams(name, params, mesh, comm, config, tp, hybrid=replicate_comm is not None,
@@ -250,11 +252,21 @@ class ShardedUnit:
         self.reduction.discard()
 
     # ------------------------------------------------------------------ a new world
+    def guard_comms(self) -> None:
+        """Put this unit's gate on each of its groups (Note [a broken step goes on]
+        in tandem/comm/failure_gate.py): after its groups change, or its gate."""
+        for comm in (self.comm, self.reduce_comm, self.group_comm, self.replicate_comm):
+            if comm is not None:
+                comm.gate = self.gate
+
     def relayout(self, mesh: Any, comm: GroupComm) -> None:
         """Go on over ``comm`` (Note [regrouped units] in regroup.py): a new layout
         of the same parameters; pending collectives of the old group are dropped,
         and the next forward runs lazy_init over the new group."""
         self.mesh, self.comm, self.reduce_comm, self.group_comm = mesh, comm, comm, None
+        if self.gate is not None:
+            self.gate.reopen()  # Note [a broken step goes on] in tandem/comm/failure_gate.py
+        self.guard_comms()
         self.params.relayout(mesh, comm)
         self.gather = UnitGather(self.params)
         self.reduction = UnitReduce(self.params, self.overrides)

@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader
 from tandem.comm.group import GroupComm
 from tandem.comm.membership import ElasticConfig
 from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
-from tandem.ddp import DistributedDataParallel
 from tandem.fsdp import FSDPModule
+from tandem.fsdp.regroup import check_regroupable
 from tandem.train.strategy import Strategy, apply_strategy, param_names
 from tandem.elastic.run import elastic_config
 from tandem.elastic.loop import make_elastic
@@ -106,7 +106,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         elastic: keep training when a rank dies, and admit replacements
             (Note [elastic prepare] in tandem/elastic/loop.py): True, or an
             :class:`~tandem.comm.membership.ElasticConfig`; None follows
-            ``tandem run --elastic`` (``TANDEM_ELASTIC=1``). ``"ddp"`` only. The
+            ``tandem run --elastic`` (``TANDEM_ELASTIC=1``). Every strategy: under
+            ZeRO and fully_shard each rank also holds a copy of the previous
+            rank's shard (Note [buddy copies] in tandem/elastic/buddy.py). The
             optimizer returned is then an :class:`~tandem.elastic.loop.ElasticOptimizer`
             whose ``step()`` drops a step that a rank's death interrupted
             (``optimizer.step_abandoned``), regroups, and lets the loaders give
@@ -146,19 +148,22 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
     if elastic is None and optimizer is None:
         elastic_settings = None  # `tandem run --elastic` and a model prepared for inference: nothing to step
     if elastic_settings is not None:
-        _check_elastic(chosen, optimizer, comm.rank)
+        _check_elastic(optimizer, comm.rank)
     specs = [loader_spec(loader, i, seed) for i, loader in enumerate(dataloaders)]
     _agree(comm, chosen, specs)
     target = _resolve_device(device)
 
     model.to(target)
     param_names(model, optimizer)  # every tensor it steps is the model's, or fail by name
-    wrapped, stepped = _wrap(model, optimizer, chosen, kwargs, shard_units, target, comm.size)
+    wrapped, stepped = _wrap(model, optimizer, chosen, kwargs, shard_units, target, comm.size,
+                             elastic=elastic_settings is not None)
     loaders = [distributed_loader(loader, spec, comm, target if move_batches else None)
                for loader, spec in zip(dataloaders, specs)]
     if elastic_settings is not None:
         assert stepped is not None  # _check_elastic
-        stepped = make_elastic(elastic_settings, cast(DistributedDataParallel, wrapped), stepped, loaders,
+        if chosen is Strategy.FULLY_SHARD:
+            check_regroupable(wrapped, comm.rank)  # Note [regrouped units] in tandem/fsdp/regroup.py
+        stepped = make_elastic(elastic_settings, wrapped, stepped, loaders,
                                agree=lambda: _agree(GroupComm(None), chosen, specs))
     logger.info("prepare: rank %d of %d, strategy %s on %s, optimizer %s, %d loader(s) of %s batches",
                 comm.rank, comm.size, chosen.value, target,
@@ -199,14 +204,7 @@ def _check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer | None, str
                          f"got strategy={strategy.value!r}")
 
 
-def _check_elastic(strategy: Strategy, optimizer: torch.optim.Optimizer | None, rank: int) -> None:
-    if strategy is not Strategy.DDP:
-        raise ValueError(
-            f"prepare (rank {rank}): elastic=... supports strategy='ddp', not {strategy.value!r}: a dead "
-            "rank takes its shard of the optimizer state (or of the parameters) with it, and a prepared "
-            "loop keeps no copies of the shards; use strategy='ddp', or the Trainer "
-            "(TrainerConfig(elastic=...)), which keeps buddy copies under ZeRO-1/2; under `tandem run "
-            "--elastic`, elastic=False runs this loop without")
+def _check_elastic(optimizer: torch.optim.Optimizer | None, rank: int) -> None:
     if optimizer is None:
         raise ValueError(f"prepare (rank {rank}): elastic=... needs the optimizer: its step() is where "
                          "the ranks agree on each step; pass it, or leave elastic unset for inference")
@@ -230,13 +228,13 @@ def _is_ddp(model: nn.Module) -> bool:
 
 def _wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy,
           kwargs: dict[str, Any], shard_units: tuple[type[nn.Module], ...], device: torch.device,
-          world_size: int) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+          world_size: int, *, elastic: bool) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """The wrapped model and the optimizer that steps it (Note [rebuilt optimizers];
     Note [one strategy vocabulary] in strategy.py: what tandem check builds too)."""
     if strategy is not Strategy.FULLY_SHARD and device.type == "cuda" and "device_ids" not in kwargs:
         kwargs["device_ids"] = [device.index]
     return apply_strategy(model, optimizer, strategy, options=kwargs, shard_units=shard_units,
-                          world_size=world_size)
+                          world_size=world_size, elastic=elastic)
 
 
 # ---------------------------------------------------------------------- the loaders

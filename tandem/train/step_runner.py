@@ -40,7 +40,7 @@ class StepResult:
 
 class StepDecider(Protocol):
     """What decides each step of an elastic world with the other members
-    (:class:`~tandem.train.elastic_world.ElasticWorld`)."""
+    (:class:`~tandem.elastic.world.ElasticWorld`)."""
 
     def step_started(self) -> None: ...
     def decide(self, step: int) -> None: ...

@@ -93,7 +93,7 @@ def fully_shard_units(model: nn.Module, shard_units: tuple[type[nn.Module], ...]
 
 def apply_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy, *,
                    options: dict[str, Any] | None = None, shard_units: tuple[type[nn.Module], ...] = (),
-                   world_size: int = 1) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+                   world_size: int = 1, elastic: bool = False) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``model`` distributed by ``strategy``, and the optimizer that steps it.
 
     Args:
@@ -103,7 +103,8 @@ def apply_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
         options: keyword arguments of ``DistributedDataParallel`` (DDP, ZeRO) or
             of ``fully_shard``.
         shard_units: fully_shard's unit classes (:func:`fully_shard_units`).
-        world_size: the group's size: ZeRO in a world of one is plain DDP.
+        world_size: the group's size: ZeRO in a world of one is plain DDP,
+            unless ``elastic`` (the world may grow: a replacement starts alone).
 
     Returns:
         The wrapped model, and the user's optimizer (DDP), a ``ZeroOptimizer``
@@ -127,7 +128,7 @@ def apply_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     from tandem.zero import ZeroOptimizer
 
     stage = strategy.zero_stage
-    if stage and world_size == 1:
+    if stage and world_size == 1 and not elastic:
         # ZeRO shards over ranks; a world of one has nothing to shard (and no reducer to
         # shard with), so it trains as plain DDP with the user's optimizer.
         logger.info("strategy %s in a world of one is plain DDP", strategy.value)

@@ -31,7 +31,7 @@ changing world) whose collaborators own their work: :class:`StepRunner`
 (step_runner.py: one optimizer step), :class:`Loaders` (loaders.py: the
 samplers and loaders of a world), :class:`RunCheckpoints`
 (run_checkpoints.py: save, prune, resume, export) and, in an elastic job,
-:class:`ElasticWorld` (elastic_world.py: membership, buddy copies, the state
+:class:`ElasticWorld` (tandem/elastic/world.py: membership, buddy copies, the state
 a replacement gets). Its records are in records.py, what it finds out by
 itself in probes.py.
 """
@@ -61,7 +61,7 @@ from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, elastic_config, is_peer_failure
-from tandem.train.elastic_world import ElasticWorld
+from tandem.elastic.world import ElasticWorld, TrainingStatePoints
 from tandem.train.history import History
 from tandem.train.loaders import Loaders
 from tandem.train.plot import plot_losses
@@ -161,8 +161,9 @@ class Trainer:
             chosen or (CheckpointFormat.SHARDED if zero or fsdp else CheckpointFormat.FULL),
             self.config.keep_checkpoints, self.device, background=self.config.async_checkpoint)
         self._autocast = autocast_for(self._precision, self.device)
-        self._elastic = None if run is None else ElasticWorld(run, self.model, optimizer, self.state,
-                                                               self._checkpoints, sharded=zero or fsdp)
+        self._elastic = None if run is None else ElasticWorld(
+            run, self.model, optimizer, self.state, TrainingStatePoints(self.state), self._checkpoints,
+            sharded=zero or fsdp)
         self._runner = StepRunner(self.model, optimizer, scheduler, loss_fn, self.config, self.state,
                                   device=self.device, rank=self.rank, scaler=self.scaler,
                                   scaled=self._scaled(), guard=self._nonfinite_guard(),

@@ -140,7 +140,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
 
         hooks.new_world_group = die_in_a_smaller_world
     if rank == admitting_dies and not joining:
-        from tandem.train.elastic_world import ElasticWorld
+        from tandem.elastic.world import ElasticWorld
         ElasticWorld.share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
@@ -213,9 +213,9 @@ def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
     opt = torch.optim.Adam(model.parameters(), **ADAM) if zero else make_optimizer(model)
     scheduler = make_scheduler(opt) if zero else None
     consumed = 0
-    for world in schedule:
+    for world in schedule:  # the last global batch may be smaller than world * BATCH
         idx = order[consumed:consumed + world * BATCH]
-        consumed += world * BATCH
+        consumed = min(consumed + world * BATCH, N)
         loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -240,21 +240,23 @@ def _schedule(changes: list[dict], start_world: int = 3) -> list[int]:
 
 
 def _used_samples(out: Path, died_at: dict[str, int]) -> list[int]:
-    """Every sample index of a committed step: per process, the last record of each
-    step (a dropped step is redone under the same number); a rank that died at
-    step k committed only the steps before k."""
-    used: list[int] = []
+    """Every sample index of a committed step (:func:`committed_steps`)."""
+    return sorted(i for _, idx in committed_steps(out, died_at) for i in idx)
+
+
+def committed_steps(out: Path, died_at: dict[str, int]) -> list[tuple[int, list[int]]]:
+    """Each process's committed steps and their sample indices: per process, the
+    last record of each step (a dropped step is redone under the same number); a
+    rank that died at step k committed only the steps before k."""
+    steps: list[tuple[int, list[int]]] = []
     for path in out.glob("samples-*.jsonl"):
         member = path.name.split("-")[1]
         last: dict[int, list[int]] = {}
         for line in path.read_text().splitlines():
             record = json.loads(line)
             last[record["step"]] = record["idx"]
-        for step, idx in last.items():
-            if member in died_at and step >= died_at[member]:
-                continue
-            used += idx
-    return sorted(used)
+        steps += [(step, idx) for step, idx in last.items() if not (member in died_at and step >= died_at[member])]
+    return steps
 
 
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),

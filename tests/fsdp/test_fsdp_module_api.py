@@ -26,7 +26,9 @@ from tandem.fsdp import FSDPModule, fully_shard
 from tandem.testing import raised_by, run_distributed
 
 WORLD, V, D = 2, 13, 8
-TANDEM_ONLY = {"reset_process_group"}   # the elastic job's (Note [regrouped units] in tandem/fsdp/regroup.py)
+# An elastic job's: Note [regrouped units] in tandem/fsdp/regroup.py, Note [a broken step goes on] in
+# tandem/comm/failure_gate.py (DistributedDataParallel has the same set_failure_handler).
+TANDEM_ONLY = {"reset_process_group", "set_failure_handler"}
 TORCH_2_13 = {   # torch 2.13's public FSDPModule methods
     "reset_iter_state", "reshard", "set_all_reduce_hook", "set_allocate_memory_from_process_group_for_comm",
     "set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",

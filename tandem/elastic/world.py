@@ -1,7 +1,13 @@
-"""The Trainer's side of an elastic job: its membership's decisions and world
-changes (Note [elastic trainer] in tandem/elastic/run.py), the buddy copies of a sharded
-state (Note [buddy copies] in tandem/elastic/buddy.py), the shards restored for a new world
-and the state shared with a replacement."""
+"""One rank's part in an elastic job, for the Trainer and for a prepared loop
+alike: its membership's decisions and world changes (Note [elastic trainer] in
+run.py), the buddy copies of a sharded state (Note [buddy copies] in buddy.py),
+the shards restored for a new world, one step back (Note [one step back]) and
+the state shared with a replacement.
+
+Its owner says what its loop goes back to (:class:`LoopPoints`: the Trainer's
+counters, scheduler and scaler; a prepared loop's loaders and registered
+objects) and where a lost shard is read from when its buddy copy is lost too
+(:class:`Fallback`: the Trainer's checkpoints; a prepared loop has none)."""
 
 from __future__ import annotations
 
@@ -9,8 +15,8 @@ import copy
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,50 +26,87 @@ from tandem.comm.membership import Membership, MembershipError
 from tandem.elastic.buddy import BuddyCopies, ShardsLost
 from tandem.elastic.run import ElasticRun, Resumed, share_state
 from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
-from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
 
-__all__ = ["ElasticWorld"]
+__all__ = ["ElasticWorld", "Fallback", "LoopPoints", "TrainingStatePoints"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _LoopPoint:
-    """This rank's loop state after a committed step, to go back to (Note [one
-    step back] in tandem/elastic/buddy.py): counters, scheduler, scaler, RNG."""
+class LoopPoints(Protocol):
+    """What a loop goes back to when the shards go one step back (Note [one step back] in buddy.py)."""
 
-    step: int
-    epoch: int
-    consumed: int
-    scheduler: Any
-    scaler: Any
-    rng: Any
+    def capture(self) -> Any:
+        """This rank's loop state, after a committed step (its step is the state's)."""
+        ...
+
+    def restore(self, point: Any) -> None:
+        """Make ``point`` (one :meth:`capture` returned) the loop's state again."""
+        ...
+
+
+class TrainingStatePoints:
+    """A :class:`TrainingState`'s counters, scheduler and scaler, and the RNG: the Trainer's loop state."""
+
+    def __init__(self, state: TrainingState) -> None:
+        self._state = state
+
+    def capture(self) -> Any:
+        state = self._state
+        return (state.step, state.epoch, state.consumed,
+                None if state.scheduler is None else copy.deepcopy(state.scheduler.state_dict()),
+                None if state.scaler is None else copy.deepcopy(state.scaler.state_dict()),
+                capture_rng_state())
+
+    def restore(self, point: Any) -> None:
+        state = self._state
+        state.step, state.epoch, state.consumed, scheduler, scaler, rng = point
+        if state.scheduler is not None:
+            state.scheduler.load_state_dict(scheduler)
+        if state.scaler is not None:
+            state.scaler.load_state_dict(scaler)
+        restore_rng_state(rng)
+
+
+class Fallback(Protocol):
+    """Where the whole state is read from when a shard and its buddy copy are both lost."""
+
+    directory: Path
+
+    def latest(self) -> Any:
+        """The latest checkpoint, or None."""
+        ...
+
+    def resume(self, rank: int, share_all: Callable[[Any], list[Any]]) -> Any:
+        """Load the latest checkpoint on every rank (a collective)."""
+        ...
 
 
 class ElasticWorld:
-    """One Trainer's elastic run and, for a sharded state, its buddy copies.
+    """One rank's elastic run and, for a sharded state, its buddy copies.
 
     Args:
         run: the run's membership decisions and world changes.
-        model, optimizer, state: the Trainer's.
-        checkpoints: the fall-back when a shard is lost with its buddy.
+        model, optimizer, state: the owner's (``state.step`` counts committed steps).
+        points: what the owner's loop goes back to with the shards (Note [one step back]).
+        fallback: where the state is read from when a shard is lost with its
+            buddy (the Trainer's checkpoints); None: the job cannot go on then.
         sharded: a ZeroOptimizer or fully_shard model: keep buddy copies.
     """
 
     def __init__(self, run: ElasticRun, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState,
-                 checkpoints: RunCheckpoints, *, sharded: bool) -> None:
+                 points: LoopPoints, fallback: Fallback | None, *, sharded: bool) -> None:
         self.run, self._model, self._optimizer, self._state = run, model, optimizer, state
-        self._checkpoints = checkpoints
+        self._loop_points, self._fallback = points, fallback
         # Note [buddy copies]: under ZeRO and fully_shard each rank also holds the previous rank's shard.
         self.buddy = BuddyCopies() if sharded else None
         # Note [one step back]: whether the optimizer may have changed this rank's shard
         # since the last commit, and the loop state of the last two commits.
         self._updating = False
-        self._points: list[_LoopPoint] = []
+        self._points: list[tuple[int, Any]] = []  # (step, (the loop's point, the optimizer's param groups))
         # ZeRO's shard as sent after the last commit: a copy the update leaves as it
         # is, and the shard the next step keeps (built once a step, not twice).
         self._sent: tuple[int, dict[str, Any]] | None = None
@@ -121,11 +164,10 @@ class ElasticWorld:
         if self.buddy is not None:
             self._updating = False
             state = self._state
-            self._points = [*self._points[-1:], _LoopPoint(
-                state.step, state.epoch, state.consumed,
-                None if state.scheduler is None else copy.deepcopy(state.scheduler.state_dict()),
-                None if state.scaler is None else copy.deepcopy(state.scaler.state_dict()),
-                capture_rng_state())]
+            # The learning rates with it: a scheduler's state does not set them (fully_shard's shard lacks them).
+            groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                      for g in self._optimizer.param_groups]
+            self._points = [*self._points[-1:], (state.step, (self._loop_points.capture(), groups))]
             members = self.run.membership.generation.members
             shard = self._own_shard()
             self._sent = None if is_fully_sharded(self._model) else (state.step, shard)
@@ -148,13 +190,18 @@ class ElasticWorld:
             else:
                 step, shards = self.buddy.recover(own, members)
         except ShardsLost as e:
-            if self._checkpoints.latest() is None:
-                raise MembershipError(f"rank {rank}: {e}, and {self._checkpoints.directory} holds no "
+            fallback = self._fallback
+            if fallback is None:
+                raise MembershipError(f"rank {rank}: {e}; a loop of your own keeps no checkpoint for tandem to "
+                                      "fall back to, so the job cannot go on: restart it from your last "
+                                      "checkpoint (the Trainer falls back to its own)") from e
+            if fallback.latest() is None:
+                raise MembershipError(f"rank {rank}: {e}, and {fallback.directory} holds no "
                                       "checkpoint to fall back to; the job cannot go on") from e
             logger.warning("rank %d: %s; falling back to the last checkpoint", rank, e)
             if fsdp:
                 self._optimizer.state.clear()  # laid out for the old world; the checkpoint has it
-            self._checkpoints.resume(rank, share_all)
+            fallback.resume(rank, share_all)
             self.run.needs_state = False  # every rank's state is the checkpoint's
             self._forget_kept()
             return Resumed(self._state.step, checkpoint=True)
@@ -180,17 +227,15 @@ class ElasticWorld:
 
     def _go_back(self, step: int, rank: int) -> None:
         """Note [one step back]: the loop state of ``step``, which the shards are of."""
-        point = next((p for p in self._points if p.step == step), None)
+        point = next((p for s, p in self._points if s == step), None)
         if point is None:
             raise MembershipError(f"rank {rank}: the shards were recovered at step {step}, but this rank "
-                                  f"kept the loop state of steps {[p.step for p in self._points]} only")
-        state = self._state
-        state.step, state.epoch, state.consumed = point.step, point.epoch, point.consumed
-        if state.scheduler is not None:
-            state.scheduler.load_state_dict(point.scheduler)
-        if state.scaler is not None:
-            state.scaler.load_state_dict(point.scaler)
-        restore_rng_state(point.rng)
+                                  f"kept the loop state of steps {[s for s, _ in self._points]} only")
+        loop_point, groups = point
+        self._loop_points.restore(loop_point)
+        for group, saved in zip(self._optimizer.param_groups, groups):
+            group.update(saved)
+        self._state.step = step
         logger.warning("rank %d: a copy of the last step's shard did not arrive before the loss: "
                        "going back to step %d", rank, step)
 
