@@ -42,7 +42,7 @@ def main() -> None:
                         help="keep every run's events and logs (a failed run's are always kept)")
     args = parser.parse_args()
     print("| T (s) | strategy | failures | steps | step eff. | training eff. | seen after (median) "
-          "| admission (median) | step (median) | checks |")
+          "| admission (median; of it, the group) | step (median) | checks |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for every in args.every:
         for strategy in args.strategies:
@@ -54,7 +54,8 @@ def main() -> None:
             if not r.problems and not args.keep:  # a failed run's events and logs stay, to be looked at
                 shutil.rmtree(tmp, ignore_errors=True)
             seen = f"{statistics.median(r.detect_s) * 1000:.0f} ms" if r.detect_s else "-"
-            admit = f"{statistics.median(r.admit_s) * 1000:.0f} ms" if r.admit_s else "-"
+            admit = (f"{statistics.median(r.admit_s) * 1000:.0f} ms; "
+                     f"{statistics.median(r.admit_connect_s) * 1000:.0f} ms" if r.admit_s else "-")
             checks = "all passed" if not r.problems else "; ".join(r.problems)
             print(f"| {every:g} | {strategy} | {len(r.kills)} | {r.steps} | {r.step_efficiency:.1%} | "
                   f"{r.training_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",

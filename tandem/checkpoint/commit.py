@@ -88,7 +88,8 @@ def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, ki
         write: ``write(directory)`` writes this rank's files there and returns
             their names. It must not issue collectives that another rank might
             skip (torch.distributed.checkpoint's save is fine: it reports a
-            failure on any rank to every rank).
+            failure on any rank to every rank; a rank that dies in it is seen
+            by the others when it is watched, as tandem's DCP writer does).
         kind: a name for what wrote the files, checked by :func:`load_committed`.
         keep: keep the newest ``keep`` committed steps, removing older ones
             (None: keep all).

@@ -38,6 +38,7 @@ from tandem.checkpoint.agree import agree, group_comm
 from tandem.checkpoint.commit import Writer, load_committed, save_committed
 from tandem.checkpoint.steps import CheckpointError, CommittedCheckpoint
 from tandem.checkpoint.flat import FlatLoadPlanner, FlatSavePlanner
+from tandem.comm.watched_call import watched
 
 __all__ = ["KIND", "dcp_state_dicts", "dcp_writer", "load_dcp_files", "load_dcp_into", "load_sharded_checkpoint",
            "read_dcp_metadata", "save_sharded_checkpoint"]
@@ -85,8 +86,9 @@ def dcp_writer(state: dict[str, Any], group: dist.ProcessGroup | None,
         if before is not None:  # agreed: a rank failing here must not leave the others inside dcp.save
             agree(lambda: before(directory), what=f"writing the own files of {directory}",
                   error_type=CheckpointError, group=group)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory), planner=FlatSavePlanner(),
-                 process_group=group, no_dist=comm is None)
+        _watched_dcp(f"dcp.save into {directory}", group, dcp.save, state,
+                     storage_writer=dcp.FileSystemWriter(directory), planner=FlatSavePlanner(),
+                     process_group=group, no_dist=comm is None)
         # DCP's last collective follows the coordinator's .metadata: every rank
         # now lists the same files, and vouches for every world-th of them.
         names = sorted(p.name for p in directory.iterdir() if p.is_file())
@@ -156,8 +158,9 @@ def load_dcp_files(ckpt: CommittedCheckpoint, state: dict[str, Any], group: dist
 
     agree(check, what="checking the keys and shapes", error_type=CheckpointError, group=group)
     # The model's keys are checked above; partial only for optimizer state.
-    agree(lambda: dcp.load(state, storage_reader=reader, process_group=group, no_dist=comm is None,
-                           planner=FlatLoadPlanner(allow_partial_load=True)),
+    agree(lambda: _watched_dcp(f"dcp.load of {where}", group, dcp.load, state, storage_reader=reader,
+                               process_group=group, no_dist=comm is None,
+                               planner=FlatLoadPlanner(allow_partial_load=True)),
           what=f"loading {where}", error_type=CheckpointError, group=group)
 
 
@@ -192,3 +195,16 @@ def _mismatches(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
             problems.append(f"{label} has shape {tuple(size)} in the checkpoint, "
                             f"{tuple(value.shape)} in the model")
     return problems
+
+
+def _watched_dcp(what: str, group: dist.ProcessGroup | None, fn: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> Any:
+    """``dcp.save`` or ``dcp.load`` over the default group, waited on watching the
+    peers (Note [watched object collectives] in tandem/comm/watched_call.py): DCP
+    gathers and scatters its plans with torch's own collectives, and a rank whose
+    ring neighbour is alive but left for a regroup (it saw another rank die) would
+    otherwise wait in them until the group's timeout; a soak stalled 15 s so. A
+    subgroup's (an HSDP replica's) is called as it is."""
+    if group is not None:
+        return fn(*args, **kwargs)
+    return watched(what, fn, *args, **kwargs)

@@ -159,6 +159,9 @@ class WorldChange:
     buddy copy both lost): the step of the checkpoint it was read from instead."""
     stepped_back: bool = False
     """The survivors went one step back (Note [one step back] in buddy.py)."""
+    connect_s: float = 0.0
+    """The part of ``regroup_s`` spent agreeing on the new generation and
+    building its group; the rest rebuilt what depends on the world and shared the state."""
 
     def describe(self) -> str:
         what = []
@@ -187,7 +190,7 @@ class WorldChange:
                 "world_size": self.world_size, "previous_world_size": self.previous_world_size,
                 "detect_s": self.detect_s, "regroup_s": self.regroup_s, "steps_lost": self.steps_lost,
                 "cause": self.cause, "checkpoint_step": self.checkpoint_step, "stepped_back": self.stepped_back,
-                "seen_at": self.seen_at}
+                "seen_at": self.seen_at, "connect_s": self.connect_s}
 
 
 class ElasticRun:
@@ -245,6 +248,7 @@ class ElasticRun:
                  if isinstance(cause, PeerLostError) else [])
         generation = self.membership.next_generation(known_dead=known)
         enter_generation(self.membership, generation)
+        connected = time.monotonic()
         text = "replacement waiting" if cause is None else first_sentence(cause)
         change = WorldChange(
             generation=generation.number, step=step,
@@ -253,7 +257,7 @@ class ElasticRun:
             previous_world_size=before.world_size, cause=text,
             detect_s=seen - self._step_started if cause is not None else 0.0,
             regroup_s=time.monotonic() - seen, steps_lost=int(in_step and cause is not None),
-            seen_at=seen_at)
+            seen_at=seen_at, connect_s=connected - seen)
         self.changes.append(change)  # recorded even if a peer is lost again while rebuilding
         resumed = rebuild(before, generation)
         self.grow_pending = False

@@ -103,6 +103,8 @@ class SoakResult:
     """From each random kill to the members seeing a loss."""
     admit_s: list[float] = field(default_factory=list)
     """How long each replacement's admission stopped the members."""
+    admit_connect_s: list[float] = field(default_factory=list)
+    """The part of each admission spent agreeing on the generation and building its group."""
     step_s: float = 0.0
     """The median time between commits in the same world."""
     problems: list[str] = field(default_factory=list)
@@ -308,7 +310,9 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
         seen = [c["seen_at"] for c in result.changes if c["lost_ranks"] and c["seen_at"] >= at]
         if seen:
             result.detect_s.append(min(seen) - at)
-    result.admit_s = [c["regroup_s"] for c in result.changes if c["joined"] and not c["lost_ranks"]]
+    admissions = [c for c in result.changes if c["joined"] and not c["lost_ranks"]]
+    result.admit_s = [c["regroup_s"] for c in admissions]
+    result.admit_connect_s = [c.get("connect_s", 0.0) for c in admissions]
     batches = _committed_batches(events, commits, problems)
     if batches is None:
         return

@@ -102,9 +102,26 @@ def _die_once_admitted(when: str = "admitted") -> None:
     run_module.ask_to_join = admitted_then_gone
 
 
+def die_before_sending_copy(step: int) -> None:
+    """Make this rank die as it would send its buddy copy of ``step`` (Note [one step
+    back] in tandem/elastic/buddy.py), after it took the previous rank's: that rank
+    goes on, and sees the loss later (after its scheduler stepped)."""
+    from tandem.comm.p2p import recv
+    from tandem.elastic.buddy import BuddyCopies
+    send = BuddyCopies.refresh
+
+    def die(self: BuddyCopies, shard: Any, at: int, members: Any, me: int) -> None:
+        if at == step:
+            recv((me - 1) % len(members))
+            os.kill(os.getpid(), signal.SIGKILL)
+        send(self, shard, at, members, me)
+    BuddyCopies.refresh = die  # type: ignore[method-assign]
+
+
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
-          admitting_dies: int | None = None, group_dies: int | None = None) -> dict:
+          admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
+          save_dies: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
@@ -142,6 +159,11 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     if rank == admitting_dies and not joining:
         from tandem.elastic.world import ElasticWorld
         ElasticWorld.share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+    if in_refresh and rank in deaths and not joining:
+        die_before_sending_copy(deaths[rank])
+    if rank == save_dies and not joining:  # inside dcp.save, between its plan's collectives and its last
+        from torch.distributed.checkpoint import FileSystemWriter
+        FileSystemWriter.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
     trainer: Trainer | None = None
@@ -165,7 +187,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         fully_shard(model[0], min_unit_bytes=0)
         fully_shard(model[2], min_unit_bytes=0)
         fully_shard(model)
-    if not joining and rank in deaths:
+    if not joining and rank in deaths and not in_refresh:
         def die(grad: torch.Tensor) -> torch.Tensor:
             assert trainer is not None
             if trainer.state.step == deaths[rank]:
@@ -226,6 +248,30 @@ def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def global_batches(out: Path, died_at: dict[str, int]) -> list[list[int]]:
+    """Each committed step's samples, all ranks together, from the logs."""
+    steps: dict[int, list[int]] = {}
+    for step, idx in committed_steps(out, died_at):
+        steps.setdefault(step, []).extend(idx)
+    return [sorted(steps[step]) for step in sorted(steps)]
+
+
+def reference_on(batches: list[list[int]]) -> list[torch.Tensor]:
+    """One process, Adam and the sharded runs' scheduler, on these global batches:
+    the reference where the rest of an epoch was split exactly (Note [exact split]),
+    whose steps are not the order's next samples."""
+    data, model = Indexed(), make_model()
+    opt = torch.optim.Adam(model.parameters(), **ADAM)
+    scheduler = make_scheduler(opt)
+    for idx in batches:
+        loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        scheduler.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _schedule(changes: list[dict], start_world: int = 3) -> list[int]:
     """World size per step: ``start_world`` until each change's step, then its new size."""
     worlds = []
@@ -262,10 +308,12 @@ def committed_steps(out: Path, died_at: dict[str, int]) -> list[tuple[int, list[
 def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (),
          join_dies: str | None = None, join_at: int | None = None, zero: bool = False,
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
-         group_dies: int | None = None) -> list[dict]:
-    may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies) if r is not None]
-    results = run_distributed(_rank, 3, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
-                                              fsdp, admitting_dies, group_dies),
+         group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
+         world: int = 3) -> list[dict]:
+    may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
+                                                           if r is not None]
+    results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
+                                                  fsdp, admitting_dies, group_dies, in_refresh, save_dies),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -303,6 +351,11 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "lost-building-a-group": ({1: 2}, {"group_dies": 2, "fsdp": True}),
     **{f"member-lost-admitting-{s}": ({1: 2}, {**JOIN, "admitting_dies": 2, **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
+    # Rank 1 dies as it would send its copy of step 4, where the StepLR halves the rate.
+    "step-back-fsdp": ({1: 4}, {"in_refresh": True, "fsdp": True}),
+    # Rank 2 of 4 dies inside dcp.save of step 2's checkpoint; gloo's ring is such that
+    # rank 0 waits there on a rank that is alive but has left for the regroup.
+    "lost-in-dcp-save-fsdp": ({}, {"save_dies": 2, "world": 4, "checkpoint_every": 2, "fsdp": True}),
 }
 
 
@@ -508,3 +561,38 @@ def test_a_rank_lost_as_fully_shard_builds_its_reduce_group_holds_no_one(scenari
 def test_config_is_checked(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         ElasticConfig(**bad)
+
+
+def test_one_step_back_sets_the_learning_rate_back(scenarios: dict) -> None:
+    # Note [one step back] in tandem/elastic/buddy.py: rank 0 got rank 2's copy of step 4
+    # and went on (its scheduler halved the rate for step 5); rank 1's copy of step 4 never
+    # left, so the job goes back to step 3, whose rate is the whole one: fully_shard's shard
+    # does not hold the rate, the point the job goes back to does.
+    tmp_path, results = _launched(scenarios, "step-back-fsdp")
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0", "2"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"], c["stepped_back"]) for c in changes] == \
+        [(3, [1], 2, True)]
+    batches = global_batches(tmp_path, {"1": 3})
+    assert [len(b) for b in batches][:4] == [6, 6, 6, 4] and sum(map(len, batches)) == N
+    for a, b in zip(live[0]["params"], reference_on(batches)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_rank_lost_inside_dcp_save_holds_no_one(scenarios: dict) -> None:
+    # Found by the soak: DCP plans a save with torch's own collectives, and a rank waiting
+    # there on a live peer that left for the regroup waited until the regroup gave up (a
+    # 15 s stall there, 30 s here, then a failure). Watched, it sees the dead rank at once.
+    tmp_path, results = _launched(scenarios, "lost-in-dcp-save-fsdp")
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0", "1", "3"] and all(r["world_size"] == 3 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"], c["checkpoint_step"]) for c in changes] == \
+        [(2, [2], 3, None)]
+    batches = global_batches(tmp_path, {})
+    assert [len(b) for b in batches][:3] == [8, 8, 6] and sum(map(len, batches)) == N
+    for a, b in zip(live[0]["params"], reference_on(batches)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

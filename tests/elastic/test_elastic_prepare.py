@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_elastic import (ADAM, BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
-                          _die_once_admitted, _launched, _reference, _schedule, _used_samples, committed_steps,
-                          launch_all, make_model, make_optimizer, make_scheduler)
+                          _die_once_admitted, _launched, _reference, _schedule, _used_samples, die_before_sending_copy,
+                          global_batches, launch_all, make_model, make_optimizer, make_scheduler, reference_on)
 from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
@@ -66,16 +66,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
         from tandem.elastic.loop import ElasticLoop
         ElasticLoop._share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     if in_refresh and rank in deaths and not joining:
-        from tandem.elastic.buddy import BuddyCopies
-        send = BuddyCopies.refresh
-
-        def die_before_sending(self: BuddyCopies, shard: Any, step: int, members: Any, me: int) -> None:
-            if step == deaths[rank]:  # the previous rank's copy arrives, so that rank goes on: it sees the loss later
-                from tandem.comm.p2p import recv
-                recv((me - 1) % len(members))
-                os.kill(os.getpid(), signal.SIGKILL)
-            send(self, shard, step, members, me)
-        BuddyCopies.refresh = die_before_sending  # type: ignore[method-assign]
+        die_before_sending_copy(deaths[rank])
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
 
@@ -338,36 +329,14 @@ def test_own_sharded_loop_goes_back_across_an_epochs_end(scenarios: dict) -> Non
     changes = live[0]["changes"]
     assert [(c["step"], c["lost_ranks"], c["world_size"], c["stepped_back"]) for c in changes] == \
         [(7, [1], 2, True)]
-    batches = _global_batches(tmp_path, {"1": 7})
+    batches = global_batches(tmp_path, {"1": 7})
     assert [len(b) for b in batches[:9]] == [6] * 7 + [4, 2]
     assert all(r["steps"] == r["scheduler_steps"] == 9 + N // 4 for r in live)
     # The rest of an epoch is split exactly (Note [exact split]): the last 6 samples' two
     # steps are not the order's next 4 and 2, so the reference trains on what was logged.
-    for a, b in zip(live[0]["after_epoch"][0], _reference_on(batches[:9])):
+    for a, b in zip(live[0]["after_epoch"][0], reference_on(batches[:9])):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert _used_samples(tmp_path, {"1": 7}) == sorted(list(range(N)) * 2)
-
-
-def _global_batches(out: Path, died_at: dict[str, int]) -> list[list[int]]:
-    """Each committed step's samples, all ranks together, from the logs."""
-    steps: dict[int, list[int]] = {}
-    for step, idx in committed_steps(out, died_at):
-        steps.setdefault(step, []).extend(idx)
-    return [sorted(steps[step]) for step in sorted(steps)]
-
-
-def _reference_on(batches: list[list[int]]) -> list[torch.Tensor]:
-    """One process, Adam and the sharded runs' scheduler, on these global batches."""
-    data, model = Indexed(), make_model()
-    opt = torch.optim.Adam(model.parameters(), **ADAM)
-    scheduler = make_scheduler(opt)
-    for idx in batches:
-        loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        scheduler.step()
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def test_loader_regroup_gives_the_uncommitted_rest_once() -> None:
