@@ -481,7 +481,10 @@ class Membership:
             lost = {**self.dead(missing), **{m: "known dead" for m in known_dead if m in missing}}
             if len(lost) == len(missing):
                 joiners = [j for j in self.waiting_joiners() if j not in arrived]
-                chosen = self._propose(Generation(number, tuple(arrived) + tuple(joiners)))
+                # One that arrived (or asked to join) and died since is left out now, not
+                # found dead again by the generation's arrival barrier (a soak saw it).
+                gone = {m for m, why in self.dead(arrived + joiners).items() if why != NEVER_BEATEN}
+                chosen = self._propose(Generation(number, tuple(m for m in arrived + joiners if m not in gone)))
                 break
             if time.monotonic() > deadline:
                 raise MembershipError(

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tandem.comm.membership import Decision, ElasticConfig, Membership, MembershipError
+from tandem.comm.membership import PREFIX, Decision, ElasticConfig, Membership, MembershipError
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
 CONFIG = ElasticConfig(beat_s=0.01, stale_after_s=1.0, regroup_timeout_s=5.0)
@@ -70,6 +70,24 @@ def test_a_member_seen_dead_aborts_the_step_and_is_left_out() -> None:
     generation = m0.next_generation()
     t.join(5)
     assert generation.members == ("0", "1") and out == [generation] and generation.number == 1
+    for m in (m0, m1):
+        m.stop()
+
+
+def test_a_member_that_arrived_and_died_since_is_left_out() -> None:
+    # It posted its candidacy for generation 1, then died before the others had all
+    # arrived: the generation proposed leaves it out, rather than its arrival barrier
+    # finding it dead and starting generation 2.
+    clock = Clock()
+    store, (m0, m1, m2) = _members(3, clock)
+    store.set(f"{PREFIX}/gen/1/cand/2", "alive")
+    m2.stop()
+    clock.now += 2 * CONFIG.stale_after_s
+    m0._beat(), m1._beat()
+    t, out = _in_thread(m1.next_generation)
+    generation = m0.next_generation()
+    t.join(5)
+    assert generation.members == ("0", "1") and out == [generation]
     for m in (m0, m1):
         m.stop()
 
