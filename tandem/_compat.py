@@ -525,10 +525,28 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict
     return flatten(state_dict)
 
 
-__all__ += ["forget_default_group"]
+__all__ += ["forget_default_group", "reset_group_names"]
 
 # Groups left behind by forget_default_group, never destroyed (see there).
 _FORGOTTEN: list[Any] = []
+
+
+def reset_group_names() -> None:
+    """Name the next process group as every other rank does.
+
+    Why: torch names each new group by a counter of the process
+    (``_world.group_count``), and the group's keys in the store carry that
+    name, so ranks that build a group together must have counted alike. An
+    elastic job's attempt to build a generation's group that failed (a member
+    died as it was built: Note [arrivals] in tandem/comm/membership.py) counted
+    a group on the ranks that got as far as ``init_process_group``, and not on
+    the ones that saw the death first: in the next generation their keys
+    differed and every member waited for the others' until the timeout (a soak
+    found it). The bookkeeping is torch's private ``_world`` (torch 2.4 to 2.13).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = 0
 
 
 def forget_default_group() -> None:

@@ -16,7 +16,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from tandem._compat import bind_group_defaults_before_init, default_store, forget_default_group, set_group_timeout
+from tandem._compat import (bind_group_defaults_before_init, default_store, forget_default_group, reset_group_names,
+                            set_group_timeout)
 from tandem.comm import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
@@ -107,6 +108,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     rank = generation.rank_of(membership.member)
     membership.await_members(generation)  # Note [arrivals] in membership.py
     bind_group_defaults_before_init()
+    reset_group_names()  # a failed attempt may have counted a group on some members only
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
     try:
         with default_group_connections(backend) as connections:

@@ -121,7 +121,7 @@ def die_before_sending_copy(step: int) -> None:
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
-          save_dies: int | None = None) -> dict:
+          save_dies: int | None = None, miscounts: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
@@ -161,6 +161,15 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         ElasticWorld.share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
+    if rank == miscounts and not joining:  # as a failed attempt to build a group on this rank only would
+        from tandem.comm.membership import Membership
+        arrive = Membership.await_members
+
+        def miscount(self: Membership, generation: Any, what: str = "group") -> None:
+            from torch.distributed import distributed_c10d as c10d
+            c10d._world.group_count += 1
+            arrive(self, generation, what)
+        Membership.await_members = miscount  # type: ignore[method-assign]
     if rank == save_dies and not joining:  # inside dcp.save, between its plan's collectives and its last
         from torch.distributed.checkpoint import FileSystemWriter
         FileSystemWriter.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
@@ -309,11 +318,12 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          join_dies: str | None = None, join_at: int | None = None, zero: bool = False,
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
-         world: int = 3) -> list[dict]:
+         world: int = 3, miscounts: int | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
-                                                  fsdp, admitting_dies, group_dies, in_refresh, save_dies),
+                                                  fsdp, admitting_dies, group_dies, in_refresh, save_dies,
+                                                  miscounts),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -356,6 +366,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     # Rank 2 of 4 dies inside dcp.save of step 2's checkpoint; gloo's ring is such that
     # rank 0 waits there on a rank that is alive but has left for the regroup.
     "lost-in-dcp-save-fsdp": ({}, {"save_dies": 2, "world": 4, "checkpoint_every": 2, "fsdp": True}),
+    "miscounted-groups": ({1: 2}, {"miscounts": 2}),
 }
 
 
@@ -596,3 +607,17 @@ def test_a_rank_lost_inside_dcp_save_holds_no_one(scenarios: dict) -> None:
     assert [len(b) for b in batches][:3] == [8, 8, 6] and sum(map(len, batches)) == N
     for a, b in zip(live[0]["params"], reference_on(batches)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_member_that_counted_other_groups_builds_the_next_one_with_the_others(scenarios: dict) -> None:
+    # torch names a group by a per-process count, and its store keys by the name: a member
+    # whose attempt to build a generation's group failed had counted one more than a member
+    # that saw the death before trying, and the next generation's group never formed (a
+    # soak's job ended so). Here rank 2 miscounts before each group it builds.
+    tmp_path, results = _launched(scenarios, "miscounted-groups")
+    live = [r for r in results if r is not None]
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(2, [1], 2)]
+    _check_reference(live, [3, 3] + [2] * ((N - 12) // 4))
