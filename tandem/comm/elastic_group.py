@@ -80,14 +80,18 @@ def elastic_membership(config: ElasticConfig) -> Membership:
     calls it). Its config becomes ``config``."""
     if not dist.is_initialized():
         raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
-    current_monitor().set_liveness(config.liveness())  # every rank: Note [dead peers] in peers.py
+    monitor = current_monitor()
+    monitor.set_liveness(config.liveness())  # every rank: Note [dead peers] in peers.py
     member = group_record.current()
     if member is not None and member.elastic is not None:
-        member.elastic.config = config
-        return member.elastic
-    elastic = Membership.founding(job_store(), dist.get_rank(), dist.get_world_size(), config)
-    if member is not None:
-        group_record.with_elastic(member, elastic)
+        elastic = member.elastic
+        elastic.config = config
+    else:
+        elastic = Membership.founding(job_store(), dist.get_rank(), dist.get_world_size(), config)
+        if member is not None:
+            group_record.with_elastic(member, elastic)
+    if monitor.peers is not None:
+        monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in peers.py
     return elastic
 
 

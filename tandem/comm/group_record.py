@@ -115,8 +115,10 @@ def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
                  connections: tuple[Connection, ...] = ()) -> None:
     """What :func:`init` adds to a group it created or adopted, and the record of it."""
     global _membership
-    start_monitor(timeout_s=timeout_td.total_seconds(),
-                  liveness=elastic.config.liveness() if elastic is not None else DEFAULT_LIVENESS)
+    monitor = start_monitor(timeout_s=timeout_td.total_seconds(),
+                            liveness=elastic.config.liveness() if elastic is not None else DEFAULT_LIVENESS)
+    if elastic is not None and monitor.peers is not None:
+        monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in peers.py
     install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
     group = dist.group.WORLD
     assert group is not None, "the default group is initialised"

@@ -451,6 +451,17 @@ class Membership:
                 won = self.store.compare_set(key, "", Decision.ABORT.value)
                 return Decision(won.decode())
 
+    def departed(self, ranks: Sequence[int]) -> dict[int, str]:
+        """The ranks of this generation, among ``ranks``, whose member has asked
+        for the next one (Note [a peer gone to regroup] in peers.py), with why."""
+        current = self.generation
+        out: dict[int, str] = {}
+        for r in ranks:
+            if 0 <= r < current.world_size and current.members[r] != self.member and self.store.check(
+                    [f"{PREFIX}/gen/{current.number + 1}/cand/{current.members[r]}"]):
+                out[r] = f"has left generation {current.number} to regroup (member {current.members[r]})"
+        return out
+
     # ------------------------------------------------------------------ regroup
     def next_generation(self, known_dead: Sequence[str] = ()) -> Generation:
         """Agree with the live members (and the replacements that wait) on the

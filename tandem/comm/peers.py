@@ -1,5 +1,17 @@
 """Which peer is gone: heartbeats in the job's store, and waits that watch them.
 
+# Note [a peer gone to regroup]
+In an elastic job a peer can leave a collective alive: it saw another member
+die and went to regroup (Note [elastic membership] in membership.py), so what
+this rank waits for from it never comes. Its heartbeat goes on, so the watch
+below would wait for gloo's timeout; a soak saw a ZeRO-2 rank, the only one
+whose parameter all-gather completed before a death, commit its step alone and
+wait 40 s in the buddy copies' receive from a peer that was waiting for it in
+the regroup. So the membership tells the watch which peers have asked for the
+next generation (``PeerWatch.departed``), and a peer seen so for a whole slice
+counts as gone, for this wait: a message it sent before it left arrives within
+the slice. The rank then regroups too.
+
 # Note [dead peers]
 When a rank dies inside a collective, gloo tells only the ranks connected to it
 on that collective's step ("Connection closed by peer [127.0.0.1]:35735", an
@@ -137,6 +149,9 @@ class PeerWatch:
         self._seen: dict[int, tuple[str | None, float]] = {}
         self._processes = PostedProcesses(store, process_key)  # Note [deaths seen at once]
         self.board = WaitBoard(store, rank)  # where each rank waits (Note [mismatched waits])
+        # Note [a peer gone to regroup]: set in an elastic job, by its membership.
+        self.departed: Callable[[Sequence[int]], dict[int, str]] | None = None
+        self._departed_at: dict[int, float] = {}
 
     def post_process(self) -> None:
         """Tell the peers which process this rank is (Note [deaths seen at once])."""
@@ -176,7 +191,20 @@ class PeerWatch:
             elif now - previous[1] >= self.liveness.stale_after_s and (value is not None or failed):
                 lost[r] = (f"stopped beating {now - previous[1]:.1f} s ago" if value is not None
                            else f"has not beaten in {now - previous[1]:.1f} s")
+        if self.departed is not None:
+            lost.update(self._gone_to_regroup([r for r in ranks if r != self.rank and r not in lost], now))
         return lost
+
+    def _gone_to_regroup(self, ranks: Sequence[int], now: float) -> dict[int, str]:
+        """The peers of ``ranks`` that left for a regroup at least a slice ago
+        (Note [a peer gone to regroup])."""
+        assert self.departed is not None
+        gone = {}
+        for r, why in self.departed(ranks).items():
+            since = self._departed_at.setdefault(r, now)
+            if now - since >= self.liveness.slice_s:
+                gone[r] = why
+        return gone
 
     def diagnose(self, ranks: Sequence[int], window_s: float | None = None) -> dict[int, str]:
         """Watch ``ranks`` for up to ``window_s`` (default: the staleness window

@@ -121,7 +121,7 @@ def die_before_sending_copy(step: int) -> None:
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
-          save_dies: int | None = None, miscounts: int | None = None) -> dict:
+          save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
@@ -170,6 +170,20 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             c10d._world.group_count += 1
             arrive(self, generation, what)
         Membership.await_members = miscount  # type: ignore[method-assign]
+    if leaves_at is not None and rank == 2 and not joining:
+        # Rank 2 leaves for a regroup, alive, as it would send its copy of step leaves_at:
+        # rank 0 waits for that copy (Note [a peer gone to regroup] in tandem/comm/peers.py).
+        from tandem.comm.peers import PeerLostError
+        from tandem.elastic.buddy import BuddyCopies
+        send_copy = BuddyCopies.refresh
+        left: list[bool] = []
+
+        def leave(self: BuddyCopies, shard: Any, at: int, members: Any, me: int) -> None:
+            if at == leaves_at and not left:
+                left.append(True)
+                raise PeerLostError(me, {}, "a test: rank 2 leaves for a regroup")
+            send_copy(self, shard, at, members, me)
+        BuddyCopies.refresh = leave  # type: ignore[method-assign]
     if rank == save_dies and not joining:  # inside dcp.save, between its plan's collectives and its last
         from torch.distributed.checkpoint import FileSystemWriter
         FileSystemWriter.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
@@ -318,12 +332,12 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          join_dies: str | None = None, join_at: int | None = None, zero: bool = False,
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
-         world: int = 3, miscounts: int | None = None) -> list[dict]:
+         world: int = 3, miscounts: int | None = None, leaves_at: int | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
                                                   fsdp, admitting_dies, group_dies, in_refresh, save_dies,
-                                                  miscounts),
+                                                  miscounts, leaves_at),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -367,6 +381,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     # rank 0 waits there on a rank that is alive but has left for the regroup.
     "lost-in-dcp-save-fsdp": ({}, {"save_dies": 2, "world": 4, "checkpoint_every": 2, "fsdp": True}),
     "miscounted-groups": ({1: 2}, {"miscounts": 2}),
+    "left-alive-zero2": ({}, {"leaves_at": 3, "zero": True}),
 }
 
 
@@ -621,3 +636,19 @@ def test_a_member_that_counted_other_groups_builds_the_next_one_with_the_others(
     changes = live[0]["changes"]
     assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(2, [1], 2)]
     _check_reference(live, [3, 3] + [2] * ((N - 12) // 4))
+
+
+def test_a_rank_waited_on_by_a_peer_that_left_for_a_regroup_follows_it(scenarios: dict) -> None:
+    # Note [a peer gone to regroup]: rank 2 leaves for a regroup, alive, before sending rank 0
+    # its copy of step 3; rank 0 waits in that receive. Its heartbeat going on, rank 0 used to
+    # wait for gloo's timeout (40 s in a soak); it sees rank 2 asked for the next generation,
+    # and follows. Nobody is lost: the three regroup and train on.
+    tmp_path, results = _launched(scenarios, "left-alive-zero2")
+    assert [r["member"] for r in results] == ["0", "1", "2"] and all(r["world_size"] == 3 for r in results)
+    _check_equal_replicas(results)
+    changes = results[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == [([], [], 3)]
+    assert "has left generation 0 to regroup" in changes[0]["cause"] or changes[0]["cause"].startswith(
+        "rank 0: peer lost"), changes[0]["cause"]
+    _check_reference(results, [3] * (N // 6), zero=True)
+    assert _used_samples(tmp_path, {}) == list(range(N))
