@@ -36,9 +36,11 @@ group's sockets are the connected TCP sockets that its creation opened
 inode, so that a number that gloo closed (a dead peer's pair) and the kernel
 reused is not touched. The group's listening socket is left alone: gloo's
 accept loop aborts the process when accept fails. Sockets are read from
-``/proc/self/fd`` (Linux); elsewhere nothing is recorded or cut. Groups that
-tandem did not create as the default group (``new_group``, an adopted group)
-are not recorded.
+``/proc/self/fd`` (Linux); elsewhere nothing is recorded or cut. A further
+group an elastic job builds over every member (fully_shard's reduce-scatter
+group, ``new_world_group`` in elastic_group.py) is recorded with the default
+group, and cut with it. Other groups (``new_group``, an adopted group) are not
+recorded.
 """
 
 from __future__ import annotations

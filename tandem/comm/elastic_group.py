@@ -173,10 +173,15 @@ def new_world_group(what: str) -> dist.ProcessGroup:
     else:
         membership.await_members(membership.generation, what)
         try:
-            group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
-                                   timeout=_connect_timeout(membership))
+            # Its sockets are cut with the default group's when a generation leaves it behind:
+            # a wait left in it would otherwise end only as the process finalizes (Note
+            # [severing a forgotten group] in connections.py; a soak's replacement aborted so).
+            with default_group_connections(str(dist.get_backend())) as connections:
+                group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
+                                       timeout=_connect_timeout(membership))
         except Exception as e:
             raise _not_built(membership, membership.generation, what, e) from e
+        group_record.add_connections(tuple(connections))
         set_group_timeout((record.timeout if record is not None else None) or DEFAULT_TIMEOUT, group)
     assert group is not None, "every rank is a member"
     return group

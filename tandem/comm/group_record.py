@@ -84,6 +84,16 @@ def forget() -> GroupRecord | None:
     return member
 
 
+def add_connections(connections: tuple[Connection, ...]) -> None:
+    """Record the gloo connections of a further group over the default group's
+    ranks (an elastic job's ``new_world_group``): they are cut with the default
+    group's when a new generation leaves them behind (Note [severing a forgotten
+    group] in connections.py)."""
+    global _membership
+    if _membership is not None and connections:
+        _membership = dataclasses.replace(_membership, connections=_membership.connections + connections)
+
+
 def with_elastic(member: GroupRecord, elastic: Membership) -> None:
     """Record ``elastic`` as this process's place in an elastic job."""
     global _membership

@@ -21,6 +21,8 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
+
 from tandem.comm.connections import opened_connections, sever
 
 TIMEOUT_S = 90.0
@@ -78,16 +80,19 @@ _RANK = textwrap.dedent("""
     import torch
     import tandem
     from tandem.comm.bootstrap import elastic_membership, enter_generation
+    from tandem.comm.elastic_group import new_world_group
     from tandem.comm.group import GroupComm
     from tandem.comm.membership import ElasticConfig, Generation
 
-    rank, store, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, store, marker, which = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     tandem.init("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     membership = elastic_membership(ElasticConfig())
+    # The default group's, or fully_shard's reduce-scatter group's (new_world_group).
+    comm = GroupComm() if which == "default" else GroupComm(new_world_group("reduce-scatters"))
     if rank == 0:
         # Rank 1 never issues it: its wait stays in tandem's waiter thread, as a
         # step's reduce-scatter does when the members give the step up.
-        GroupComm().reduce_scatter(torch.empty(4), torch.ones(8), async_op=True)
+        comm.reduce_scatter(torch.empty(4), torch.ones(8), async_op=True)
     enter_generation(membership, Generation(1, ("0", "1")))  # the old group is forgotten
     tandem.shutdown()
     if rank == 0:
@@ -105,11 +110,12 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def test_a_rank_with_a_wait_left_in_a_forgotten_group_exits_cleanly(tmp_path: Path):
+@pytest.mark.parametrize("which", ["default", "reduce-scatter group"])
+def test_a_rank_with_a_wait_left_in_a_forgotten_group_exits_cleanly(tmp_path: Path, which: str):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                            "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     marker = tmp_path / "rank0-finalizing"
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(tmp_path / "store"), str(marker)],
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(tmp_path / "store"), str(marker), which],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for rank in (0, 1)]
     try:
