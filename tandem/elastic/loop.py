@@ -342,7 +342,7 @@ class ElasticLoop:
         if self.world.buddy is not None:
             if self._zero:
                 cast(Any, self.optimizer).reset_process_group()
-            resumed = self.world.restore_shards(own, rank, _gather_all)
+            resumed = self.world.restore_shards(own, rank)  # no checkpoint to fall back to
         if self.run.state_wanted():  # Note [a join cut short] in tandem/elastic/run.py
             self._share_state()
         for loader in self.loaders:
@@ -371,13 +371,6 @@ class ElasticLoop:
         logger.warning("rank %d: %s", dist.get_rank(), change.describe())
         if dist.get_rank() == 0:
             print(f"tandem: {change.describe()}", file=sys.stderr, flush=True)
-
-
-def _gather_all(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (for a checkpoint fall-back, which a prepared loop has not)."""
-    out: list[Any] = [None] * dist.get_world_size()
-    watched("all_gather_object of every rank's part", dist.all_gather_object, out, obj)
-    return out
 
 
 class ElasticOptimizer(torch.optim.Optimizer):

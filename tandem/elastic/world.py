@@ -174,12 +174,13 @@ class ElasticWorld:
             self.buddy.refresh(shard, state.step, members, rank)
 
     def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
-                       share_all: Callable[[Any], list[Any]]) -> Resumed | None:
+                       share_all: Callable[[Any], list[Any]] | None = None) -> Resumed | None:
         """Every rank's shard of a ZeRO optimizer's state (and the parameters),
         or of a fully-sharded model and its optimizer's state, laid out for the
         new world: from the survivors and their buddy copies, one step back where
         a copy of the last step did not arrive (Note [one step back]), else from
-        the last checkpoint. Returns where the loop state went back to, if it did."""
+        the last checkpoint (``share_all`` gathers an object of every rank for it:
+        given with a fall-back). Returns where the loop state went back to, if it did."""
         assert self.buddy is not None
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
@@ -198,6 +199,7 @@ class ElasticWorld:
             if fallback.latest() is None:
                 raise MembershipError(f"rank {rank}: {e}, and {fallback.directory} holds no "
                                       "checkpoint to fall back to; the job cannot go on") from e
+            assert share_all is not None, "a fall-back reads the checkpoint with share_all"
             logger.warning("rank %d: %s; falling back to the last checkpoint", rank, e)
             if fsdp:
                 self._optimizer.state.clear()  # laid out for the old world; the checkpoint has it
