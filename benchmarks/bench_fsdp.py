@@ -244,8 +244,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             ratio = f"**{r['per_round']:.2f}** {_bracket(r['quartiles'], '.2f')}; {r['of_medians']:.2f}"
         baseline = f"{t / statistics.median(times[BASELINE[name]]):.2f}x" if BASELINE[name] in times else ""
         held = [r["bytes"][name] for r in results]
-        cells = [_per_rank([h[k] for h in held]) for k in ("params", "grads", "optimizer")]
-        total = _per_rank([sum(h.values()) for h in held])
+        cells = [per_rank([h[k] for h in held]) for k in ("params", "grads", "optimizer")]
+        total = per_rank([sum(h.values()) for h in held])
         rows.append(f"| {name} | {t * 1e3:.1f} {_bracket(quartiles([x * 1e3 for x in times[name]]), '.1f')} "
                     f"| {ratio} | {baseline} | {' | '.join(cells)} | {total} |")
     return "\n".join(rows)
@@ -263,11 +263,10 @@ def _bracket(q: tuple[float, float] | None, fmt: str) -> str:
     return "" if q is None else f"[{q[0]:{fmt}}-{q[1]:{fmt}}]"
 
 
-def _per_rank(values: list[int]) -> str:
-    """One figure when every rank holds the same, else rank 0's / rank 1's / ..."""
-    if len(set(values)) == 1:
-        return _mib(values[0])
-    return " / ".join(_mib(v) for v in values)
+def per_rank(values: list[int]) -> str:
+    """One figure when every rank holds the same (to the figure shown), else rank 0's / rank 1's / ..."""
+    shown = [_mib(v) for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
 
 
 def _mib(n: float) -> str:

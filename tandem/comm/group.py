@@ -277,6 +277,10 @@ class GroupComm:
                         t.copy_(flat[offset: offset + n].view_as(t))
                         offset += n
 
+    def backend_on(self, device: torch.device) -> str:
+        """The backend that runs this group's collectives on ``device`` ("gloo", "nccl", ...)."""
+        return _backend_for(self.backend, device)
+
     def wait_blocks_host(self, device: torch.device) -> bool:
         """Whether waiting on one of this group's collectives on ``device`` holds
         the calling thread until the collective has completed: gloo's and MPI's

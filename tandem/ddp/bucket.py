@@ -73,7 +73,7 @@ class GradBuffer:
         return False
 
     def slice(self, spec: BucketSpec) -> torch.Tensor:
-        if spec.solo:
+        if spec.index in self.solo:  # a solo bucket's staging, or a ZeRO bucket's own memory
             return self.solo[spec.index]
         return self.flat[(spec.device, spec.dtype)].narrow(0, spec.buffer_offset, spec.padded_numel)
 
@@ -88,20 +88,8 @@ class GradBuffer:
 
     @property
     def released(self) -> bool:
-        return any(t.untyped_storage().size() == 0 for t in self.flat.values() if t.numel())
-
-    def release(self) -> None:
-        """Free the memory of the flat tensors. Views into them stay valid objects
-        but must not be used until :meth:`restore` (ZeRO-2 between steps)."""
-        for t in self.flat.values():
-            t.untyped_storage().resize_(0)
-
-    def restore(self) -> None:
-        """Allocate the memory again (uninitialised) after :meth:`release`."""
-        for t in self.flat.values():
-            storage = t.untyped_storage()
-            if storage.size() == 0 and t.numel():
-                storage.resize_(t.numel() * t.element_size())
+        """Whether no tensor of the buffer holds memory (ZeRO between steps)."""
+        return all(t.untyped_storage().size() == 0 for t in (*self.flat.values(), *self.solo.values()) if t.numel())
 
     def slice_shard(self, spec: BucketSpec, world_size: int) -> torch.Tensor:
         """In a buffer of ``1/world_size`` the plan's size: one rank's shard of the bucket."""
@@ -127,11 +115,7 @@ class Bucket:
         self.params = params
         self.size = len(params)
         self.names = names
-        self.data = data                                  # the whole padded slice
-        self.grads = data.narrow(0, 0, spec.numel)        # the parameters' region
-        # Shaped like each parameter's local tensor: Note [tensor-parallel parameters] in tandem/dtensor.py.
-        self.views = [data.narrow(0, off, local.numel()).view_as(local)
-                      for off, local in zip(spec.offsets, map(local_tensor, params))]
+        self._use_data(data)
         self.tensor_parallel = any(map(is_distributed, params))  # else .grad is the local gradient
         # param.grad may stay bound to its view between steps (Note [gradients born in
         # their bucket] in write_back.py): not a solo bucket's staging, not tensor-parallel shards.
@@ -151,6 +135,39 @@ class Bucket:
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.work: PendingReduction | None = None
+
+    def _use_data(self, data: torch.Tensor) -> None:
+        self.data = data                                  # the whole padded slice
+        self.grads = data.narrow(0, 0, self.spec.numel)   # the parameters' region
+        # Shaped like each parameter's local tensor: Note [tensor-parallel parameters] in tandem/dtensor.py.
+        self.views = [data.narrow(0, off, local.numel()).view_as(local)
+                      for off, local in zip(self.spec.offsets, map(local_tensor, self.params))]
+        self._own_uses = storage_use_count(data)  # the tensors above, and the buffer's own
+
+    def take_memory(self) -> None:
+        """ZeRO (Note [zero buckets] in reduction.py): this bucket's memory,
+        zeroed, and the ``.grad`` of every parameter without one bound to its
+        view, so that autograd accumulates the gradient into the bucket."""
+        storage = self.data.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.data.numel() * self.data.element_size())
+        self.data.zero_()
+        for p, view in zip(self.params, self.views):
+            if p.grad is None:
+                p.grad = view
+
+    def give_back_memory(self) -> None:
+        """ZeRO, after backward (``param.grad`` is None again): free this bucket's
+        memory, unless a tensor outside the bucket still uses it (a ``.grad`` the
+        user kept): then that memory stays the user's and the bucket gets new."""
+        views, params = self.views, self.params
+        kept = any(params[k].grad is views[k] or sys.getrefcount(views[k]) > _VIEW_REFS
+                   for k in range(len(views)))
+        uses = storage_use_count(self.data)
+        if kept or uses is None or self._own_uses is None or uses > self._own_uses:
+            self._use_data(torch.empty(0, dtype=self.data.dtype, device=self.data.device)
+                           .resize_(self.data.numel()))
+        self.data.untyped_storage().resize_(0)
 
     def configure(self, *, in_place: bool) -> None:
         """Fix how gradients reach this bucket, for the reduction chosen: with

@@ -65,6 +65,7 @@ class BucketGroup:
         self.step = StepInputs(1.0 / comm.size)
         self._next_launch = 0
         self._holding = False
+        self._has_memory: list[bool] = []  # ZeRO: which buckets hold memory this step
         self.build(list(reversed(range(len(self.params)))))
 
     # ------------------------------------------------------------------ planning
@@ -72,7 +73,10 @@ class BucketGroup:
         """Plan the buckets over ``order`` and give them a new buffer."""
         plan = plan_ddp_buckets(self._infos, order, self._caps, self.comm.size, zero=self._zero,
                                 gradient_as_bucket_view=self._as_view, check_finite=self._check_finite)
-        buffer = GradBuffer(plan.buffer_numel, solo=tuple(s for s in plan.buckets if s.solo))
+        # ZeRO: every bucket has memory of its own, taken when backward nears it
+        # and given back after (Note [zero buckets] in reduction.py).
+        buffer = GradBuffer({}, solo=plan.buckets) if self._zero else \
+            GradBuffer(plan.buffer_numel, solo=tuple(s for s in plan.buckets if s.solo))
         self.buckets = [Bucket(spec, [self.params[i] for i in spec.params],
                                [self.names[i] for i in spec.params], buffer.slice(spec))
                         for spec in plan.buckets]
@@ -127,13 +131,17 @@ class BucketGroup:
     def start(self, step: StepInputs) -> None:
         """A synchronised forward armed a step: every bucket starts filling."""
         self.step = step
-        if self.buffer.released:  # Note [zero reduction] in reduction.py
-            self.buffer.restore()
-            for b in self.buckets:  # parameters' regions are all written before launch
-                b.data.narrow(0, b.spec.numel, b.spec.padded_numel - b.spec.numel).zero_()
         self._reset_buckets()
         self._next_launch = 0
         self._holding = not self._overlap
+        if self._zero:  # Note [zero buckets] in reduction.py
+            self._has_memory = [False] * len(self.buckets)
+            for b in self.buckets[:1] if self._overlap else self.buckets:
+                self._take_memory(b.index)
+
+    def _take_memory(self, b: int) -> None:
+        self._has_memory[b] = True
+        self.buckets[b].take_memory()
 
     def _reset_buckets(self) -> None:
         for b in self.buckets:
@@ -150,6 +158,8 @@ class BucketGroup:
         ready = bucket.ready
         if ready[pos] or bucket.copy_on_ready or bucket.state is not BucketState.FILLING:
             return False
+        if self._zero and not self._has_memory[b]:
+            self._take_memory(b)
         ready[pos] = True
         bucket.num_ready += 1
         if bucket.num_ready == bucket.size:
@@ -165,6 +175,8 @@ class BucketGroup:
         if bucket.ready[pos] or bucket.state is not BucketState.FILLING:
             self._ready_again(i, bucket, pos)
             return False
+        if self._zero and not self._has_memory[b]:
+            self._take_memory(b)  # a gradient that arrived before its bucket had memory: copied in
         if bucket.copy_on_ready:
             bucket.copy_in(pos, self.step.div, self._as_view)
         bucket.mark_ready(pos)
@@ -209,6 +221,8 @@ class BucketGroup:
         while self._next_launch <= last and buckets[self._next_launch].complete:
             reduction.launch(buckets[self._next_launch], self.step, self._next_launch == last)
             self._next_launch += 1
+            if self._zero and self._next_launch <= last and not self._has_memory[self._next_launch]:
+                self._take_memory(self._next_launch)  # the next bucket's gradients are born in it
 
     def launch_rest(self) -> None:
         """End of backward: every bucket is complete; launch those not yet launched."""

@@ -142,7 +142,8 @@ class FiniteCheck:
         if r.options.zero_stage:  # Note [zero reduction] in reduction.py
             for shard in r.grad_shards:
                 shard.zero_()
-            r.buffer.release()
+            for bucket in r.buckets:  # Note [zero buckets] in reduction.py
+                bucket.give_back_memory()
 
     def _report(self) -> NonFiniteReport:
         """Which ranks and parameters; a collective unless inside join."""

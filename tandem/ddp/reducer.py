@@ -567,7 +567,7 @@ class GradReducer:
                 self._deliver(reduction, bucket, globally_used)
         if stepper is not None:
             stepper.end_step()
-        reduction.end_step(self.params, group.buffer)
+        reduction.end_step(self.params, group.buckets)
         self.steps += 1
 
     def _deliver(self, reduction: Reduction, bucket: Bucket, globally_used: list[int] | None) -> None:

@@ -47,12 +47,44 @@ all-reduced: rank r receives only the averaged gradients of its shard, elements
 of ``1/world`` the size, which the sharded optimizer steps from). The full bucket
 buffer is the staging area the reduce-scatter reads. The missing-gradient flag
 would land in one rank's shard only, so it travels in a one-element all-reduce of
-its own. ``param.grad`` is not overwritten: at stage 1 it keeps this rank's local
-(unaveraged) gradient, at stage 2 it is released (None) as soon as its bucket is
-launched, so that backward does not hold two full copies. At both stages the
-memory of the bucket buffer is released until the next synchronised forward, so
-that between steps a stage-2 rank holds only its gradient shards. Buckets are
-never re-planned (the optimizer's shards are laid out over the construction-time plan).
+its own. ``param.grad`` is not what the optimizer steps: at stage 2 it is
+released (None) as soon as its bucket is launched, at stage 1 at the end of
+backward, when every shard has landed (as DeepSpeed's stage 1: holding it
+through the step cost a model's worth of memory). Between steps a rank holds
+only its gradient shards (Note [zero buckets]). Gradients accumulate across
+backwards under ``no_sync`` only, as in every ZeRO: a synchronised backward's
+reduction overwrites the shards.
+
+# Note [zero buckets]
+Under ZeRO a bucket is only a staging area for its collective, so each has
+memory of its own rather than a slice of one flat buffer, held only while
+backward needs it: the first bucket takes its memory when the step is armed,
+bucket k + 1 when bucket k is launched (or when a gradient of it arrives
+first), and every bucket gives it back at the end of backward, once its shard
+is taken. A bucket takes its memory zeroed and binds the ``.grad`` of each of
+its parameters that has none to its view, so autograd accumulates the gradient
+into the bucket (``param.grad += new``): no gradient tensor of the model's size
+exists beside the buckets, and nothing is copied in (the bucket is scaled in
+place at launch, ``Bucket.deferred``). A gradient that exists already (under
+``no_sync``) or arrives before its bucket has memory is copied in as before.
+What backward holds at most is then the buckets from the first to the one
+after the bucket last launched, not the whole model's gradients twice; on the
+benchmark residual MLP (8.9M parameters, bench_deepspeed.py) the peak within a
+step fell from 182 to ... MiB. A ``.grad`` the user kept past backward keeps
+its memory: the bucket then moves to new memory rather than free that one
+(``Bucket.give_back_memory``).
+
+# Note [gloo's reduce-scatter]
+gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on
+gloo clones the whole input and all-reduces the clone (the same bytes on the
+wire as an all-reduce: BENCHMARKS.md, "Beyond one host"), then copies the
+rank's chunk out. The clone is a bucket's worth of memory held until the wait,
+and the time was worse than the all-reduce itself: 43 ms against 28 for 28 MiB
+on 2 ranks (one thread each, this repository's 2-core machine). ZeRO owns the
+bucket's memory anyway (it is released after backward), so on gloo each bucket
+is all-reduced in place and this rank's shard copied out of it when the bucket
+is waited for: no clone, one collective, the same bytes. NCCL keeps the
+reduce-scatter, which sends half an all-reduce's bytes.
 """
 
 from __future__ import annotations
@@ -65,7 +97,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.comm.group import GroupComm
-from tandem.ddp.bucket import Bucket, GradBuffer, PendingReduction
+from tandem.ddp.bucket import Bucket, PendingReduction
 from tandem.ddp.finite import FiniteCheck
 from tandem.ddp.fused import BucketStepper
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
@@ -95,7 +127,7 @@ class Reduction(Protocol):
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None: ...
     def settle(self, buckets: Sequence[Bucket]) -> None: ...
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None: ...
-    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None: ...
+    def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None: ...
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction: ...
 
 
@@ -160,7 +192,7 @@ class AllReduce:
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         self._delivery.deliver(bucket, used, self._stepper)
 
-    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None:
+    def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None:
         pass
 
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
@@ -181,14 +213,19 @@ class ReduceScatter:
     def __init__(self, comm: GroupComm, shards: list[torch.Tensor], stage: int, *,
                  check: FiniteCheck | None) -> None:
         self._comm, self._shards, self._check = comm, shards, check
-        self._frees_grads = stage >= 2
+        self._frees_grads = stage >= 2  # during backward; stage 1 at its end
+        device = shards[0].device if shards else comm.device
+        self._all_reduces = comm.size > 1 and comm.backend_on(device) == "gloo"  # Note [gloo's reduce-scatter]
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
         bucket.fill(step.div, False)
         if self._check is not None:  # Note [check_finite] in finite.py
             self._check.mark(bucket)
-        work = self._comm.reduce_scatter(self._shards[bucket.index], bucket.data,
-                                         tag=f"bucket {bucket.index}", async_op=True)
+        if self._all_reduces:  # Note [gloo's reduce-scatter]
+            work = self._comm.all_reduce(bucket.data, tag=f"bucket {bucket.index}", async_op=True)
+        else:
+            work = self._comm.reduce_scatter(self._shards[bucket.index], bucket.data,
+                                             tag=f"bucket {bucket.index}", async_op=True)
         bucket.launched(work)
         if self._frees_grads:
             for p in bucket.params:  # copied into the bucket: free it during backward
@@ -198,17 +235,21 @@ class ReduceScatter:
         pass
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        pass  # the optimizer steps from the shards
+        if self._all_reduces:  # the optimizer steps from the shards: this rank's, copied out
+            shard = self._shards[bucket.index]
+            shard.copy_(bucket.data.narrow(0, self._comm.rank * shard.numel(), shard.numel()))
 
-    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None:
-        if self._frees_grads:
-            for p in params:
-                p.grad = None
-        buffer.release()
+    def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None:
+        for p in params:
+            p.grad = None
+        for bucket in buckets:  # Note [zero buckets]
+            bucket.give_back_memory()
 
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
         spec = bucket.spec
         zeros = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
+        if self._all_reduces:  # the collective the ranks still training issue
+            return self._comm.all_reduce(zeros, tag=f"bucket {bucket.index}", async_op=True)
         return self._comm.reduce_scatter(self._shards[bucket.index], zeros, tag=f"bucket {bucket.index}",
                                          async_op=True)
 
@@ -248,7 +289,7 @@ class HookReduce:
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         self._delivery.deliver(bucket, used, self._stepper)
 
-    def end_step(self, params: Sequence[torch.nn.Parameter], buffer: GradBuffer) -> None:
+    def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None:
         pass
 
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:

@@ -49,13 +49,13 @@ class ZeroFusedStep:
         zero = self.zero
         run_step_hooks(cast(torch.optim.Optimizer, zero), pre=True)
         self._gather.finish_all()
+        self._shards.bind_params()
         zero._sync_hyperparams()
 
     @torch.no_grad()
     def step_bucket(self, bucket: Bucket) -> None:
         pairs = self._shards.runs_of(bucket.index)
         self._shards.bind_grads(pairs)
-        self._shards.refresh_masters(pairs)
         sub = self._subs[bucket.index]
         if sub is not None:
             step_bucket_optimizer(sub, self.zero.optim)

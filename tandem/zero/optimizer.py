@@ -229,7 +229,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # stays as zero_grad left it).
             self._seen_steps = self._reducer.steps
             shards.bind_grads(pairs)
-        shards.refresh_masters(pairs)
+        shards.bind_params()
         self._sync_hyperparams()
         self._optim.step()
         for spec in self._reducer.plan.buckets:

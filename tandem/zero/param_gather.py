@@ -1,5 +1,5 @@
 """ZeroOptimizer's parameter all-gathers: each rank's updated shard of a bucket
-sent to every rank and written into the parameters, at the end of ``step()``
+sent to every rank, into the parameters' own memory, at the end of ``step()``
 or, with ``overlap_param_gather``, before the first module of the next forward
 that uses the bucket."""
 
@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from tandem._compat import foreach_copy_
 from tandem.comm.group import GroupComm, Work
 from tandem.zero.shards import ZeroShards
 
@@ -33,7 +32,7 @@ class ParamGather:
                  *, overlap: bool) -> None:
         self._reducer, self._comm, self._shards = reducer, comm, shards
         self.overlap = overlap
-        self._pending: dict[int, tuple[Work, torch.Tensor]] = {}  # bucket -> gather in flight
+        self._pending: dict[int, Work] = {}  # bucket -> gather in flight
         self.hooks: list[Any] = register_gather_hooks(module, reducer, self.finish) if overlap else []
 
     @torch.no_grad()
@@ -41,23 +40,17 @@ class ParamGather:
         """Start the all-gather of this rank's updated shard of ``bucket`` (every
         rank launches them in bucket order)."""
         spec = self._reducer.plan.buckets[bucket]
-        full = torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device)
-        work = self._comm.all_gather_into(full, self._shards.updated(bucket), tag=f"params {spec.index}",
-                                          async_op=True)
-        self._pending[spec.index] = (work, full)
+        # In place (Note [parameters in their bucket] in flat_params.py): the
+        # shard is a slice of the bucket's parameters, which the others' fill.
+        work = self._comm.all_gather_into(self._shards.flat.bucket(spec), self._shards.updated(bucket),
+                                          tag=f"params {spec.index}", async_op=True)
+        self._pending[spec.index] = work
 
     def finish(self, bucket: int) -> None:
-        """Wait for ``bucket``'s gather, if in flight, and write its parameters."""
-        pending = self._pending.pop(bucket, None)
-        if pending is None:
-            return
-        work, full = pending
-        work.wait()
-        spec = self._reducer.plan.buckets[bucket]
-        params = [self._reducer.params[i] for i in spec.params]
-        views = [full.narrow(0, off, p.numel()).view_as(p) for off, p in zip(spec.offsets, params)]
-        with torch.no_grad():
-            foreach_copy_(params, views)
+        """Wait for ``bucket``'s gather, if in flight: it wrote the parameters."""
+        work = self._pending.pop(bucket, None)
+        if work is not None:
+            work.wait()
 
     def finish_all(self) -> None:
         for bucket in sorted(self._pending):

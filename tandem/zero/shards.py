@@ -1,6 +1,7 @@
 """This rank's shard of a ZeRO model: its runs (Note [shard runs] in
 optimizer.py), their master values, and the pieces no run steps; what binds a
-run's gradient to the reduced shard and what a bucket's updated shard is."""
+run's gradient to the reduced shard and what puts a bucket's updated shard in
+the parameters' flat buffer (Note [parameters in their bucket] in flat_params.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tandem.zero.flat_params import FlatParams
 from tandem.zero.layout import ShardPiece, ShardRun, plan_runs, shard_bucket
 
 __all__ = ["ZeroShards"]
@@ -28,7 +30,9 @@ class ZeroShards:
         self._reducer = reducer
         self._world = world_size
         buckets = reducer.plan.buckets
+        self.flat = FlatParams(reducer, rank, world_size)
         self.runs: list[ShardRun] = plan_runs(buckets, world_size, rank, dict(group_of))
+        self._in_place: set[int] = set()  # masters that are the parameters' own memory
         self.masters: list[torch.Tensor] = [self._new_master(run) for run in self.runs]
         self._by_bucket: list[list[tuple[ShardRun, torch.Tensor]]] = [[] for _ in buckets]
         for run, master in zip(self.runs, self.masters):
@@ -59,11 +63,21 @@ class ZeroShards:
     def _new_master(self, run: ShardRun) -> torch.Tensor:
         spec = self._reducer.plan.buckets[run.bucket]
         dtype = torch.promote_types(spec.dtype, torch.float32)
+        if dtype == spec.dtype:  # Note [parameters in their bucket]: stepped where they live
+            master = self.flat.run(spec, run.start, run.length).requires_grad_(True)
+            self._in_place.add(id(master))
+            return master
         master = torch.empty(run.length, dtype=dtype, device=spec.device)
         self.copy_params_into(run, master)
         return master.requires_grad_(True)
 
+    def in_place(self, master: torch.Tensor) -> bool:
+        """Whether ``master`` is the parameters' own memory (no copy to keep in step)."""
+        return id(master) in self._in_place
+
     def copy_params_into(self, run: ShardRun, master: torch.Tensor) -> None:
+        if self.in_place(master):
+            return  # it is the parameters' memory
         params = self._reducer.params
         with torch.no_grad():
             for piece in run.pieces:
@@ -90,21 +104,18 @@ class ZeroShards:
             grad = shards[run.bucket].narrow(0, run.start, run.length)
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
 
-    def refresh_masters(self, pairs: list[tuple[ShardRun, torch.Tensor]]) -> None:
-        for run, master in pairs:
-            if master.dtype == self._reducer.plan.buckets[run.bucket].dtype:
-                # Lossless, and parameters may have been loaded since the last step.
-                self.copy_params_into(run, master)
+    def bind_params(self) -> None:
+        """Before a step: parameters whose ``param.data`` was set go back to their
+        bucket, their values copied in (Note [parameters in their bucket])."""
+        self.flat.bind()
 
     def updated(self, bucket: int) -> torch.Tensor:
-        """This rank's shard of ``bucket`` as the all-gather sends it: the masters
-        of its runs, and the parameters' own values where no run steps."""
-        reducer = self._reducer
-        spec = reducer.plan.buckets[bucket]
-        shard = torch.zeros(spec.padded_numel // self._world, dtype=spec.dtype, device=spec.device)
-        for piece in self._unstepped[bucket]:
-            src = reducer.params[piece.param].detach().reshape(-1)
-            shard.narrow(0, piece.shard_offset, piece.length).copy_(src.narrow(0, piece.param_start, piece.length))
+        """This rank's shard of ``bucket`` as the all-gather sends it: the
+        parameters' own memory, into which the masters wider than their
+        parameters are copied first."""
+        spec = self._reducer.plan.buckets[bucket]
+        shard = self.flat.shard(spec)
         for run, master in self._by_bucket[bucket]:
-            shard.narrow(0, run.start, run.length).copy_(master)
+            if id(master) not in self._in_place:
+                shard.narrow(0, run.start, run.length).copy_(master)
         return shard

@@ -209,18 +209,21 @@ def test_zero_reduce_scatters_each_bucket_and_gathers_parameters(stage: int, gro
         assert n >= 3
         for events in result["events"]:
             ops = [(op, tag) for op, tag in events if op != "marker"]
-            assert [t for op, t in ops if op == "reduce_scatter"] == [f"bucket {b}" for b in range(n)]
+            # on gloo each bucket is all-reduced in place (Note [gloo's reduce-scatter] in
+            # tandem/ddp/reduction.py), its shard taken when it is waited for
+            assert [(op, t) for op, t in ops if t.startswith("bucket")] == [("all_reduce", f"bucket {b}")
+                                                                             for b in range(n)]
             assert [t for op, t in ops if op == "all_gather_into"] == [f"params {b}" for b in range(n)]
-            assert [t for op, t in ops if op == "all_reduce"] == ["missing gradients flag"]
+            assert [t for op, t in ops if not t.startswith(("bucket", "params"))] == ["missing gradients flag"]
             assert len(ops) == 2 * n + 1, ops
             # Overlap: the first bucket is on the wire before backward reaches the first layer.
-            assert events.index(("reduce_scatter", "bucket 0")) < events.index(("marker", "last gradient"))
+            assert events.index(("all_reduce", "bucket 0")) < events.index(("marker", "last gradient"))
 
 
 def test_without_overlap_reductions_start_at_the_end_of_backward(groups) -> None:
     for result in groups[2]["record_stage2_no_overlap"]:
         for events in result["events"]:
-            assert events.index(("marker", "last gradient")) < events.index(("reduce_scatter", "bucket 0"))
+            assert events.index(("marker", "last gradient")) < events.index(("all_reduce", "bucket 0"))
 
 
 def _deferred_gather(rank: int, world_size: int) -> list[int]:
@@ -246,32 +249,84 @@ def test_overlap_param_gather_waits_per_bucket_in_forward(groups) -> None:
 
 # ---------------------------------------------------------------- memory
 def _holdings(rank: int, world_size: int) -> dict:
-    model = make_model("mlp", seed=rank)
-    ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=2)
-    opt = ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01)
-    for step in range(2):
-        opt.zero_grad()
-        x, y = _batch(step, 0, rank, world_size)
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    state = [t for s in opt.optim.state.values() for t in s.values() if t.dim()]
-    reducer = ddp.reducer
-    return {"state_numel": sum(t.numel() for t in state),
+    out = {}
+    for stage in (1, 2):
+        model = make_model("mlp", seed=rank)
+        ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=stage)
+        opt = ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01)
+        for step in range(2):
+            opt.zero_grad()
+            x, y = _batch(step, 0, rank, world_size)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        state = [t for s in opt.optim.state.values() for t in s.values() if t.dim()]
+        reducer = ddp.reducer
+        param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        out[stage] = {
+            "state_numel": sum(t.numel() for t in state),
             "owned": opt.owned_numel,
             "shard_numel": sum(g.numel() for g in reducer.grad_shards),
             "param_numel": sum(p.numel() for p in model.parameters()),
             "param_grads": [p.grad for p in model.parameters() if p.grad is not None],
-            "buffer_released": reducer.buffer.released}
+            "buffer_released": reducer.buffer.released,
+            # fp32 parameters are stepped where they live: no master copy of the shard
+            "masters_elsewhere": [m.numel() for m in opt.shards.masters
+                                  if m.untyped_storage().data_ptr() not in param_storages],
+            "masters_numel": sum(m.numel() for m in opt.shards.masters)}
+    return out
 
 
-def test_stage2_holds_only_its_shards_between_steps(groups) -> None:
-    results = groups[4]["holdings"]
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_holds_only_its_shards_between_steps(stage: int, groups) -> None:
+    results = [r[stage] for r in groups[4]["holdings"]]
     total = results[0]["param_numel"]
     assert sum(r["owned"] for r in results) == total  # every element stepped exactly once
     for r in results:
         assert r["state_numel"] == 2 * r["owned"]     # Adam's two moments, for the shard only
         assert r["shard_numel"] * 4 < total + 4 * 3 * 4  # 1/N of the buckets, plus padding
         assert r["param_grads"] == [] and r["buffer_released"]
+        assert r["masters_elsewhere"] == [] and r["masters_numel"] == r["owned"]
+
+
+def _rebound_and_kept(rank: int, world_size: int) -> dict:
+    """``param.data`` set between steps, and a ``.grad`` kept from inside backward:
+    ZeRO (whose parameters live in flat buffers and whose gradients are born in
+    the buckets) trains as plain DDP does, and the kept gradient is never freed
+    or overwritten by later steps."""
+    out = {}
+    for stage in (0, 1, 2):
+        model = make_model("mlp", seed=rank)
+        first = next(iter(model.parameters()))
+        kept: list[torch.Tensor] = []
+        # before DDP's own hook, which may launch the bucket and release .grad
+        handle = first.register_post_accumulate_grad_hook(lambda p: kept.append(p.grad))
+        ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=stage)
+        opt = (ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01) if stage
+               else torch.optim.Adam(model.parameters(), lr=0.01))
+        snapshots = []
+        for step in range(4):
+            opt.zero_grad()
+            x, y = _batch(step, 0, rank, world_size)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            if step == 0:
+                handle.remove()
+                snapshots.append(kept[0].clone())
+            if step == 1:
+                with torch.no_grad():
+                    first.data = first.detach() * 0.5  # a new tensor: ZeRO copies it back in
+        snapshots.append(kept[0].clone())  # three steps later
+        out[stage] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                      "kept": snapshots}
+    return out
+
+
+def test_set_data_and_a_kept_gradient_train_as_plain_ddp(groups) -> None:
+    for result in groups[2]["rebound_and_kept"]:
+        for stage in (1, 2):
+            assert _max_diff(result[0]["params"], result[stage]["params"]) < TOL, stage
+            after_step, later = result[stage]["kept"]
+            assert torch.equal(after_step, later), stage  # its memory stayed the user's
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -418,6 +473,7 @@ def groups(tmp_path_factory) -> Groups:
         "record_stage2": Run(_record, args=(2, True)),
         "record_stage2_no_overlap": Run(_record, args=(2, False)),
         "deferred_gather": Run(_deferred_gather),
+        "rebound_and_kept": Run(_rebound_and_kept),
         "errors": Run(_errors),
         "uninterrupted": Run(_uninterrupted, args=(d,)),  # writes torch.pt, which resume_torch loads
         **{f"resume_{source}": Run(_resume, args=(d, source)) for source in ("full", "sharded", "torch")},

@@ -253,7 +253,7 @@ def _memory_lines(r: PlanReport) -> list[str]:
     lines.append(f"  fully_shard: {len(units)} unit(s) ("
                  + (", ".join(u.name or "<root>" for u in units[:4]) + (", ..." if len(units) > 4 else ""))
                  + (")" if r.strategies[1].refused else
-                    "); ZeRO-1/2 also hold fp32 master copies of their shard, counted as optimizer"))
+                    "); ZeRO-1/2 step their shard in place (fp32 masters, in optimizer, only for narrower parameters)"))
     host = r.strategies[3].estimate.host
     if host:
         lines.append(f"  fully_shard: CPUOffloadPolicy: {_size(host)} per rank on the host (shards, gradients, "

@@ -20,20 +20,22 @@ each bucket without the padding; rank 0 owns the most):
   builds no reducer: ``G`` only. ``reducing`` at stage 0: after
   ``zero_grad(set_to_none=True)`` backward makes fresh gradients that live
   beside ``F`` until it ends (``F`` again).
-- stage 1 ``grads``: ``param.grad`` (this rank's local gradients, kept) plus the
-  gradient shards ``F / w``; stage 2: ``F / w`` only (``param.grad`` is freed as
-  its bucket is launched, and after backward).
-- stages 1 and 2 ``optimizer``: the master copies of the owned elements (fp32,
-  or the parameters' dtype when wider: :class:`tandem.ZeroOptimizer` steps
-  those) plus ``optimizer_bytes_per_param`` per owned element; stage 0 has no
-  master copy, ``optimizer_bytes_per_param`` per trainable element.
-- ``reducing``, during backward: ``F`` is released between ZeRO steps and
-  allocated again from forward to the end of backward; at stage 2 the
-  ``param.grad`` of a bucket not yet launched add up to about one bucket (the
+- stages 1 and 2 ``params``: the trainable parameters live in one flat buffer
+  laid out as the gradient buckets (Note [parameters in their bucket] in
+  tandem/zero/flat_params.py): ``F`` in place of ``G``, the frozen ones as they are.
+- stages 1 and 2 ``grads``: the gradient shards ``F / w`` (``param.grad`` is
+  freed at stage 2 as its bucket is launched, at stage 1 at the end of backward).
+- stages 1 and 2 ``optimizer``: ``optimizer_bytes_per_param`` per owned
+  element, plus fp32 master copies of the owned elements where the parameters
+  are narrower than fp32 (fp32 ones are stepped where they live); stage 0:
+  ``optimizer_bytes_per_param`` per trainable element.
+- ``reducing``, during backward: the buckets' memory, taken as backward nears
+  each and given back when it ends (Note [zero buckets] in
+  tandem/ddp/reduction.py): ``F`` at most, the gradients accumulated into it,
+  plus autograd's new gradient of one parameter before it is added in (the
   largest is counted).
-- ``gathered``, during the ZeRO step: the all-gather of the updated
-  parameters, one output of each bucket's padded size and one input of its
-  shard size, all alive until the last is written back (``F + F / w``).
+- ``gathered``, during the ZeRO step: nothing of tandem's own: the all-gather of
+  the updated parameters is in place.
 
 Per-tensor scalars (Adam's step count, 4 bytes per tensor), the optimizer's
 temporaries and the collectives' own scratch space are not counted. The
@@ -94,17 +96,14 @@ def zero_stage_estimate(stage: int, plan: BucketPlan, infos: list[ParamInfo], pa
     flat = _flat_bytes(plan)
     shards = sum(n // world_size * _itemsize(dtype) for (_, dtype), n in plan.buffer_numel.items())
     owned = [(min(b.padded_numel // world_size, b.numel), b.dtype) for b in plan.buckets]  # rank 0's
-    masters = sum(n * torch.promote_types(dtype, torch.float32).itemsize for n, dtype in owned)
+    masters = sum(n * 4 for n, dtype in owned if torch.promote_types(dtype, torch.float32) != dtype)
     state = sum(n for n, _ in owned) * optimizer_bytes_per_param
     optimizer = masters + state
     trainable = sum(p.nbytes for p in infos)
-    if stage == 1:
-        grads, reducing = trainable + shards, flat
-    else:
-        grads, reducing = shards, flat + max(b.numel * _itemsize(b.dtype) for b in plan.buckets)
+    reducing = flat + max((p.nbytes for p in infos), default=0)
     rows = sum(n * _itemsize(dtype) for n, dtype in owned)
-    return MemoryEstimate(stage, params=params, grads=grads, optimizer=optimizer, state=state, rows=rows,
-                          gathered=flat + shards, reducing=reducing, buckets=plan)
+    return MemoryEstimate(stage, params=params - trainable + flat, grads=shards, optimizer=optimizer,
+                          state=state, rows=rows, gathered=0, reducing=reducing, buckets=plan)
 
 
 def _flat_bytes(plan: BucketPlan) -> int:
