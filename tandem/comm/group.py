@@ -5,6 +5,20 @@ Holding the group in an instance (rather than calling ``torch.distributed`` with
 ``group=None`` everywhere) keeps the process group explicit, and gives tests one
 place to observe every collective: append a callable to ``observers`` and it is
 called with a :class:`CollectiveEvent` before each collective is issued.
+
+# Note [gloo's reduce-scatter]
+gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on
+gloo clones the whole input and all-reduces the clone (the same bytes on the
+wire as an all-reduce: BENCHMARKS.md, "Across nodes"), then copies the rank's
+chunk out. The clone is an input's worth of memory held until the wait, and
+the call took longer than the all-reduce itself: 43 ms against 28 for 28 MiB
+on 2 ranks (one thread each, on this repository's 2-core machine). Where the
+output is this rank's chunk of the input (in place), :meth:`GroupComm.reduce_scatter`
+on gloo all-reduces the input in place instead: no clone, one collective, the
+same bytes, and the chunk holds this rank's sum as asked (the other chunks
+hold theirs). The ledger still records a reduce-scatter. ZeRO's buckets and
+fully_shard's reduction inputs are such scratch inputs; NCCL keeps its
+reduce-scatter, which sends half an all-reduce's bytes.
 """
 
 from __future__ import annotations
@@ -207,18 +221,22 @@ class GroupComm:
                        async_op: bool = False, via: Any = None) -> Work:
         """Sum ``input`` (``size`` equal chunks) across ranks; this rank's chunk of
         the sum lands in ``output``, which may be this rank's chunk of ``input``
-        (in place: NCCL and gloo allow it) and must not overlap it otherwise. A group
-        of one copies. ``via``: a callable issuing it instead of torch's
-        collective, with torch's ``ReduceScatter`` signature (fully_shard's
-        ``set_custom_reduce_scatter``), still written to the ledger."""
+        (in place: NCCL and gloo allow it; on gloo the other chunks then hold
+        their sums too, Note [gloo's reduce-scatter]) and must not overlap it
+        otherwise. A group of one copies. ``via``: a callable issuing it instead
+        of torch's collective, with torch's ``ReduceScatter`` signature
+        (fully_shard's ``set_custom_reduce_scatter``), still written to the ledger."""
         if self.size == 1:
             output.copy_(input)
             return self._issued(None, self._issue("reduce_scatter", input, tag), False)
+        all_reduce = via is None and self.backend_on(input.device) == "gloo" and _is_chunk(output, input, self.rank)
 
         def launch() -> Any:
             if via is not None:
                 work = via(output_tensor=output, input_tensor=input, group=self._process_group(),
                            op=dist.ReduceOp.SUM, async_op=True)
+            elif all_reduce:  # Note [gloo's reduce-scatter]
+                work = dist.all_reduce(input, group=self.group, async_op=True)
             else:
                 work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
             # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
@@ -301,6 +319,14 @@ class GroupComm:
         if backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _is_chunk(output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
+    """Whether ``output`` is chunk ``rank`` of the contiguous ``input`` (an in-place reduce-scatter)."""
+    return (input.is_contiguous() and output.is_contiguous() and output.dtype == input.dtype
+            and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+            and output.data_ptr() == input.data_ptr() + rank * output.numel() * output.element_size()
+            and input.numel() % max(output.numel(), 1) == 0)
 
 
 def _backend_for(backend: str, device: torch.device) -> str:

@@ -73,18 +73,6 @@ benchmark residual MLP (8.9M parameters, bench_deepspeed.py) the peak within a
 step fell from 182 to ... MiB. A ``.grad`` the user kept past backward keeps
 its memory: the bucket then moves to new memory rather than free that one
 (``Bucket.give_back_memory``).
-
-# Note [gloo's reduce-scatter]
-gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on
-gloo clones the whole input and all-reduces the clone (the same bytes on the
-wire as an all-reduce: BENCHMARKS.md, "Beyond one host"), then copies the
-rank's chunk out. The clone is a bucket's worth of memory held until the wait,
-and the time was worse than the all-reduce itself: 43 ms against 28 for 28 MiB
-on 2 ranks (one thread each, this repository's 2-core machine). ZeRO owns the
-bucket's memory anyway (it is released after backward), so on gloo each bucket
-is all-reduced in place and this rank's shard copied out of it when the bucket
-is waited for: no clone, one collective, the same bytes. NCCL keeps the
-reduce-scatter, which sends half an all-reduce's bytes.
 """
 
 from __future__ import annotations
@@ -215,17 +203,16 @@ class ReduceScatter:
         self._comm, self._shards, self._check = comm, shards, check
         self._frees_grads = stage >= 2  # during backward; stage 1 at its end
         device = shards[0].device if shards else comm.device
-        self._all_reduces = comm.size > 1 and comm.backend_on(device) == "gloo"  # Note [gloo's reduce-scatter]
+        # Note [gloo's reduce-scatter] in tandem/comm/group.py: in place on gloo, the
+        # shard copied out of the bucket when it is waited for
+        self._in_place = comm.size > 1 and comm.backend_on(device) == "gloo"
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
         bucket.fill(step.div, False)
         if self._check is not None:  # Note [check_finite] in finite.py
             self._check.mark(bucket)
-        if self._all_reduces:  # Note [gloo's reduce-scatter]
-            work = self._comm.all_reduce(bucket.data, tag=f"bucket {bucket.index}", async_op=True)
-        else:
-            work = self._comm.reduce_scatter(self._shards[bucket.index], bucket.data,
-                                             tag=f"bucket {bucket.index}", async_op=True)
+        work = self._comm.reduce_scatter(self._output(bucket, bucket.data), bucket.data,
+                                         tag=f"bucket {bucket.index}", async_op=True)
         bucket.launched(work)
         if self._frees_grads:
             for p in bucket.params:  # copied into the bucket: free it during backward
@@ -234,10 +221,14 @@ class ReduceScatter:
     def settle(self, buckets: Sequence[Bucket]) -> None:
         pass
 
+    def _output(self, bucket: Bucket, input: torch.Tensor) -> torch.Tensor:
+        """Where this rank's chunk of the sum lands: its shard, or on gloo its chunk of ``input``."""
+        shard = self._shards[bucket.index]
+        return input.narrow(0, self._comm.rank * shard.numel(), shard.numel()) if self._in_place else shard
+
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        if self._all_reduces:  # the optimizer steps from the shards: this rank's, copied out
-            shard = self._shards[bucket.index]
-            shard.copy_(bucket.data.narrow(0, self._comm.rank * shard.numel(), shard.numel()))
+        if self._in_place:  # the optimizer steps from the shards: this rank's, copied out
+            self._shards[bucket.index].copy_(self._output(bucket, bucket.data))
 
     def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None:
         for p in params:
@@ -248,9 +239,8 @@ class ReduceScatter:
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction:
         spec = bucket.spec
         zeros = torch.zeros(spec.padded_numel, dtype=spec.dtype, device=spec.device)
-        if self._all_reduces:  # the collective the ranks still training issue
-            return self._comm.all_reduce(zeros, tag=f"bucket {bucket.index}", async_op=True)
-        return self._comm.reduce_scatter(self._shards[bucket.index], zeros, tag=f"bucket {bucket.index}",
+        # the collective the ranks still training issue (in place on gloo), and zeros for this shard
+        return self._comm.reduce_scatter(self._output(bucket, zeros), zeros, tag=f"bucket {bucket.index}",
                                          async_op=True)
 
 

@@ -53,7 +53,8 @@ the block is copied out as much as FSDP2 holds in flight plus the flags. A
 custom reduce-scatter (``set_custom_reduce_scatter``) gets an output of its
 own from its ``allocate``. Under HSDP the block is copied out before the
 all-reduce over the replicate group, so that the whole input is not kept
-alive during it.
+alive during it. On gloo, in place is also what spares torch's clone of the
+input (Note [gloo's reduce-scatter] in tandem/comm/group.py).
 
 # Note [gradients to the host]
 Under ``CPUOffloadPolicy`` the reduced gradients are copied to the host. A

@@ -38,7 +38,7 @@ namespace nodes (benchmarks/bench_nodes.py), an all-reduce, a reduce-scatter
 and an all-gather of 4 MiB over 2 x 2 ranks put 1.50, 1.50 and 0.75 times 4 MiB
 on the link each way. ZeRO-1/2 (:func:`zero_traffic`): a reduce-scatter of
 each bucket (on gloo an all-reduce in place, the same bytes without the clone:
-Note [gloo's reduce-scatter] in tandem/ddp/reduction.py), then an all-gather of
+Note [gloo's reduce-scatter] in tandem/comm/group.py), then an all-gather of
 each bucket's updated parameters.
 """
 

@@ -209,21 +209,18 @@ def test_zero_reduce_scatters_each_bucket_and_gathers_parameters(stage: int, gro
         assert n >= 3
         for events in result["events"]:
             ops = [(op, tag) for op, tag in events if op != "marker"]
-            # on gloo each bucket is all-reduced in place (Note [gloo's reduce-scatter] in
-            # tandem/ddp/reduction.py), its shard taken when it is waited for
-            assert [(op, t) for op, t in ops if t.startswith("bucket")] == [("all_reduce", f"bucket {b}")
-                                                                             for b in range(n)]
+            assert [t for op, t in ops if op == "reduce_scatter"] == [f"bucket {b}" for b in range(n)]
             assert [t for op, t in ops if op == "all_gather_into"] == [f"params {b}" for b in range(n)]
-            assert [t for op, t in ops if not t.startswith(("bucket", "params"))] == ["missing gradients flag"]
+            assert [t for op, t in ops if op == "all_reduce"] == ["missing gradients flag"]
             assert len(ops) == 2 * n + 1, ops
             # Overlap: the first bucket is on the wire before backward reaches the first layer.
-            assert events.index(("all_reduce", "bucket 0")) < events.index(("marker", "last gradient"))
+            assert events.index(("reduce_scatter", "bucket 0")) < events.index(("marker", "last gradient"))
 
 
 def test_without_overlap_reductions_start_at_the_end_of_backward(groups) -> None:
     for result in groups[2]["record_stage2_no_overlap"]:
         for events in result["events"]:
-            assert events.index(("marker", "last gradient")) < events.index(("all_reduce", "bucket 0"))
+            assert events.index(("marker", "last gradient")) < events.index(("reduce_scatter", "bucket 0"))
 
 
 def _deferred_gather(rank: int, world_size: int) -> list[int]:
