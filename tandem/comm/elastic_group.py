@@ -26,6 +26,7 @@ from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
+from tandem.comm.plain_data import all_gather_object
 
 __all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "below_prefixes", "default_group_connections",
            "elastic_membership", "enter_generation", "join_elastic", "job_store", "new_world_group",
@@ -127,7 +128,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     device = previous.device if previous is not None else bind_device(
         backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
     hosts: list[str] = [""] * generation.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    all_gather_object(hosts, socket.gethostname())
     here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     local_rank, local_size = here.index(rank), len(here)
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,

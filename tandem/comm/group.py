@@ -23,7 +23,6 @@ reduce-scatter, which sends half an all-reduce's bytes.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from tandem.comm.failure_gate import FailureGate
 from tandem.comm.ledger import LedgerEntry
 from tandem.comm.monitor import current_monitor
 from tandem.comm.peers import Waiter, wait_watching_peers
+from tandem.comm.plain_data import decode, encode
 
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
@@ -265,18 +265,22 @@ class GroupComm:
         return self.group if self.group is not None else dist.group.WORLD  # type: ignore[return-value]
 
     def all_gather_object(self, obj: Any, *, tag: str = "") -> list[Any]:
-        """Gather a picklable object from every rank (slow; for set-up and error paths)."""
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        """Gather an object of plain data (tensors, numbers, strings, containers)
+        from every rank (slow; for set-up and error paths). Each is decoded
+        without running code (Note [plain data] in plain_data.py).
+
+        Raises:
+            RefusedObjectError: a rank sent something else, naming it.
+        """
+        payload = encode(obj)
         device = self.device
         sizes = self.all_gather(torch.tensor([payload.numel()], device=device), tag=tag)
         longest = int(max(int(s.item()) for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[: payload.numel()] = payload.to(device)
         chunks = self.all_gather(padded, tag=tag)
-        return [torch.load(io.BytesIO(c[: int(s.item())].cpu().numpy().tobytes()), weights_only=False)
-                for c, s in zip(chunks, sizes)]
+        return [decode(c[: int(s.item())], sender=f"rank {self.global_rank(r)}", what=tag or "an object")
+                for r, (c, s) in enumerate(zip(chunks, sizes))]
 
     def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0, *,
                             tag: str = "") -> None:

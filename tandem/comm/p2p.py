@@ -11,9 +11,12 @@ A message is three parts, each a torch.distributed p2p op between the same two
 ranks, with a tag of its own (gloo matches by source and tag):
 
 1. the header: two int64, a magic number and the byte length of the spec;
-2. the spec: the pickled structure (a tensor, or tuples, lists and dicts of
-   tensors and plain values), with every tensor replaced by a slot that holds
-   its dtype, shape and requires_grad, and the sender's rank;
+2. the spec: the structure (a tensor, or tuples, namedtuples, lists and dicts
+   of tensors and plain values), with every tensor replaced by a slot that holds
+   its dtype, shape and requires_grad, and the sender's rank; written with
+   ``torch.save`` and read as plain data (Note [plain data] in plain_data.py:
+   nothing a peer sends can run code here), a namedtuple by its class's name,
+   which the receiver must have imported;
 3. the data: every tensor, contiguous, in slot order.
 
 The receiver reads the header, then the spec, allocates every tensor, and
@@ -50,17 +53,17 @@ seconds is waited for; one that died is named by its heartbeat.
 
 from __future__ import annotations
 
-import io
-import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from tandem.comm.monitor import current_monitor
 from tandem.comm.peers import PeerLostError, wait_watching_peers
+from tandem.comm.plain_data import RefusedObjectError, decode, encode
 
 __all__ = ["HEADER_CAPACITY", "PendingRecv", "PendingSend", "irecv", "isend", "recv", "send"]
 
@@ -84,6 +87,25 @@ class _Slot:
 class _Spec:
     sender: int
     structure: Any
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A namedtuple in a spec: its class by module and name, looked up among the
+    receiver's imported modules (never imported for the message), and its values."""
+    module: str
+    name: str
+    values: tuple[Any, ...]
+
+    def build(self, values: list[Any], src: int) -> tuple[Any, ...]:
+        cls: Any = sys.modules.get(self.module)
+        for part in self.name.split("."):
+            cls = getattr(cls, part, None)
+        if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+            raise RefusedObjectError(
+                f"rank {dist.get_rank()}: tandem.recv got a {self.module}.{self.name} from rank {src}, which is "
+                "not a namedtuple class imported here; import its module before receiving")
+        return cast(tuple, cls(*values))
 
 
 class PendingSend:
@@ -125,9 +147,10 @@ class PendingRecv:
 
 
 def send(obj: Any, dst: int, *, group: dist.ProcessGroup | None = None) -> None:
-    """Send ``obj`` (a tensor, or tuples, lists and dicts of tensors and plain
-    values) to global rank ``dst``, shapes and dtypes included (Note [shape
-    handshake]); returns when it has gone."""
+    """Send ``obj`` (a tensor, or tuples, namedtuples, lists and dicts of tensors
+    and plain values: numbers, strings, None, dtypes) to global rank ``dst``,
+    shapes and dtypes included (Note [shape handshake]); returns when it has
+    gone. The receiver refuses any other object (Note [plain data] in plain_data.py)."""
     isend(obj, dst, group=group).wait()
 
 
@@ -197,7 +220,8 @@ def _replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(obj)
         return _Slot(len(tensors) - 1, obj.dtype, tuple(obj.shape), obj.requires_grad)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_replace_tensors(v, tensors) for v in obj))
+        cls = type(obj)
+        return _Named(cls.__module__, cls.__qualname__, tuple(_replace_tensors(v, tensors) for v in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_replace_tensors(v, tensors) for v in obj)
     if isinstance(obj, dict):
@@ -205,22 +229,20 @@ def _replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _fill(structure: Any, make: Callable[[_Slot], torch.Tensor]) -> Any:
+def _fill(structure: Any, make: Callable[[_Slot], torch.Tensor], src: int) -> Any:
     if isinstance(structure, _Slot):
         return make(structure)
-    if isinstance(structure, tuple) and hasattr(structure, "_fields"):
-        return type(structure)(*(_fill(v, make) for v in structure))
+    if isinstance(structure, _Named):
+        return structure.build([_fill(v, make, src) for v in structure.values], src)
     if isinstance(structure, (tuple, list)):
-        return type(structure)(_fill(v, make) for v in structure)
+        return type(structure)(_fill(v, make, src) for v in structure)
     if isinstance(structure, dict):
-        return {k: _fill(v, make) for k, v in structure.items()}
+        return {k: _fill(v, make, src) for k, v in structure.items()}
     return structure
 
 
 def _encode(spec: _Spec) -> torch.Tensor:
-    buf = io.BytesIO()
-    pickle.dump(spec, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return encode(spec)
 
 
 def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None,
@@ -235,7 +257,8 @@ def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None
     payload = torch.empty(length, dtype=torch.uint8)
     _wait(dist.irecv(payload, src=src, group=group, tag=_TAG_SPEC), src, group, "recv",
           f"tandem.recv of the spec of a message from rank {src}")
-    spec = pickle.loads(payload.numpy().tobytes())
+    spec = decode(payload, sender=f"rank {src}", what="the spec of a tandem.recv message",
+                  allow=(_Spec, _Slot, _Named))
     if not isinstance(spec, _Spec) or spec.sender != src:
         sender = spec.sender if isinstance(spec, _Spec) else "?"
         raise RuntimeError(f"rank {me}: tandem.recv expected a message from rank {src} but this one says it "
@@ -249,7 +272,7 @@ def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None
             works.append(dist.irecv(t, src=src, group=group, tag=_TAG_DATA))
         return t
 
-    obj = _fill(spec.structure, make)
+    obj = _fill(spec.structure, make, src)
     for work in works:
         _wait(work, src, group, "recv", f"tandem.recv of the data of a message from rank {src}")
     return _fill_requires_grad(obj, spec.structure)
@@ -259,6 +282,8 @@ def _fill_requires_grad(obj: Any, structure: Any) -> Any:
     if isinstance(structure, _Slot):
         return obj.requires_grad_(structure.requires_grad) if structure.dtype.is_floating_point \
             or structure.dtype.is_complex else obj
+    if isinstance(structure, _Named):
+        structure = structure.values
     if isinstance(structure, (tuple, list)):
         for o, s in zip(obj, structure):
             _fill_requires_grad(o, s)

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from tandem.comm.p2p import isend, recv
 from tandem.comm.watched_call import watched
+from tandem.comm.plain_data import all_gather_object
 
 __all__ = ["BuddyCopies", "Located", "ShardsLost"]
 
@@ -178,7 +179,7 @@ class BuddyCopies:
 
     def _locate(self, mine: list[tuple[int, dict[str, Any]]]) -> Located:
         headers: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of shard headers", dist.all_gather_object, headers,
+        watched("all_gather_object of shard headers", all_gather_object, headers,
                 [(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine])
         step, chosen = _choose(headers)
         here = dist.get_rank()
@@ -188,7 +189,7 @@ class BuddyCopies:
         """``part(shard)`` of every old rank's shard, in old rank order, on every
         rank. A collective of the new group."""
         gathered: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of lost shards", dist.all_gather_object, gathered,
+        watched("all_gather_object of lost shards", all_gather_object, gathered,
                 [(old, part(shard)) for old, shard in located.provided.items()])
         parts = dict(p for c in gathered for p in c)
         return [parts[r] for r in range(located.old_world)]

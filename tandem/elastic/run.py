@@ -66,6 +66,7 @@ from tandem.comm.membership import Decision, ElasticConfig, Generation, Membersh
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
+from tandem.comm.plain_data import all_gather_object, broadcast_object_list
 
 __all__ = ["ElasticRun", "Resumed", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence",
            "is_peer_failure", "share_state"]
@@ -113,7 +114,7 @@ def share_state(state: TrainingState) -> None:
     [elastic trainer], 4). A collective of the new group (every rank's RNG state
     is gathered first); each rank keeps its own RNG stream."""
     box: list[Any] = [state.state_dict()]
-    watched("broadcast_object_list of the training state", dist.broadcast_object_list, box, src=0)
+    watched("broadcast_object_list of the training state", broadcast_object_list, box, src=0)
     state.load_state_dict(box[0])
 
 
@@ -217,7 +218,7 @@ class ElasticRun:
         replacement admitted in this change, or in an earlier one whose rebuild a
         loss cut short (Note [a join cut short]). A collective of the group."""
         wants: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of who wants the state", dist.all_gather_object, wants, self.needs_state)
+        watched("all_gather_object of who wants the state", all_gather_object, wants, self.needs_state)
         if wants[0]:
             raise MembershipError(
                 f"elastic: rank 0 (member {self.membership.generation.members[0]}) of generation "

@@ -30,6 +30,7 @@ from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
+from tandem.comm.plain_data import broadcast_object_list
 
 __all__ = ["ElasticWorld", "Fallback", "LoopPoints", "TrainingStatePoints"]
 
@@ -249,7 +250,7 @@ class ElasticWorld:
         if is_fully_sharded(model):
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             box: list[Any] = [(state.loop_state_dict(), groups)]  # a collective: every rank's RNG state
-            watched("broadcast_object_list of the loop state", dist.broadcast_object_list, box, src=0)
+            watched("broadcast_object_list of the loop state", broadcast_object_list, box, src=0)
             loop, groups = box[0]
             state.load_loop_state_dict(loop)
             for group, saved in zip(optimizer.param_groups, groups):

@@ -75,6 +75,7 @@ from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
 from tandem.train.strategy import Strategy, apply_strategy
 from tandem.comm.watched_call import watched
+from tandem.comm.plain_data import all_gather_object
 
 __all__ = ["FitResult", "Metric", "Trainer"]
 
@@ -255,7 +256,7 @@ class Trainer:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        watched("all_gather_object of every rank's part", dist.all_gather_object, out, obj)
+        watched("all_gather_object of every rank's part", all_gather_object, out, obj)
         return out
 
     # ------------------------------------------------------------------ the run

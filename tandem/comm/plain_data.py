@@ -1,0 +1,130 @@
+"""What ranks exchange as Python objects, decoded so that nothing a peer sends
+can run code here (Note [plain data]): :func:`encode`, :func:`decode`, and the
+drop-in :func:`all_gather_object` and :func:`broadcast_object_list`.
+
+# Note [plain data]
+torch's object collectives (``all_gather_object``, ``broadcast_object_list``)
+pickle on one side and unpickle on the other, and unpickling runs whatever the
+bytes name: a process that reaches a rank's connections (a stranger on the
+store's port, or a forged member of an elastic job) runs code on every rank it
+sends to. tandem exchanges objects in many places (membership, buddy copies of
+shards, checks, metrics, checkpoint agreement, the training state a
+replacement receives), and every one of them is plain data: tensors, numbers,
+strings, ``None``, dtypes and containers of them. So every such object is
+written with ``torch.save`` and read with ``torch.load(weights_only=True)``,
+torch's restricted unpickler, which builds only those (and the few classes a
+caller names, e.g. tandem.recv's own spec): an object that names anything else
+(a function, a class's constructor, ``os.system``) is refused with
+:class:`RefusedObjectError`, naming the rank it came from, before anything of
+it is built. User objects passed through tandem (the Trainer's ``extra``
+state, a loop's registered objects) must be plain data too, as they must be
+for ``weights_only`` checkpoints; exchanging other objects stays possible with
+torch's own helpers, by the user's choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RefusedObjectError", "all_gather_object", "broadcast_object_list", "decode", "encode"]
+
+
+class RefusedObjectError(RuntimeError):
+    """A peer sent an object that is not plain data (Note [plain data]); nothing of it was built."""
+
+
+def encode(obj: Any) -> torch.Tensor:
+    """``obj`` as bytes in a uint8 tensor on the host (``torch.save``'s format)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def decode(data: bytes | torch.Tensor, *, sender: str, what: str = "an object",
+           allow: Sequence[type] = ()) -> Any:
+    """The object in ``data`` (from :func:`encode`), built only if it is plain
+    data or of the classes in ``allow`` (Note [plain data]).
+
+    Args:
+        sender: who sent it ("rank 3"), for the error.
+        what: what it was, for the error.
+        allow: classes of the caller's own that may appear in it.
+
+    Raises:
+        RefusedObjectError: naming ``sender``, when it is not.
+    """
+    raw = data.cpu().numpy().tobytes() if isinstance(data, torch.Tensor) else data
+    try:
+        with _allowing(allow):
+            return torch.load(io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0] if str(e) else ""
+        me = f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
+        raise RefusedObjectError(
+            f"{me} refused {what} from {sender}: it is not plain data (tensors, numbers, strings, "
+            f"None and containers of them){': ' + reason if reason else ''}. tandem never unpickles "
+            "anything else from a peer (Note [plain data] in tandem/comm/plain_data.py): a process that "
+            "is not of this job, or a peer sending an object of its own class, is refused") from None
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
+    """``torch.distributed.all_gather_object``, with every rank's object decoded as
+    plain data (Note [plain data]): ``object_list[r]`` is rank r's ``obj``."""
+    device = _device(group)
+    payload = encode(obj).to(device)
+    size = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    chunks = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(chunks, padded, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    for r, (chunk, n) in enumerate(zip(chunks, lengths)):
+        object_list[r] = decode(chunk[:n], sender=f"rank {ranks[r]}", what="an all_gather_object's object")
+
+
+def broadcast_object_list(object_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """``torch.distributed.broadcast_object_list`` (``src`` a global rank), with the
+    objects decoded as plain data on every other rank (Note [plain data])."""
+    device = _device(group)
+    mine = dist.get_rank() == src
+    payload = encode(list(object_list)).to(device) if mine else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    data = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    if not mine:
+        received = decode(data, sender=f"rank {src}", what="a broadcast_object_list's objects")
+        if not isinstance(received, list) or len(received) != len(object_list):
+            raise RefusedObjectError(f"rank {dist.get_rank()} refused a broadcast_object_list from rank {src}: "
+                                     f"it holds {type(received).__name__}, not a list of {len(object_list)}")
+        object_list[:] = received
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _allowing(classes: Sequence[type]) -> Iterator[None]:
+    if not classes:
+        yield
+        return
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+
+    if scoped is not None:
+        with scoped(list(classes)):
+            yield
+    else:  # torch 2.4: the process-wide list (these are tandem's own classes)
+        torch.serialization.add_safe_globals(list(classes))
+        yield

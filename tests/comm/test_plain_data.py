@@ -1,0 +1,121 @@
+"""Nothing a peer sends can run code here (Note [plain data] in
+tandem/comm/plain_data.py): one rank sends an object whose unpickling would
+create a marker file, through every path tandem exchanges objects by (a
+GroupComm's all_gather_object, the object collectives the elastic paths use,
+tandem.recv's spec); the others refuse it naming that rank, the marker never
+appears, and plain data still goes through every path unchanged.
+
+One spawned group of 2 ranks (tandem.testing.run_cases): rank 1 plays the
+stranger in each case.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import tandem
+from tandem.comm.group import GroupComm
+from tandem.comm.plain_data import RefusedObjectError, all_gather_object, broadcast_object_list
+from tandem.testing import Case, run_cases
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Marker:
+    """Unpickled, it creates the file ``path`` (what a stranger's payload would do, harmlessly)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+_UNWAITED: list[object] = []
+
+PLAIN = {"step": 3, "name": "x", "none": None, "t": torch.arange(4.0), "nested": [(1, 2.5), {"k": True}],
+         "dtype": torch.bfloat16}
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except RefusedObjectError as e:
+        return str(e)
+    return "not refused"
+
+
+def _group_gather(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    comm = GroupComm(None)
+    plain = comm.all_gather_object({**PLAIN, "rank": rank}, tag="plain")
+    sent = Marker(marker) if rank == 1 else {"rank": rank}
+    return {"plain": [p["rank"] for p in plain] == [0, 1] and torch.equal(plain[1]["t"], PLAIN["t"]),
+            "refused": _refused(lambda: comm.all_gather_object(sent, tag="a stranger's object"))}
+
+
+def _elastic_collectives(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    gathered: list[object] = [None] * world_size
+    all_gather_object(gathered, {**PLAIN, "rank": rank})
+    box: list[object] = [PLAIN if rank == 1 else None]
+    broadcast_object_list(box, src=1)
+    out["plain"] = [g["rank"] for g in gathered] == [0, 1] and box[0]["name"] == "x"  # type: ignore[index]
+    evil: list[object] = [Marker(marker) if rank == 1 else None]
+    out["broadcast"] = _refused(functools.partial(broadcast_object_list, evil, 1))
+    out["gather"] = _refused(functools.partial(all_gather_object, [None] * world_size,
+                                               Marker(marker) if rank == 1 else rank))
+    return out
+
+
+def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    if rank == 1:
+        tandem.send({"t": torch.ones(2), "p": Point(torch.zeros(1), 5)}, dst=0)
+        # not waited for: a refused spec's data is never received
+        _UNWAITED.append(tandem.isend({"t": torch.ones(2), "evil": Marker(marker)}, dst=0))
+        return {}
+    got = tandem.recv(src=1)
+    plain = isinstance(got["p"], Point) and got["p"].y == 5 and torch.equal(got["t"], torch.ones(2))
+    return {"plain": plain, "refused": _refused(lambda: tandem.recv(src=1))}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[dict, Path]:
+    marker = tmp_path_factory.mktemp("stranger") / "MARKER"
+    m = str(marker)
+    out = run_cases({"group_gather": Case(_group_gather, args=(m,)),
+                     "elastic_collectives": Case(_elastic_collectives, args=(m,)),
+                     "recv": Case(_recv, args=(m,))}, 2)
+    return out, marker
+
+
+def test_group_all_gather_object_refuses_code_and_names_the_sender(results) -> None:
+    out, marker = results
+    for rank, r in enumerate(out["group_gather"]):
+        assert r["plain"], rank
+        assert f"rank {rank} refused a stranger's object from rank 1" in r["refused"], r["refused"]
+        assert "not plain data" in r["refused"]
+    assert not marker.exists()
+
+
+def test_object_collectives_refuse_code_from_the_sender(results) -> None:
+    out, marker = results
+    r0, r1 = out["elastic_collectives"]
+    assert r0["plain"] and r1["plain"]
+    assert "rank 0 refused a broadcast_object_list's objects from rank 1" in r0["broadcast"], r0
+    assert r1["broadcast"] == "not refused"  # the sender keeps its own objects
+    for rank, r in enumerate((r0, r1)):
+        assert f"rank {rank} refused an all_gather_object's object from rank 1" in r["gather"], r
+    assert not marker.exists()
+
+
+def test_recv_refuses_a_spec_that_is_not_plain_data(results) -> None:
+    out, marker = results
+    r0 = out["recv"][0]
+    assert r0["plain"]  # a namedtuple of this module still arrives as one
+    assert "rank 0 refused the spec of a tandem.recv message from rank 1" in r0["refused"], r0
+    assert not marker.exists()
