@@ -27,6 +27,7 @@ from tandem.comm.process_id import below_prefixes
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 from tandem.comm.plain_data import all_gather_object
+from tandem.comm.job_secret import signed
 
 __all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "below_prefixes", "default_group_connections",
            "elastic_membership", "enter_generation", "join_elastic", "job_store", "new_world_group",
@@ -88,7 +89,8 @@ def elastic_membership(config: ElasticConfig) -> Membership:
         elastic = member.elastic
         elastic.config = config
     else:
-        elastic = Membership.founding(job_store(), dist.get_rank(), dist.get_world_size(), config)
+        # Note [signed store] in job_secret.py: under a job secret only members make its keys
+        elastic = Membership.founding(signed(job_store()), dist.get_rank(), dist.get_world_size(), config)
         if member is not None:
             group_record.with_elastic(member, elastic)
     if monitor.peers is not None:
@@ -218,7 +220,7 @@ def join_elastic(backend: str | None, init_method: str | None, timeout_td: datet
     # Rendezvous as a client: the store exists; rank 0 would try to host it.
     store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
     try:
-        membership = Membership.replacement(below_prefixes(store), ElasticConfig())
+        membership = Membership.replacement(signed(below_prefixes(store)), ElasticConfig())
     except NothingToJoin as e:
         nothing_to_join(e)
     backend = backend or default_backend()

@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
+from tandem.comm.job_secret import SignedStore
 from tandem.comm.process_id import PostedProcesses, ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
@@ -190,8 +191,11 @@ class Membership:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
         # the client's lock) must not delay them (Note [cut off] in cut_off.py).
-        own = own_tcp_client(store)
-        self._beat_store = own[0] if own is not None else store
+        # Under a job secret the keys are signed (Note [signed store] in job_secret.py).
+        raw = store.inner if isinstance(store, SignedStore) else store
+        own = own_tcp_client(raw)
+        beats = own[0] if own is not None else raw
+        self._beat_store = store.over(beats) if isinstance(store, SignedStore) else beats
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -148,7 +148,9 @@ class PostedProcesses:
 
     def __init__(self, store: dist.Store, key: Callable[[Any], str]) -> None:
         self._store = store
-        self._notices = below_prefixes(store)
+        # Exit notices are the launcher's, written unsigned below the prefixes (a
+        # forged one can only declare a peer dead early: Note [signed store] in job_secret.py).
+        self._notices = below_prefixes(getattr(store, "inner", store))
         self._key = key
         self._posted: dict[Any, ProcessId] = {}
 

@@ -40,6 +40,7 @@ from tandem.launch.machine import socket_interface_env, usable_cpus, visible_gpu
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 from tandem.launch.watchdog import HANG_EXITCODE
+from tandem.comm.job_secret import secret_for_workers
 
 __all__ = ["build_parser", "command", "config_from_args", "main", "run_job"]
 
@@ -206,6 +207,8 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     output = RankOutput(stdout, stderr, ranks=config.output_ranks,
                         local_ranks=config.output_local_ranks)
     worker_env = dict(config.worker_env)
+    # Note [signed store] in tandem/comm/job_secret.py: in the environment, never on a command line
+    worker_env.update(secret_for_workers(config.max_nodes))
     if config.max_nodes > 1:  # Note [the address a node gives] in machine.py
         rendezvous = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
         worker_env.update(socket_interface_env(config.local_addr, rendezvous))

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from tandem.comm.job_secret import ForgedValueError, SignedStore, job_secret, secret_for_workers
 from tandem.comm.membership import PREFIX, Decision, ElasticConfig, Membership, MembershipError
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
@@ -24,8 +25,16 @@ class Clock:
         return self.now
 
 
-def _members(n: int, clock: Clock) -> tuple[dist.Store, list[Membership]]:
-    store = dist.HashStore()
+SECRET = b"a job secret for the tests"
+
+
+def _store(kind: str = "plain") -> dist.Store:
+    """The job's store: as it is, or signed with a job secret (Note [signed store])."""
+    return dist.HashStore() if kind == "plain" else SignedStore(dist.HashStore(), SECRET, "the test's store")
+
+
+def _members(n: int, clock: Clock, store: dist.Store | None = None) -> tuple[dist.Store, list[Membership]]:
+    store = store if store is not None else _store()
     members = [Membership.founding(store, r, n, CONFIG, clock=clock) for r in range(n)]
     return store, members
 
@@ -37,8 +46,9 @@ def _in_thread(fn, *args):
     return t, out
 
 
-def test_every_member_reads_commit_once_all_are_done() -> None:
-    _, (m0, m1, m2) = _members(3, Clock())
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_every_member_reads_commit_once_all_are_done(kind: str) -> None:
+    _, (m0, m1, m2) = _members(3, Clock(), _store(kind))
     threads = [_in_thread(m.decide_step, 0) for m in (m1, m2)]
     assert m0.decide_step(0) is Decision.COMMIT
     for t, out in threads:
@@ -56,9 +66,10 @@ def test_an_abort_first_wins_for_everyone() -> None:
         m.stop()
 
 
-def test_a_member_seen_dead_aborts_the_step_and_is_left_out() -> None:
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_a_member_seen_dead_aborts_the_step_and_is_left_out(kind: str) -> None:
     clock = Clock()
-    _, (m0, m1, m2) = _members(3, clock)
+    _, (m0, m1, m2) = _members(3, clock, _store(kind))
     m2.stop()  # m2 dies: its beat stays at 1000
     clock.now += 2 * CONFIG.stale_after_s
     m0._beat(), m1._beat()
@@ -104,9 +115,10 @@ def test_too_few_members_stop_the_job() -> None:
     m0.stop()
 
 
-def test_a_replacement_is_admitted_at_a_grow_decision() -> None:
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_a_replacement_is_admitted_at_a_grow_decision(kind: str) -> None:
     clock = Clock()
-    store, (m0, m1) = _members(2, clock)
+    store, (m0, m1) = _members(2, clock, _store(kind))
     t, joined = _in_thread(lambda: Membership.joining(store, CONFIG, clock=clock))
     deadline = time.monotonic() + 5
     while not m0.waiting_joiners():
@@ -122,6 +134,70 @@ def test_a_replacement_is_admitted_at_a_grow_decision() -> None:
     assert generation.members == ("0", "1", "j1") and joined[0].generation == generation
     for m in (m0, m1, joined[0]):
         m.stop()
+
+
+def _ask_as_a_stranger(raw: dist.Store, clock: Clock) -> None:
+    """What a replacement writes to ask to join, written by a process without the
+    job's secret, under the keys' names as they are without one."""
+    number = raw.add(f"{PREFIX}/joiners", 1)
+    raw.set(f"{PREFIX}/beat/j{number}", repr(clock.now))
+    raw.set(f"{PREFIX}/join/j{number}", "waiting")
+
+
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_a_stranger_asking_to_join_is_admitted_only_without_a_secret(kind: str) -> None:
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock, _store(kind))
+    raw = store.inner if isinstance(store, SignedStore) else store
+    _ask_as_a_stranger(raw, clock)
+    t1, out = _in_thread(m1.decide_step, 0)
+    decision = m0.decide_step(0)
+    t1.join(5)
+    if kind == "plain":  # what a secret prevents: the stranger would be the next generation's member
+        assert m0.waiting_joiners() == ["j1"] and decision is Decision.GROW
+    else:
+        assert m0.waiting_joiners() == [] and decision is Decision.COMMIT and out == [Decision.COMMIT]
+    for m in (m0, m1):
+        m.stop()
+
+
+def test_a_value_not_signed_with_the_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    raw = dist.HashStore()
+    store = SignedStore(raw, SECRET, "the test's store")
+    store.set("tandem/elastic/latest", "3")
+    assert store.get("tandem/elastic/latest") == b"3"
+    name = store.name("tandem/elastic/latest")
+    assert name.startswith("tandem/s/") and "latest" not in name and not raw.check(["tandem/elastic/latest"])
+    assert store.compare_set("tandem/elastic/gen/1/members", "", '["0"]') == b'["0"]'
+    assert store.compare_set("tandem/elastic/gen/1/members", "", '["0", "j1"]') == b'["0"]'  # the first wins
+    assert store.add("tandem/elastic/joiners", 1) == 1 and store.check(["tandem/elastic/joiners"])
+    # written by a process that learned the name but not the secret; a value moved from another key
+    raw.set(name, "7")
+    moved = raw.get(store.name("tandem/elastic/gen/1/members"))
+    with caplog.at_level("WARNING"), pytest.raises(ForgedValueError, match="not signed with this job's secret"):
+        store.get("tandem/elastic/latest")
+    raw.set(name, moved)
+    with pytest.raises(ForgedValueError, match="'tandem/elastic/latest' in the test's store"):
+        store.get("tandem/elastic/latest")
+    assert "refused a value under 'tandem/elastic/latest' in the test's store" in caplog.text
+    other = SignedStore(raw, b"another job's secret")
+    assert other.name("tandem/elastic/latest") != name
+
+
+def test_the_job_secret_comes_from_the_environment_or_a_file(tmp_path) -> None:
+    assert job_secret({}) is None
+    assert job_secret({"TANDEM_JOB_SECRET": " abc \n"}) == b"abc"
+    path = tmp_path / "secret"
+    path.write_text("from a file\n")
+    assert job_secret({"TANDEM_JOB_SECRET_FILE": str(path)}) == b"from a file"
+    with pytest.raises(ValueError, match="TANDEM_JOB_SECRET_FILE=.*cannot be read"):
+        job_secret({"TANDEM_JOB_SECRET_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="is empty"):
+        job_secret({"TANDEM_JOB_SECRET": " "})
+    one, two = secret_for_workers(1, {}), secret_for_workers(1, {})
+    assert len(one["TANDEM_JOB_SECRET"]) == 64 and one != two  # a new one per job of one node
+    assert secret_for_workers(1, {"TANDEM_JOB_SECRET": "x"}) == {}  # inherited by the workers
+    assert secret_for_workers(2, {}) == {}  # several nodes must be given the same one
 
 
 def test_a_replacement_after_the_job_ended_gives_up_at_once() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tandem
 from tandem.comm.group import GroupComm
@@ -77,10 +78,13 @@ def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
         tandem.send({"t": torch.ones(2), "p": Point(torch.zeros(1), 5)}, dst=0)
         # not waited for: a refused spec's data is never received
         _UNWAITED.append(tandem.isend({"t": torch.ones(2), "evil": Marker(marker)}, dst=0))
+        dist.barrier()  # rank 0 has read the spec: this rank may leave
         return {}
     got = tandem.recv(src=1)
     plain = isinstance(got["p"], Point) and got["p"].y == 5 and torch.equal(got["t"], torch.ones(2))
-    return {"plain": plain, "refused": _refused(lambda: tandem.recv(src=1))}
+    refused = _refused(lambda: tandem.recv(src=1))
+    dist.barrier()
+    return {"plain": plain, "refused": refused}
 
 
 @pytest.fixture(scope="module")

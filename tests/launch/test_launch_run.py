@@ -43,9 +43,16 @@ CONTRACT = """
     world = tandem.init()
     t = torch.tensor([float(world.rank + 1)])
     dist.all_reduce(t)
+    # the job secret (Note [signed store] in tandem/comm/job_secret.py), and the command
+    # lines every local user can read: this worker's and its launcher's
+    cmdlines = []
+    for pid in (os.getpid(), os.getppid()):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdlines.append(f.read().decode(errors="replace"))
     with open(os.path.join(sys.argv[1], f"{world.rank}.json"), "w") as f:
         json.dump({"rank": world.rank, "local_rank": world.local_rank,
-                   "world_size": world.world_size, "sum": t.item(), "env": names}, f)
+                   "world_size": world.world_size, "sum": t.item(), "env": names,
+                   "secret": os.environ.get("TANDEM_JOB_SECRET"), "cmdlines": cmdlines}, f)
     tandem.shutdown()
 """
 
@@ -82,6 +89,13 @@ def test_environment_and_init_as_under_torchrun(tmp_path):
                           "OMP_NUM_THREADS"}, {k: (a[k], b[k]) for k in differ}
         assert a["RANK"] == str(rank) and a["LOCAL_RANK"] == str(rank)
         assert a["TORCHELASTIC_RESTART_COUNT"] == "0"
+    # tandem run makes a job secret and gives it to its workers, in their environment only
+    secret = mine[0]["secret"]
+    assert secret is not None and len(secret) == 64 and mine[1]["secret"] == secret
+    assert ref[0]["secret"] is None  # torchrun makes none
+    for rank in (0, 1):
+        assert len(mine[rank]["cmdlines"]) == 2 and all(secret not in c for c in mine[rank]["cmdlines"])
+    assert secret not in ours.stdout + ours.stderr
     assert ours.orphans == [] and theirs.orphans == []
 
 

@@ -36,7 +36,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     without GPUs: the launcher tests are CPU jobs on gloo, also on a machine with
     one GPU (where two NCCL workers could not each bind a device)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "PET_", "TANDEM_TEST"))}
+           if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "PET_", "TANDEM_TEST", "TANDEM_JOB_SECRET"))}
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
