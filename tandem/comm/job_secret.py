@@ -169,17 +169,27 @@ class SignedStore(dist.Store):
         return SignedStore(store, self._secret, self._where)
 
 
+MANY_NODES_NEED_A_SECRET = (
+    "a job of several nodes needs one job secret shared by every node, and none is set: make one with "
+    "python -c 'import secrets; print(secrets.token_hex(32))' > ~/.tandem-secret; chmod 600 ~/.tandem-secret, "
+    f"then export {SECRET_FILE_ENV}=~/.tandem-secret (or {SECRET_ENV}=<the secret>) on every node before "
+    "tandem run (docs: Who can join a job)")
+
+
 def secret_for_workers(nodes: int, environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
     """What a launcher adds to its workers' environment so that they share a job
     secret: nothing when its own environment has one (the workers inherit it), a
-    new one for a job of one node; nothing yet for several nodes without one (each
-    node would make its own: every node must be given the same, Note [signed store]).
+    new one for a job of one node (Note [signed store]).
 
     Raises:
-        ValueError: the environment's secret is empty or its file unreadable.
+        ValueError: a job of several nodes without a secret (each node would make
+            its own; every node must be given the same), or the environment's
+            secret is empty or its file unreadable; the message says what to do.
     """
-    if job_secret(environ) is not None or nodes > 1:
+    if job_secret(environ) is not None:
         return {}
+    if nodes > 1:
+        raise ValueError(MANY_NODES_NEED_A_SECRET)
     return {SECRET_ENV: new_secret()}
 
 

@@ -313,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Another interpreter (PYTHON_EXEC) has its own path: let it find the module itself.
         if not (command.kind is TargetKind.MODULE and python != sys.executable):
             check_target(command, cwd=os.getcwd())
+        if config.max_nodes > 1:  # several nodes must share one secret: refused before anything starts
+            secret_for_workers(config.max_nodes)
     except ValueError as e:
         _say(sys.stderr, f"error: {e}")
         return EXIT_USAGE

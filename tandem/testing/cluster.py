@@ -28,6 +28,8 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
+
 __all__ = ["Cluster", "cluster_unavailable"]
 
 _COUNTER = itertools.count()
@@ -64,6 +66,7 @@ class Cluster:
         k = next(_COUNTER)
         self.tag = f"t{os.getpid() % 100000}x{k}"        # at most 12 characters: interface names take 15
         self.subnet = f"10.213.{(os.getpid() * 7 + k) % 250}"
+        self.secret = new_secret()  # the job secret its nodes share (popen, run)
         self.nodes = nodes
         self.rate = rate
         self.bridge = f"{self.tag}b"
@@ -121,15 +124,24 @@ class Cluster:
         return f"{self.subnet}.{node + 1}"
 
     def popen(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` on node ``node`` (``subprocess.Popen``'s keywords);
+        """Start ``argv`` on node ``node`` (``subprocess.Popen``'s keywords), with
+        the cluster's job secret in its environment unless it has one;
         :meth:`close` kills it if it still runs."""
-        p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], **kwargs)
+        p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], **self._with_secret(kwargs))
         self._processes.append(p)
         return p
 
     def run(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` on node ``node`` to its end (``subprocess.run``'s keywords)."""
-        return subprocess.run(["ip", "netns", "exec", self.namespaces[node], *argv], **kwargs)
+        return subprocess.run(["ip", "netns", "exec", self.namespaces[node], *argv], **self._with_secret(kwargs))
+
+    def _with_secret(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Every node of a cluster is given the same job secret, as a job of several
+        nodes needs (Note [signed store] in tandem/comm/job_secret.py)."""
+        env = dict(kwargs.get("env") or os.environ)
+        if SECRET_ENV not in env and SECRET_FILE_ENV not in env:
+            env[SECRET_ENV] = self.secret
+        return {**kwargs, "env": env}
 
     def pids(self, node: int) -> list[int]:
         """The processes running in node ``node``."""

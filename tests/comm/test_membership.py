@@ -197,7 +197,9 @@ def test_the_job_secret_comes_from_the_environment_or_a_file(tmp_path) -> None:
     one, two = secret_for_workers(1, {}), secret_for_workers(1, {})
     assert len(one["TANDEM_JOB_SECRET"]) == 64 and one != two  # a new one per job of one node
     assert secret_for_workers(1, {"TANDEM_JOB_SECRET": "x"}) == {}  # inherited by the workers
-    assert secret_for_workers(2, {}) == {}  # several nodes must be given the same one
+    with pytest.raises(ValueError, match="a job of several nodes needs one job secret shared by every node"):
+        secret_for_workers(2, {})  # each node would make its own: every node must be given the same
+    assert secret_for_workers(2, {"TANDEM_JOB_SECRET": "x"}) == {}
 
 
 def test_a_replacement_after_the_job_ended_gives_up_at_once() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from test_launch_support import TANDEM, Job, free_port, lines_with, script
+from test_launch_support import TANDEM, Job, clean_env, free_port, lines_with, script
+
+from tandem.comm.job_secret import new_secret
 
 WORLD = """
     import os, torch, torch.distributed as dist, tandem
@@ -29,8 +31,9 @@ def test_two_nodes_form_one_world(tmp_path, form):
                  for n in (0, 1)]
     else:
         nodes = [["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]] * 2
+    env = clean_env(TANDEM_JOB_SECRET=new_secret())  # the one secret both nodes of a job share
     jobs = [Job(TANDEM + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-timeout", "60"]
-                + flags + [str(path)], cwd=tmp_path) for flags in nodes]
+                + flags + [str(path)], cwd=tmp_path, env=env) for flags in nodes]
     runs = [job.finish(120) for job in jobs]
     seen = {}
     for r in runs:

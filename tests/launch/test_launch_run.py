@@ -27,6 +27,8 @@ from test_launch_support import (
     tandem,
 )
 
+from tandem.comm.job_secret import new_secret
+
 # Dumps the launcher's variables, then all-reduces through tandem.init. Each
 # rank writes its own file: torchrun does not line-buffer its workers' shared
 # stdout, so two ranks' prints can interleave within one line.
@@ -274,8 +276,19 @@ def lone_nodes(tmp_path_factory):
         cwd = tmp_path_factory.mktemp(f"lone-{name}")
         path = script(cwd, "hello.py", "print('hi')\n")
         jobs[name] = Job(TANDEM + ["--nnodes", "2", "--rdzv-timeout", "2"]
-                         + [f.format(port=port) for f in flags] + [str(path)], cwd=cwd)
+                         + [f.format(port=port) for f in flags] + [str(path)], cwd=cwd,
+                         env=clean_env(TANDEM_JOB_SECRET=new_secret()))
+    cwd = tmp_path_factory.mktemp("no-secret")
+    jobs["no secret"] = Job(TANDEM + ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400",
+                                      str(script(cwd, "hello.py", "print('hi')\n"))], cwd=cwd)
     return finish_all(jobs, 40)
+
+
+def test_a_job_of_several_nodes_without_a_secret_refuses_to_start(lone_nodes):
+    r = lone_nodes["no secret"]
+    assert r.returncode == 2 and r.seconds < 20, r
+    assert "a job of several nodes needs one job secret shared by every node" in r.stderr, r
+    assert "export TANDEM_JOB_SECRET_FILE=" in r.stderr and "hi" not in r.stdout
 
 
 @pytest.mark.parametrize("rendezvous", list(NEVER_COME))
