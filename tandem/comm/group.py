@@ -35,7 +35,7 @@ from tandem.comm.failure_gate import FailureGate
 from tandem.comm.ledger import LedgerEntry
 from tandem.comm.monitor import current_monitor
 from tandem.comm.peers import Waiter, wait_watching_peers
-from tandem.comm.plain_data import decode, encode
+from tandem.comm.plain_data import decode, gather_payloads
 
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
@@ -229,7 +229,8 @@ class GroupComm:
         if self.size == 1:
             output.copy_(input)
             return self._issued(None, self._issue("reduce_scatter", input, tag), False)
-        all_reduce = via is None and self.backend_on(input.device) == "gloo" and _is_chunk(output, input, self.rank)
+        all_reduce = via is None and self.in_place_scatter_all_reduces(input.device) and \
+            _is_chunk(output, input, self.rank)
 
         def launch() -> Any:
             if via is not None:
@@ -272,15 +273,9 @@ class GroupComm:
         Raises:
             RefusedObjectError: a rank sent something else, naming it.
         """
-        payload = encode(obj)
-        device = self.device
-        sizes = self.all_gather(torch.tensor([payload.numel()], device=device), tag=tag)
-        longest = int(max(int(s.item()) for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-        padded[: payload.numel()] = payload.to(device)
-        chunks = self.all_gather(padded, tag=tag)
-        return [decode(c[: int(s.item())], sender=f"rank {self.global_rank(r)}", what=tag or "an object")
-                for r, (c, s) in enumerate(zip(chunks, sizes))]
+        payloads = gather_payloads(obj, lambda t: self.all_gather(t, tag=tag), self.device)
+        return [decode(p, sender=f"rank {self.global_rank(r)}", what=tag or "an object")
+                for r, p in enumerate(payloads)]
 
     def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0, *,
                             tag: str = "") -> None:
@@ -298,6 +293,12 @@ class GroupComm:
                         n = t.numel()
                         t.copy_(flat[offset: offset + n].view_as(t))
                         offset += n
+
+    def in_place_scatter_all_reduces(self, device: torch.device) -> bool:
+        """Whether a reduce-scatter in place on ``device`` runs as an all-reduce in
+        place (gloo: Note [gloo's reduce-scatter]), so that a caller whose output is
+        elsewhere does better to reduce in place and copy its chunk out."""
+        return self.size > 1 and self.backend_on(device) == "gloo"
 
     def backend_on(self, device: torch.device) -> str:
         """The backend that runs this group's collectives on ``device`` ("gloo", "nccl", ...)."""

@@ -27,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RefusedObjectError", "all_gather_object", "broadcast_object_list", "decode", "encode"]
+__all__ = ["RefusedObjectError", "all_gather_object", "broadcast_object_list", "decode", "encode",
+           "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -74,22 +75,31 @@ def decode(data: bytes | torch.Tensor, *, sender: str, what: str = "an object",
             "is not of this job, or a peer sending an object of its own class, is refused") from None
 
 
+def gather_payloads(obj: Any, all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
+                    device: torch.device) -> list[torch.Tensor]:
+    """Every rank's :func:`encode` of its ``obj``, in rank order, through
+    ``all_gather`` (one tensor in, every rank's out): the lengths first, then
+    the payloads padded to the longest."""
+    payload = encode(obj).to(device)
+    lengths = [int(n.item()) for n in all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device))]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    return [chunk[:n] for chunk, n in zip(all_gather(padded), lengths)]
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:
     """``torch.distributed.all_gather_object``, with every rank's object decoded as
     plain data (Note [plain data]): ``object_list[r]`` is rank r's ``obj``."""
-    device = _device(group)
-    payload = encode(obj).to(device)
     size = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
-    lengths = [int(s.item()) for s in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    chunks = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(chunks, padded, group=group)
+
+    def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(out, t, group=group)
+        return out
+
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    for r, (chunk, n) in enumerate(zip(chunks, lengths)):
-        object_list[r] = decode(chunk[:n], sender=f"rank {ranks[r]}", what="an all_gather_object's object")
+    for r, payload in enumerate(gather_payloads(obj, all_gather, _device(group))):
+        object_list[r] = decode(payload, sender=f"rank {ranks[r]}", what="an all_gather_object's object")
 
 
 def broadcast_object_list(object_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None) -> None:

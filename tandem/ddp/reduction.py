@@ -204,9 +204,9 @@ class ReduceScatter:
         self._comm, self._shards, self._check = comm, shards, check
         self._frees_grads = stage >= 2  # during backward; stage 1 at its end
         device = shards[0].device if shards else comm.device
-        # Note [gloo's reduce-scatter] in tandem/comm/group.py: in place on gloo, the
-        # shard copied out of the bucket when it is waited for
-        self._in_place = comm.size > 1 and comm.backend_on(device) == "gloo"
+        # Note [gloo's reduce-scatter] in tandem/comm/group.py: in place where that is
+        # an all-reduce, the shard copied out of the bucket when it is waited for
+        self._in_place = comm.in_place_scatter_all_reduces(device)
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
         bucket.fill(step.div, False)

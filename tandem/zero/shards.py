@@ -116,6 +116,6 @@ class ZeroShards:
         spec = self._reducer.plan.buckets[bucket]
         shard = self.flat.shard(spec)
         for run, master in self._by_bucket[bucket]:
-            if id(master) not in self._in_place:
+            if not self.in_place(master):
                 shard.narrow(0, run.start, run.length).copy_(master)
         return shard
