@@ -186,6 +186,51 @@ def rendezvous_info(store: torch.distributed.Store, rank: int, world_size: int,
                           RendezvousStoreInfo(master_addr=master_addr, master_port=master_port))
 
 
+
+__all__ += ["matches_machine_hostname", "preset_static_store", "share_listening_store"]
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """torch's rule for whether ``host`` names this machine (its hostname, one
+    of its addresses, or loopback).
+
+    Why: tandem hosts the c10d rendezvous' store itself (Note [the rendezvous'
+    state] in ``tandem.launch.signed_rendezvous``) and decides who hosts it as
+    torch does; the rule is a private function of torch's rendezvous utils.
+    """
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return bool(_matches_machine_hostname(host))
+
+
+def preset_static_store(handler: Any, store: torch.distributed.Store) -> None:
+    """Give torch's static rendezvous handler the store it would make on its
+    first ``next_rendezvous``.
+
+    Why: the static handler makes a ``TCPStore`` listening on every interface
+    (Note [a store on the job's address] in ``tandem.comm.listening_store``),
+    and only creates one when its private ``_store`` is unset (torch 2.4 to 2.13).
+    """
+    if not hasattr(handler, "_store"):
+        raise RuntimeError(f"torch's static rendezvous handler {type(handler).__name__} has no _store "
+                           "attribute in this torch version; tandem cannot give it a store")
+    handler._store = store
+
+
+def share_listening_store(handler: Any, make: Callable[[str, int], torch.distributed.TCPStore]) -> None:
+    """Have torch's c10d rendezvous handler make the store it shares with the
+    workers with ``make(addr, port)``.
+
+    Why: from torch 2.6 the c10d handler of the round's rank 0 starts a
+    ``TCPStore`` for the workers (which tandem replaces with a store per
+    attempt, Note [one store per attempt] in ``tandem.launch.rendezvous``)
+    listening on every interface (Note [a store on the job's address] in
+    ``tandem.comm.listening_store``); the one place it is made is the private
+    ``_create_tcp_store_server``. Older versions make none, and this does nothing.
+    """
+    if hasattr(handler, "_create_tcp_store_server"):
+        handler._create_tcp_store_server = make
+
 # ---------------------------------------------------------------- fully_shard (tandem.fsdp)
 
 __all__ += ["chunk_cat", "fsdp_policies"]

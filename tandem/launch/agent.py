@@ -39,7 +39,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.launch.config import LaunchConfig
@@ -49,6 +48,7 @@ from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of
 from tandem.launch.node_roll import JoinRunningJob, NodeRoll
 from tandem.launch.rendezvous import FreshWorkerStore
+from tandem.launch.signed_rendezvous import rendezvous_handler
 from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
 __all__ = ["HANG_EXITCODE", "LaunchError", "SignalException", "quiet_torch_launch_logs",
@@ -156,8 +156,11 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         logs.add_worker_env({JOIN_ENV: "1"})
     else:
         with _rendezvous_errors(config):
-            handler = FreshWorkerStore(get_rendezvous_handler(params), timeout=timeout,
-                                       poll_waiting=config.max_nodes > 1)
+            many_nodes = config.max_nodes > 1
+            secret = logs.job_secret()
+            handler = FreshWorkerStore(rendezvous_handler(params, secret=secret, many_nodes=many_nodes),
+                                       timeout=timeout, poll_waiting=many_nodes, many_nodes=many_nodes,
+                                       secret=secret)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler,
         entrypoint=entrypoint, args=tuple(args),

@@ -36,7 +36,7 @@ from tandem.launch.flags import (
     threads_per_worker,
 )
 from tandem.launch.logs import WorkerLogs
-from tandem.launch.machine import socket_interface_env, usable_cpus, visible_gpus
+from tandem.launch.machine import loopback_interface_env, socket_interface_env, usable_cpus, visible_gpus
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 from tandem.launch.watchdog import HANG_EXITCODE
@@ -212,6 +212,8 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     if config.max_nodes > 1:  # Note [the address a node gives] in machine.py
         rendezvous = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
         worker_env.update(socket_interface_env(config.local_addr, rendezvous))
+    else:  # Note [a store on the job's address] in tandem/comm/listening_store.py
+        worker_env.update(loopback_interface_env())
     if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"
     logs = WorkerLogs(log_root, worker_env=worker_env, on_attempt=output.follow,

@@ -33,6 +33,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
+from tandem.comm.job_secret import job_secret
+
 __all__ = ["Attempt", "RankLogs", "WorkerLogs"]
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,11 @@ class WorkerLogs(LogsSpecs):
     def add_worker_env(self, env: Mapping[str, str]) -> None:
         """Give every worker started from now on ``env`` too."""
         self._worker_env.update(env)
+
+    def job_secret(self) -> bytes | None:
+        """The job secret the workers get: the one added here, or the launcher's
+        own (Note [signed store] in tandem/comm/job_secret.py)."""
+        return job_secret({**os.environ, **self._worker_env})
 
     @property
     def root_log_dir(self) -> str:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["address_toward", "interface_of", "socket_interface_env", "usable_cpus", "visible_gpus"]
+__all__ = ["address_toward", "interface_of", "loopback_interface_env", "socket_interface_env", "usable_cpus",
+           "visible_gpus"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -86,3 +87,16 @@ def socket_interface_env(local_addr: str | None, rendezvous: tuple[str, int],
     if name is None or name == "lo" or (address or "").startswith("127."):
         return {}
     return {key: name for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in env}
+
+
+def loopback_interface_env(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` for the workers of a job of one node: the
+    loopback interface, so that gloo's listeners stay off the machine's other
+    interfaces (Note [a store on the job's address] in
+    tandem/comm/listening_store.py); empty where the user set it or no
+    interface holds 127.0.0.1."""
+    env = os.environ if environ is None else environ
+    if "GLOO_SOCKET_IFNAME" in env:
+        return {}
+    name = interface_of("127.0.0.1")
+    return {} if name is None else {"GLOO_SOCKET_IFNAME": name}

@@ -15,7 +15,10 @@ after a worker is killed.
 :class:`FreshWorkerStore` wraps torch's own rendezvous handler and changes one
 thing: after each rendezvous node 0 starts a new ``TCPStore`` on a free port
 (see Note [free port] in :mod:`tandem.launch.flags`), publishes the port in the
-rendezvous store, and every node hands that address to its workers. The previous
+rendezvous store (signed under a job secret: Note [signed store] in
+job_secret.py), and every node hands that address to its workers. A job of
+one node keeps it on loopback (Note [a store on the job's address] in
+listening_store.py). The previous
 attempt's store is closed when the next one opens. Process management, the
 rendezvous itself and the agent's own store stay torch's.
 
@@ -42,12 +45,15 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from tandem._compat import rendezvous_info
+from tandem.comm.job_secret import SignedStore
+from tandem.comm.listening_store import listening_store
 
 __all__ = ["FreshWorkerStore"]
 
 logger = logging.getLogger(__name__)
 
 _PORT_KEY = "tandem/worker_store_port"
+_LOOPBACK = "127.0.0.1"
 _POLL_S = 1.0
 _STOP_S = 2.0
 
@@ -57,8 +63,10 @@ class FreshWorkerStore(RendezvousHandler):
     workers (see Note [one store per attempt])."""
 
     def __init__(self, inner: RendezvousHandler, *, timeout: datetime.timedelta,
-                 poll_waiting: bool = False) -> None:
+                 poll_waiting: bool = False, many_nodes: bool = True, secret: bytes | None = None) -> None:
         self._inner = inner
+        self._many_nodes = many_nodes
+        self._secret = secret
         self._waiting = _WaitingNodes(inner) if poll_waiting else None
         self._timeout = timeout
         self._server: dist.TCPStore | None = None
@@ -89,14 +97,15 @@ class FreshWorkerStore(RendezvousHandler):
             raise RuntimeError(f"the {self.get_backend()} rendezvous returned no store address for "
                                "the workers; tandem needs torch's RendezvousInfo with "
                                "bootstrap_store_info (torch 2.4 or later)")
-        addr = bootstrap.master_addr
+        # Note [a store on the job's address] in tandem/comm/listening_store.py
+        addr = bootstrap.master_addr if self._many_nodes else _LOOPBACK
+        store = info.store if self._secret is None else SignedStore(info.store, self._secret, "the rendezvous store")
         if info.rank == 0:
             self._server = None  # close the previous attempt's store before opening the next
-            self._server = dist.TCPStore(addr, 0, None, True, self._timeout,
-                                         wait_for_workers=False)
-            info.store.set(key, str(self._server.port))
+            self._server = listening_store(addr, 0, timeout=self._timeout, many_nodes=self._many_nodes)
+            store.set(key, str(self._server.port))
             self.hosted = (addr, self._server.port)
-        port = int(info.store.get(key).decode())
+        port = int(store.get(key).decode())
         self.workers_store = (addr, port)
         logger.debug("attempt %d: workers meet in a fresh store at %s:%d", self._attempt, addr, port)
         return rendezvous_info(info.store, info.rank, info.world_size, addr, port)

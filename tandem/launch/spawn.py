@@ -26,7 +26,7 @@ from tandem.launch.agent import quiet_torch_launch_logs, run_workers
 from tandem.launch.config import LaunchConfig
 from tandem.launch.flags import threads_per_worker
 from tandem.launch.logs import WorkerLogs
-from tandem.launch.machine import usable_cpus
+from tandem.launch.machine import loopback_interface_env, usable_cpus
 from tandem.launch.output import RankOutput
 from tandem.launch.summary import collect_failures, in_order_of_failure
 from tandem.comm.job_secret import secret_for_workers
@@ -94,7 +94,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
         rdzv_reason="spawn")
     log_root = tempfile.mkdtemp(prefix="tandem-spawn-")
     output = RankOutput(sys.stdout, sys.stderr)
-    logs = WorkerLogs(log_root, worker_env={**config.worker_env, **secret_for_workers(1)}, on_attempt=output.follow)
+    logs = WorkerLogs(log_root, worker_env={**config.worker_env, **secret_for_workers(1), **loopback_interface_env()},
+                      on_attempt=output.follow)
     output.start()
     try:
         with quiet_torch_launch_logs():

@@ -86,9 +86,12 @@ def test_environment_and_init_as_under_torchrun(tmp_path):
         a, b = mine[rank]["env"], ref[rank]["env"]
         assert set(b) <= set(a), f"torchrun sets {sorted(set(b) - set(a))} and tandem does not"
         differ = {k for k in b if a[k] != b[k]}
-        # Per-job values: the run id, the ports, the error file, the thread count.
+        # Per-job values: the run id, the ports, the error file, the thread count; and
+        # the store's address, which a job of one node keeps on loopback (Note [a store
+        # on the job's address]) where torchrun gives the host's name.
         assert differ <= {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
-                          "OMP_NUM_THREADS"}, {k: (a[k], b[k]) for k in differ}
+                          "OMP_NUM_THREADS", "MASTER_ADDR"}, {k: (a[k], b[k]) for k in differ}
+        assert a["MASTER_ADDR"] == "127.0.0.1"
         assert a["RANK"] == str(rank) and a["LOCAL_RANK"] == str(rank)
         assert a["TORCHELASTIC_RESTART_COUNT"] == "0"
     # tandem run makes a job secret and gives it to its workers, in their environment only

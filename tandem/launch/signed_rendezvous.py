@@ -1,0 +1,99 @@
+"""torch's rendezvous handlers with their store on the job's address and, under
+a job secret, their state signed: :func:`rendezvous_handler`.
+
+# Note [the rendezvous' state]
+torch's c10d rendezvous keeps its state (the round, who waits, who takes
+part) under one key of its store, ``torch.rendezvous.<run id>``, as a pickle,
+and every node's launcher reads and unpickles it about once a second. The
+run id is no secret (it is on the command line), so whoever reached the
+store's port could set that key and run code in every launcher. torch's
+handler takes the backend that holds its state as an argument, so tandem
+builds it with its own pieces and changes nothing else:
+
+* the store is a :func:`~tandem.comm.listening_store.listening_store` on the
+  endpoint's address (Note [a store on the job's address]), and so is the one
+  torch's handler starts for the workers (unused by tandem, which gives each
+  attempt a store of its own);
+* under a job secret, torch's own c10d backend keeps the state in a
+  :class:`~tandem.comm.job_secret.SignedStore` (Note [signed store]): the
+  key's name is an HMAC a stranger cannot make, and the value carries an HMAC
+  checked before torch decodes it; a value that fails is refused, and the
+  rendezvous reports it as a failed store call.
+
+The static rendezvous (``--master-port``) keeps no pickle; its store is
+listened for in the same way. torch's agent's own keys in the round's store
+(rank assignment, the exit barrier) are JSON and counters: a stranger there
+can stop a job, not run code in it.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from tandem._compat import matches_machine_hostname, preset_static_store, share_listening_store
+from tandem.comm.job_secret import SignedStore
+from tandem.comm.listening_store import listening_store
+
+__all__ = ["rendezvous_handler"]
+
+_C10D_PORT = 29400  # torch's default for an endpoint without a port
+_LOOPBACK = "127.0.0.1"
+_STATIC_TIMEOUT_S = 600  # torch's static rendezvous' default store timeout
+
+
+def rendezvous_handler(params: RendezvousParameters, *, secret: bytes | None,
+                       many_nodes: bool) -> RendezvousHandler:
+    """torch's handler for ``params``, with its store listening on the
+    endpoint's address and, under ``secret``, its state signed (Note [the
+    rendezvous' state]); ``many_nodes``: nodes other than this one may take part."""
+    if params.backend == "static":
+        handler = get_rendezvous_handler(params)
+        if int(params.config["rank"]) == 0:
+            host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+            store_timeout = datetime.timedelta(seconds=int(params.config.get("timeout", _STATIC_TIMEOUT_S)))
+            preset_static_store(handler, listening_store(host, port, timeout=store_timeout,
+                                                         world_size=params.max_nodes, wait_for_workers=True,
+                                                         multi_tenant=True, many_nodes=many_nodes))
+        return handler
+    if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
+        return get_rendezvous_handler(params)
+    read_timeout = int(params.get_as_int("read_timeout", 60) or 60)
+    if read_timeout <= 0:
+        raise ValueError(f"read_timeout={read_timeout} must be a positive number of seconds")
+    timeout = datetime.timedelta(seconds=read_timeout)
+    store = _c10d_store(params, timeout=timeout, many_nodes=many_nodes)
+    state_store: dist.Store = store
+    if secret is not None:
+        state_store = SignedStore(store, secret, f"the rendezvous store at {params.endpoint}")
+    handler = create_handler(store, C10dRendezvousBackend(state_store, params.run_id), params)
+    share_listening_store(handler, lambda addr, port: listening_store(
+        addr if many_nodes else _LOOPBACK, port, timeout=timeout, multi_tenant=True, many_nodes=many_nodes))
+    return handler
+
+
+def _c10d_store(params: RendezvousParameters, *, timeout: datetime.timedelta, many_nodes: bool) -> dist.TCPStore:
+    """The c10d rendezvous' store as torch makes it (the host by ``is_host`` or
+    by host name; a would-be host that finds the port taken connects to it),
+    hosted by :func:`listening_store`."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=_C10D_PORT)
+    said = params.get_as_bool("is_host")
+    is_host = said if said is not None else matches_machine_hostname(host)
+    if is_host:
+        try:
+            return listening_store(host, port, timeout=timeout, multi_tenant=True, many_nodes=many_nodes)
+        except (OSError, RuntimeError, ValueError) as e:
+            if said is not None:
+                raise RendezvousConnectionError(
+                    f"this node was told to host the rendezvous store at {host}:{port} and cannot: {e}") from e
+    try:
+        return dist.TCPStore(host, port, None, False, timeout)
+    except (RuntimeError, ValueError, TimeoutError) as e:
+        raise RendezvousConnectionError(f"the rendezvous store at {host}:{port} cannot be reached: {e}") from e
