@@ -30,6 +30,8 @@ from tandem.comm.device import bind_device, default_backend
 from tandem.comm.elastic_group import JOIN_ENV, below_prefixes, default_group_connections, elastic_membership, \
     enter_generation, join_elastic, job_store
 from tandem.comm.exit import uninstall_clean_exit
+from tandem.comm.job_secret import MANY_NODES_NEED_A_SECRET, job_secret
+from tandem.comm.listening_store import listening_store
 from tandem.comm.monitor import stop_monitor
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
@@ -165,9 +167,17 @@ def init(
             assert launch.master_addr is not None and launch.master_port is not None
             url = _tcp_url(launch.master_addr, launch.master_port)
             logger.debug("tandem: srun task %d of %d meets at %s", rank, world_size, url)
+        many_nodes = local_world_size < world_size
+        if many_nodes and job_secret() is None:  # Note [signed store] in job_secret.py
+            raise ValueError(f"rank {rank}: {MANY_NODES_NEED_A_SECRET}")
+        hosted = _hosted_store(url, rank, world_size, timeout_td, many_nodes=many_nodes)
         with default_group_connections(backend) as connections:
-            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,
-                                    timeout=timeout_td)
+            if hosted is None:
+                dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,
+                                        timeout=timeout_td)
+            else:  # as torch's env:// and tcp:// do, with the store on the job's address
+                dist.init_process_group(backend, store=dist.PrefixStore("default_pg", hosted), rank=rank,
+                                        world_size=world_size, timeout=timeout_td)
 
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=world_size,
                      local_world_size=local_world_size, device=device, backend=backend)
@@ -278,6 +288,25 @@ def _store_conflict(scheme: str | None, init_method: str | None) -> str | None:
         if port is not None and port != store.port:
             return f"{asked} means port {port}, but the group met through a TCP store on port {store.port}"
     return None
+
+
+def _hosted_store(url: str, rank: int, world_size: int, timeout: datetime.timedelta, *,
+                  many_nodes: bool) -> dist.Store | None:
+    """Rank 0's store for an ``env://`` or ``tcp://`` rendezvous that no launcher
+    hosts, listening on the job's address (Note [a store on the job's address] in
+    listening_store.py); None where torch makes or reaches the store itself
+    (another rank, ``file://``, or torchrun's and tandem run's agent store)."""
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    parts = urlsplit(url)
+    if parts.scheme == "env":
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    elif parts.scheme == "tcp" and parts.hostname and parts.port is not None:
+        host, port = parts.hostname, parts.port
+    else:
+        return None
+    return listening_store(host, port, timeout=timeout, world_size=world_size, wait_for_workers=True,
+                           multi_tenant=True, many_nodes=many_nodes)
 
 
 def _tcp_url(host: str, port: int) -> str:

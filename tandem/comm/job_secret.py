@@ -42,8 +42,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SECRET_ENV", "SECRET_FILE_ENV", "ForgedValueError", "SignedStore", "job_secret", "new_secret",
-           "secret_for_workers", "signed"]
+__all__ = ["MANY_NODES_NEED_A_SECRET", "SECRET_ENV", "SECRET_FILE_ENV", "ForgedValueError", "SignedStore",
+           "job_secret", "new_secret", "secret_for_workers", "signed", "signed_like"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,11 @@ class SignedStore(dist.Store):
         self._secret = secret
         self._where = where
         self._names: dict[str, str] = {}
+
+    @property
+    def where(self) -> str:
+        """The store's address, as the log lines name it."""
+        return self._where
 
     def name(self, key: str) -> str:
         """The name ``key`` has in the store."""
@@ -173,7 +178,7 @@ MANY_NODES_NEED_A_SECRET = (
     "a job of several nodes needs one job secret shared by every node, and none is set: make one with "
     "python -c 'import secrets; print(secrets.token_hex(32))' > ~/.tandem-secret; chmod 600 ~/.tandem-secret, "
     f"then export {SECRET_FILE_ENV}=~/.tandem-secret (or {SECRET_ENV}=<the secret>) on every node before "
-    "tandem run (docs: Who can join a job)")
+    "the launch (tandem run, torchrun or srun; docs: Who can join a job)")
 
 
 def secret_for_workers(nodes: int, environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
@@ -191,6 +196,12 @@ def secret_for_workers(nodes: int, environ: dict[str, str] | os._Environ[str] | 
     if nodes > 1:
         raise ValueError(MANY_NODES_NEED_A_SECRET)
     return {SECRET_ENV: new_secret()}
+
+
+def signed_like(template: dist.Store, store: dist.Store) -> dist.Store:
+    """``store`` signing as ``template`` does: over a :class:`SignedStore`, one with
+    its secret; else ``store`` as it is."""
+    return template.over(store) if isinstance(template, SignedStore) else store
 
 
 def signed(store: dist.Store, *, where: str = "the job's store",

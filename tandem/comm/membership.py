@@ -49,6 +49,17 @@ counted dead. Beats carry wall-clock times so that any rank can judge any beat
 at once, without watching it for a while first; the hosts of a job must
 therefore keep their clocks within a fraction of ``stale_after_s`` of each
 other (NTP does).
+
+# Note [a stranger asks to join]
+Under a job secret the membership's keys have secret names (Note [signed
+store] in job_secret.py), so a process without the secret that asks to join
+writes under the plain names (``joiners``, ``join/j<n>``), where no member
+looks for a request. The member that decides a step also reads the plain
+``joiners`` counter (one store call a step), and for each new ask logs a
+warning (on stderr too; the first member to see it, by a counter) and
+sets the plain ``refused/j<n>``: the process that asked learns at
+once that it was refused and why, instead of waiting out its timeout. It is
+never admitted, and nothing it wrote is read.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -66,7 +78,7 @@ import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
-from tandem.comm.job_secret import SignedStore
+from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, SignedStore
 from tandem.comm.process_id import PostedProcesses, ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
@@ -74,6 +86,7 @@ __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipE
 logger = logging.getLogger(__name__)
 
 PREFIX = "tandem/elastic"
+_REFUSED = "no job secret"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +200,7 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processes = PostedProcesses(store, lambda member: f"{PREFIX}/process/{member}")
+        self._strangers_seen = 0  # asks to join without the secret, refused (Note [a stranger asks to join])
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
@@ -257,6 +271,12 @@ class Membership:
             looked = time.monotonic()
             while not store.check([admitted]) and time.monotonic() - looked < config.beat_s:
                 time.sleep(0.01)
+            if not isinstance(store, SignedStore) and store.check([f"{PREFIX}/refused/{member}"]):
+                self.stop()
+                raise MembershipError(
+                    f"elastic: replacement {member} was refused: the job has a job secret and this process "
+                    f"has none; start it with the job's {SECRET_ENV} or {SECRET_FILE_ENV} (docs: Who can "
+                    "join a job)")
         self.stop()
         raise MembershipError(
             f"elastic: replacement {member} was not admitted within {limit:.0f} s; the job's members "
@@ -402,6 +422,8 @@ class Membership:
 
     def waiting_joiners(self) -> list[str]:
         """Replacements that asked to join, are alive, and no generation admitted yet."""
+        if isinstance(self.store, SignedStore):
+            self._refuse_strangers(self.store)
         count = self.store.add(f"{PREFIX}/joiners", 0)
         if count == 0:  # the common case, checked at every step: one store read
             return []
@@ -410,6 +432,22 @@ class Membership:
         candidates = [j for j in asked if j not in admitted]
         stale = self.dead(candidates)
         return [j for j in candidates if j not in stale]
+
+    def _refuse_strangers(self, store: SignedStore) -> None:
+        """Tell each process that asked to join without the job secret that it is
+        refused, and log it (Note [a stranger asks to join])."""
+        plain = store.inner
+        count = int(plain.add(f"{PREFIX}/joiners", 0))
+        for number in range(self._strangers_seen + 1, count + 1):
+            if plain.add(f"{PREFIX}/refusals/j{number}", 1) != 1:
+                continue  # another member refused it already
+            line = (f"elastic: refused a process that asked to join as j{number} without this job's secret "
+                    f"(in {store.where}); the members go on")
+            logger.warning("%s", line)
+            # A refusal is worth seeing without logging set up: on stderr, as the launcher shows it.
+            print(f"tandem: member {self.member}: {line}", file=sys.stderr, flush=True)
+            plain.set(f"{PREFIX}/refused/j{number}", _REFUSED)
+        self._strangers_seen = max(self._strangers_seen, count)
 
     def _admitted(self) -> set[str]:
         out: set[str] = set()

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandem.comm.job_secret import SignedStore, signed_like
+
 __all__ = ["PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key",
            "write_exit_notice"]
 
@@ -135,10 +137,12 @@ def write_exit_notice(store: dist.Store, pid: int, what: str) -> None:
 
 
 def below_prefixes(store: dist.Store) -> dist.Store:
-    """The store below every :class:`~torch.distributed.PrefixStore` of ``store``."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+    """The store below every :class:`~torch.distributed.PrefixStore` of ``store``
+    (signing as ``store`` does: Note [signed store] in job_secret.py)."""
+    base = store.inner if isinstance(store, SignedStore) else store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    return signed_like(store, base)
 
 
 class PostedProcesses:
@@ -148,9 +152,9 @@ class PostedProcesses:
 
     def __init__(self, store: dist.Store, key: Callable[[Any], str]) -> None:
         self._store = store
-        # Exit notices are the launcher's, written unsigned below the prefixes (a
-        # forged one can only declare a peer dead early: Note [signed store] in job_secret.py).
-        self._notices = below_prefixes(getattr(store, "inner", store))
+        # Exit notices are the launcher's, written below the prefixes, signed under a
+        # job secret (Note [signed store] in job_secret.py).
+        self._notices = below_prefixes(store)
         self._key = key
         self._posted: dict[Any, ProcessId] = {}
 

@@ -143,7 +143,7 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         **options)
     logger.info("tandem.launch: %s", config.describe())
     timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
-    roll = (NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config))
+    roll = (NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret())
             if config.elastic and config.max_nodes > 1 and config.rdzv_backend == "c10d" else None)
     hosts_endpoint = str(options.get("is_host", "")).lower() in ("1", "true", "yes", "y")
     running = roll.running_job() if roll is not None and not hosts_endpoint else None
@@ -172,11 +172,12 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         agent: LocalElasticAgent = ElasticAgent(
             spec, logs, replacements=config.max_restarts, on_event=on_event, roll=roll,
             hosts_endpoint=hosts_endpoint, on_hang=on_hang,
-            watchdog=Watchdog(config.hang_timeout_s) if config.hang_timeout_s is not None else None,
+            watchdog=(Watchdog(config.hang_timeout_s, secret=logs.job_secret())
+                      if config.hang_timeout_s is not None else None),
             start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
     elif config.hang_timeout_s is not None:
         agent = _WatchedAgent(
-            spec, logs, Watchdog(config.hang_timeout_s), on_hang or (lambda _: None),
+            spec, logs, Watchdog(config.hang_timeout_s, secret=logs.job_secret()), on_hang or (lambda _: None),
             start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
     else:
         agent = LocalElasticAgent(spec, logs, start_method=config.start_method,

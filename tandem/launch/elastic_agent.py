@@ -126,7 +126,7 @@ class ElasticAgent(LocalElasticAgent):
         self._dead: dict[int, int] = {}   # local rank -> exit code of a death already handled
         self._crashed: dict[int, int] = {}  # local rank -> exit code: Note [a crash after finishing]
         self._on_event = on_event or (lambda line: None)
-        self._notices = ExitNotices()
+        self._notices = ExitNotices(logs.job_secret())
         self._watchdog = watchdog
         self._on_hang = on_hang or (lambda report: None)
         self._hung = False  # a hang with no worker to blame: the job fails

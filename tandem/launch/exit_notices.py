@@ -16,6 +16,7 @@ import threading
 
 import torch.distributed as dist
 
+from tandem.comm.job_secret import SignedStore
 from tandem.comm.process_id import write_exit_notice
 
 __all__ = ["ExitNotices"]
@@ -28,7 +29,8 @@ _CONNECT_S = 5.0
 class ExitNotices:
     """Writes "worker ``pid`` has ended" to the workers' store, from a daemon thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret  # the notices are signed with it (Note [signed store] in job_secret.py)
         self._queue: queue.SimpleQueue[tuple[tuple[str, int], int, str] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client: tuple[tuple[str, int], dist.Store] | None = None
@@ -62,5 +64,6 @@ class ExitNotices:
         if self._client is None or self._client[0] != address:
             store = dist.TCPStore(address[0], address[1], is_master=False,
                                   timeout=datetime.timedelta(seconds=_CONNECT_S), wait_for_workers=False)
-            self._client = (address, store)
+            self._client = (address, store if self._secret is None
+                            else SignedStore(store, self._secret, f"the workers' store at {address[0]}:{address[1]}"))
         return self._client[1]

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from tandem._compat import rendezvous_info
+from tandem.comm.job_secret import SignedStore, signed_like
 from tandem.launch.flags import split_endpoint
 
 __all__ = ["BEAT_S", "JoinRunningJob", "NodeRoll", "STALE_S"]
@@ -72,10 +73,13 @@ class NodeRoll:
         run_id: the job's rendezvous id.
         node_id: this node's id, unique in the job (default: its address or
             host name, and the launcher's pid).
+        secret: the job secret, which signs the roll's keys and values.
     """
 
-    def __init__(self, endpoint: str, run_id: str, node_id: str | None = None) -> None:
+    def __init__(self, endpoint: str, run_id: str, node_id: str | None = None, *,
+                 secret: bytes | None = None) -> None:
         self.endpoint = endpoint
+        self._secret = secret  # the roll's keys are signed with it (Note [signed store] in job_secret.py)
         self.prefix = f"tandem/nodes/{run_id}"
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
         self._store: dist.Store | None = None
@@ -86,7 +90,9 @@ class NodeRoll:
     def _connect(self, timeout_s: float = _CONNECT_S) -> dist.Store:
         if self._store is None:
             host, port = split_endpoint(self.endpoint, "--rdzv-endpoint")
-            self._store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+            client = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+            self._store = client if self._secret is None else SignedStore(
+                client, self._secret, f"the rendezvous store at {self.endpoint}")
         return self._store
 
     def _key(self, *parts: str) -> str:
@@ -122,7 +128,8 @@ class NodeRoll:
         """Put this node on the roll and beat until :meth:`finish`."""
         store = self._connect()
         store.set(self._key("node", str(store.add(self._key("nodes"), 1))), self.node_id)
-        beats = store.clone() if hasattr(store, "clone") else store
+        raw = store.inner if isinstance(store, SignedStore) else store
+        beats = signed_like(store, raw.clone()) if hasattr(raw, "clone") else store
         self._beat(beats)
         self._thread = threading.Thread(target=self._run, args=(beats,), name="tandem-node-beat", daemon=True)
         self._thread.start()

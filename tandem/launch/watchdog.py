@@ -78,6 +78,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandem.comm.job_secret import SignedStore
 from tandem.comm.monitor import progress_key
 from tandem.launch.hang import format_hang_report
 from tandem.launch.logs import Attempt
@@ -105,8 +106,9 @@ class Watchdog:
         timeout_s: how long without progress counts as a hang.
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, secret: bytes | None = None) -> None:
         self.timeout_s = timeout_s
+        self._secret = secret  # the ranks' posted progress is signed with it (Note [signed store])
         self._attempt: int | None = None
         self._started = time.time()
         self._next_check = 0.0
@@ -169,7 +171,7 @@ class Watchdog:
         note = ""
         if others and store_address is not None:
             try:
-                snapshots.update(_posted_progress(store_address, others))
+                snapshots.update(_posted_progress(store_address, others, self._secret))
             except Exception as e:  # noqa: BLE001 - the store is gone: report this node's ranks
                 where = f"{store_address[0]}:{store_address[1]}"
                 note = f"\n  (the ranks of other nodes could not be read from the workers' store at {where}: {e})"
@@ -179,9 +181,12 @@ class Watchdog:
         return text + note
 
 
-def _posted_progress(address: tuple[str, int], ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+def _posted_progress(address: tuple[str, int], ranks: list[int],
+                     secret: bytes | None) -> dict[int, dict[str, Any] | None]:
     """The progress ``ranks`` posted in the workers' store (Note [a hang on another node])."""
-    store = dist.TCPStore(address[0], address[1], None, False, datetime.timedelta(seconds=5))
+    client = dist.TCPStore(address[0], address[1], None, False, datetime.timedelta(seconds=5))
+    where = f"the workers' store at {address[0]}:{address[1]}"
+    store = client if secret is None else SignedStore(client, secret, where)
     out: dict[int, dict[str, Any] | None] = {}
     for rank in ranks:
         key = progress_key(rank)

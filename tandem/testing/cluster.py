@@ -123,23 +123,32 @@ class Cluster:
         """Node ``node``'s address (on its ``eth0``)."""
         return f"{self.subnet}.{node + 1}"
 
-    def popen(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    def popen(self, node: int, argv: Sequence[str], *, with_secret: bool = True,
+              **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on node ``node`` (``subprocess.Popen``'s keywords), with
-        the cluster's job secret in its environment unless it has one;
+        the cluster's job secret in its environment unless it has one (or, with
+        ``with_secret=False``, with no secret at all: a stranger);
         :meth:`close` kills it if it still runs."""
-        p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], **self._with_secret(kwargs))
+        p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv],
+                             **self._with_secret(kwargs, with_secret))
         self._processes.append(p)
         return p
 
-    def run(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
-        """Run ``argv`` on node ``node`` to its end (``subprocess.run``'s keywords)."""
-        return subprocess.run(["ip", "netns", "exec", self.namespaces[node], *argv], **self._with_secret(kwargs))
+    def run(self, node: int, argv: Sequence[str], *, with_secret: bool = True,
+            **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        """Run ``argv`` on node ``node`` to its end (``subprocess.run``'s keywords;
+        ``with_secret`` as :meth:`popen`)."""
+        return subprocess.run(["ip", "netns", "exec", self.namespaces[node], *argv],
+                              **self._with_secret(kwargs, with_secret))
 
-    def _with_secret(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _with_secret(self, kwargs: dict[str, Any], with_secret: bool) -> dict[str, Any]:
         """Every node of a cluster is given the same job secret, as a job of several
         nodes needs (Note [signed store] in tandem/comm/job_secret.py)."""
         env = dict(kwargs.get("env") or os.environ)
-        if SECRET_ENV not in env and SECRET_FILE_ENV not in env:
+        if not with_secret:
+            env.pop(SECRET_ENV, None)
+            env.pop(SECRET_FILE_ENV, None)
+        elif SECRET_ENV not in env and SECRET_FILE_ENV not in env:
             env[SECRET_ENV] = self.secret
         return {**kwargs, "env": env}
 

@@ -161,6 +161,39 @@ def test_a_stranger_asking_to_join_is_admitted_only_without_a_secret(kind: str) 
         m.stop()
 
 
+def test_a_stranger_asking_to_join_a_job_with_a_secret_is_told_it_was_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock, _store("signed"))
+    assert isinstance(store, SignedStore)
+    errors: list[Exception] = []
+
+    def stranger() -> None:  # tandem's own replacement, run without the secret
+        try:
+            Membership.joining(store.inner, CONFIG, clock=clock)
+        except MembershipError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=stranger)
+    t.start()
+    with caplog.at_level("WARNING"):
+        step, started = 0, time.monotonic()
+        while t.is_alive() and time.monotonic() - started < 4.0:  # the members go on stepping
+            t1, out = _in_thread(m1.decide_step, step)
+            assert m0.decide_step(step) is Decision.COMMIT
+            t1.join(5)
+            assert out == [Decision.COMMIT]
+            step += 1
+        t.join(5)
+    assert len(errors) == 1 and "replacement j1 was refused: the job has a job secret" in str(errors[0])
+    assert "TANDEM_JOB_SECRET" in str(errors[0])
+    assert time.monotonic() - started < CONFIG.regroup_timeout_s  # told, not timed out
+    assert caplog.text.count("refused a process that asked to join as j1 without this job's secret") == 1
+    assert m0.generation.members == m1.generation.members == ("0", "1")
+    for m in (m0, m1):
+        m.stop()
+
+
 def test_a_value_not_signed_with_the_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     raw = dist.HashStore()
     store = SignedStore(raw, SECRET, "the test's store")

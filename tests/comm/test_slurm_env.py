@@ -351,6 +351,8 @@ def _srun_task(rank: int, world_size: int, job_id: int) -> tuple[WorldInfo, floa
         "SLURM_STEP_NODELIST": "localhost,node02", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
         "SLURM_LOCALID": local, "SLURM_NODEID": node, "SLURM_NTASKS": "3",
         "SLURM_STEP_NUM_TASKS": "3", "SLURM_TASKS_PER_NODE": "2,1", "SLURM_STEP_TASKS_PER_NODE": "2,1",
+        # a job of several nodes shares one secret (Note [signed store] in tandem/comm/job_secret.py)
+        "TANDEM_JOB_SECRET": "5ec2e7" * 8,
     })
     info = init(timeout=TIMEOUT_S)
     t = torch.tensor([float(rank + 1)])
@@ -373,3 +375,21 @@ def test_srun_tasks_join_with_slurm_variables_only():
     ]
     assert [total for _, total, _ in results] == [6.0, 6.0, 6.0]
     assert all(ok for _, _, ok in results)
+
+
+def test_srun_tasks_on_several_nodes_without_a_secret_refuse_to_start(monkeypatch):
+    port, job_id = port_for_job()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TANDEM_JOB_SECRET", "TANDEM_JOB_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for rank, (node, local) in _LAYOUT.items():  # each task refuses on its own, before it connects
+        for name, value in {
+            "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost,node02",
+            "SLURM_STEP_NODELIST": "localhost,node02", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": local, "SLURM_NODEID": node, "SLURM_NTASKS": "3",
+            "SLURM_STEP_NUM_TASKS": "3", "SLURM_TASKS_PER_NODE": "2,1", "SLURM_STEP_TASKS_PER_NODE": "2,1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"rank {rank}: a job of several nodes needs one job secret") as e:
+            init(timeout=TIMEOUT_S)
+        assert "export TANDEM_JOB_SECRET_FILE=" in str(e.value) and not dist.is_initialized()

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from tandem.testing import Cluster, cluster_unavailable
+from tandem.testing.ports import listening_ports
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cluster_faults import BATCH, N, global_batches, reference  # noqa: E402
@@ -244,4 +245,51 @@ def test_a_hung_rank_on_another_node_is_named_by_the_hang_report(tmp_path: Path)
     assert "the others wait for rank 3 (node 1 on " in out0, out0[-4000:]
     # Node 1's own report has rank 3's stack, in the script's sleep.
     assert "_cluster_faults.py" in out1 and "in loss_fn" in out1, out1[-4000:]
+    assert cluster.leftovers() == []
+
+
+STRANGER = str(Path(__file__).parent / "_stranger.py")
+
+
+def test_a_stranger_on_a_third_node_is_refused_and_the_job_ends_as_without_it(tmp_path: Path) -> None:
+    # Note [signed store] and Note [a store on the job's address]: node 2, on the same
+    # bridge and without the job secret, knows every port the job listens on.
+    marker = tmp_path / "the-stranger-ran-code"
+    env = {**ELASTIC, "HOLD_FROM": "2:1.5"}  # about 15 s of training left for the stranger
+    with Cluster(3) as cluster:
+        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], env) for n in (0, 1)]
+        _await(lambda: _trained_step(tmp_path, 3), "step 3")
+        listening = {n: listening_ports(cluster.pids(n)) for n in (0, 1)}
+        ports = [(address, port, "store" if pid == nodes[n].proc.pid else "listener")
+                 for n in (0, 1) for pid, found in listening[n].items() for address, port in found]
+        stranger = cluster.run(2, [sys.executable, STRANGER, json.dumps(ports), str(marker), "faults"],
+                               with_secret=False, capture_output=True, text=True, timeout=60)
+        outs = [node.finish() for node in nodes]
+    # Where the job listens: each node's own address, never every interface.
+    for n in (0, 1):
+        found = [address for sockets in listening[n].values() for address, _ in sockets]
+        assert found and set(found) == {cluster.address(n)}, (n, listening[n])
+    assert sum(kind == "store" for *_, kind in ports) >= 2, ports  # the rendezvous store, the workers' store
+    assert stranger.returncode == 0, stranger.stderr[-4000:]
+    told = json.loads(stranger.stdout.strip().splitlines()[-1])
+    stores = [f"{address}:{port}" for address, port, kind in ports if kind == "store"]
+    # (c) its bytes reached every store's port, and every listener still open (gloo closes its own)
+    for address, port, kind in ports:
+        what = told["raw"][f"{address}:{port}"]
+        assert what == "sent" or (kind == "listener" and "Connection refused" in what), (address, port, what)
+    # (a) asked to join at every store: the workers' store tells it it was refused, the others never answer
+    refused = [where for where, what in told["join"].items() if "was refused: the job has a job secret" in what]
+    assert len(refused) == 1 and sorted(told["join"]) == sorted(stores), told["join"]
+    assert not any(what == "admitted" for what in told["join"].values()), told["join"]
+    # (b) written while the job ran, at every store
+    assert all(what == "written" for what in told["forged"].values()), told["forged"]
+    # (b) nothing it wrote was unpickled; the members logged the refusal and trained on
+    assert not marker.exists()
+    for code, out in outs:
+        assert code == 0, out[-4000:]
+    assert sum(out.count("refused a process that asked to join as j1 without this job's secret")
+               for _, out in outs) == 1, [out[-3000:] for _, out in outs]
+    done = _done(tmp_path)
+    assert all(d["changes"] == [] for d in done), done[0]["changes"]  # the world never changed
+    assert _used_samples(tmp_path, cutoff=N) == _check_result(done, 4) == list(range(N))
     assert cluster.leftovers() == []

@@ -28,6 +28,7 @@ from test_launch_support import (
 )
 
 from tandem.comm.job_secret import new_secret
+from tandem.testing.ports import descendants, listening_ports
 
 # Dumps the launcher's variables, then all-reduces through tandem.init. Each
 # rank writes its own file: torchrun does not line-buffer its workers' shared
@@ -340,3 +341,40 @@ def test_auto_workers_and_threads_on_this_machine(tmp_path):
         f"[rank {rank:>{len(str(n - 1))}}] rank={rank} omp={threads}" for rank in range(n))
     said = lines_with(r.stderr, "worker(s) on this node (auto:")
     assert len(said) == 1 and f"{n} worker(s)" in said[0] and f"OMP_NUM_THREADS={threads}" in said[0]
+
+
+LISTENING = """
+    import sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist, tandem
+
+    out = Path(sys.argv[1])
+    tandem.init()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    (out / f"ready-{dist.get_rank()}").touch()
+    while not (out / "seen").exists():  # the test reads the sockets meanwhile
+        time.sleep(0.05)
+    dist.barrier()
+"""
+
+
+def test_a_job_of_one_node_listens_on_loopback_only(tmp_path):
+    # Note [a store on the job's address]: the rendezvous store, the workers' store and
+    # gloo's listeners, each process's, read from /proc while the job runs.
+    path = script(tmp_path, "listening.py", LISTENING)
+    job = Job(TANDEM + ["--nproc-per-node", "2", str(path), str(tmp_path)], cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.finish(5)
+        time.sleep(0.05)
+    ports = listening_ports(descendants(job.proc.pid))
+    (tmp_path / "seen").touch()
+    r = job.finish(60)
+    assert r.returncode == 0, r
+    launcher = ports.pop(job.proc.pid)
+    workers = {pid: found for pid, found in ports.items() if found}
+    assert len(launcher) >= 2, ports  # the rendezvous store and the workers' store at least
+    assert len(workers) == 2 and all(workers.values()), ports  # gloo's listeners, in each worker
+    everything = [address for found in (launcher, *workers.values()) for address, _ in found]
+    assert set(everything) == {"127.0.0.1"}, (launcher, workers)
