@@ -1,33 +1,44 @@
 """The local tensors of tensor-parallel (DTensor) parameters and their
 gradients, which is what tandem's data parallelism reduces and shards.
 
-Note [tensor-parallel parameters]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A model parallelised with torch's tensor parallelism (``parallelize_module``
-over ``mesh["tp"]``) holds ``DTensor`` parameters: each rank keeps its shard of
-a ``ColwiseParallel`` weight, say, and the DTensor knows the global shape. DDP
-over ``mesh["dp"]`` (the other dimension) averages each shard with the ranks
-that hold the same shard: the data-parallel group of a 2-D mesh is exactly the
-ranks with the same tensor-parallel coordinate. So DDP's reducer works on local
-tensors only: a parameter's bucket view is shaped like its local shard, its
-gradient is read from and written to ``param.grad``'s local tensor, and
-``param.grad`` stays a DTensor laid out like the parameter, so that torch's
-optimizers and ``clip_grad_norm_`` see what they see without DDP.
-
-A gradient whose placements differ from its parameter's (a ``Partial`` sum that
-tensor parallelism left unreduced) is redistributed to the parameter's
-placements when it is first read, as torch's FSDP2 does; that is a collective
-over the tensor-parallel group, issued by every rank of it in the same order
-(the order of backward). Plain parameters (a LayerNorm that tensor parallelism
-left alone) are what they always were.
-
-fully_shard over ``mesh["dp"]`` shards the local tensor on dim 0 in the same
-way (Note [2-D parameters] in tandem/fsdp/tensor_parallel.py).
+over ``mesh["tp"]``) holds ``DTensor`` parameters, each rank its shard.
+``tandem.DistributedDataParallel(model, device_mesh=mesh["dp"])`` averages
+each rank's shards with the ranks that hold the same ones (the data-parallel
+group of the 2-D mesh), and ``param.grad`` stays a DTensor laid out like its
+parameter, so that torch's optimizers and ``clip_grad_norm_`` work as they do
+without DDP. A gradient that tensor parallelism left as a ``Partial`` sum is
+first redistributed to its parameter's placements, a collective over the
+tensor-parallel group, as torch's FSDP2 does. ``tandem.fully_shard(model,
+mesh=mesh["dp"])`` shards each rank's local tensors on dim 0 over ``dp`` in the
+same way.
 
 torch's own DDP does not accept DTensor parameters; torch converts them to
 plain tensors and back around every forward (``_pre_dp_module_transform``),
 which tandem does not need.
 """
+
+# Note [tensor-parallel parameters]
+# A model parallelised with torch's tensor parallelism (``parallelize_module``
+# over ``mesh["tp"]``) holds ``DTensor`` parameters: each rank keeps its shard of
+# a ``ColwiseParallel`` weight, say, and the DTensor knows the global shape. DDP
+# over ``mesh["dp"]`` (the other dimension) averages each shard with the ranks
+# that hold the same shard: the data-parallel group of a 2-D mesh is exactly the
+# ranks with the same tensor-parallel coordinate. So DDP's reducer works on local
+# tensors only: a parameter's bucket view is shaped like its local shard, its
+# gradient is read from and written to ``param.grad``'s local tensor, and
+# ``param.grad`` stays a DTensor laid out like the parameter, so that torch's
+# optimizers and ``clip_grad_norm_`` see what they see without DDP.
+#
+# A gradient whose placements differ from its parameter's (a ``Partial`` sum that
+# tensor parallelism left unreduced) is redistributed to the parameter's
+# placements when it is first read, as torch's FSDP2 does; that is a collective
+# over the tensor-parallel group, issued by every rank of it in the same order
+# (the order of backward). Plain parameters (a LayerNorm that tensor parallelism
+# left alone) are what they always were.
+#
+# fully_shard over ``mesh["dp"]`` shards the local tensor on dim 0 in the same
+# way (Note [2-D parameters] in tandem/fsdp/tensor_parallel.py).
 
 from __future__ import annotations
 
@@ -53,8 +64,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     """The local tensor of ``p.grad`` (None when there is none). A DTensor
-    gradient laid out unlike ``p`` is first redistributed to ``p``'s placements
-    and rebound (Note [tensor-parallel parameters])."""
+    gradient laid out unlike ``p`` (a ``Partial`` sum) is first redistributed
+    to ``p``'s placements, a collective over the tensor-parallel group, and
+    rebound to ``p.grad``."""
+    # Note [tensor-parallel parameters] at the top of this file.
     grad = p.grad
     if grad is None or not isinstance(grad, _DTensor):
         return grad

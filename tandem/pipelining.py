@@ -9,36 +9,50 @@ Use it where torch's would go::
                           stage_index, num_stages, device, group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, n_microbatches, loss_fn=loss_fn)
 
-# Note [pipeline stage adapter]
-torch's ``PipelineStage`` special-cases torch's own DDP and FSDP classes: it runs
-every micro-batch's forward and backward but the last backward under
-``no_sync()``, and before the last backward calls the reducer's
-``prepare_for_backward`` on that micro-batch's stage output (a schedule runs
-several forwards before their backwards, and the backward runs from
-``torch.autograd.backward`` on activations, not from ``loss.backward()``).
-tandem's wrappers are other classes, and torch's stage treats them as plain
-modules: tandem's DDP arms its reducer in every forward and would average the
-first micro-batch's gradients at the end of its backward, then add the other
-micro-batches' local gradients to that average unreduced, so that replicas
-drift apart. :class:`PipelineStage` gives tandem's wrappers the same
-treatment torch gives its own: forwards under ``no_sync()``, and the reducer
-armed (``ddp.prepare_for_backward``) on the output of the
-last backward, so that the gradients of every micro-batch are summed locally and
-reduced once, in the last backward, with the same collectives on every replica.
-A ``fully_shard`` stage is correct under torch's stage as it is (each backward
-reduce-scatters its micro-batch's gradients and adds them to the sharded
-``.grad``); the adapter makes it reduce in the last backward only
-(``set_requires_gradient_sync``), one reduce-scatter per step instead of one
-per micro-batch, and keeps the parameters gathered between micro-batches.
+torch's ``PipelineStage`` defers the reduction to the last backward only for
+torch's own DDP and FSDP classes; under it, tandem's DDP would average the
+first micro-batch's gradients and add the others' unreduced, so that replicas
+drift apart. This :class:`PipelineStage` runs every forward of a tandem DDP stage under
+``no_sync()`` and reduces the gradients of all micro-batches once, in the last
+backward of the step, with the same collectives on every replica. A
+``fully_shard`` stage reduce-scatters once per step instead of once per
+micro-batch, and keeps its parameters gathered between micro-batches.
 
 In its first step, torch's schedule infers the stages' shapes by running each
-stage module once more, outside the schedule: a forward (not under ``no_sync``)
-and ``torch.autograd.grad`` to the stage's inputs only. tandem's DDP ignores
-that pass (it computes no parameter gradient, so it is not a synchronised
-backward: Note [end of backward] in tandem/ddp/reducer.py); under
-``fully_shard`` it costs one more gather and, on stages after the first, one
-reduce-scatter of zeros, the same on every replica, which changes no gradient.
+stage module once more, outside the schedule. tandem's DDP ignores that pass;
+under ``fully_shard`` it costs one more gather and, on stages after the first,
+one reduce-scatter of zeros, which changes no gradient.
 """
+
+# Note [pipeline stage adapter]
+# torch's ``PipelineStage`` special-cases torch's own DDP and FSDP classes: it runs
+# every micro-batch's forward and backward but the last backward under
+# ``no_sync()``, and before the last backward calls the reducer's
+# ``prepare_for_backward`` on that micro-batch's stage output (a schedule runs
+# several forwards before their backwards, and the backward runs from
+# ``torch.autograd.backward`` on activations, not from ``loss.backward()``).
+# tandem's wrappers are other classes, and torch's stage treats them as plain
+# modules: tandem's DDP arms its reducer in every forward and would average the
+# first micro-batch's gradients at the end of its backward, then add the other
+# micro-batches' local gradients to that average unreduced, so that replicas
+# drift apart. :class:`PipelineStage` gives tandem's wrappers the same
+# treatment torch gives its own: forwards under ``no_sync()``, and the reducer
+# armed (``ddp.prepare_for_backward``) on the output of the
+# last backward, so that the gradients of every micro-batch are summed locally and
+# reduced once, in the last backward, with the same collectives on every replica.
+# A ``fully_shard`` stage is correct under torch's stage as it is (each backward
+# reduce-scatters its micro-batch's gradients and adds them to the sharded
+# ``.grad``); the adapter makes it reduce in the last backward only
+# (``set_requires_gradient_sync``), one reduce-scatter per step instead of one
+# per micro-batch, and keeps the parameters gathered between micro-batches.
+#
+# In its first step, torch's schedule infers the stages' shapes by running each
+# stage module once more, outside the schedule: a forward (not under ``no_sync``)
+# and ``torch.autograd.grad`` to the stage's inputs only. tandem's DDP ignores
+# that pass (it computes no parameter gradient, so it is not a synchronised
+# backward: Note [end of backward] in tandem/ddp/reducer.py); under
+# ``fully_shard`` it costs one more gather and, on stages after the first, one
+# reduce-scatter of zeros, the same on every replica, which changes no gradient.
 
 from __future__ import annotations
 
@@ -54,11 +68,13 @@ from tandem.fsdp import FSDPModule
 __all__ = ["PipelineStage"]
 
 
+# Note [pipeline stage adapter] at the top of this file.
 class PipelineStage(_TorchPipelineStage):
     """A ``torch.distributed.pipelining.PipelineStage`` whose module is wrapped in
     ``tandem.DistributedDataParallel`` or ``tandem.fully_shard``: the gradients of
-    all micro-batches are reduced once, in the last backward of a schedule step
-    (Note [pipeline stage adapter]). Any other module runs as in ``PipelineStage``.
+    all micro-batches are reduced once, in the last backward of a schedule step,
+    as torch's stage does for torch's own wrappers. Any other module runs as in
+    ``PipelineStage``.
 
     Takes ``PipelineStage``'s arguments. For the single-stage schedules whose
     backward is whole: tested with ``ScheduleGPipe`` and ``Schedule1F1B``; the

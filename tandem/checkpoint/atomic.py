@@ -28,17 +28,20 @@ _CHUNK = 1 << 22  # 4 MiB reads for checksums
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save(obj, path)`` so that a killed save never destroys the file
-    that was at ``path`` (see Note [atomic save]). Creates missing directories.
+    that was at ``path``: the object is written in full to a temporary file in
+    the same directory and then renamed over ``path``, so a reader sees the old
+    file or the new one, never a mix. Creates missing directories.
 
     Returns:
         The path written.
     """
-    return _atomic_write(Path(path), lambda f: torch.save(obj, f))
+    return _atomic_write(Path(path), lambda f: torch.save(obj, f))  # Note [atomic save]
 
 
 def atomic_write_bytes(data: bytes, path: str | os.PathLike[str]) -> Path:
-    """Write ``data`` to ``path`` as :func:`atomic_save` writes (Note [atomic save])."""
-    return _atomic_write(Path(path), lambda f: f.write(data))
+    """Write ``data`` to ``path`` as :func:`atomic_save` writes: a killed write
+    leaves the previous file intact."""
+    return _atomic_write(Path(path), lambda f: f.write(data))  # Note [atomic save]
 
 
 def file_crc32(path: str | os.PathLike[str]) -> tuple[int, int]:

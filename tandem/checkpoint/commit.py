@@ -80,7 +80,10 @@ names (relative to it). Each file must be named by exactly one rank."""
 def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, kind: str,
                    keep: int | None = None, group: dist.ProcessGroup | None = None) -> Path:
     """Save a checkpoint of several files into ``root/step-{step:08d}/`` and commit
-    it (Note [committed step directories]). A collective: call it on every rank.
+    it: a marker listing every file is written last, so a save killed midway
+    leaves a directory that is never loaded, and the previous committed step
+    stays the newest. ``root`` must be on a file system every rank sees. A
+    collective: call it on every rank.
 
     Args:
         root: the directory that holds the step directories (created if missing).
@@ -107,6 +110,7 @@ def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, ki
     .. warning:: Saving a step that is already committed replaces it: until the
         new save commits, that step is absent and a load picks the one before.
     """
+    # Note [committed step directories]: the four gathers of a save.
     root = Path(root)
     comm = group_comm(group)
     rank = comm.rank if comm else 0
@@ -146,9 +150,11 @@ def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, ki
 def load_committed(root: str | os.PathLike[str], *, step: int | None = None, kind: str | None = None,
                    group: dist.ProcessGroup | None = None) -> CommittedCheckpoint:
     """Find the newest committed checkpoint under ``root`` (or ``step``'s) and check
-    its files against the marker on every rank (Note [committed step
-    directories]). A collective: call it on every rank. Reads nothing but the
-    marker and the checksums; the caller loads the files.
+    its files against the marker on every rank: each file present, with the
+    size and CRC-32 recorded when it was saved. A damaged checkpoint raises
+    rather than being skipped for an older one. A collective: call it on every
+    rank. Reads nothing but the marker and the checksums; the caller loads the
+    files.
 
     Args:
         root: the directory :func:`save_committed` wrote into.
@@ -166,6 +172,7 @@ def load_committed(root: str | os.PathLike[str], *, step: int | None = None, kin
             truncated or corrupt; when the ranks found different steps; when the
             checkpoint is of another ``kind``.
     """
+    # Note [committed step directories]: the load's one gather.
     root = Path(root)
     comm = group_comm(group)
     rank = comm.rank if comm else 0

@@ -96,10 +96,10 @@ def checkpoint_name(step: int) -> str:
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
     """The complete checkpoints in ``directory``, oldest step first: ``step-N.pt``
-    files (full state) and committed ``step-N/`` directories (sharded: Note
-    [sharded trainer checkpoints] in sharded_checkpoint.py). Temporary files and
-    directories of an unfinished save are not listed; of a file and a directory
-    of the same step, the directory comes last."""
+    files (full state) and committed ``step-N/`` directories (sharded). Temporary
+    files and directories of an unfinished save are not listed; of a file and a
+    directory of the same step, the directory comes last."""
+    # Sharded: Note [sharded trainer checkpoints] in tandem/train/sharded_checkpoint.py.
     directory = Path(directory)
     if not directory.is_dir():
         return []

@@ -41,9 +41,13 @@ FORMAT = "tandem.training_state/1"
 LOOP_FORMAT = "tandem.training_loop/1"  # the loop's part alone, beside a sharded checkpoint
 
 
+# What it holds, and why: Note [exact resume] at the top of this file.
 @dataclass
 class TrainingState:
-    """The objects and counters of one training run (see Note [exact resume]).
+    """The objects and counters of one training run: all a resumed run needs to
+    end with the parameters an uninterrupted run reaches (the model, the
+    optimizer's, scheduler's and scaler's state, the position in the data, and
+    every rank's random number generators).
 
     ``state_dict()`` is a collective (it gathers every rank's RNG state, a ZeRO
     optimizer's shards, and a fully-sharded model's); it returns the dict on
@@ -87,8 +91,8 @@ class TrainingState:
         """Everything but the model and the optimizer: the scheduler, the scaler,
         the counters, every rank's RNG state and ``extra``. A collective (it
         gathers the RNG states); the dict on rank 0, None elsewhere. What goes
-        beside a sharded checkpoint's DCP files (Note [sharded trainer
-        checkpoints] in sharded_checkpoint.py)."""
+        beside a sharded checkpoint's DCP files."""
+        # Note [sharded trainer checkpoints] in tandem/train/sharded_checkpoint.py.
         rng = _gather(capture_rng_state(), group)
         if _rank(group) != 0:
             return None

@@ -1,6 +1,6 @@
 """A thin typed layer over torch.distributed: joining the job and who this process
 is in it, the watch over its collectives (ledger, dead peers, debug mode), and
-point-to-point messages that carry their own shapes (p2p.py)."""
+point-to-point messages that carry their own shapes (:func:`send`, :func:`recv`)."""
 
 from tandem.comm.bootstrap import init, shutdown
 from tandem.comm.fingerprint import CollectiveMismatchError

@@ -149,8 +149,10 @@ class PendingRecv:
 def send(obj: Any, dst: int, *, group: dist.ProcessGroup | None = None) -> None:
     """Send ``obj`` (a tensor, or tuples, namedtuples, lists and dicts of tensors
     and plain values: numbers, strings, None, dtypes) to global rank ``dst``,
-    shapes and dtypes included (Note [shape handshake]); returns when it has
-    gone. The receiver refuses any other object (Note [plain data] in plain_data.py)."""
+    shapes and dtypes included, so the receiver needs to know neither; returns
+    when it has gone. The receiver refuses any other object (it never unpickles
+    code a peer sent), and must have imported the class of a namedtuple."""
+    # Note [shape handshake]; the refusal: Note [plain data] in plain_data.py.
     isend(obj, dst, group=group).wait()
 
 

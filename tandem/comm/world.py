@@ -110,9 +110,11 @@ def world_from_env(environ: Mapping[str, str], *, require_master: bool = True) -
 
     Slurm's, read when none of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE`` is set and ``SLURM_PROCID`` is (``srun python train.py``):
-    see the module's table. ``MASTER_ADDR`` and ``MASTER_PORT`` are used when set;
-    otherwise the address is the first host of the step's node list (``srun``
-    places task 0 there) and the port is :func:`slurm_default_port` of
+    the rank is ``SLURM_PROCID``, the world size ``SLURM_STEP_NUM_TASKS``, the
+    local rank ``SLURM_LOCALID`` and the local world size this node's count in
+    ``SLURM_STEP_TASKS_PER_NODE``. ``MASTER_ADDR`` and ``MASTER_PORT`` are used
+    when set; otherwise the address is the first host of the step's node list
+    (``srun`` places task 0 there) and the port is derived from
     ``SLURM_JOB_ID``, the same on every task of the job without any
     communication. A step of one task is a world of one (None).
 
@@ -136,6 +138,7 @@ def world_from_env(environ: Mapping[str, str], *, require_master: bool = True) -
             (a batch script running ``python train.py`` itself). The message
             names the variable, its value and what to set instead.
     """
+    # Slurm's variables: the table at the top of this file (the port: slurm_default_port).
     if not any(n in environ for n in _RANK_VARS) and "SLURM_PROCID" in environ:
         return slurm_world(environ, require_master)
     names = _RANK_VARS + (_MASTER_VARS if require_master else ())

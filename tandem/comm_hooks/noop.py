@@ -46,11 +46,13 @@ def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
 
 class NoopWhen:
     """``hook``, except in backwards where ``skip()`` returned True: there no
-    bucket is communicated (Note [no-op hooks and no_sync]).
+    bucket is communicated, and each rank keeps its local gradients, as under
+    ``no_sync()``; the next synchronised backward reduces their sum.
 
     ``skip()`` is called once per backward, at its first bucket (bucket 0 is
     always reduced first), and the answer holds for every bucket of that
-    backward. It must return the same on every rank.
+    backward. It must return the same on every rank, and every rank must still
+    run the backward.
 
     Args:
         hook: the hook to run when not skipping; it receives the registered state.
@@ -71,6 +73,7 @@ class NoopWhen:
         self.tandem_single_collective = getattr(hook, "tandem_single_collective", False)
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        # Note [no-op hooks and no_sync]: what a skipped backward keeps and still runs.
         if bucket.index() == 0:
             self.skipping = bool(self.skip())
         if self.skipping:

@@ -104,7 +104,9 @@ class PowerSGDConfig:
 
 class PowerSGDState:
     """What :func:`powersgd_hook` keeps between steps: the step count, and each
-    compressed parameter's error and Q (Note [powersgd memory]).
+    compressed parameter's error and Q. They are kept per parameter, so they
+    survive DDP rebuilding its buckets and compression may start at any step;
+    a copy of the DDP model (``copy.deepcopy``, ``torch.save``) carries them.
 
     Args:
         config: the hyperparameters (default ``PowerSGDConfig()``).
@@ -211,7 +213,9 @@ def powersgd_hook(state: PowerSGDState,
     steps equal training without a hook exactly). Afterwards each gradient
     worth compressing is replaced by a rank-r approximation of the average
     gradient, and the others are averaged exactly; two all-reduces per bucket,
-    both issued from the calling thread in a fixed order (Note [powersgd order]).
+    both issued from the calling thread in a fixed order, so that every rank
+    issues the same collectives in the same order (on gloo too). The returned
+    future is already complete.
 
     Args:
         state: a :class:`PowerSGDState`, one per model.
@@ -220,6 +224,7 @@ def powersgd_hook(state: PowerSGDState,
     Returns:
         A future holding the bucket's reduced gradients (its own buffer).
     """
+    # Both collectives from this thread, waited for: Note [powersgd order].
     comm = hook_comm(state.process_group, bucket)
     last = bucket.is_last()
     if not state.compressing:

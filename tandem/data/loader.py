@@ -121,14 +121,19 @@ def _loader_over(loader: DataLoader, batch_size: int, sampler: DistributedSample
     return DataLoader(loader.dataset, batch_size=batch_size, sampler=sampler, **options)
 
 
+# What a prepared loader is: Note [prepared loaders] at the top of this file.
 class DistributedLoader:
-    """This rank's share of a DataLoader, one epoch per iteration (Note [prepared loaders]).
+    """This rank's share of a DataLoader, one epoch per iteration, as
+    ``tandem.prepare`` makes it.
 
     Iterating it yields what the original DataLoader would for this rank's
     samples under a :class:`tandem.DistributedSampler`, each batch moved to
-    ``device``. Each ``iter()`` starts the next epoch (0, 1, 2, ...), so the
-    order reshuffles without a ``set_epoch`` call; :meth:`set_epoch` sets the
-    next one explicitly (e.g. when resuming).
+    ``device``. ``batch_size`` stays per rank: one step of R ranks consumes
+    R * batch_size samples. Every rank gets as many samples: the sampler pads
+    the epoch with samples from its start, as torch's does
+    (:func:`gather_for_metrics` drops the repeats). Each ``iter()`` starts the
+    next epoch (0, 1, 2, ...), so the order reshuffles without a ``set_epoch``
+    call; :meth:`set_epoch` sets the next one explicitly (e.g. when resuming).
 
     Attributes:
         loader: the underlying ``torch.utils.data.DataLoader``.
@@ -187,9 +192,11 @@ class DistributedLoader:
     def batch_weight(self) -> float:
         """How many times the gradient of the batch yielded last counts in DDP's
         mean over the ranks: 1.0, except in the last batch of an epoch split
-        exactly after a world change, whose ranks' batches differ in size
-        (Note [exact split] in tandem/data/split.py). :attr:`on_weight` is told it."""
-        return self._weight
+        exactly after a world change, whose ranks' batches differ in size: there
+        a rank's gradient counts in proportion to its batch size, so that the
+        mean is the gradient of the global batch's mean loss. :attr:`on_weight`
+        is told it."""
+        return self._weight  # Note [exact split] in tandem/data/split.py
 
     def set_epoch(self, epoch: int, start: int = 0, *, exact: bool = False) -> None:
         """Make the next iteration yield ``epoch``, after the first ``start`` samples
@@ -258,7 +265,8 @@ class DistributedLoader:
     # ------------------------------------------------------------------ an elastic loop
     def commit(self) -> None:
         """A step of an elastic loop committed: what this iteration yielded so far,
-        on every rank, is consumed (Note [elastic prepare])."""
+        on every rank, is consumed."""
+        # Note [elastic prepare] in tandem/elastic/loop.py.
         if self._active:
             consumed = self._split.consumed_after(self._index)
             self._committed = min(consumed, self.sampler.dataset_size)
@@ -271,9 +279,10 @@ class DistributedLoader:
 
     def go_back(self, committed: tuple[int, int]) -> bool:
         """Make an earlier :attr:`committed` this iteration's again: an elastic loop
-        went back a step (Note [one step back] in tandem/elastic/buddy.py), and the
-        step's samples come again at the next batch (after :meth:`regroup`).
-        False, changing nothing, when that epoch's iteration is no longer in progress."""
+        went back a step, and the step's samples come again at the next batch
+        (after :meth:`regroup`). False, changing nothing, when that epoch's
+        iteration is no longer in progress."""
+        # Why a loop goes back: Note [one step back] in tandem/elastic/buddy.py.
         epoch, positions = committed
         if epoch != self._epoch or not self._active:
             return False
@@ -289,7 +298,9 @@ class DistributedLoader:
         """``(epoch, start)`` that a replacement's loader takes up: where this
         loader's iteration in progress goes on, else where its next one starts.
         A replacement takes up a ``start`` past 0 with ``exact``, as this loader
-        goes on after the world changed (Note [exact split])."""
+        goes on after the world changed: the rest of the epoch split without
+        padding."""
+        # Note [exact split] in tandem/data/split.py.
         if self._active:
             return self._epoch, self._committed
         if self._fresh:
@@ -297,10 +308,13 @@ class DistributedLoader:
         return self._epoch + 1, 0
 
     def regroup(self, num_replicas: int, rank: int) -> None:
-        """Split over a new world (an elastic job's changed, Note [elastic prepare]):
-        an iteration in progress goes on, from its next batch, with the positions
-        that its committed steps did not consume; a later one splits its whole
-        epoch. Past the start of an epoch, the rest is split exactly (Note [exact split])."""
+        """Split over a new world (an elastic job's changed): an iteration in
+        progress goes on, from its next batch, with the positions that its
+        committed steps did not consume; a later one splits its whole epoch. Past
+        the start of an epoch, the rest is split exactly: no sample padded or
+        repeated, and every rank still gets as many batches (an empty one where
+        it has no sample left)."""
+        # Note [elastic prepare] in tandem/elastic/loop.py; Note [exact split] in tandem/data/split.py.
         old = self.sampler
         sampler = DistributedSampler(cast(Sized, self.dataset), num_replicas=num_replicas, rank=rank,
                                      shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last)
@@ -327,9 +341,10 @@ def gather_for_metrics(values: Samples, loader: DistributedLoader,
     samples ``loader`` yielded in its current iteration: one batch, inside the
     loop, or ``torch.cat`` of every batch, after it. The rows of all ranks are
     gathered and interleaved back into the sampler's order, and the padding
-    that made the ranks' shares equal (Note [prepared loaders]) is dropped: a
-    metric over the result counts each sample of the dataset once. A
-    collective: call it on every rank, at the same point of the loop.
+    that made the ranks' shares equal (samples repeated from the start of the
+    epoch) is dropped: a metric over the result counts each sample of the
+    dataset once. A collective: call it on every rank, at the same point of the
+    loop.
 
     Args:
         values: a tensor, or a tuple, list or dict of tensors, each with ``k``

@@ -96,6 +96,7 @@ def _as_int(name: str, value: Any) -> int:
                         f"of type {type(value).__name__}") from None
 
 
+# Resuming: Note [resume position] above.
 class DistributedSampler(Sampler[int]):
     """Give each rank its own share of a dataset, every sample once per epoch.
 
@@ -111,8 +112,9 @@ class DistributedSampler(Sampler[int]):
     the first ``start`` samples the whole job consumed, and ``state_dict()`` /
     ``load_state_dict()`` carry that position in a checkpoint. At the same world
     size the resumed ranks yield exactly what the uninterrupted run would have;
-    at another world size every sample not yet consumed is yielded exactly once
-    (see Note [resume position]).
+    at another world size the samples not yet consumed are split over the new
+    ranks as a whole epoch is: each yielded once, and fewer than
+    ``num_replicas`` repeated as padding (or, with ``drop_last``, left out).
 
     .. warning::
         Call :meth:`set_epoch` at the start of every epoch, before iterating the
@@ -171,14 +173,14 @@ class DistributedSampler(Sampler[int]):
     @property
     def start(self) -> int:
         """Positions of this epoch's global order already consumed by the whole
-        job before this iteration (see Note [resume position])."""
+        job before this iteration (all ranks together; set by :meth:`set_epoch`)."""
         return self._start
 
     @property
     def exact(self) -> bool:
-        """Whether the rest of this epoch is split without padding (Note [exact
-        split] in tandem/data/split.py): set by :meth:`set_epoch`."""
-        return self._exact
+        """Whether the rest of this epoch is split without padding: set by
+        :meth:`set_epoch`."""
+        return self._exact  # Note [exact split] in tandem/data/split.py
 
     @property
     def num_replicas(self) -> int:
@@ -221,20 +223,21 @@ class DistributedSampler(Sampler[int]):
                 epoch's global order. 0 for a fresh epoch. At the same world
                 size use a multiple of ``num_replicas`` (``steps * batch_size *
                 num_replicas``) to continue exactly where the job stopped.
-            exact: split the rest without padding (Note [exact split] in
-                tandem/data/split.py): every sample left is yielded once and
-                none twice, but the ranks' shares differ by up to one sample.
+            exact: split the rest without padding: every sample left is
+                yielded once and none twice, but the ranks' shares differ by up
+                to one sample.
                 For tandem's loaders after an elastic world change, which give
                 a rank left short an empty batch and weigh the uneven ones.
 
         .. warning:: With ``exact``, a plain DataLoader over this sampler may
             give one rank a batch fewer than another, and DDP then waits for it
-            forever; iterate it through :class:`tandem.data.loader.DistributedLoader`
+            forever; iterate it through :class:`tandem.data.DistributedLoader`
             or the Trainer, which keep the ranks' batch counts equal.
 
         Raises:
             ValueError: ``start`` is negative or larger than the dataset.
         """
+        # exact: Note [exact split] in tandem/data/split.py.
         epoch = _as_int("epoch", epoch)
         start = _as_int("start", start)
         if not 0 <= start <= self._dataset_size:
@@ -274,13 +277,14 @@ class DistributedSampler(Sampler[int]):
 
     def split(self, batch_size: int, drop_last: bool = False) -> RestSplit:
         """What the ranks yield from :attr:`start`, cut into global batches of
-        ``batch_size`` per rank (Note [exact split] in tandem/data/split.py).
+        ``batch_size`` per rank.
 
         Args:
             batch_size: samples per rank per batch.
             drop_last: a DataLoader's ``drop_last``: a last global batch that is
                 not full is dropped on every rank.
         """
+        # Note [exact split] in tandem/data/split.py.
         return RestSplit(start=self._start, length=self._total(), world=self._num_replicas,
                          batch_size=batch_size, drop_last=drop_last)
 
@@ -299,7 +303,9 @@ class DistributedSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the same epoch, after ``start`` samples.
 
-        The world size may differ from the saving job's (see Note [resume position]).
+        The world size may differ from the saving job's: the samples not yet
+        consumed are then split over this sampler's ranks as a whole epoch is
+        (padded or, with ``drop_last``, cut to a multiple of ``num_replicas``).
 
         Args:
             state: a dict from :meth:`state_dict`.

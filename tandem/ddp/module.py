@@ -39,6 +39,9 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger(__name__)
 
 
+# Copies: Note [copying a DDP model] below. device_mesh: Note [tensor-parallel parameters] in
+# tandem/dtensor.py. zero_stage: Note [zero reduction] in reduction.py. check_finite: Note
+# [check_finite] in finite.py.
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism across processes: a drop-in for
     :class:`torch.nn.parallel.DistributedDataParallel`.
@@ -61,8 +64,10 @@ class DistributedDataParallel(nn.Module, Joinable):
       checkpointing.
     * A copy (``copy.deepcopy``, ``torch.save``/``torch.load``) keeps the
       communication hook, and a static-graph copy reduces its first step (torch's
-      copy drops the hook, and skips that reduction). Note [copying a DDP model]
-      below.
+      copy drops the hook, and skips that reduction). As in torch, only a model
+      over the default process group can be copied, and copying issues no
+      collective, so one rank alone may copy (an EMA or evaluation copy on rank
+      0). A copy does not carry the gradients or a fused optimizer.
 
     Args:
         module: the model to replicate; its parameters must all be on one device.
@@ -86,8 +91,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             is used are the same every step.
         device_mesh: a 1-D device mesh, instead of ``process_group``: for a
             model parallelised with torch's tensor parallelism over
-            ``mesh["tp"]``, pass ``mesh["dp"]`` (Note [tensor-parallel
-            parameters] in tandem/dtensor.py).
+            ``mesh["tp"]``, pass ``mesh["dp"]``: each rank's local shards are
+            averaged with the ranks that hold the same shards, and
+            ``param.grad`` stays a DTensor laid out like its parameter.
         bucket_cap_mb_list: a cap per bucket, in MiB.
         batched_grad_copy: accepted (gradients are always copied per bucket).
         forward_sync_buffers: torch's newer name for ``broadcast_buffers`` (before
@@ -96,7 +102,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             reduce-scatter each bucket so that each rank holds the averaged
             gradients of its shard only, for :class:`tandem.ZeroOptimizer`
             (which is then required to step); at stage 2 ``param.grad`` is
-            released after each synchronised backward. See Note [zero reduction].
+            released after each synchronised backward.
         zero_config: tandem only. Overlap options for stages 1 and 2
             (:class:`tandem.zero.ZeroConfig`).
         check_finite: tandem only. ``False`` (default): no check, no cost.
@@ -106,9 +112,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             (``param.grad`` becomes None, so torch's optimizers step nothing)
             and set :attr:`found_nonfinite`, so that the caller skips
             ``optimizer.step()``; replicas stay identical. The ranks agree
-            without an extra collective on the success path (Note
-            [check_finite]). Under ``no_sync()`` the check happens at the
-            synchronised backward, on the accumulated gradients.
+            without an extra collective on the success path. Under
+            ``no_sync()`` the check happens at the synchronised backward, on
+            the accumulated gradients.
 
     .. warning:: with ``check_finite="skip"`` and a stateful communication hook
         (PowerSGD's error feedback), the hook has already folded the step's
@@ -350,12 +356,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def batch_weight(self) -> float:
         """How many times this rank's gradients of the forwards that follow count
-        in the mean over the ranks (Note [batch weight] in batch_weight.py): 1.0,
-        torch's plain mean, unless batches of unequal sizes are weighed by
-        ``n_rank * world_size / global_batch_size``. A prepared elastic loader
-        sets it for each batch; the weights assume a loss that is a mean over
-        the batch."""
-        return self._batch_weight
+        in the mean over the ranks: 1.0, torch's plain mean, unless batches of
+        unequal sizes are weighed by ``n_rank * world_size / global_batch_size``.
+        A prepared elastic loader sets it for each batch; the weights assume a
+        loss that is a mean over the batch."""
+        return self._batch_weight  # Note [batch weight] in batch_weight.py
 
     @batch_weight.setter
     def batch_weight(self, weight: float) -> None:
@@ -396,10 +401,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def set_failure_handler(self, handler: Callable[[BaseException], bool] | None) -> None:
         """Let ``handler(error)`` recover from a collective of this model's that fails
         (a peer died): when it returns True, the forward or backward in progress
-        returns without that collective's result, and the caller is to drop the
-        step (Note [recovered reduction failures] in reducer.py); False, or no
-        handler, raises the error as before. For an elastic loop: ``tandem.prepare(elastic=...)``
-        sets it. Kept across ``reset_process_group``."""
+        returns without that collective's result (the gradients are left as
+        they are), and the caller is to drop the step; False, or no handler,
+        raises the error as before. For an elastic loop:
+        ``tandem.prepare(elastic=...)`` sets it. Kept across
+        ``reset_process_group``."""
+        # Note [recovered reduction failures] in reducer.py.
         self._failure_handler = handler
         if self._reducer is not None:
             self._reducer.failure_handler = handler
@@ -491,8 +498,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @property
     def model_sync(self) -> ModelSync:
-        """The broadcasts and agreements a joined rank mirrors (Note [join mirror] in join.py)."""
-        return self._sync
+        """The broadcasts and agreements of one iteration that a rank mirrors after
+        it joined (:func:`tandem.join`)."""
+        return self._sync  # Note [join mirror] in join.py
 
     def _will_sync_buffers(self) -> bool:
         return (self._comm.size > 1 and self.require_forward_param_sync
@@ -501,7 +509,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ the fused step
     def fuse_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` inside backward, bucket by bucket, as soon as each
-        bucket's averaged gradients have landed (Note [fused step] in fused.py).
+        bucket's averaged gradients have landed.
 
         The training loop stays as it is: ``optimizer.step()`` becomes a no-op
         (the step already ran in the synchronised ``loss.backward()``), and
@@ -529,6 +537,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             Use the unfused optimizer for those; with ``check_finite`` the fused
             step waits for every bucket and is dropped on every rank together.
         """
+        # Note [fused step] in fused.py.
         optimizer = check_fusable(optimizer)
         if self._fused is not None:
             raise RuntimeError(f"an optimizer ({type(self._fused).__name__}) is already fused into this "

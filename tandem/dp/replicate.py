@@ -37,8 +37,10 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], *,
               detach: bool = False) -> list[nn.Module]:
     """One replica of ``module`` per entry of ``devices`` (which may repeat).
 
-    ``module`` must be on ``devices[0]``. See Note [replica sharing] for what a
-    replica shares with the original.
+    ``module`` must be on ``devices[0]``. On that device a replica holds the
+    original parameters; elsewhere, copies that autograd connects to them
+    (unless ``detach``), so that gradients reach the original. Replica 0 holds the original buffers, the others copies
+    of them: only replica 0's in-place buffer updates reach the module.
 
     Args:
         module: the module to replicate.
@@ -49,6 +51,7 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], *,
     Returns:
         ``len(devices)`` modules; replica ``i`` computes on ``devices[i]``.
     """
+    # What a replica shares with the original: Note [replica sharing] above.
     params = {id(p): p for p in module.parameters()}
     copies_per_device: dict[torch.device, dict[int, torch.Tensor]] = {}
     replicas = []

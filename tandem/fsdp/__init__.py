@@ -1,20 +1,24 @@
 """Fully sharded data parallelism (ZeRO-3): ``tandem.fully_shard``, a drop-in for
-torch's FSDP2 ``torch.distributed.fsdp.fully_shard``.
-
-The pure layout of each unit's buffers (layout.py), which parameters a call
-takes (unit_walk.py), a call's arguments checked and resolved (arguments.py:
-meshes for FSDP and HSDP, lists of modules, shard dims), one unit at run time
-(unit.py, composed of its buffers and parameters in unit_params.py, its gather
-and release in unit_gather.py and its gradients' reduction in unit_reduce.py;
-their plain types in unit_state.py: a unit's gather reads in unit.py,
-unit_gather.py and unit_params.py), the forward hooks and the root's lazy init
-(hooks.py), the order of a root's units in an iteration (schedule.py), what
-``to_empty``/``to`` do to a unit (convert.py), state dicts
-in and out (state_dict.py), random init of sharded parameters (init.py), the
-units laid out again over a new group in an elastic job (regroup.py), the
-audit of a unit's mixed-precision policy (precision.py), and the public
-function (api.py) and the methods it adds to a module (module.py).
+torch's FSDP2 ``torch.distributed.fsdp.fully_shard``; the methods it adds to a
+module (:class:`FSDPModule`); loading a full state dict into a sharded model
+(:func:`load_full_state_dict`); random init of shards as if unsharded
+(:func:`init_like_unsharded`); and the pure layout of a unit
+(:func:`plan_unit`).
 """
+
+# The package's files: the pure layout of each unit's buffers (layout.py), which
+# parameters a call takes (unit_walk.py), a call's arguments checked and resolved
+# (arguments.py: meshes for FSDP and HSDP, lists of modules, shard dims), one unit
+# at run time (unit.py, composed of its buffers and parameters in unit_params.py,
+# its gather and release in unit_gather.py and its gradients' reduction in
+# unit_reduce.py; their plain types in unit_state.py: a unit's gather reads in
+# unit.py, unit_gather.py and unit_params.py), the forward hooks and the root's
+# lazy init (hooks.py), the order of a root's units in an iteration
+# (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
+# in and out (state_dict.py), random init of sharded parameters (init.py), the
+# units laid out again over a new group in an elastic job (regroup.py), the audit
+# of a unit's mixed-precision policy (precision.py), and the public function
+# (api.py) and the methods it adds to a module (module.py).
 
 from tandem._compat import fsdp_policies
 from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, fully_shard

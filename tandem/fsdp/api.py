@@ -76,27 +76,30 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
     saves and loads it (at any world size).
 
     Beyond torch's FSDP2: gathers are prefetched and reduce-scatters run async
-    on every backend, CPU/gloo included (Note [prefetch] in schedule.py); ranks
-    may use different parameters in a step (Note [gradient flags] in unit_reduce.py);
-    units under ``min_unit_bytes`` merge into the enclosing unit (Note [tiny
-    units]); a full, unsharded state dict loads straight into the sharded
-    model (:func:`tandem.fsdp.load_full_state_dict`).
+    on every backend, CPU/gloo included, so communication overlaps compute
+    without CUDA streams; ranks may use different parameters in a step (a
+    parameter no rank used keeps its ``.grad``; one that some ranks used gets
+    the average over all ranks, with zeros for the others); units under
+    ``min_unit_bytes`` merge into the unit of an enclosing module, keeping the
+    same parameter objects; a full, unsharded state dict loads straight into
+    the sharded model (:func:`tandem.fsdp.load_full_state_dict`).
 
     Args:
         module: the module to shard; it becomes an instance of
             ``FSDP<its class>``, which adds :class:`FSDPModule`'s methods. A
             list of modules makes one unit of all of them, gathered at the
-            first one's forward and resharded after the last one's (Note
-            [grouped modules] in schedule.py); it cannot be the root.
+            first one's forward and resharded after the last one's; it cannot
+            be the root.
         mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks (default: all
             ranks, on ``cuda`` for nccl and ``cpu`` otherwise), over which
             every parameter is sharded; or a 2-D one with named dimensions
             ``(replicate, shard)``: HSDP, sharded within the shard dimension
             and replicated across the other, the gradients reduce-scattered
-            over the first and all-reduced over the second (Note [hybrid
-            sharding] in unit_reduce.py). Parameters that torch's tensor
-            parallelism made DTensors take the 1-D data-parallel slice,
-            ``mesh["dp"]`` (Note [2-D parameters] in tensor_parallel.py).
+            over the shard dimension and all-reduced over the replicate one.
+            Parameters that torch's tensor parallelism made DTensors take the
+            1-D data-parallel slice, ``mesh["dp"]``: each rank's local shards
+            are sharded over it, and the optimizer sees DTensors over the 2-D
+            mesh.
         reshard_after_forward: True frees the parameters after forward and
             gathers them again in backward; False keeps them until after
             backward (no second gather: 1.0x DDP's traffic instead of 1.5x);
@@ -137,6 +140,10 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
             ``ShardPlacementResult``, a placement dim other than 0 for a
             tensor-parallel parameter, or ``dp_mesh_dims``.
     """
+    # For developers: the prefetch is Note [prefetch] and a list of modules Note [grouped modules]
+    # (schedule.py); ranks' different parameters Note [gradient flags] and HSDP Note [hybrid sharding]
+    # (unit_reduce.py); min_unit_bytes Note [tiny units] above; tensor-parallel parameters Note
+    # [2-D parameters] (tensor_parallel.py).
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (an SPMD mesh) is not supported; pass the data-parallel "

@@ -56,7 +56,8 @@ _RANDOM_INPLACE = {
 @contextlib.contextmanager
 def init_like_unsharded() -> Iterator[None]:
     """Random initialisation of sharded (DTensor) parameters that draws what
-    the unsharded model would (Note [random init of shards])::
+    the unsharded model would, bit for bit, at every world size and on every
+    device::
 
         with torch.device("meta"):
             model = GPT()
@@ -68,8 +69,11 @@ def init_like_unsharded() -> Iterator[None]:
         with tandem.fsdp.init_like_unsharded():
             model.init_weights()              # equal to GPT().init_weights() with seed 0
 
-    Works for torch's ``fully_shard`` too, and for any DTensor whose
-    placements are ``Shard`` and ``Replicate``.
+    Each random op draws the parameter's full shape, on every rank, and each
+    rank keeps its own piece: the generators stay in step, and the memory it
+    costs is one parameter's full size at a time. Works for torch's
+    ``fully_shard`` too, and for any DTensor whose placements are ``Shard`` and
+    ``Replicate``.
 
     .. warning:: Without it, random init of sharded parameters follows
         DTensor's rules, as in torch's FSDP2: on CPU every rank's shard repeats
@@ -79,6 +83,7 @@ def init_like_unsharded() -> Iterator[None]:
         NotImplementedError: a random op on a DTensor with another placement
             (``Partial``, a strided shard of a 2-D layout).
     """
+    # Note [random init of shards] at the top of this file.
     with _UnshardedInit():
         yield
 

@@ -50,10 +50,9 @@ from dataclasses import dataclass
 
 __all__ = ["DEFAULT_MIN_UNIT_BYTES", "ParamShard", "UnitLayout", "plan_unit"]
 
-DEFAULT_MIN_UNIT_BYTES = 256 * 1024
-"""Units below this size join the unit of an enclosing ``fully_shard`` call
-(Note [tiny units] in api.py): about what one gloo collective moves in its
-fixed latency."""
+DEFAULT_MIN_UNIT_BYTES = 256 * 1024  # Note [tiny units] in api.py
+"""Units below this size join the unit of an enclosing ``fully_shard`` call:
+about what one gloo collective moves in its fixed latency."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,13 @@ class ParamShard:
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """The buffers of one unit on one rank (Note [unit buffers])."""
+    """The buffers of one unit on one rank: the shard buffer holds this rank's
+    chunk of each parameter along its shard dim (``ceil(rows / world_size)``
+    rows, the last ranks' possibly fewer or none), each padded to the full
+    chunk size, back to back in the unit's order; an all-gather puts every
+    rank's shard buffer side by side."""
 
+    # Note [unit buffers] at the top of this file.
     params: tuple[ParamShard, ...]
     world_size: int
     rank: int

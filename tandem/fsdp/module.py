@@ -59,8 +59,9 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters the gradients in backward but keeps the
         result as a partial sum instead of all-reducing it across the replicas;
-        the next backward with True all-reduces the sum (torch's method: Note
-        [hybrid sharding] in unit_reduce.py). No effect on a 1-D mesh."""
+        the next backward with True all-reduces the sum (torch's method). No
+        effect on a 1-D mesh."""
+        # Note [hybrid sharding] in unit_reduce.py.
         for unit in _units(self, recurse):
             unit.requires_all_reduce = bool(requires_all_reduce)
 
@@ -97,10 +98,11 @@ class FSDPModule:
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce with sums only, dividing afterwards: what tandem always does
-        (Note [gradient flags] in unit_reduce.py), so the gradients are the same
-        either way; with ``enable`` the hook of :meth:`set_all_reduce_hook`
-        sees the sums before the division, as in torch."""
+        """Reduce with sums only, dividing afterwards: what tandem always does,
+        so the gradients are the same either way; with ``enable`` the hook of
+        :meth:`set_all_reduce_hook` sees the sums before the division, as in
+        torch."""
+        # Sums always: Note [gradient flags] in unit_reduce.py.
         _unit(self).overrides.force_sum = bool(enable)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
@@ -135,9 +137,10 @@ class FSDPModule:
         """Reduce-scatter this unit's gradients with ``comm``, torch's
         ``ReduceScatter``: ``allocate`` makes the input and output buffers,
         ``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM,
-        async_op=True)`` issues it. The input is tandem's (Note [gradient
-        flags] in unit_reduce.py): each rank's chunk ends with one flag per
-        parameter, which a custom reduction must sum like the rest."""
+        async_op=True)`` issues it. The input is tandem's: each rank's chunk
+        ends with one flag per parameter (1 where this rank produced a
+        gradient), which a custom reduction must sum like the rest."""
+        # The flags: Note [gradient flags] in unit_reduce.py.
         _check_comm(comm, "set_custom_reduce_scatter")
         _unit(self).overrides.reduce_scatter = comm
 
@@ -151,15 +154,17 @@ class FSDPModule:
         """True: a parameter that no rank used in a backward gets a zero sharded
         gradient instead of None (torch's meaning). Ranks using different
         parameters need nothing set: tandem reduces every parameter of a
-        unit on every rank (Note [gradient flags] in unit_reduce.py)."""
+        unit on every rank."""
+        # Note [gradient flags] in unit_reduce.py.
         for unit in _units(self, recurse):
             unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """At most ``max_input_buffers`` reduce-scatters in flight, each holding
-        its full-size input, when one of these units launches its own (Note
-        [reductions in flight] in schedule.py; by default 1, as torch's, where a
-        wait does not hold the host (NCCL), 2 where it does (gloo))."""
+        its full-size input, when one of these units launches its own (by
+        default 1, as torch's, where a wait does not hold the host (NCCL), 2
+        where it does (gloo))."""
+        # Note [reductions in flight] in schedule.py.
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
             raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers={max_input_buffers!r} must be "
                              "an int >= 1 (1: each reduce-scatter finishes before the next starts)")
@@ -167,15 +172,15 @@ class FSDPModule:
             unit.max_reduce_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """tandem always reduce-scatters on a process group of its own (Note
-        [two groups] in hooks.py): True is accepted as it is.
+        """tandem always reduce-scatters on a process group of its own, apart
+        from the all-gathers': True is accepted as it is.
 
         Raises:
             NotImplementedError: ``enable=False``: one group for gathers and
                 reduce-scatters would let them interleave differently on
                 different ranks; remove the call.
         """
-        if not enable:
+        if not enable:  # Note [two groups] in hooks.py
             raise NotImplementedError(
                 "set_separate_reduce_scatter_group(False): tandem's reduce-scatters need a process group "
                 "apart from the all-gathers' (Note [two groups] in tandem/fsdp/hooks.py: on one group they "
@@ -231,25 +236,25 @@ class FSDPModule:
 
     def reset_process_group(self) -> None:
         """Lay every unit under this module out again over the current default
-        group, after an elastic job replaced it (Note [regrouped units] in
-        regroup.py): the same parameter objects, with zeros in the shards until
-        the caller loads them. No communication. Collectives are issued again
+        group, after an elastic job replaced it: the same parameter objects (so
+        an optimizer's references and state stay valid), with zeros in the
+        shards until the caller loads them. No communication. Collectives are issued again
         after a failure the handler of :meth:`set_failure_handler` claimed.
 
         Raises:
             RuntimeError: a sharded parameter still holds a gradient.
         """
-        reset_process_group(cast(nn.Module, self))
+        reset_process_group(cast(nn.Module, self))  # Note [regrouped units] in regroup.py
 
     def set_failure_handler(self, handler: Callable[[BaseException], bool] | None) -> None:
         """Let a collective that fails in this model's forward or backward be
         recovered from, as ``DistributedDataParallel.set_failure_handler`` does for
-        its reduction (an elastic loop's, Note [a broken step goes on] in
-        tandem/comm/failure_gate.py): ``handler(error)`` returns True when it
-        claims the failure, and the step then goes on without communication
+        its reduction (an elastic loop's): ``handler(error)`` returns True when
+        it claims the failure, and the step then goes on without communication
         until :meth:`reset_process_group` lays the units out for the new world.
         None removes it. Call it on the root; it covers every unit under it.
         """
+        # Note [a broken step goes on] in tandem/comm/failure_gate.py.
         gate = None if handler is None else FailureGate(handler)
         for unit in _units(self, True):
             unit.gate = gate

@@ -1,16 +1,23 @@
 """Start jobs: the ``tandem run`` launcher and :func:`spawn`, on torch's elastic agent.
 
-- :mod:`~tandem.launch.config`: what a job is (:class:`LaunchConfig`) and the pure
-  rules from flags to it (workers per node, rendezvous, threads).
-- :mod:`~tandem.launch.command`: what each worker runs.
-- :mod:`~tandem.launch.rendezvous`: a fresh store for each attempt's workers.
-- :mod:`~tandem.launch.agent`: torch's ``LocalElasticAgent``, built and run.
-- :mod:`~tandem.launch.logs` and :mod:`~tandem.launch.output`: the workers' log
-  files, and their lines on the console with rank prefixes.
-- :mod:`~tandem.launch.summary`: the short report when a worker fails.
-- :mod:`~tandem.launch.cli`: the ``tandem`` command; :mod:`~tandem.launch.spawn`:
-  the same from Python.
+:class:`LaunchConfig` is what a job is (the ``tandem run`` flags resolved);
+:func:`spawn` runs a function in new processes from Python. A job that cannot
+start raises :class:`LaunchError`, and a spawned process that fails
+:class:`SpawnError`.
 """
+
+# The package's modules:
+#
+# - :mod:`~tandem.launch.config`: what a job is (:class:`LaunchConfig`) and the pure
+#   rules from flags to it (workers per node, rendezvous, threads).
+# - :mod:`~tandem.launch.command`: what each worker runs.
+# - :mod:`~tandem.launch.rendezvous`: a fresh store for each attempt's workers.
+# - :mod:`~tandem.launch.agent`: torch's ``LocalElasticAgent``, built and run.
+# - :mod:`~tandem.launch.logs` and :mod:`~tandem.launch.output`: the workers' log
+#   files, and their lines on the console with rank prefixes.
+# - :mod:`~tandem.launch.summary`: the short report when a worker fails.
+# - :mod:`~tandem.launch.cli`: the ``tandem`` command; :mod:`~tandem.launch.spawn`:
+#   the same from Python.
 
 from tandem.launch.agent import LaunchError
 from tandem.launch.config import LaunchConfig

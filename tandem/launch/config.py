@@ -55,10 +55,10 @@ class LaunchConfig:
     """When no worker completes a collective or starts a step for this long, the
     launcher reports where each rank is, stops them and counts a failure
     (``--hang-timeout``); None: no watchdog."""
-    elastic: bool = False
+    elastic: bool = False  # Note [elastic launch] in elastic_agent.py
     """A dead worker does not stop the others (``--elastic``): a script training with
     tandem.Trainer shrinks and goes on, and up to ``max_restarts`` replacements
-    join it (Note [elastic launch] in elastic_agent.py); the workers get
+    (new processes with the same command) join it; the workers get
     ``TANDEM_ELASTIC=1``."""
     debug_collectives: bool = False
     """The workers compare every collective before issuing it (``--debug-collectives``,

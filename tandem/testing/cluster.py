@@ -49,8 +49,11 @@ def cluster_unavailable() -> str | None:
     return None
 
 
+# Note [nodes as namespaces] at the top of this file.
 class Cluster:
-    """``nodes`` namespaces on one bridge (Note [nodes as namespaces]).
+    """``nodes`` nodes on this machine: each a network namespace with its own
+    address and link, the links joined by one bridge and nothing else. Building
+    one needs CAP_NET_ADMIN (root): :func:`cluster_unavailable` says why not.
 
     Args:
         nodes: how many nodes.

@@ -91,8 +91,7 @@ def run_distributed(
         replace: ranks among ``may_die`` whose death starts a replacement: a
             new process running ``fn(rank, world_size, *args)`` with
             ``TANDEM_ELASTIC_JOIN=1`` that joins the elastic job through
-            ``tandem.init`` (Note [elastic membership] in tandem.comm.membership)
-            instead of the first process group; with ``init_process_group=False``
+            ``tandem.init`` instead of the first process group; with ``init_process_group=False``
             ``fn`` calls ``tandem.init`` itself (``init_method`` from
             ``TANDEM_TEST_STORE``). Its result follows the ranks' in the returned
             list, in the order the replacements started; its slot number
@@ -102,6 +101,7 @@ def run_distributed(
         RankFailure: a rank raised; carries its rank and traceback.
         TimeoutError: not every rank finished within ``timeout``.
     """
+    # A replacement joins as Note [elastic membership] in tandem/comm/membership.py says.
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()

@@ -1,8 +1,13 @@
-"""Training on top of DDP, ZeRO and fully_shard: the Trainer (trainer.py) with its
-configuration, precision, progress, history and plot; its checkpoints
-(run_checkpoints.py, sharded_checkpoint.py; what they hold is
-tandem/checkpoint/state.py) and its elastic side (tandem/elastic/world.py);
-and prepare (prepare.py) for users who keep their own loop, with the strategies both use (strategy.py)."""
+"""Training on top of DDP, ZeRO and fully_shard: the :class:`Trainer` with its
+configuration (:class:`TrainerConfig`), precision, progress, history, plot,
+checkpoints and elastic runs; and :func:`prepare` for users who keep their own
+loop, with the strategies both use (:class:`Strategy`)."""
+
+# The package's files: the Trainer (trainer.py) with its configuration, precision,
+# progress, history and plot; its checkpoints (run_checkpoints.py,
+# sharded_checkpoint.py; what they hold is tandem/checkpoint/state.py) and its
+# elastic side (tandem/elastic/world.py); and prepare (prepare.py) for users who
+# keep their own loop, with the strategies both use (strategy.py).
 
 from tandem.checkpoint.one_rank import atomic_save, latest_checkpoint, list_checkpoints, load_checkpoint, \
     save_checkpoint

@@ -88,13 +88,12 @@ class TrainerConfig:
     writes one file holding the whole state in torch's format. None: "sharded"
     for a fully-sharded model or a ZeroOptimizer, "full" otherwise. Resuming reads
     either; ``Trainer.export`` writes the full format on demand."""
-    async_checkpoint: bool = False
+    async_checkpoint: bool = False  # Note [saves in the background] in tandem/train/background_saves.py
     """Save checkpoints without stopping training for the write: each is copied
     into host memory (kept between saves: a second copy of the state) and
     written on a background thread, at most one at a time, as atomically as a
     synchronous save; a failed write raises at the next save or at the end of
-    ``fit`` (Note [saves in the background] in tandem/train/background_saves.py).
-    Not with ``elastic``."""
+    ``fit``. Not with ``elastic``."""
     resume: bool = True
     """Continue from the latest checkpoint in ``output_dir`` when there is one."""
     max_steps: int | None = None
@@ -115,12 +114,13 @@ class TrainerConfig:
     parameters, or "skip" the optimizer step on every rank (DDP's ``check_finite``,
     agreed across ranks; records count skipped steps). None: no check. With fp16
     the GradScaler already skips such steps: only "skip" applies, and counts them."""
-    elastic: bool | ElasticConfig | None = None
+    elastic: bool | ElasticConfig | None = None  # Note [elastic trainer] in tandem/elastic/run.py
     """Keep training when a rank dies (DDP): the survivors drop the step in flight,
-    agree on who is left, and go on as a smaller world; a replacement started
-    with ``TANDEM_ELASTIC_JOIN=1`` builds its model in a world of one, asks to join
-    in ``fit()``, joins at the next step boundary and gets the state from live
-    peers (Note [elastic trainer] in tandem/elastic/run.py). True uses
+    agree on who is left, and go on as a smaller world, with nothing read from
+    disk; the rest of the epoch is split over the new world so that no sample is
+    lost or seen twice. A replacement started with ``TANDEM_ELASTIC_JOIN=1``
+    builds its model in a world of one, asks to join in ``fit()``, joins at the
+    next step boundary and gets the state from live peers. True uses
     :class:`~tandem.comm.membership.ElasticConfig`'s defaults; None: on when the
     job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 

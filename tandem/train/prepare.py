@@ -79,11 +79,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         model: the plain module (not yet wrapped). It is moved to ``device``
             first, then wrapped according to ``strategy``.
         optimizer: built over ``model``'s parameters, not stepped yet; None for
-            inference. Kept as it is under ``"ddp"``; rebuilt otherwise (Note
-            [rebuilt optimizers]): use the returned one, and build schedulers on it.
+            inference. Kept as it is under ``"ddp"``; otherwise rebuilt, of the
+            same class over the same parameter groups and hyper-parameters (ZeRO
+            steps only this rank's shards, and ``fully_shard`` replaces the
+            parameters): use the returned one, and build schedulers on it.
         *dataloaders: ``torch.utils.data.DataLoader`` s over map-style datasets,
             with the default sampler (``shuffle=True`` or ``False``). Each is
-            rebuilt over a :class:`tandem.DistributedSampler` (Note [prepared loaders] in tandem/data/loader.py).
+            rebuilt over a :class:`tandem.DistributedSampler`, with the
+            original's batch size (per rank), collate function, workers,
+            pinning, ``drop_last`` and generator.
         strategy: ``"ddp"``, ``"zero1"``, ``"zero2"``, or ``"fsdp"`` /
             ``"fully_shard"`` (see :class:`Strategy`).
         wrapper_kwargs: keyword arguments for ``tandem.DistributedDataParallel``
@@ -94,7 +98,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             block) whose instances each become a unit of their own, sharded
             bottom-up before the root; by default the items of every
             ``nn.ModuleList`` do, the units ``tandem check`` and ``tandem
-            plan`` make too (Note [one strategy vocabulary] in strategy.py).
+            plan`` make too.
         device: where the model and batches go. Default: ``cuda:<current
             device>`` when the backend is NCCL (``tandem.init`` made it
             current), else the CPU.
@@ -103,12 +107,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             (the ``generator=`` given to the DataLoader), else 0.
         move_batches: move every tensor of each batch to ``device`` (nested in
             tuples, lists, dicts and dataclasses).
-        elastic: keep training when a rank dies, and admit replacements
-            (Note [elastic prepare] in tandem/elastic/loop.py): True, or an
-            :class:`~tandem.comm.membership.ElasticConfig`; None follows
+        elastic: keep training when a rank dies, and admit replacements: True,
+            or an :class:`~tandem.comm.membership.ElasticConfig`; None follows
             ``tandem run --elastic`` (``TANDEM_ELASTIC=1``). Every strategy: under
             ZeRO and fully_shard each rank also holds a copy of the previous
-            rank's shard (Note [buddy copies] in tandem/elastic/buddy.py). The
+            rank's shard, so that a lost rank's shard survives. The
             optimizer returned is then an :class:`~tandem.elastic.loop.ElasticOptimizer`
             whose ``step()`` drops a step that a rank's death interrupted
             (``optimizer.step_abandoned``), regroups, and lets the loaders give
@@ -140,6 +143,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         ``not optimizer.step_abandoned``, and pass it to
         ``optimizer.register_for_replacements``.
     """
+    # For developers: the optimizer is Note [rebuilt optimizers] above; the loaders Note [prepared loaders] in
+    # tandem/data/loader.py; shard_units Note [one strategy vocabulary] in strategy.py; elastic Notes
+    # [elastic prepare] in tandem/elastic/loop.py and [buddy copies] in tandem/elastic/buddy.py.
     chosen = Strategy.parse(strategy)
     comm = _world_comm()
     kwargs = dict(wrapper_kwargs or {})

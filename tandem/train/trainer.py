@@ -238,6 +238,12 @@ class Trainer:
         in the history, as records of kind ``"elastic"``)."""
         return [] if self._elastic is None else list(self._elastic.run.changes)
 
+    def waiting_replacements(self) -> list[str]:
+        """The replacements that have asked to join this elastic job and are
+        admitted at the next step boundary (their member ids, such as ``"j1"``);
+        empty for a job that is not elastic. One read of the job's store."""
+        return [] if self._elastic is None else self._elastic.run.membership.waiting_joiners()
+
     # TrainerConfig.__post_init__ normalises these fields; they are typed for what a caller passes.
     @property
     def _precision(self) -> Precision:

@@ -1,12 +1,19 @@
 """ZeRO: sharding optimizer state, gradients and parameters across ranks.
 
-The pure shard layout over DDP's flat bucket buffers (layout.py), the memory
-planner (memory/), the traffic planner (traffic.py), and the sharded optimizer
-(optimizer.py, over this rank's shards in shards.py, gathering the updated
-parameters in param_gather.py), which steps the gradient shards that
-``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters. The stages
-and overlap options are tandem/ddp/zero_config.py's.
+:class:`ZeroOptimizer` steps the gradient shards that
+``DistributedDataParallel(zero_stage=1 or 2)`` reduce-scatters, and gathers the
+updated parameters; :class:`ZeroStage` and :class:`ZeroConfig` are the stages
+and overlap options. Planned without running anything: the memory per rank
+under DDP, ZeRO-1, ZeRO-2 and fully_shard (:func:`estimate_memory`), the bytes
+each rank sends per step (:func:`ddp_traffic`, :func:`fully_shard_traffic`),
+and the shard layout over DDP's flat bucket buffers (:func:`shard_bucket`).
 """
+
+# The package's files: the pure shard layout over DDP's flat bucket buffers
+# (layout.py), the memory planner (memory/), the traffic planner (traffic.py),
+# and the sharded optimizer (optimizer.py, over this rank's shards in shards.py,
+# gathering the updated parameters in param_gather.py). The stages and overlap
+# options are tandem/ddp/zero_config.py's.
 
 from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 from tandem.zero.layout import BucketShard, ShardPiece, shard_bucket

@@ -141,8 +141,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def shards(self) -> ZeroShards:
-        """This rank's runs and their master values (Note [shard runs])."""
-        return self._shards
+        """This rank's shards as the wrapped optimizer steps them: one flat tensor
+        per run (a stretch of a bucket's shard whose parameters are adjacent and
+        in one param group), holding the master values."""
+        return self._shards  # Note [shard runs]
 
     @property
     def owned_numel(self) -> int:
@@ -239,9 +241,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def fused_stepper(self, reducer: Any) -> ZeroFusedStep:
-        """The bucket stepper of ``ddp.fuse_optimizer(self)`` (Note [fused step]
-        in tandem/ddp/fused.py); ``reducer`` is the model's, which this optimizer
-        was built on."""
+        """The bucket stepper of ``ddp.fuse_optimizer(self)``: it steps each
+        bucket's shard as its reduce-scatter lands. ``reducer`` is the model's,
+        which this optimizer was built on."""
+        # Note [fused step] in tandem/ddp/fused.py.
         assert reducer is self._reducer, "fuse_optimizer checks that this optimizer is the model's"
         return ZeroFusedStep(self, self._shards, self._gather, reducer)
 
@@ -358,8 +361,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def param_rows(self) -> list[Entry]:
         """This rank's rows of every parameter (its shard's pieces), copied to the
         host, in the entries' format of :meth:`sharded_state_dict`: with it, what
-        puts a replicated model back at the step both were taken (Note [one step
-        back] in tandem/elastic/buddy.py)."""
+        puts a replicated model back at the step both were taken (an elastic
+        job that goes back a step after losing a rank)."""
+        # Note [one step back] in tandem/elastic/buddy.py.
         index, params = self._param_index(), self._reducer.params
         return [(index[piece.param], piece.param_start, piece.length,
                  {"param": params[piece.param].detach().reshape(-1)
@@ -400,9 +404,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def save_sharded(self, directory: str | os.PathLike[str], *, step: int | None = None,
                      keep: int | None = None) -> Path:
         """Save every rank's shard, each rank its own file, into the committed step
-        directory ``directory/step-{step:08d}/`` (Note [committed step directories]
-        in tandem/checkpoint/commit.py): a save killed midway is never loaded. A
-        collective: call it on every rank.
+        directory ``directory/step-{step:08d}/``, committed by a marker written
+        last: a save killed midway is never loaded. A collective: call it on
+        every rank.
 
         Args:
             directory: the directory of step directories.
@@ -417,6 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             tandem.checkpoint.CheckpointError: on every rank, when a rank failed to
                 write or the ranks passed different steps.
         """
+        # Note [committed step directories] in tandem/checkpoint/commit.py.
         if step is None:
             steps = committed_steps(directory)
             step = steps[-1] + 1 if steps else 0

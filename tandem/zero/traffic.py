@@ -55,7 +55,12 @@ __all__ = ["Traffic", "between_nodes", "ddp_traffic", "fully_shard_traffic", "ze
 
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes one rank sends per optimizer step, by collective (Note [traffic per step])."""
+    """Bytes one rank sends per optimizer step, by collective, counted as ring
+    algorithms send them: over ``g`` ranks, an all-gather of an ``n``-element
+    input sends ``(g - 1) * n`` elements, a reduce-scatter of a ``g * m``-element
+    input ``(g - 1) * m``, an all-reduce of ``n`` elements ``2 * (g - 1) / g * n``."""
+
+    # Note [traffic per step] at the top of this file.
 
     all_gather: int = 0
     reduce_scatter: int = 0
@@ -109,7 +114,12 @@ def between_nodes(traffic: Traffic, *, world_size: int, nodes: int, replicas: in
 
 def fully_shard_traffic(units: Sequence[UnitEstimate], spec: FullyShardSpec, *, replicate: int = 1,
                         micro_batches: int = 1) -> Traffic:
-    """What fully_shard's ``units`` send per step (Note [traffic per step]).
+    """What fully_shard's ``units`` send per step: per unit, all-gathers of its
+    shard in ``param_dtype`` (one per micro-batch in forward, and as many again
+    in backward unless the unit keeps its parameters: the root, or
+    ``reshard_after_forward=False``), one reduce-scatter of its
+    gradients in ``reduce_dtype`` if it has trainable parameters, and under
+    HSDP an all-reduce of the reduced shard across the replicas.
 
     Args:
         units: the planned units (``estimate_memory(...)[3].units``), laid out
@@ -122,6 +132,7 @@ def fully_shard_traffic(units: Sequence[UnitEstimate], spec: FullyShardSpec, *, 
     Raises:
         ValueError: ``replicate`` or ``micro_batches`` below 1.
     """
+    # Note [traffic per step] at the top of this file.
     if replicate < 1 or micro_batches < 1:
         raise ValueError(f"replicate and micro_batches must be >= 1, got {replicate} and {micro_batches}")
     gather = scatter = reduce = 0

@@ -36,6 +36,7 @@ SMALL = ["--no-progress", "--max-chars", "40000", "--block-size", "32", "--layer
 TWO_EPOCHS = SMALL + ["--precision", "bf16", "--batch-size", "16", "--epochs", "2"]
 SHORT_FP32 = SMALL + ["--precision", "fp32", "--max-steps", "20", "--log-every", "1"]
 RULE = "-" * 60  # around the printed sample
+DOCS = Path(__file__).parents[2] / "docs" / "getting-started" / "digits.md"  # the GPT job's page too
 
 
 def _printed(stdout: str, pattern: str) -> str:
@@ -101,6 +102,7 @@ def _one_rank(rank: int, world_size: int, tmp: str) -> tuple[list[float], dict, 
 def _results(tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # as the docs' command: the loss depends on the thread count
     # The whole job runs alongside the others (a directory of its own): together they
     # keep both cores busy where one after the other each leaves idle moments.
     whole = subprocess.Popen(TANDEM_RUN + ["-m", "tandem.examples.gpt"] + TWO_EPOCHS + ["--output-dir", "whole"],
@@ -145,6 +147,19 @@ def test_the_gpt_job_runs_end_to_end_and_beats_the_unigram_baseline(results):
     assert [(p.name, p.is_dir()) for p in saved] == [("step-00000036", True), ("step-00000072", True)]
     assert (out / "loss.png").stat().st_size > 0
     assert [step for step, _ in _records(out, "eval")] == [36, 72]
+
+
+def test_the_gpt_job_ends_at_the_loss_its_page_states(results):
+    # The page's shortened command is this test's, and its numbers are this run's.
+    page = DOCS.read_text()
+    command = _printed(page, r"\nOMP_NUM_THREADS=1 tandem run --nproc-per-node 2 -m tandem\.examples\.gpt ([^\n]+)\n")
+    pairs = lambda argv: sorted(" ".join(argv).replace(" --", "\n--").splitlines())  # noqa: E731
+    assert pairs(command.split()) == pairs(TWO_EPOCHS), command
+    stated_loss, stated_baseline = re.findall(
+        r"ends at validation loss \*\*([\d.]+)\*\* nats per character \(unigram baseline ([\d.]+)\)", page)[0]
+    _, runs = results
+    assert f"validation loss {stated_loss} nats/char (unigram baseline {stated_baseline}," in runs["whole"], \
+        (stated_loss, stated_baseline, runs["whole"][-2000:])
 
 
 def test_the_gpt_job_resumed_mid_epoch_continues_the_same_loss_curve(results):

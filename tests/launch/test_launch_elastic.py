@@ -7,50 +7,12 @@ from __future__ import annotations
 
 from test_launch_support import clean_env, lines_with, script, tandem
 
-TRAIN = """
-    import hashlib, os, signal, time
-    import torch
-    from torch import nn
-    from torch.utils.data import TensorDataset
-    import tandem
-
-    tandem.init()
-    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(120, 8, generator=g), torch.randn(120, 2, generator=g))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    trainer = None
-
-    def loss_fn(out, y):
-        step = trainer.state.step
-        if os.environ["RANK"] == "1" and not joining and step == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        # Hold until the replacement asks to join, unless it was admitted as the
-        # survivors regrouped (it can start that fast).
-        if step == 6 and not joining and trainer.world_size < 3:
-            deadline = time.monotonic() + 60
-            while not trainer._elastic.membership.waiting_joiners() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return ((out - y) ** 2).mean()
-
-    config = tandem.TrainerConfig(batch_size=4, epochs=1, progress=False, plot=False, log_every=1,
-                                  resume=False, output_dir=os.environ["OUT"])
-    trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), data, loss_fn,
-                             config=config)
-    trainer.fit()
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-    print(f"done world={trainer.world_size} rank={trainer.rank} params={digest.hexdigest()[:16]}",
-          flush=True)
-    tandem.shutdown()
-"""
-
 
 def test_a_killed_worker_is_replaced_and_the_job_finishes(tmp_path):
-    path = script(tmp_path, "train.py", TRAIN)
+    # The README's and the docs' command: the job ships as tandem.examples.elastic.
     r = tandem(["--nproc-per-node", "3", "--elastic", "--max-restarts", "1", "--log-dir",
-                str(tmp_path / "logs"), str(path)], cwd=tmp_path, timeout=150,
-               env=clean_env(OUT=str(tmp_path / "out")))
+                str(tmp_path / "logs"), "-m", "tandem.examples.elastic"], cwd=tmp_path, timeout=150,
+               env=clean_env())
     assert r.returncode == 0, r
     assert "worker 1 (local 1" in r.stderr and "exited with -9" in r.stderr, r
     assert "started replacement 1" in r.stderr, r

@@ -11,25 +11,25 @@ Two parts, as everywhere in tandem: :func:`compare_snapshots` and
 :func:`build_report` are pure (a :class:`CheckReport` from per-step snapshots
 and what the runs observed); :func:`check` runs the reference here and the
 ranks with :func:`tandem.spawn`, and :func:`main` is the command line.
-
-The files, one concept each:
-
-- ``compare.py`` (pure): tolerances, the snapshot comparison and the first
-  divergence (Notes [what is compared], [first divergence]).
-- ``records.py``: what the two runs observed, the report's inputs.
-- ``diagnose.py`` (pure): what the numbers cannot say alone: rounding-noise
-  gradients (Note [rounding-noise gradients]), batches that do not split the
-  global batch, the first module whose output differs.
-- ``report.py`` (pure): the :class:`CheckReport`, built from the records.
-- ``inputs.py``: the user's model, data, loss and optimizer, from objects or
-  entry points, and the global batch split into the ranks' shards (Note [what
-  the factories are]).
-- ``run.py``: the training both ways: the one-process reference here and each
-  rank's run under a strategy (Note [dropout]).
-- ``api.py``: :func:`check` and :func:`check_strategies`: validate, run the
-  reference, launch the ranks, build the reports.
-- ``cli.py``: the command line, ``tandem check ...`` (:func:`main`).
 """
+
+# The package's files, one concept each:
+#
+# - ``compare.py`` (pure): tolerances, the snapshot comparison and the first
+#   divergence (Notes [what is compared], [first divergence]).
+# - ``records.py``: what the two runs observed, the report's inputs.
+# - ``diagnose.py`` (pure): what the numbers cannot say alone: rounding-noise
+#   gradients (Note [rounding-noise gradients]), batches that do not split the
+#   global batch, the first module whose output differs.
+# - ``report.py`` (pure): the :class:`CheckReport`, built from the records.
+# - ``inputs.py``: the user's model, data, loss and optimizer, from objects or
+#   entry points, and the global batch split into the ranks' shards (Note [what
+#   the factories are]).
+# - ``run.py``: the training both ways: the one-process reference here and each
+#   rank's run under a strategy (Note [dropout]).
+# - ``api.py``: :func:`check` and :func:`check_strategies`: validate, run the
+#   reference, launch the ranks, build the reports.
+# - ``cli.py``: the command line, ``tandem check ...`` (:func:`main`).
 
 from tandem.tools.check.api import _check_specs as _check_specs
 from tandem.tools.check.api import _make_spec as _make_spec

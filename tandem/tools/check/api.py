@@ -132,8 +132,9 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
 
     Args:
         model: a function building the model, called with no arguments after
-            :func:`tandem.seed_everything` ``(seed)``, or its entry point
-            ``"package.module:function"`` (Note [what the factories are]).
+            :func:`tandem.seed_everything` ``(seed)`` in the one process and on
+            every rank (so a factory that does not seed still builds the same
+            model everywhere), or its entry point ``"package.module:function"``.
         data: ``data(step) -> (inputs, targets)``, the global batch of a step
             (sliced into equal shards, one per rank); one that also takes
             ``rank`` and ``world_size`` keywords gives each rank's batch
@@ -173,9 +174,10 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
 
     .. warning:: Dropout cannot match draw for draw: dropout modules are off for
         the comparison, and ranks that would all draw the same masks are
-        reported (Note [dropout]). Functional dropout in ``forward`` cannot be
-        turned off: give it ``p=0`` for the check.
+        reported. Functional dropout in ``forward`` cannot be turned off: give
+        it ``p=0`` for the check.
     """
+    # The factories: Note [what the factories are] in inputs.py; dropout: Note [dropout] in run.py.
     return check_strategies(model, data, strategies=(strategy,), nproc=nproc, steps=steps, loss=loss,
                             optimizer=optimizer, lr=lr, optimizer_kwargs=optimizer_kwargs, batch_size=batch_size,
                             seed=seed, rtol=rtol, atol=atol, mp_policy=mp_policy)[strategy]

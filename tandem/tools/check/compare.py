@@ -77,7 +77,11 @@ def default_tolerance(dtypes: Sequence[torch.dtype]) -> Tolerance:
 
 @dataclass(frozen=True)
 class Divergence:
-    """Where the distributed run first left the tolerance (Note [first divergence])."""
+    """Where the distributed run first left the tolerance: the earliest step with
+    a tensor out of tolerance, and in it a parameter before a buffer, the one
+    furthest out of tolerance."""
+
+    # Note [first divergence] at the top of this file.
 
     step: int
     """Optimizer steps taken (0: the initial model)."""
@@ -102,7 +106,13 @@ class Comparison:
     """``[step][tensor]``: the largest ``|diff| / (atol + rtol*|single|)``; above 1 is out of tolerance."""
     first_divergence: Divergence | None
     ignored: frozenset[str] = frozenset()
-    """Names compared and shown but not judged (Note [rounding-noise gradients] in diagnose.py)."""
+    """Names compared and shown but not judged. :func:`build_report` passes the
+    buffers (they follow the parameters, and a wrong one shows in the next
+    step's parameters) and, with an optimizer other than SGD, the parameters
+    whose gradient is only rounding noise (a bias right before a normalisation
+    layer), which such optimizers move by about ``lr`` in the noise's
+    direction."""
+    # Note [rounding-noise gradients] in diagnose.py.
 
     def judged_out(self, step: int) -> list[str]:
         """The judged tensors out of tolerance at ``step``."""
@@ -134,8 +144,10 @@ def compare_snapshots(reference: Sequence[Mapping[str, torch.Tensor]],
         reference: the one-process run: for each step (0: initial), name -> tensor,
             in model order (parameters, then buffers).
         distributed: the same for the distributed run.
-        tolerance: the elementwise rule (Note [what is compared]).
-        buffers: which names are buffers (named after parameters, Note [first divergence]).
+        tolerance: the elementwise rule, ``|distributed - single| <= atol +
+            rtol * |single|``.
+        buffers: which names are buffers (a buffer is named as the first
+            divergence only when no parameter of that step is out of tolerance).
         ignored: names compared but never named as the first divergence.
 
     Returns:
@@ -145,6 +157,7 @@ def compare_snapshots(reference: Sequence[Mapping[str, torch.Tensor]],
     Raises:
         ValueError: the runs have different numbers of steps.
     """
+    # Note [what is compared] and Note [first divergence] at the top of this file.
     if len(reference) != len(distributed):
         raise ValueError(f"the one-process run has {len(reference)} snapshots, the distributed run "
                          f"{len(distributed)}: compare the same steps")

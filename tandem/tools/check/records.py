@@ -25,13 +25,14 @@ class RankRecord:
     rng_state: bytes
     """A fingerprint of torch's generator after the model factory returned."""
     outputs: tuple[tuple[str, torch.Tensor], ...] = ()
-    """Module outputs of step 1's forward, in the order they finished (Note [first divergence] in
-    compare.py)."""
+    """Module outputs of step 1's forward, in the order they finished: the first that differs from
+    the one-process run's names the likely cause of a divergence."""
+    # Note [first divergence] in compare.py.
     snapshots: tuple[dict[str, torch.Tensor], ...] = ()
     """Rank 0 only: the full tensors after each step (0: initial)."""
     precision: tuple[PrecisionFinding, ...] = ()
-    """fsdp: the precision audit of the units the run built (the same on every rank; Note [precision of a
-    unit] in tandem/fsdp/precision.py)."""
+    """fsdp: the precision audit of the units the run built (the same on every rank)."""
+    # Note [precision of a unit] in tandem/fsdp/precision.py.
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class ReferenceRun:
     outputs: tuple[tuple[str, torch.Tensor], ...]
     param_dtypes: tuple[torch.dtype, ...]
     random_layers: tuple[str, ...]
-    """Dropout modules turned off for the comparison (Note [dropout] in run.py)."""
+    """Dropout modules turned off for the comparison: one process and N ranks cannot draw the same masks."""
+    # Note [dropout] in run.py.
     draws_random: bool
     """The forward drew random numbers in training mode, dropout on."""
     draws_random_without_dropout: bool
@@ -53,6 +55,8 @@ class ReferenceRun:
     module_types: dict[str, str] = field(default_factory=dict)
     loss_name: str = ""
     grad_max: tuple[dict[str, float], ...] = ()
-    """Per step: each parameter's largest ``|grad|`` (Note [rounding-noise gradients] in diagnose.py)."""
+    """Per step: each parameter's largest ``|grad|``, which finds the parameters whose gradient is only
+    rounding noise."""
+    # Note [rounding-noise gradients] in diagnose.py.
     adaptive: bool = False
     """The optimizer divides by a running gradient scale (anything but SGD and ASGD)."""

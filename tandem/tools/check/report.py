@@ -40,7 +40,8 @@ class CheckReport:
     """The optimizer and loss, for the header."""
     precision: tuple[PrecisionFinding, ...] = ()
     """fsdp: where the units hold or reduce gradients or optimizer state in less precision than the
-    policy says, or worth a note (Note [precision of a unit] in tandem/fsdp/precision.py); not judged."""
+    policy says, or worth a note; not judged."""
+    # Note [precision of a unit] in tandem/fsdp/precision.py.
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -48,9 +49,10 @@ class CheckReport:
 
     @property
     def equal(self) -> bool:
-        """True when every judged tensor (Note [what is compared] in compare.py) is within tolerance after every
-        step and no problem was found."""
-        return self.first_divergence is None and not self.problems
+        """True when every judged tensor (the parameters, less those whose gradient is only rounding
+        noise; buffers are shown but not judged) is within tolerance after every step and no problem was
+        found."""
+        return self.first_divergence is None and not self.problems  # Note [what is compared] in compare.py
 
     @property
     def verdict(self) -> str:

@@ -6,28 +6,32 @@ Two parts, as everywhere in tandem: :func:`plan_report` is pure (a
 measured, and the options: DDP's buckets, the memory per rank under DDP,
 ZeRO-1, ZeRO-2 and fully_shard (and HSDP with ``hsdp`` replicas: fully_shard's
 at ``world_size // hsdp`` ranks) from :func:`tandem.zero.estimate_memory`, the
-bytes each rank sends per step (:mod:`tandem.zero.traffic`), which strategy
-fits, the batch arithmetic, the warnings; on a dp x tp mesh, per rank
-of the mesh from the local shapes :func:`tensor_parallel_shards` derives from a
-tensor-parallel plan); :func:`measure` runs the forward and backward that
+bytes each rank sends per step (:class:`tandem.zero.Traffic`), which strategy
+fits, the batch arithmetic, the warnings); :func:`measure` runs the forward and backward that
 measure the activations and find the parameters the forward does not reach;
 :func:`plan` and :func:`main` (the command line) tie them together.
 
-The files, one concept each:
-
-- ``report.py`` (pure): the :class:`PlanReport`, each strategy's
-  :class:`StrategyMemory`, and the report as text.
-- ``build.py`` (pure): :func:`plan_report`: the report from the model's shapes
-  and a measurement (memory and traffic per strategy, the choice, the warnings),
-  and the options it takes (:func:`parse_bytes`, :data:`OPTIMIZER_STATE_BYTES`,
-  :func:`default_fsdp_units`).
-- ``measure.py``: :func:`measure`: one forward and backward with a sample batch,
-  and the :class:`Measurement` it returns (Note [measured activations]).
-- ``api.py``: :func:`plan`: load the entry points, measure, build the report.
-- ``cli.py``: the command line, ``tandem plan ...`` (:func:`main`).
-
-On a dp x tp mesh: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py.
+On a dp x tp mesh the sizes are per rank of the mesh: the planner resolves the
+same ``tp_plan`` that ``parallelize_module`` takes, without applying it, and
+plans every size on the parameters' local shapes, with ``world_size`` the
+data-parallel size. Activations are still measured on the unsharded model, so
+they are overestimated for a tensor-parallel rank.
 """
+
+# The package's files, one concept each:
+#
+# - ``report.py`` (pure): the :class:`PlanReport`, each strategy's
+#   :class:`StrategyMemory`, and the report as text.
+# - ``build.py`` (pure): :func:`plan_report`: the report from the model's shapes
+#   and a measurement (memory and traffic per strategy, the choice, the warnings),
+#   and the options it takes (:func:`parse_bytes`, :data:`OPTIMIZER_STATE_BYTES`,
+#   :func:`default_fsdp_units`).
+# - ``measure.py``: :func:`measure`: one forward and backward with a sample batch,
+#   and the :class:`Measurement` it returns (Note [measured activations]).
+# - ``api.py``: :func:`plan`: load the entry points, measure, build the report.
+# - ``cli.py``: the command line, ``tandem plan ...`` (:func:`main`).
+#
+# On a dp x tp mesh: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py.
 
 from tandem.tools.plan.api import plan
 from tandem.tools.plan.build import OPTIMIZER_STATE_BYTES, default_fsdp_units, parse_bytes, plan_report

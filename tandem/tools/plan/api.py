@@ -50,9 +50,10 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         fsdp_units: the modules fully_shard is applied to
             (:func:`default_fsdp_units`).
         min_unit_bytes: fully_shard's argument.
-        tensor_parallel: the size of ``mesh["tp"]`` on a 2-D mesh ``(dp, tp)``
-            (Note [planning a tensor-parallel mesh]); sizes are then per rank
-            of the mesh.
+        tensor_parallel: the size of ``mesh["tp"]`` on a 2-D mesh ``(dp, tp)``;
+            sizes are then per rank of the mesh, planned on the local shapes
+            ``tp_plan`` gives each parameter (activations are still measured
+            on the unsharded model, an overestimate).
         tp_plan: the plan given to ``parallelize_module(model, mesh["tp"],
             tp_plan)`` (or an entry point returning it): module-path patterns
             (``"blocks.*.up"``) -> ``ColwiseParallel()``, ``RowwiseParallel()``
@@ -65,7 +66,9 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         activation_checkpointing: plan with each fully_shard unit's module
             (``fsdp_units``: every block) checkpointed, as torchtitan applies
             ``checkpoint_wrapper``; the report shows each block's activations
-            with and without (Note [checkpointed activations]).
+            with and without. With checkpointing, a rank holds at most what the
+            rest of the model saves, every block's inputs, and the largest
+            block's activations during its recomputation.
         param_dtype: fully_shard's ``MixedPrecisionPolicy.param_dtype``: the
             units are gathered in it, and the sample's forward runs on a copy
             of the model with its floating parameters and inputs cast to it,
@@ -86,6 +89,8 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         is large. With ``param_dtype`` the copy it runs on adds the
         parameters' size in that dtype.
     """
+    # tensor_parallel: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py;
+    # activation_checkpointing: Note [checkpointed activations] in tandem/tools/activations.py.
     if isinstance(model, str):
         model = _call(model, "--model")
     if not isinstance(model, nn.Module):

@@ -61,7 +61,8 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
         min_unit_bytes: fully_shard's ``min_unit_bytes``.
         broadcast_buffers: DDP's ``broadcast_buffers``.
         tensor_parallel: ranks of ``mesh["tp"]``: the mesh is ``world_size x
-            tensor_parallel`` (Note [planning a tensor-parallel mesh]).
+            tensor_parallel``, and sizes are planned on the local shapes that
+            ``tp_plan`` gives each parameter.
         tp_plan: what you pass to ``parallelize_module(model, mesh["tp"], ...)``:
             module-path patterns -> ``ColwiseParallel()``, ``RowwiseParallel()``
             (or ``"colwise"``, ``"rowwise"``), ``SequenceParallel()``, ...
@@ -70,26 +71,28 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
             extra strategy (1: none).
         elastic: an elastic job (``tandem run --elastic``): ZeRO-1/2 ranks also
             hold a copy of the previous rank's optimizer-state shard, fully_shard
-            ranks of its parameter and optimizer-state shards (Note [buddy
-            copies] in tandem/elastic/buddy.py).
+            ranks of its parameter and optimizer-state shards, so that a lost
+            rank's shards survive on its neighbour.
         activation_checkpointing: plan with the blocks of ``measurement``
             checkpointed (it must have measured them: :func:`measure` with ``blocks``).
         nodes: the nodes the ranks are on, ``world_size // nodes`` each: the
-            report adds each strategy's bytes per step between the nodes
-            (Note [bytes between nodes] in tandem/zero/traffic.py).
+            report adds each strategy's bytes per step between the nodes.
         param_dtype: fully_shard's ``MixedPrecisionPolicy.param_dtype``: units are
             gathered in it (None: the parameters' own dtype). The measurement
             should have run in it too (:func:`tandem.tools.plan.plan` does).
         reduce_dtype: ``MixedPrecisionPolicy.reduce_dtype`` (None: ``param_dtype``).
         cpu_offload: fully_shard with ``offload_policy=CPUOffloadPolicy()``: its
             shards, gradients and optimizer state are on the host, not in the
-            device's peak (Note [stage 3 memory] in tandem/zero/memory/fully_shard.py).
+            device's peak.
 
     Raises:
         ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
             ``device_memory``, ``tensor_parallel``, ``tp_plan``, ``hsdp`` or ``nodes``,
             ``param_dtype``, ``reduce_dtype`` and what :func:`tandem.zero.estimate_memory` rejects.
     """
+    # For developers: tensor_parallel is Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py;
+    # elastic Note [buddy copies] in tandem/elastic/buddy.py; nodes Note [bytes between nodes] in
+    # tandem/zero/traffic.py; cpu_offload Note [stage 3 memory] in tandem/zero/memory/fully_shard.py.
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
@@ -176,9 +179,8 @@ def default_fsdp_units(model: nn.Module) -> list[str]:
     """The modules to call fully_shard on by default: the items of every
     ``nn.ModuleList`` (the repeated blocks of a transformer or an MLP), as
     torchtitan shards ``model.layers``, innermost first; the root is always a
-    unit. The same rule as ``prepare`` and ``tandem check`` (Note [one
-    strategy vocabulary] in tandem/train/strategy.py)."""
-    return fully_shard_units(model)
+    unit. The same rule as ``prepare`` and ``tandem check``."""
+    return fully_shard_units(model)  # Note [one strategy vocabulary] in tandem/train/strategy.py
 
 
 def _buckets_of(estimate: MemoryEstimate) -> BucketPlan:

@@ -57,19 +57,21 @@ __all__ = ["Measurement", "measure"]
 class Measurement:
     """What one forward and backward with the sample batch found (:func:`measure`)."""
 
-    activation_bytes: int
-    """Bytes of the distinct storages saved for backward (Note [measured activations])."""
+    activation_bytes: int  # Note [measured activations] at the top of this file
+    """Bytes of the distinct storages autograd saved for backward in one forward with the sample
+    batch (a view and its base counted once; the parameters and buffers left out)."""
     batch_size: int | None
     """Dim 0 of the first input tensor: the per-rank batch."""
     unused: tuple[str, ...] = ()
     """Trainable parameters the outputs do not reach in the autograd graph."""
     opaque: bool = False
     """The graph hides what it reaches (reentrant checkpointing): ``unused`` is unknown."""
-    blocks: tuple[BlockActivations, ...] = ()
-    """Each measured block's share (Note [checkpointed activations]); empty unless asked for."""
-    step: StepActivity | None = None
-    """What a step holds beside the model's state, phase by phase, for fully_shard's peak
-    (Note [measured step]); None unless units were given."""
+    blocks: tuple[BlockActivations, ...] = ()  # Note [checkpointed activations] in tandem/tools/activations.py
+    """Each measured block's share of the activations, for activation checkpointing; empty unless
+    asked for."""
+    step: StepActivity | None = None  # Note [measured step] at the top of this file
+    """What a step holds beside the model's state, phase by phase, for fully_shard's peak; None
+    unless units were given."""
 
     @property
     def checkpointed_bytes(self) -> int:
@@ -82,8 +84,11 @@ def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torc
             blocks: Sequence[str] = (), input_dtype: torch.dtype | None = None,
             units: Sequence[str] = ()) -> Measurement:
     """One forward with ``sample`` and the gradients of its loss, measuring the
-    activations (Note [measured activations]) and the parameters the outputs
-    do not reach. The model's ``.grad`` and buffers are left as they were.
+    activations and the parameters the outputs do not reach. The model's
+    ``.grad`` and buffers are left as they were. Measured on the model's
+    device, in its dtype, without autocast (a model trained under autocast
+    saves some tensors in half precision instead), and with the batch given:
+    measure with the per-rank batch you will train.
 
     Args:
         model: the model, measured in the mode it is in (a new module trains:
@@ -93,17 +98,18 @@ def measure(model: nn.Module, sample: Any, *, loss_fn: Callable[[Any, Any], torc
         loss_fn: ``loss_fn(outputs, targets)``; None (or no targets): the sum
             of the outputs' floating tensors stands in for the loss.
         blocks: module paths whose share of the activations to measure, for
-            activation checkpointing (Note [checkpointed activations]).
+            activation checkpointing.
         input_dtype: cast the inputs' floating tensors to it first, as
             ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts them to
             ``param_dtype`` (None: as they are).
         units: the modules fully_shard is called on (the root aside), for
-            :attr:`Measurement.step` (Note [measured step]).
+            :attr:`Measurement.step`.
 
     Raises:
         ValueError: the forward produces no tensor that requires grad, or a
             block that is not a module of ``model``.
     """
+    # Note [measured activations] and Note [measured step] at the top of this file.
     inputs, targets = _split(sample)
     if input_dtype is not None:
         inputs = map_tensors(lambda t: t.to(input_dtype) if t.is_floating_point() else t, inputs)

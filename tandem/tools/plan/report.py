@@ -31,9 +31,10 @@ class StrategyMemory:
     activations: int
     refused: str | None = None
     """Why tandem cannot run this strategy on this model (None: it can)."""
-    step_peak: int | None = None
-    """fully_shard's peak over the phases of a measured step (Note [stage 3 peak] in
-    tandem/zero/memory/phases.py); None: :meth:`MemoryEstimate.peak`."""
+    step_peak: int | None = None  # Note [stage 3 peak] in tandem/zero/memory/phases.py
+    """fully_shard's peak over the phases of a measured step (the largest of what
+    each phase holds at once, rather than every transient added together);
+    None: :meth:`MemoryEstimate.peak`."""
 
     @property
     def peak(self) -> int:
@@ -90,9 +91,9 @@ class PlanReport:
     hsdp: int = 1
     """Replicas of an HSDP mesh ``(hsdp, world_size // hsdp)`` planned beside
     fully_shard (1: none)."""
-    traffic: tuple[tuple[str, Traffic], ...] = ()
-    """Bytes one rank sends per step under DDP, ZeRO-1/2, fully_shard and HSDP
-    (Note [traffic per step] in tandem/zero/traffic.py)."""
+    traffic: tuple[tuple[str, Traffic], ...] = ()  # Note [traffic per step] in tandem/zero/traffic.py
+    """Bytes one rank sends per step under DDP, ZeRO-1/2, fully_shard and HSDP,
+    counted as ring algorithms send them (:class:`tandem.zero.Traffic`)."""
     nodes: int = 1
     """The nodes the ranks are on, ``world_size // nodes`` each."""
     activation_checkpointing: bool = False
@@ -103,9 +104,10 @@ class PlanReport:
 
     def between_nodes(self, strategy: str, backend: str = "gloo") -> int | None:
         """Bytes per step over the links between :attr:`nodes` nodes under
-        ``strategy`` (a name of :attr:`traffic`), both directions summed (Note
-        [bytes between nodes] in tandem/zero/traffic.py); None for HSDP whose
-        replicas are not the nodes."""
+        ``strategy`` (a name of :attr:`traffic`), both directions summed, with
+        the ranks laid out node by node as ``tandem run`` numbers them; None for
+        HSDP whose replicas are not the nodes."""
+        # Note [bytes between nodes] in tandem/zero/traffic.py.
         t = dict(self.traffic)[strategy]
         replicas = self.hsdp if strategy.startswith("HSDP") else 1
         if replicas not in (1, self.nodes):

@@ -32,13 +32,13 @@ class FullyShardSpec:
     reshard_after_forward: bool = True
     """fully_shard's argument for the units in ``units``; the root keeps its
     parameters from forward to backward either way."""
-    min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES
+    min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES  # Note [tiny units] in tandem/fsdp/api.py
     """fully_shard's ``min_unit_bytes``: smaller units join the unit of an
-    enclosing call (Note [tiny units] in tandem/fsdp/api.py)."""
-    cpu_offload: bool = False
+    enclosing call."""
+    cpu_offload: bool = False  # Note [stage 3 memory] in fully_shard.py
     """``offload_policy=CPUOffloadPolicy()``: the shards, their gradients and the
     optimizer state live on the host; the device holds what a step gathers and
-    reduces (Note [stage 3 memory])."""
+    reduces."""
 
     def __post_init__(self) -> None:
         units = (self.units,) if isinstance(self.units, str) else self.units
@@ -95,8 +95,9 @@ class UnitEstimate:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at ZeRO ``stage`` (Notes [stages 0 to 2 memory] in
-    buckets.py and [stage 3 memory] in fully_shard.py); activations are not included."""
+    """Bytes one rank holds at ZeRO ``stage``; activations are not included."""
+
+    # The formulas: Notes [stages 0 to 2 memory] in buckets.py and [stage 3 memory] in fully_shard.py.
 
     stage: int
     params: int
@@ -115,8 +116,8 @@ class MemoryEstimate:
     def steady(self) -> int:
         """What is held between steps: parameters, gradients, optimizer state (and,
         in an elastic job under ZeRO or fully_shard, the copy of the previous
-        rank's shard and this rank's own kept shard: Notes [buddy copies] and
-        [one step back] in tandem/elastic/buddy.py)."""
+        rank's shard and this rank's own shard as it was before the last step)."""
+        # Notes [buddy copies] and [one step back] in tandem/elastic/buddy.py.
         return self.params + self.grads + self.optimizer + self.buddy
 
     @property

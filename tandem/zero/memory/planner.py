@@ -56,14 +56,13 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
         gradient_as_bucket_view: DDP's argument, for stage 0.
         local_shapes: the shape one rank holds of each parameter named here
             (by its name in ``named_parameters()``) in place of its own: the
-            tensor-parallel shards (Note [local shapes]); ``world_size`` is
-            then the data-parallel size.
+            tensor-parallel shards (tensor-parallel rank 0's, the largest);
+            ``world_size`` is then the data-parallel size.
 
     Returns:
-        One estimate per stage (Notes [stages 0 to 2 memory] in buckets.py and
-        [stage 3 memory] in fully_shard.py); stages 0-2 carry DDP's bucket plan,
-        stage 3 its units.
-        Activations are not included (:meth:`MemoryEstimate.peak` adds them).
+        One estimate per stage; stages 0-2 carry DDP's bucket plan, stage 3 its
+        units. Activations are not included (:meth:`MemoryEstimate.peak` adds
+        them).
 
     Raises:
         ValueError: ``world_size < 1``, a negative ``optimizer_bytes_per_param``,
@@ -76,6 +75,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
         registration order; a model that calls its blocks in another order
         prefetches other neighbours.
     """
+    # The formulas: Notes [stages 0 to 2 memory] in buckets.py and [stage 3 memory] in fully_shard.py;
+    # local_shapes: Note [local shapes] above.
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer_bytes_per_param < 0:
