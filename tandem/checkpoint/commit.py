@@ -107,7 +107,8 @@ def save_committed(root: str | os.PathLike[str], step: int, write: Writer, *, ki
         CheckpointError: on every rank, when the ranks passed different steps or
             another rank failed; a rank that failed raises its own exception.
 
-    .. warning:: Saving a step that is already committed replaces it: until the
+    Warning:
+        Saving a step that is already committed replaces it: until the
         new save commits, that step is absent and a load picks the one before.
     """
     # Note [committed step directories]: the four gathers of a save.

@@ -108,7 +108,7 @@ def init(
             (:func:`shutdown` for one :func:`init` created).
         TypeError: ``timeout``, ``rank`` or ``world_size`` has the wrong type.
 
-    .. warning::
+    Warning:
         A ``file://`` store must be a fresh path for every run: a file left over
         from an earlier run (or a crashed one) makes the rendezvous fail or hang
         until the timeout. ``env://`` and ``tcp://`` need a free port on rank 0.

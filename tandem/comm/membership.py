@@ -101,18 +101,18 @@ class ElasticConfig:
     """The fewest ranks worth going on with; below it the survivors stop with an error."""
     beat_s: float = 0.25
     """How often each member writes its heartbeat."""
-    stale_after_s: float = 10.0
+    stale_after_s: float = 10.0  # Note [deaths seen at once] in process_id.py
     """A heartbeat this old means its member is dead: the deaths nobody saw
     (a host lost with its launcher, a cut link). A process that ended is seen
-    at once (Note [deaths seen at once] in process_id.py); a rank paused for
-    less than this is not counted dead."""
+    at once, from its kernel or its launcher; a rank paused for less than this
+    is not counted dead."""
     regroup_timeout_s: float = 300.0
     """How long the survivors wait for every member to be accounted for (arrived
     or dead) before giving up."""
-    connect_timeout_s: float = 30.0
+    connect_timeout_s: float = 30.0  # Note [arrivals]
     """How long building a generation's group may take once every member has
-    arrived (Note [arrivals]): a member that dies between its arrival and its
-    connection fails the change after this long, not after the group's timeout."""
+    arrived: a member that dies between its arrival and its connection fails
+    the change after this long, not after the group's timeout."""
 
     def __post_init__(self) -> None:
         if self.min_world_size < 1:
@@ -125,9 +125,10 @@ class ElasticConfig:
                              f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
 
     def liveness(self) -> Liveness:
-        """The window a collective's wait judges the peers' beats by (Note [dead
-        peers]), and its slices: a beat long at most, so that a death that fails
-        no connection of a waiting rank is seen within a beat."""
+        """The window a collective's wait judges the peers' beats by, and its
+        slices: a beat long at most, so that a death that fails no connection
+        of a waiting rank is seen within a beat."""
+        # Note [dead peers] in peers.py
         return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s,
                         slice_s=min(self.beat_s, WAIT_SLICE_S))
 

@@ -24,7 +24,8 @@ def fp16_compress_hook(state: Any,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in ``torch.float16``: half the bytes of fp32.
 
-    .. warning:: fp16 holds magnitudes up to 65504 and flushes values below about
+    Warning:
+        The fp16 format holds magnitudes up to 65504 and flushes values below about
         6e-8 to zero: gradients outside that range become inf or 0 in the cast.
         ``bf16_compress_hook`` keeps fp32's range, with fewer mantissa bits.
 

@@ -93,7 +93,8 @@ def noop_when(hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]],
                                     lambda: micro_step % accumulate != accumulate - 1)
         ddp.register_comm_hook(None, hook)
 
-    .. warning:: ``skip()`` must give the same answer on every rank, or ranks
+    Warning:
+        ``skip()`` must give the same answer on every rank, or ranks
         issue different collectives and hang. With a stateful hook (PowerSGD),
         skipped backwards do not advance its step count.
 

@@ -116,7 +116,7 @@ class DistributedSampler(Sampler[int]):
     ranks as a whole epoch is: each yielded once, and fewer than
     ``num_replicas`` repeated as padding (or, with ``drop_last``, left out).
 
-    .. warning::
+    Warning:
         Call :meth:`set_epoch` at the start of every epoch, before iterating the
         :class:`~torch.utils.data.DataLoader`. Without it the epoch stays 0 and
         every epoch sees the same order::
@@ -229,7 +229,8 @@ class DistributedSampler(Sampler[int]):
                 For tandem's loaders after an elastic world change, which give
                 a rank left short an empty batch and weigh the uneven ones.
 
-        .. warning:: With ``exact``, a plain DataLoader over this sampler may
+        Warning:
+            With ``exact``, a plain DataLoader over this sampler may
             give one rank a batch fewer than another, and DDP then waits for it
             forever; iterate it through :class:`tandem.data.DistributedLoader`
             or the Trainer, which keep the ranks' batch counts equal.

@@ -116,12 +116,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             ``no_sync()`` the check happens at the synchronised backward, on
             the accumulated gradients.
 
-    .. warning:: with ``check_finite="skip"`` and a stateful communication hook
+    Warning:
+        With ``check_finite="skip"`` and a stateful communication hook
         (PowerSGD's error feedback), the hook has already folded the step's
         NaN/Inf into its state on the offending rank; dropping the step does not
         undo that.
 
-    .. warning:: at ``zero_stage`` 1 and 2, ``param.grad`` does not hold averaged
+    Warning:
+        At ``zero_stage`` 1 and 2, ``param.grad`` does not hold averaged
         gradients (stage 1: this rank's local ones; stage 2: None): clip with
         ``ZeroOptimizer.clip_grad_norm_``, not ``torch.nn.utils.clip_grad_norm_``.
         Each synchronised backward replaces the reduced gradients: to accumulate
@@ -371,7 +373,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Accumulate gradients locally; the first synchronised backward after the
         context reduces the accumulated sum.
 
-        .. warning:: the forward must run inside the context too: whether a
+        Warning:
+            The forward must run inside the context too: whether a
             backward synchronises is decided by the forward that produced it.
         """
         old = self.require_backward_grad_sync
@@ -531,7 +534,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 ZeRO, is not the ZeroOptimizer of this model.
             TypeError: not a torch optimizer.
 
-        .. warning:: what needs every gradient before the first update cannot
+        Warning:
+            What needs every gradient before the first update cannot
             run in a fused step: clipping by global norm, and fp16 loss scaling
             (``GradScaler`` unscales and checks all gradients before it steps).
             Use the unfused optimizer for those; with ``check_finite`` the fused

@@ -43,7 +43,7 @@ class DataParallel(nn.Module):
     calls the module directly, as torch does; with one device it moves the inputs
     there and calls the module directly.
 
-    .. warning::
+    Warning:
         Only replica 0's in-place buffer updates (BatchNorm's running statistics)
         reach the original module, computed from replica 0's chunk of the batch,
         as in torch. Use :class:`tandem.SyncBatchNorm` with

@@ -382,7 +382,8 @@ class ElasticOptimizer(torch.optim.Optimizer):
     ``load_state_dict()`` are the user's, so a learning-rate scheduler built on
     it moves the user's learning rates.
 
-    .. warning:: A dropped step does not move the user's optimizer, but a
+    Warning:
+        A dropped step does not move the user's optimizer, but a
         scheduler stepped every iteration still moves: step it only when
         ``not optimizer.step_abandoned``, and register it with
         :meth:`register_for_replacements` so that a replacement's agrees::

@@ -75,7 +75,8 @@ def init_like_unsharded() -> Iterator[None]:
     ``fully_shard`` too, and for any DTensor whose placements are ``Shard`` and
     ``Replicate``.
 
-    .. warning:: Without it, random init of sharded parameters follows
+    Warning:
+        Without it, random init of sharded parameters follows
         DTensor's rules, as in torch's FSDP2: on CPU every rank's shard repeats
         the same numbers. Set the same seed on every rank before it.
 

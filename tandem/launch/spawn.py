@@ -76,7 +76,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1,
         ValueError: ``nprocs`` is not positive, or ``fn`` cannot reach a
             process started with ``start_method``.
 
-    .. warning::
+    Warning:
         With ``"spawn"`` (the default, and what CUDA needs) every process
         imports ``fn`` by name: a function defined in a notebook cell or under
         ``if __name__ == "__main__":`` cannot be found. Put it in a module, or

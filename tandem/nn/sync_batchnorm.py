@@ -39,7 +39,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     torch's SyncBatchNorm. In eval mode, without a process group, or in a group
     of one, it is exactly :func:`torch.nn.functional.batch_norm`.
 
-    .. warning::
+    Warning:
         Every rank of the group must run every training-mode forward and backward
         of this layer, even a rank with an empty batch (shape ``(0, C, ...)``):
         the collectives are matched across ranks. The ranks together must hold at

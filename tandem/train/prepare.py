@@ -132,12 +132,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         RuntimeError: torch.distributed is not initialised (call ``tandem.init()``).
         TypeError: ``elastic`` is not a bool, an ElasticConfig or None.
 
-    .. warning:: ``batch_size`` stays per rank: R ranks train on a global batch
+    Warning:
+        ``batch_size`` stays per rank: R ranks train on a global batch
         of R * batch_size. A learning-rate scheduler built on the optimizer
         before ``prepare`` keeps stepping the old optimizer under ``"zero1"``,
         ``"zero2"`` and ``"fsdp"``; build it on the returned one.
 
-    .. warning:: With ``elastic``, a replacement rank starts the same script and
+    Warning:
+        With ``elastic``, a replacement rank starts the same script and
         takes up the members' epoch: loop over ``range(train_loader.epoch, epochs)``,
         not ``range(epochs)``; step a scheduler only when
         ``not optimizer.step_abandoned``, and pass it to

@@ -99,7 +99,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ValueError: ``ddp_model`` is not a ZeRO DDP, or ``params`` names a tensor
             that is not one of its trainable parameters.
 
-    .. warning:: ``param.grad`` does not hold averaged gradients under ZeRO; clip
+    Warning:
+        ``param.grad`` does not hold averaged gradients under ZeRO; clip
         with :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``.
     """
 

@@ -172,7 +172,8 @@ def check(model: Callable[[], nn.Module] | str, data: Any, *, strategy: str = "d
             than ``fsdp``.
         tandem.launch.spawn.SpawnError: a rank failed (its traceback included).
 
-    .. warning:: Dropout cannot match draw for draw: dropout modules are off for
+    Warning:
+        Dropout cannot match draw for draw: dropout modules are off for
         the comparison, and ranks that would all draw the same masks are
         reported. Functional dropout in ``forward`` cannot be turned off: give
         it ``p=0`` for the check.

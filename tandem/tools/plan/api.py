@@ -84,7 +84,8 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         ValueError: an entry point that cannot be loaded, or a bad option
             (naming it and the value).
 
-    .. warning:: the sample's forward runs for real, on the device the model is
+    Warning:
+        The sample's forward runs for real, on the device the model is
         on: build the model on CPU (and measure with the per-rank batch) when it
         is large. With ``param_dtype`` the copy it runs on adds the
         parameters' size in that dtype.

@@ -70,7 +70,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, optimizer_bytes_per_pa
             submodule of ``model``; and what ``fully_shard`` would reject: a
             unit mixing dtypes, a parameter tied across units, a 0-d parameter.
 
-    .. warning::
+    Warning:
         Stage 3's ``gathered`` assumes forward runs the units in module
         registration order; a model that calls its blocks in another order
         prefetches other neighbours.
