@@ -124,6 +124,14 @@ class TrainerConfig:
     :class:`~tandem.comm.membership.ElasticConfig`'s defaults; None: on when the
     job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 
+    straggler_every: int | None = 5  # Note [naming a straggler] in tandem/train/stragglers.py
+    """Every this many steps the ranks share how long each phase of their steps
+    took (waiting for data, compute, waiting on communication, the optimizer),
+    and a rank consistently slower than the others in a phase is named in the
+    records (``"straggler"``) and the progress line: ``rank 2 slow: data 3.1x
+    the median``. One small all-gather each time; None turns it off. Not yet
+    with ``elastic``."""
+
     def __post_init__(self) -> None:
         precision = Precision.parse(self.precision)
         nonfinite = NonFinite.parse(self.nonfinite, "nonfinite")
@@ -152,7 +160,7 @@ class TrainerConfig:
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             _check_positive(name, getattr(self, name))
-        for name in ("eval_batch_size", "max_steps"):
+        for name in ("eval_batch_size", "max_steps", "straggler_every"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         for name in ("checkpoint_every", "num_workers"):

@@ -78,4 +78,6 @@ def _fields(record: dict[str, Any]) -> dict[str, str]:
            "loss": f"{record['loss']:.4f}", "samples/s": f"{record['samples_per_s']:.0f}"}
     if record.get("comm_wait_share") is not None:
         out["comm wait"] = f"{100 * record['comm_wait_share']:.0f}%"
+    if record.get("stragglers"):
+        out["straggler"] = "; ".join(record["stragglers"])
     return out

@@ -16,8 +16,9 @@ __all__ = ["Window", "evaluation_of"]
 class Window:
     """Training records accumulate over ``log_every`` steps: loss (reduced across
     ranks when recorded), throughput, the share of time waiting on communication,
-    the mean gradient norm before clipping (the same on every rank), and the steps
-    skipped for NaN/Inf gradients (None when they are not counted)."""
+    the mean gradient norm before clipping (the same on every rank), the steps
+    skipped for NaN/Inf gradients (None when they are not counted), and the ranks
+    named slow (``stragglers``, when the ranks compared their steps in the window)."""
 
     def __init__(self) -> None:
         self.loss = RunningMean()
@@ -26,6 +27,8 @@ class Window:
         self.comm_wait: float | None = None
         self.grad_norms: list[torch.Tensor] = []
         self.skipped: int | None = None
+        self.stragglers: list[str] | None = None
+        """The ranks named slow at the window's last gather (Note [naming a straggler]); None: no gather yet."""
 
     def add(self, samples: int, seconds: float, comm_wait: float | None,
             grad_norm: torch.Tensor | None, skipped: bool | None) -> None:
@@ -46,7 +49,8 @@ class Window:
                 self.comm_wait / max(self.seconds, 1e-9),
                 # One device sync per record, not per step.
                 "grad_norm": float(torch.stack(self.grad_norms).float().mean()) if self.grad_norms else None,
-                "skipped_steps": self.skipped}
+                "skipped_steps": self.skipped,
+                **({} if self.stragglers is None else {"stragglers": self.stragglers})}
 
 
 def evaluation_of(record: dict[str, Any] | None) -> dict[str, float] | None:

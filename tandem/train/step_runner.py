@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,6 +37,8 @@ class StepResult:
     """The global gradient norm before clipping (None without clipping)."""
     skipped: bool
     """Whether the step was skipped for non-finite gradients (the same on every rank)."""
+    optimizer_s: float = 0.0
+    """Seconds in the optimizer's (and scheduler's) step."""
 
 
 class StepDecider(Protocol):
@@ -109,9 +112,11 @@ class StepRunner:
             self.optimizer.zero_grad(set_to_none=True)
             self.in_step = False
             return StepResult(samples, comm_wait, None, True)
+        started = time.perf_counter()
         grad_norm, skipped = self._optimizer_step()
+        optimizer_s = time.perf_counter() - started
         self.in_step = False
-        return StepResult(samples, comm_wait, grad_norm, skipped)
+        return StepResult(samples, comm_wait, grad_norm, skipped, optimizer_s)
 
     def _found_nonfinite(self) -> bool:
         """Whether this step's gradients hold NaN/Inf, the same on every rank; in

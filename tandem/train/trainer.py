@@ -73,6 +73,8 @@ from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.checkpoint.full_state import check_optimizer, is_fully_sharded
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
+from tandem.train.stragglers import StepPhases, StragglerWatch
+from tandem.comm.group import GroupComm
 from tandem.train.strategy import Strategy, apply_strategy
 from tandem.comm.watched_call import watched
 from tandem.comm.plain_data import all_gather_object
@@ -169,6 +171,10 @@ class Trainer:
                                   device=self.device, rank=self.rank, scaler=self.scaler,
                                   scaled=self._scaled(), guard=self._nonfinite_guard(),
                                   autocast=self._autocast, elastic=self._elastic)
+        # Note [naming a straggler] in stragglers.py: a small gather every few steps.
+        every = self.config.straggler_every
+        self._stragglers = (StragglerWatch(GroupComm(None), every=every)
+                            if every is not None and self.world_size > 1 and self._elastic is None else None)
         # Note [exact split] in tandem/data/split.py: the world changed in this epoch, so a
         # rest past its start is split without padding; and the split being trained.
         self._exact_rest = False
@@ -345,11 +351,20 @@ class Trainer:
         window = Window()
         batches = planned_batches(iter(self.train_loader), split, self.rank, self._empty_batch)
         done = 0  # global batches of the split trained
+        fetched = time.perf_counter()
         while planned := list(islice(batches, cfg.grad_accum)):
             started = time.perf_counter()
             step = self._runner.run([p.batch for p in planned], window.loss, [p.weight for p in planned])
-            window.add(sum(split.size_of(p.index) for p in planned), time.perf_counter() - started,
+            ended = time.perf_counter()
+            window.add(sum(split.size_of(p.index) for p in planned), ended - started,
                        step.comm_wait, step.grad_norm, step.skipped if self._runner.counts_skips else None)
+            if self._stragglers is not None:
+                comm = step.comm_wait or 0.0
+                named = self._stragglers.end_step(StepPhases(
+                    data=started - fetched, compute=max(0.0, ended - started - comm - step.optimizer_s),
+                    comm=comm, optimizer=step.optimizer_s))
+                if named is not None:
+                    window.stragglers = [s.describe() for s in named]
             done += len(planned)
             state.step += 1
             state.consumed = split.consumed_after(done)
@@ -366,6 +381,7 @@ class Trainer:
                 self._save(history)
             if self._elastic is not None and self._elastic.run.grow_pending:
                 return  # fit() admits the replacements before the next step
+            fetched = time.perf_counter()
 
     def _epoch_done(self) -> bool:
         consumed = self.state.consumed

@@ -1,0 +1,158 @@
+"""A straggler named with its phase (Note [naming a straggler] in
+tandem/train/stragglers.py): the judgement on grids of made-up phases, the
+confirmation over windows, and three real Trainer runs on three gloo ranks in
+one spawned group: rank 2 sleeping in data loading, rank 2 sleeping in its
+forward, and nobody sleeping for 200 steps."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from tandem.testing import run_distributed
+from tandem.train.stragglers import Slow, StepPhases, StragglerWatch, judge
+
+# ---------------------------------------------------------------------- the judgement
+
+
+def test_a_rank_slow_in_one_phase_is_named_with_that_phase() -> None:
+    fast = (0.001, 0.010, 0.004, 0.002)
+    assert judge([fast, (0.031, 0.010, 0.0, 0.002)]) == [Slow(1, "data", pytest.approx(31.0))]
+    assert judge([fast, fast, (0.001, 0.040, 0.0, 0.002), fast]) == [Slow(2, "compute", pytest.approx(4.0))]
+    assert judge([(0.001, 0.010, 0.0, 0.030), fast, fast]) == [Slow(0, "optimizer", pytest.approx(15.0))]
+    assert Slow(2, "data", 3.14).describe() == "rank 2 slow: data 3.1x the median"
+
+
+def test_nobody_is_named_for_noise_for_waiting_or_alone() -> None:
+    fast = (0.001, 0.010, 0.004, 0.002)
+    assert judge([fast, fast, fast]) == []
+    assert judge([fast]) == []
+    # Twice as long, but by less than the floor (a tenth of the step, at least 2 ms): noise.
+    assert judge([fast, (0.002, 0.010, 0.004, 0.002)]) == []
+    assert judge([(0.001, 0.100, 0.0, 0.002), (0.001, 0.100, 0.0, 0.002), (0.001, 0.109, 0.0, 0.002)]) == []
+    # Waiting on the others is the symptom, never the cause.
+    assert judge([fast, (0.001, 0.010, 0.300, 0.002)]) == []
+    # Slower by the floor but not twice as slow.
+    assert judge([fast, (0.001, 0.019, 0.004, 0.002)]) == []
+
+
+def test_the_slowest_phase_of_a_rank_is_the_one_named() -> None:
+    fast = (0.001, 0.010, 0.004, 0.002)
+    assert judge([fast, (0.005, 0.080, 0.0, 0.002)]) == [Slow(1, "compute", pytest.approx(8.0))]
+
+
+class _Gathered:
+    """A group whose all-gather returns the windows it is given, one a call."""
+
+    def __init__(self, windows: list[list[list[float]]]) -> None:
+        self.windows = iter(windows)
+
+    def all_gather(self, tensor: torch.Tensor, *, tag: str = "") -> list[torch.Tensor]:
+        return [torch.tensor(p, dtype=torch.float64) for p in next(self.windows)]
+
+
+def test_a_rank_is_named_after_confirm_windows_in_a_row_of_the_same_phase() -> None:
+    fast, slow_data, slow_compute = [0.001, 0.01, 0.0, 0.002], [0.05, 0.01, 0.0, 0.002], [0.001, 0.06, 0.0, 0.002]
+    windows = [[fast, slow_data], [fast, slow_data], [fast, slow_compute], [fast, slow_compute],
+               [fast, slow_compute], [fast, slow_compute], [fast, fast]]
+    watch = StragglerWatch(_Gathered(windows), every=2, confirm=3)  # type: ignore[arg-type]
+    named = []
+    for _ in range(2 * len(windows)):
+        named.append(watch.end_step(StepPhases(0.0, 0.0, 0.0, 0.0)))
+    assert named[0::2] == [None] * len(windows)  # between gathers
+    said = [[s.describe() for s in n] for n in named[1::2]]
+    assert said == [[], [], [], [], ["rank 1 slow: compute 6.0x the median"],
+                    ["rank 1 slow: compute 6.0x the median"], []]
+
+
+# ---------------------------------------------------------------------- real runs
+
+SLEEP_S = 0.03
+RANKS = 3
+
+
+class _Data(Dataset):
+    """Samples whose loading takes SLEEP_S / 4 on rank 2 when ``slow``."""
+
+    def __init__(self, n: int, slow: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y, self.slow = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g), slow
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.slow and torch.distributed.get_rank() == 2:
+            time.sleep(SLEEP_S / 4)  # four samples a batch
+        return self.x[i], self.y[i]
+
+
+class _Model(nn.Module):
+    def __init__(self, slow: bool) -> None:
+        super().__init__()
+        self.net, self.slow = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)), slow
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.slow and torch.distributed.get_rank() == 2:
+            time.sleep(SLEEP_S)
+        return self.net(x)
+
+
+def _fit(rank: int, where: str, steps: int, out: str) -> dict:
+    import tandem
+
+    torch.manual_seed(0)
+    config = tandem.TrainerConfig(batch_size=4, epochs=1, log_every=5, progress=True, plot=False,
+                                  resume=False, output_dir=out)
+    model = _Model(where == "compute")
+    trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                             _Data(steps * 4 * RANKS, where == "data"), lambda o, y: ((o - y) ** 2).mean(),
+                             config=config)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = trainer.fit()
+    return {"records": [r for r in result.history if r["kind"] == "train"], "printed": printed.getvalue()}
+
+
+def _three_runs(rank: int, world_size: int, tmp: str) -> dict:
+    return {where: _fit(rank, where, steps, f"{tmp}/{where}")
+            for where, steps in (("data", 20), ("compute", 20), ("none", 200))}
+
+
+@functools.cache
+def _runs(tmp: str) -> list[dict]:
+    return run_distributed(_three_runs, RANKS, args=(tmp,), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _runs(str(tmp_path_factory.mktemp("stragglers")))
+
+
+@pytest.mark.parametrize("where", ["data", "compute"])
+def test_a_sleeping_rank_is_named_with_its_phase_within_20_steps(runs: list[dict], where: str) -> None:
+    for rank, run in enumerate(runs):
+        named = [(r["step"], r.get("stragglers")) for r in run[where]["records"]]
+        first = next(step for step, said in named if said)
+        assert first <= 20, named
+        said = dict(named)[first]
+        assert len(said) == 1 and re.fullmatch(rf"rank 2 slow: {where} [\d.]+x the median", said[0]), named
+    # The progress line of rank 0, which prints for the job, says it too.
+    assert re.search(rf"step 20 .*straggler rank 2 slow: {where} [\d.]+x the median", runs[0][where]["printed"]), \
+        runs[0][where]["printed"]
+
+
+def test_a_run_without_a_straggler_names_none_over_200_steps(runs: list[dict]) -> None:
+    records = runs[0]["none"]["records"]
+    assert records[-1]["step"] == 200 and len(records) == 40
+    assert [r for r in records if r.get("stragglers")] == [], [r["stragglers"] for r in records]
+    assert all("stragglers" in r for r in records)  # the ranks did compare, every window
+    assert "straggler" not in runs[0]["none"]["printed"]
