@@ -124,7 +124,7 @@ class TrainerConfig:
     :class:`~tandem.comm.membership.ElasticConfig`'s defaults; None: on when the
     job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 
-    straggler_every: int | None = 5  # Note [naming a straggler] in tandem/train/stragglers.py
+    straggler_every: int | None = 4  # Note [naming a straggler] in tandem/train/stragglers.py
     """Every this many steps the ranks share how long each phase of their steps
     took (waiting for data, compute, waiting on communication, the optimizer),
     and a rank consistently slower than the others in a phase is named in the

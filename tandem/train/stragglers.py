@@ -8,8 +8,11 @@ and on itself as a long phase of its own. Each rank splits its step into
 four phases: waiting for its batch (data), forward and backward less the
 time spent waiting on collectives (compute), that wait (comm, from the
 collectives' statistics), and the optimizer's step. Every ``every`` steps the
-ranks all-gather their mean phases, four floats each: the only
-communication this costs, one small collective every few steps.
+ranks start an all-gather of their mean phases, four floats each, and wait
+for it ``every`` steps later, when they start the next: the only
+communication this costs is one small collective every few steps, and its
+latency hides behind the steps in between. A window is judged one window
+after it ends.
 
 :func:`judge` compares each rank's data, compute and optimizer phases with
 the median of the other ranks' same phase: the median of the others, so
@@ -27,14 +30,17 @@ while it stays slow.
 from __future__ import annotations
 
 import statistics
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tandem.comm.group import GroupComm
+from tandem.comm.group import GroupComm, Work
 
-__all__ = ["PHASES", "MIN_EXCESS_S", "Slow", "StepPhases", "StragglerWatch", "judge"]
+__all__ = ["PHASES", "MIN_EXCESS_S", "LoopPhases", "Slow", "StepPhases", "StragglerWatch", "judge"]
 
 PHASES = ("data", "compute", "comm", "optimizer")
 """A step's phases, in the order they are gathered."""
@@ -104,7 +110,7 @@ class StragglerWatch:
         confirm: windows in a row a rank must be slow in, in the same phase, to be named.
     """
 
-    def __init__(self, comm: GroupComm, *, every: int = 5, confirm: int = 3, ratio: float = 2.0,
+    def __init__(self, comm: GroupComm, *, every: int = 4, confirm: int = 3, ratio: float = 2.0,
                  min_excess: float = 0.1) -> None:
         if every < 1 or confirm < 1:
             raise ValueError(f"StragglerWatch: every={every} and confirm={confirm} must be >= 1")
@@ -116,11 +122,14 @@ class StragglerWatch:
         self.named: list[Slow] = []
         """The ranks named at the last gather (empty: none is slow)."""
         self.last: list[list[float]] = []
-        """Every rank's mean phases at the last gather, by rank."""
+        """Every rank's mean phases in the last window judged, by rank."""
+        self._gathered = torch.empty(0, dtype=torch.float64)
+        self._pending: Work | None = None
 
     def end_step(self, phases: StepPhases) -> list[Slow] | None:
-        """Count one step; at every ``every``-th, gather and judge: the ranks named
-        now (maybe none). None between gathers."""
+        """Count one step; at every ``every``-th, judge the window gathered at the
+        one before and start gathering this one: the ranks named now (maybe
+        none). None between gathers, and at the first."""
         for i, value in enumerate(phases.as_tuple()):
             self._sums[i] += value
         self._steps += 1
@@ -129,9 +138,83 @@ class StragglerWatch:
         mine = torch.tensor([s / self._steps for s in self._sums], dtype=torch.float64)
         self._sums = [0.0] * len(PHASES)
         self._steps = 0
-        self.last = [t.tolist() for t in self.comm.all_gather(mine, tag="step phases")]
+        judged = self._judge_pending()
+        # Started now, waited for at the next gather: its latency hides behind a window of steps.
+        self._gathered = torch.empty(self.comm.size * len(PHASES), dtype=torch.float64)
+        self._pending = self.comm.all_gather_into(self._gathered, mine, tag="step phases", async_op=True)
+        return judged
+
+    def _judge_pending(self) -> list[Slow] | None:
+        if self._pending is None:
+            return None
+        self._pending.wait()
+        self._pending = None
+        self.last = self._gathered.view(self.comm.size, len(PHASES)).tolist()
         slow = judge(self.last, ratio=self.ratio, min_excess=self.min_excess)
         now = {(s.rank, s.phase) for s in slow}
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in now}
         self.named = [s for s in slow if self._streaks[(s.rank, s.phase)] >= self.confirm]
         return self.named
+
+    def close(self) -> None:
+        """Wait for a gather still under way (every rank calls it at the same point)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
+class LoopPhases:
+    """The step phases of a training loop the user writes (``tandem.prepare``),
+    from hooks rather than from inside the loop: a step ends when the
+    optimizer's step does; its data phase lasts until the model's first forward
+    after that, its compute phase until the optimizer's step begins (less the
+    model's communication wait), its optimizer phase until the step ends. Rank 0
+    says on stderr when the ranks named slow change.
+
+    Args:
+        model: the prepared model (its ``comm_stats`` give the wait, where it has them).
+        optimizer: the optimizer the loop steps.
+        watch: where each step's phases go.
+        rank: this process's rank.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, watch: StragglerWatch,
+                 rank: int) -> None:
+        self.model, self.watch, self.rank = model, watch, rank
+        self._step_end = time.perf_counter()
+        self._first_forward: float | None = None
+        self._step_start = 0.0
+        self._said: list[tuple[int, str]] = []
+        self._hooks = [model.register_forward_pre_hook(self._forward),
+                       optimizer.register_step_pre_hook(self._step_begins),
+                       optimizer.register_step_post_hook(self._step_ends)]
+
+    def remove(self) -> None:
+        """Stop timing (the watch's gather under way is waited for by :meth:`StragglerWatch.close`)."""
+        for hook in self._hooks:
+            hook.remove()
+
+    def _forward(self, *_: Any) -> None:
+        if self._first_forward is None:
+            self._first_forward = time.perf_counter()
+
+    def _step_begins(self, *_: Any) -> None:
+        self._step_start = time.perf_counter()
+
+    def _step_ends(self, *_: Any) -> None:
+        now = time.perf_counter()
+        first = self._first_forward if self._first_forward is not None else self._step_start
+        stats = getattr(self.model, "comm_stats", None)
+        comm = float(stats.wait_s) if stats is not None else 0.0
+        named = self.watch.end_step(StepPhases(
+            data=first - self._step_end, compute=max(0.0, self._step_start - first - comm), comm=comm,
+            optimizer=now - self._step_start))
+        self._first_forward = None
+        self._step_end = time.perf_counter()
+        if named is not None and self.rank == 0:
+            who = [(s.rank, s.phase) for s in named]
+            if who != self._said:  # said when who is slow changes, not at every window
+                text = "; ".join(s.describe() for s in named) or "no rank is slow any more"
+                print(f"tandem: {text} (the ranks compare their steps every {self.watch.every})",
+                      file=sys.stderr, flush=True)
+            self._said = who

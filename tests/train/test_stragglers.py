@@ -1,8 +1,9 @@
 """A straggler named with its phase (Note [naming a straggler] in
 tandem/train/stragglers.py): the judgement on grids of made-up phases, the
-confirmation over windows, and three real Trainer runs on three gloo ranks in
+confirmation over windows (each judged a window after it ends), and three real Trainer runs on three gloo ranks in
 one spawned group: rank 2 sleeping in data loading, rank 2 sleeping in its
-forward, and nobody sleeping for 200 steps."""
+forward, nobody sleeping for 200 steps, and a prepared loop of the user's own
+with rank 2 sleeping in data loading."""
 
 from __future__ import annotations
 
@@ -55,8 +56,17 @@ class _Gathered:
     def __init__(self, windows: list[list[list[float]]]) -> None:
         self.windows = iter(windows)
 
-    def all_gather(self, tensor: torch.Tensor, *, tag: str = "") -> list[torch.Tensor]:
-        return [torch.tensor(p, dtype=torch.float64) for p in next(self.windows)]
+    size = 2
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
+                        async_op: bool = False) -> _Done:
+        output.copy_(torch.tensor(next(self.windows), dtype=torch.float64).flatten())
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
 
 
 def test_a_rank_is_named_after_confirm_windows_in_a_row_of_the_same_phase() -> None:
@@ -68,9 +78,10 @@ def test_a_rank_is_named_after_confirm_windows_in_a_row_of_the_same_phase() -> N
     for _ in range(2 * len(windows)):
         named.append(watch.end_step(StepPhases(0.0, 0.0, 0.0, 0.0)))
     assert named[0::2] == [None] * len(windows)  # between gathers
-    said = [[s.describe() for s in n] for n in named[1::2]]
+    assert named[1] is None  # the first window is judged at the second gather
+    said = [[s.describe() for s in n] for n in named[3::2]]
     assert said == [[], [], [], [], ["rank 1 slow: compute 6.0x the median"],
-                    ["rank 1 slow: compute 6.0x the median"], []]
+                    ["rank 1 slow: compute 6.0x the median"]]  # the last window is judged at a next gather
 
 
 # ---------------------------------------------------------------------- real runs
@@ -110,7 +121,7 @@ def _fit(rank: int, where: str, steps: int, out: str) -> dict:
     import tandem
 
     torch.manual_seed(0)
-    config = tandem.TrainerConfig(batch_size=4, epochs=1, log_every=5, progress=True, plot=False,
+    config = tandem.TrainerConfig(batch_size=4, epochs=1, log_every=4, progress=True, plot=False,
                                   resume=False, output_dir=out)
     model = _Model(where == "compute")
     trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05),
@@ -122,9 +133,28 @@ def _fit(rank: int, where: str, steps: int, out: str) -> dict:
     return {"records": [r for r in result.history if r["kind"] == "train"], "printed": printed.getvalue()}
 
 
+def _own_loop(rank: int, steps: int) -> str:
+    """A loop of the user's own, prepared, rank 2 sleeping in data loading; what rank 0 said on stderr."""
+    import tandem
+
+    torch.manual_seed(0)
+    model = _Model(False)
+    loader = torch.utils.data.DataLoader(_Data(steps * 4 * RANKS, True), batch_size=4)
+    model, optimizer, loader = tandem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), loader)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        for x, y in loader:
+            ((model(x) - y) ** 2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return said.getvalue()
+
+
 def _three_runs(rank: int, world_size: int, tmp: str) -> dict:
-    return {where: _fit(rank, where, steps, f"{tmp}/{where}")
-            for where, steps in (("data", 20), ("compute", 20), ("none", 200))}
+    runs: dict = {where: _fit(rank, where, steps, f"{tmp}/{where}")
+                  for where, steps in (("data", 20), ("compute", 20), ("none", 200))}
+    runs["own loop"] = _own_loop(rank, 20)
+    return runs
 
 
 @functools.cache
@@ -152,7 +182,15 @@ def test_a_sleeping_rank_is_named_with_its_phase_within_20_steps(runs: list[dict
 
 def test_a_run_without_a_straggler_names_none_over_200_steps(runs: list[dict]) -> None:
     records = runs[0]["none"]["records"]
-    assert records[-1]["step"] == 200 and len(records) == 40
+    assert records[-1]["step"] == 200 and len(records) == 50
     assert [r for r in records if r.get("stragglers")] == [], [r["stragglers"] for r in records]
-    assert all("stragglers" in r for r in records)  # the ranks did compare, every window
+    assert all("stragglers" in r for r in records[1:])  # the ranks did compare, every window after the first
     assert "straggler" not in runs[0]["none"]["printed"]
+
+
+def test_a_prepared_loop_names_the_straggler_on_rank_0s_stderr(runs: list[dict]) -> None:
+    said = runs[0]["own loop"]
+    assert re.search(r"^tandem: rank 2 slow: data [\d.]+x the median \(the ranks compare their steps every 4\)$",
+                     said, re.M), said
+    assert said.count("tandem: rank 2 slow") == 1  # said when it changes, not at every window
+    assert runs[1]["own loop"] == runs[2]["own loop"] == ""  # rank 0 says it for the job
