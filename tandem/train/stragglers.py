@@ -30,6 +30,7 @@ while it stays slow.
 from __future__ import annotations
 
 import statistics
+from array import array
 import sys
 import time
 from collections.abc import Sequence
@@ -130,12 +131,15 @@ class StragglerWatch:
         """Count one step; at every ``every``-th, judge the window gathered at the
         one before and start gathering this one: the ranks named now (maybe
         none). None between gathers, and at the first."""
-        for i, value in enumerate(phases.as_tuple()):
-            self._sums[i] += value
+        sums = self._sums
+        sums[0] += phases.data
+        sums[1] += phases.compute
+        sums[2] += phases.comm
+        sums[3] += phases.optimizer
         self._steps += 1
         if self._steps < self.every:
             return None
-        mine = torch.tensor([s / self._steps for s in self._sums], dtype=torch.float64)
+        mine = torch.frombuffer(array("d", [s / self._steps for s in self._sums]), dtype=torch.float64)
         self._sums = [0.0] * len(PHASES)
         self._steps = 0
         judged = self._judge_pending()
