@@ -124,6 +124,10 @@ class TrainerConfig:
     :class:`~tandem.comm.membership.ElasticConfig`'s defaults; None: on when the
     job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 
+    tensorboard: bool = False
+    """Also write every record as TensorBoard scalars (``train/loss``,
+    ``train/lr``, ``eval/loss``, ...) to ``output_dir/tensorboard``, on rank 0;
+    needs the ``tensorboard`` package."""
     straggler_every: int | None = 4  # Note [naming a straggler] in tandem/train/stragglers.py
     """Every this many steps the ranks share how long each phase of their steps
     took (waiting for data, compute, waiting on communication, the optimizer),
@@ -155,6 +159,8 @@ class TrainerConfig:
             object.__setattr__(self, "elastic", ElasticConfig())
         elif self.elastic is not None and not isinstance(self.elastic, (bool, ElasticConfig)):
             raise TypeError(f"elastic must be a bool or an ElasticConfig, got {self.elastic!r}")
+        if not isinstance(self.tensorboard, bool):
+            raise ValueError(f"tensorboard must be a bool, got {self.tensorboard!r}")
         if not isinstance(self.async_checkpoint, bool):
             raise ValueError(f"async_checkpoint must be a bool, got {self.async_checkpoint!r}")
         object.__setattr__(self, "output_dir", Path(self.output_dir))

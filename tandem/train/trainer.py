@@ -74,6 +74,7 @@ from tandem.checkpoint.full_state import check_optimizer, is_fully_sharded
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
 from tandem.train.stragglers import StepPhases, StragglerWatch
+from tandem.train.tensorboard import TensorBoardLog, require_tensorboard
 from tandem.comm.group import GroupComm
 from tandem.train.strategy import Strategy, apply_strategy
 from tandem.comm.watched_call import watched
@@ -141,6 +142,8 @@ class Trainer:
             raise ValueError(f"rank {self.rank}: async_checkpoint=True does not go with an elastic job, whose "
                              "world may change under a save in flight; pass async_checkpoint=False, or "
                              "elastic=False")
+        if self.config.tensorboard:
+            require_tensorboard()
         self.device = device_of(model)
         fsdp = is_fully_sharded(model)
         self.model = _wrap(model, self.config, self.world_size, elastic=run is not None)
@@ -289,8 +292,9 @@ class Trainer:
         else:
             resumed_from = self._checkpoints.resume(self.rank, self._share_all) if cfg.resume else None
             self._refresh_buddy()
+        board = _LazyBoard(self._output_dir / "tensorboard") if cfg.tensorboard else None
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
-                          self.state.extra.get("history"))
+                          self.state.extra.get("history"), sink=board.write if board is not None else None)
         total_steps = self._loaders.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             total_steps = min(total_steps, cfg.max_steps)
@@ -328,6 +332,8 @@ class Trainer:
         finally:
             self._checkpoints.abandon()  # an error above: the save in flight ends before fit does
             progress.close()
+            if board is not None:
+                board.close()
         plot = None
         if cfg.plot and self.rank == 0:
             plot = plot_losses(history.of_kind("train"), history.of_kind("eval"),
@@ -531,3 +537,21 @@ def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: 
         options["check_finite"] = config.nonfinite  # DDP's own check: Note [check_finite] in ddp/finite.py
     wrapped, _ = apply_strategy(model, None, Strategy.DDP, options=options, world_size=world_size)
     return wrapped
+
+
+class _LazyBoard:
+    """A :class:`TensorBoardLog` made at the first record this rank writes (rank
+    0's, or the rank that becomes 0 in an elastic job): no event file elsewhere."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._log: TensorBoardLog | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._log is None:
+            self._log = TensorBoardLog(self.directory)
+        self._log.write(record)
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
