@@ -85,6 +85,8 @@ def build_parser() -> _Parser:
                                 "fully_shard, what fits (tandem plan --help)", add_help=False)
     sub.add_parser("check", help="does N ranks train the same model as one process? "
                                  "(tandem check --help)", add_help=False)
+    sub.add_parser("report", help="after a run: one HTML page of its losses, stragglers, step phases, "
+                                  "collectives and world changes (tandem report --help)", add_help=False)
 
     def opt(group: argparse._ArgumentGroup, *names: str, **kw) -> None:
         # torchrun accepts --foo-bar and --foo_bar; so does tandem run.
@@ -288,7 +290,7 @@ def _finished(config: LaunchConfig, return_values: Mapping[int, object], when: s
 
 
 # The other sub-commands live with their tools; each module has main(argv) -> int.
-TOOLS = {"plan": "tandem.tools.plan", "check": "tandem.tools.check"}
+TOOLS = {"plan": "tandem.tools.plan", "check": "tandem.tools.check", "report": "tandem.tools.report"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

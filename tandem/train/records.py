@@ -28,6 +28,8 @@ class Window:
         self.grad_norms: list[torch.Tensor] = []
         self.skipped: int | None = None
         self.stragglers: list[str] | None = None
+        self.rank_phases: list[list[float]] | None = None
+        """Every rank's mean seconds per step in data, compute, comm and optimizer, at the last gather."""
         """The ranks named slow at the window's last gather (Note [naming a straggler]); None: no gather yet."""
 
     def add(self, samples: int, seconds: float, comm_wait: float | None,
@@ -50,7 +52,8 @@ class Window:
                 # One device sync per record, not per step.
                 "grad_norm": float(torch.stack(self.grad_norms).float().mean()) if self.grad_norms else None,
                 "skipped_steps": self.skipped,
-                **({} if self.stragglers is None else {"stragglers": self.stragglers})}
+                **({} if self.stragglers is None else {"stragglers": self.stragglers}),
+                **({} if self.rank_phases is None else {"rank_phases": self.rank_phases})}
 
 
 def evaluation_of(record: dict[str, Any] | None) -> dict[str, float] | None:

@@ -78,6 +78,8 @@ from tandem.train.tensorboard import TensorBoardLog, require_tensorboard
 from tandem.comm.group import GroupComm
 from tandem.train.strategy import Strategy, apply_strategy
 from tandem.comm.watched_call import watched
+from tandem.comm.monitor import current_monitor_if_any
+from tandem.comm.trace import write_trace
 from tandem.comm.plain_data import all_gather_object
 
 __all__ = ["FitResult", "Metric", "Trainer"]
@@ -334,6 +336,7 @@ class Trainer:
             progress.close()
             if board is not None:
                 board.close()
+        self._write_trace()
         plot = None
         if cfg.plot and self.rank == 0:
             plot = plot_losses(history.of_kind("train"), history.of_kind("eval"),
@@ -343,6 +346,12 @@ class Trainer:
         return FitResult(steps=self.state.step, epochs_done=self.state.epoch,
                          evaluation=evaluation_of(history.last("eval")), history=history.records,
                          checkpoint=checkpoint, plot=plot)
+
+    def _write_trace(self) -> None:
+        """This rank's last collectives as a Chrome/Perfetto trace, for ``tandem report``."""
+        monitor = current_monitor_if_any()
+        if monitor is not None:
+            write_trace(self._output_dir / "traces" / f"rank-{self.rank}.json", monitor.ledger.entries(), self.rank)
 
     def _reached_max_steps(self) -> bool:
         return self.config.max_steps is not None and self.state.step >= self.config.max_steps
@@ -373,6 +382,7 @@ class Trainer:
                     comm=comm, optimizer=step.optimizer_s))
                 if named is not None:
                     window.stragglers = [s.describe() for s in named]
+                    window.rank_phases = self._stragglers.last
             done += len(planned)
             state.step += 1
             state.consumed = split.consumed_after(done)

@@ -130,7 +130,7 @@ def _fit(rank: int, where: str, steps: int, out: str) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         result = trainer.fit()
-    return {"records": [r for r in result.history if r["kind"] == "train"], "printed": printed.getvalue()}
+    return {"records": [r for r in result.history if r["kind"] == "train"], "printed": printed.getvalue(), "out": out}
 
 
 def _own_loop(rank: int, steps: int) -> str:
@@ -194,3 +194,22 @@ def test_a_prepared_loop_names_the_straggler_on_rank_0s_stderr(runs: list[dict])
                      said, re.M), said
     assert said.count("tandem: rank 2 slow") == 1  # said when it changes, not at every window
     assert runs[1]["own loop"] == runs[2]["own loop"] == ""  # rank 0 says it for the job
+
+
+def test_the_report_of_a_run_with_a_straggler_names_it_and_draws_its_phases(runs: list[dict]) -> None:
+    from pathlib import Path
+
+    from tandem.launch.cli import main
+
+    out = Path(runs[0]["data"]["out"])
+    assert sorted(p.name for p in (out / "traces").iterdir()) == ["rank-0.json", "rank-1.json", "rank-2.json"]
+    assert main(["report", str(out)]) == 0  # `tandem report RUN_DIR`
+    page = (out / "report.html").read_text()
+    assert re.search(r"<td[^>]*>rank 2 slow: data [\d.]+x the median</td>", page)
+    assert page.count("<svg") == 4  # loss, throughput, phases, the step's collectives
+    assert "aria-label='phases'" in page and "aria-label='timeline'" in page
+    for rank in range(RANKS):
+        assert f">rank {rank}</text>" in page
+    assert "<script" not in page and "src=" not in page and "stylesheet" not in page  # nothing fetched
+    assert "href='traces/rank-2.json'" in page
+    assert "The world never changed." in page

@@ -1,0 +1,43 @@
+"""A rank's collectives as a Chrome / Perfetto trace: :func:`write_trace`.
+
+The ledger (Note [ledger cost] in ledger.py) keeps each collective's op, tag,
+size, step and the wall-clock times it was issued and completed. Written in
+the Trace Event Format (https://ui.perfetto.dev and chrome://tracing open it),
+each collective is a span on its rank's lane (``pid`` the rank, ``tid`` its
+group), named by its tag, with its sequence number, size and step as
+arguments. Times are wall-clock microseconds, so the files of several ranks
+(and several nodes, whose clocks NTP keeps close) load side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tandem.comm.ledger import LedgerEntry
+
+__all__ = ["trace_events", "write_trace"]
+
+
+def trace_events(entries: Iterable[LedgerEntry], rank: int) -> list[dict[str, Any]]:
+    """The completed ``entries`` as Trace Event Format spans on rank ``rank``'s lane."""
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": rank,
+                                     "args": {"name": f"rank {rank}"}}]
+    for e in entries:
+        if e.completed_at is None:
+            continue
+        events.append({"name": e.tag or e.op, "cat": e.op, "ph": "X", "pid": rank, "tid": e.group,
+                       "ts": e.issued_at * 1e6, "dur": max(0.0, (e.completed_at - e.issued_at) * 1e6),
+                       "args": {"seq": e.seq, "op": e.op, "numel": e.numel, "dtype": e.dtype, "step": e.step}})
+    return events
+
+
+def write_trace(path: Path, entries: Iterable[LedgerEntry], rank: int) -> Path:
+    """Write rank ``rank``'s collectives to ``path`` (a JSON trace); returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"traceEvents": trace_events(entries, rank), "displayTimeUnit": "ms"}))
+    tmp.replace(path)
+    return path
