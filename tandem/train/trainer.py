@@ -369,7 +369,15 @@ class Trainer:
         batches = planned_batches(iter(self.train_loader), split, self.rank, self._empty_batch)
         done = 0  # global batches of the split trained
         fetched = time.perf_counter()
+        # DDP's reducer numbers its steps in the ledger; for the other models the Trainer does
+        # (hang reports and `tandem report` show a collective's step).
+        ledger = None if is_ddp(self.model) else getattr(current_monitor_if_any(), "ledger", None)
+        monitor = current_monitor_if_any()
+        if monitor is not None and monitor.ledger.capacity < _TRACED:
+            monitor.ledger.resize(_TRACED)  # the trace written at the end holds whole steps
         while planned := list(islice(batches, cfg.grad_accum)):
+            if ledger is not None:
+                ledger.mark_step(state.step + 1)
             started = time.perf_counter()
             step = self._runner.run([p.batch for p in planned], window.loss, [p.weight for p in planned])
             ended = time.perf_counter()
@@ -547,6 +555,11 @@ def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: 
         options["check_finite"] = config.nonfinite  # DDP's own check: Note [check_finite] in ddp/finite.py
     wrapped, _ = apply_strategy(model, None, Strategy.DDP, options=options, world_size=world_size)
     return wrapped
+
+
+_TRACED = 1024
+"""Collectives a Trainer's ledger keeps, so that the trace it writes at the end of
+``fit()`` holds the last steps whole, evaluation and saves after them included."""
 
 
 class _LazyBoard:
