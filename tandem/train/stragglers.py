@@ -8,11 +8,12 @@ and on itself as a long phase of its own. Each rank splits its step into
 four phases: waiting for its batch (data), forward and backward less the
 time spent waiting on collectives (compute), that wait (comm, from the
 collectives' statistics), and the optimizer's step. Every ``every`` steps the
-ranks start an all-gather of their mean phases, four floats each, and wait
-for it ``every`` steps later, when they start the next: the only
-communication this costs is one small collective every few steps, and its
-latency hides behind the steps in between. A window is judged one window
-after it ends.
+ranks all-gather their mean phases, four floats each: the only communication
+this costs, one small collective every few steps. It is waited for at once:
+an asynchronous gather left in flight for a window would stand in the
+collective ledger as the collective every rank waits in, and a hang report
+would blame it for a hang elsewhere (Note [ledger cost] in
+tandem/comm/ledger.py; tests/launch/test_faults.py caught it).
 
 :func:`judge` compares each rank's data, compute and optimizer phases with
 the median of the other ranks' same phase: the median of the others, so
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tandem.comm.group import GroupComm, Work
+from tandem.comm.group import GroupComm
 
 __all__ = ["PHASES", "MIN_EXCESS_S", "LoopPhases", "Slow", "StepPhases", "StragglerWatch", "judge"]
 
@@ -124,13 +125,10 @@ class StragglerWatch:
         """The ranks named at the last gather (empty: none is slow)."""
         self.last: list[list[float]] = []
         """Every rank's mean phases in the last window judged, by rank."""
-        self._gathered = torch.empty(0, dtype=torch.float64)
-        self._pending: Work | None = None
 
     def end_step(self, phases: StepPhases) -> list[Slow] | None:
-        """Count one step; at every ``every``-th, judge the window gathered at the
-        one before and start gathering this one: the ranks named now (maybe
-        none). None between gathers, and at the first."""
+        """Count one step; at every ``every``-th, gather the window's phases and
+        judge them: the ranks named now (maybe none). None between gathers."""
         sums = self._sums
         sums[0] += phases.data
         sums[1] += phases.compute
@@ -142,29 +140,14 @@ class StragglerWatch:
         mine = torch.frombuffer(array("d", [s / self._steps for s in self._sums]), dtype=torch.float64)
         self._sums = [0.0] * len(PHASES)
         self._steps = 0
-        judged = self._judge_pending()
-        # Started now, waited for at the next gather: its latency hides behind a window of steps.
-        self._gathered = torch.empty(self.comm.size * len(PHASES), dtype=torch.float64)
-        self._pending = self.comm.all_gather_into(self._gathered, mine, tag="step phases", async_op=True)
-        return judged
-
-    def _judge_pending(self) -> list[Slow] | None:
-        if self._pending is None:
-            return None
-        self._pending.wait()
-        self._pending = None
-        self.last = self._gathered.view(self.comm.size, len(PHASES)).tolist()
+        gathered = torch.empty(self.comm.size * len(PHASES), dtype=torch.float64)
+        self.comm.all_gather_into(gathered, mine, tag="step phases")
+        self.last = gathered.view(self.comm.size, len(PHASES)).tolist()
         slow = judge(self.last, ratio=self.ratio, min_excess=self.min_excess)
         now = {(s.rank, s.phase) for s in slow}
         self._streaks = {key: self._streaks.get(key, 0) + 1 for key in now}
         self.named = [s for s in slow if self._streaks[(s.rank, s.phase)] >= self.confirm]
         return self.named
-
-    def close(self) -> None:
-        """Wait for a gather still under way (every rank calls it at the same point)."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
 
 
 class LoopPhases:
@@ -194,7 +177,7 @@ class LoopPhases:
                        optimizer.register_step_post_hook(self._step_ends)]
 
     def remove(self) -> None:
-        """Stop timing (the watch's gather under way is waited for by :meth:`StragglerWatch.close`)."""
+        """Stop timing."""
         for hook in self._hooks:
             hook.remove()
 

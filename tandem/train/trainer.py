@@ -312,8 +312,6 @@ class Trainer:
             while self.state.epoch < cfg.epochs and not self._reached_max_steps():
                 try:
                     self._train_epoch(history, progress)
-                    if self._stragglers is not None:
-                        self._stragglers.close()  # every rank ends the epoch at the same step
                     if self._elastic is not None and self._elastic.run.grow_pending:
                         self._change_world(None, history, progress)
                         continue
