@@ -7,8 +7,7 @@ Run book::
 
 Two Trainers train the same MLP on the same data, one with
 ``straggler_every`` at its default (the step's phases timed, four floats
-all-gathered every few steps and waited for a window later, Note [naming a
-straggler]) and one with
+all-gathered every few steps, Note [naming a straggler]) and one with
 ``straggler_every=None``. Each round runs both for ``--steps`` steps, in
 alternating order; a round's time is its ``fit()``'s wall clock (the one
 checkpoint at the epoch's end included, alike for both), and the table
@@ -88,8 +87,7 @@ def main() -> None:
     print(f"| straggler_every=None | {1e3 * statistics.median(b):.3f} |")
     print(f"watched / bare per round: median {statistics.median(ratios):.4f} [quartiles {q[0]:.4f}-{q[2]:.4f}]"
           f" (lower is faster)")
-    print(f"one all-gather of the phases alone: {1e6 * out['gather_s']:.0f} us, waited for "
-          f"{EVERY} steps after it starts")
+    print(f"one all-gather of the phases alone: {1e6 * out['gather_s']:.0f} us, once every {EVERY} steps")
 
 
 if __name__ == "__main__":
