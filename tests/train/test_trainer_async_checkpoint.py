@@ -51,7 +51,8 @@ EVERY, STEPS = 2, 6  # saves at steps 2, 4 and 6
 KINDS = ("full", "sharded")
 TIMEOUT = 120
 FAST_LIVENESS = Liveness(beat_s=0.25, stale_after_s=1.0)  # a killed rank found in 1 s
-TIMING = ("samples_per_s", "comm_wait_share")  # the records' measured times, which differ run to run
+# the records' measured times, which differ run to run
+TIMING = ("samples_per_s", "comm_wait_share", "rank_phases", "stragglers")
 
 
 def _data() -> TensorDataset:
