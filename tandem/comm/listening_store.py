@@ -77,7 +77,6 @@ def listening_store(host: str, port: int, *, timeout: datetime.timedelta, world_
     store on the job's address]); ``many_nodes``: clients on other nodes
     connect to it."""
     bound = bind_address(host, many_nodes=many_nodes)
-    listener: socket.socket | None = None
     if bound is not None:
         family, address = bound
         listener = socket.socket(family, socket.SOCK_STREAM)

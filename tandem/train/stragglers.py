@@ -12,8 +12,8 @@ ranks all-gather their mean phases, four floats each: the only communication
 this costs, one small collective every few steps. It is waited for at once:
 an asynchronous gather left in flight for a window would stand in the
 collective ledger as the collective every rank waits in, and a hang report
-would blame it for a hang elsewhere (Note [ledger cost] in
-tandem/comm/ledger.py; tests/launch/test_faults.py caught it).
+would blame it for a hang elsewhere (the ledger marks a collective completed
+when it is waited for; tests/launch/test_faults.py caught it).
 
 :func:`judge` compares each rank's data, compute and optimizer phases with
 the median of the other ranks' same phase: the median of the others, so
@@ -31,9 +31,9 @@ while it stays slow.
 from __future__ import annotations
 
 import statistics
-from array import array
 import sys
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +59,6 @@ class StepPhases:
     compute: float
     comm: float
     optimizer: float
-
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return (self.data, self.compute, self.comm, self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -172,14 +169,10 @@ class LoopPhases:
         self._first_forward: float | None = None
         self._step_start = 0.0
         self._said: list[tuple[int, str]] = []
-        self._hooks = [model.register_forward_pre_hook(self._forward),
-                       optimizer.register_step_pre_hook(self._step_begins),
-                       optimizer.register_step_post_hook(self._step_ends)]
-
-    def remove(self) -> None:
-        """Stop timing."""
-        for hook in self._hooks:
-            hook.remove()
+        # The hooks hold this object for the life of the model and the optimizer.
+        model.register_forward_pre_hook(self._forward)
+        optimizer.register_step_pre_hook(self._step_begins)
+        optimizer.register_step_post_hook(self._step_ends)
 
     def _forward(self, *_: Any) -> None:
         if self._first_forward is None:

@@ -369,10 +369,10 @@ class Trainer:
         fetched = time.perf_counter()
         # DDP's reducer numbers its steps in the ledger; for the other models the Trainer does
         # (hang reports and `tandem report` show a collective's step).
-        ledger = None if is_ddp(self.model) else getattr(current_monitor_if_any(), "ledger", None)
         monitor = current_monitor_if_any()
         if monitor is not None and monitor.ledger.capacity < _TRACED:
             monitor.ledger.resize(_TRACED)  # the trace written at the end holds whole steps
+        ledger = None if monitor is None or is_ddp(self.model) else monitor.ledger
         while planned := list(islice(batches, cfg.grad_accum)):
             if ledger is not None:
                 ledger.mark_step(state.step + 1)
