@@ -129,10 +129,11 @@ class TrainerConfig:
     ``train/lr``, ``eval/loss``, ...) to ``output_dir/tensorboard``, on rank 0;
     needs the ``tensorboard`` package."""
     straggler_every: int | None = 4  # Note [naming a straggler] in tandem/train/stragglers.py
-    """Every this many steps the ranks share how long each phase of their steps
-    took (waiting for data, compute, waiting on communication, the optimizer),
+    """Every this many steps (more where steps are short: a window lasts at
+    least 0.1 s) the ranks share how long each phase of their steps took
+    (waiting for data, compute, waiting on communication, the optimizer),
     and a rank consistently slower than the others in a phase is named in the
-    records (``"straggler"``) and the progress line: ``rank 2 slow: data 3.1x
+    records (``"stragglers"``) and the progress line: ``rank 2 slow: data 3.1x
     the median``. One small all-gather each time; None turns it off. Not yet
     with ``elastic``."""
 

@@ -52,7 +52,7 @@ from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
 from tandem.fsdp import FSDPModule
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.strategy import Strategy, apply_strategy, param_names
-from tandem.train.stragglers import LoopPhases, StragglerWatch
+from tandem.train.stragglers import LoopPhases, PhaseGather, StragglerWatch
 from tandem.elastic.run import elastic_config
 from tandem.elastic.loop import make_elastic
 from tandem.checkpoint.state import unwrap_model
@@ -182,7 +182,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
                                agree=lambda: _agree(GroupComm(None), chosen, specs))
     elif straggler_every is not None and stepped is not None and comm.size > 1:
         # Note [naming a straggler] in tandem/train/stragglers.py
-        LoopPhases(wrapped, stepped, StragglerWatch(GroupComm(None), every=straggler_every), comm.rank)
+        LoopPhases(wrapped, stepped, StragglerWatch(PhaseGather(comm.size), every=straggler_every), comm.rank)
     logger.info("prepare: rank %d of %d, strategy %s on %s, optimizer %s, %d loader(s) of %s batches",
                 comm.rank, comm.size, chosen.value, target,
                 None if stepped is None else type(stepped).__name__, len(loaders),

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
 from itertools import islice
@@ -73,13 +74,12 @@ from tandem.train.run_checkpoints import RunCheckpoints
 from tandem.checkpoint.full_state import check_optimizer, is_fully_sharded
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.train.step_runner import StepRunner
-from tandem.train.stragglers import StepPhases, StragglerWatch
+from tandem.train.stragglers import PhaseGather, StepPhases, StragglerWatch
 from tandem.train.tensorboard import TensorBoardLog, require_tensorboard
-from tandem.comm.group import GroupComm
 from tandem.train.strategy import Strategy, apply_strategy
 from tandem.comm.watched_call import watched
 from tandem.comm.monitor import current_monitor_if_any
-from tandem.comm.trace import write_trace
+from tandem.comm.trace import StepSpan, write_trace
 from tandem.comm.plain_data import all_gather_object
 
 __all__ = ["FitResult", "Metric", "Trainer"]
@@ -178,8 +178,9 @@ class Trainer:
                                   autocast=self._autocast, elastic=self._elastic)
         # Note [naming a straggler] in stragglers.py: a small gather every few steps.
         every = self.config.straggler_every
-        self._stragglers = (StragglerWatch(GroupComm(None), every=every)
+        self._stragglers = (StragglerWatch(PhaseGather(self.world_size), every=every)
                             if every is not None and self.world_size > 1 and self._elastic is None else None)
+        self._spans: deque[StepSpan] = deque(maxlen=_TRACED_STEPS)  # the last steps, for the trace
         # Note [exact split] in tandem/data/split.py: the world changed in this epoch, so a
         # rest past its start is split without padding; and the split being trained.
         self._exact_rest = False
@@ -326,6 +327,8 @@ class Trainer:
                         raise
                     self._change_world(e, history, progress)
             self._checkpoints.finish()  # the last save complete, or its error raised on every rank
+            if self._stragglers is not None:
+                self._stragglers.close()  # the last window's gather, started at the last step
             if self.state.epoch < cfg.epochs:
                 progress.say(f"stopped at step {self.state.step} (max_steps {cfg.max_steps}); "
                              "run again with resume to continue")
@@ -346,10 +349,11 @@ class Trainer:
                          checkpoint=checkpoint, plot=plot)
 
     def _write_trace(self) -> None:
-        """This rank's last collectives as a Chrome/Perfetto trace, for ``tandem report``."""
+        """This rank's last collectives and steps as a Chrome/Perfetto trace, for ``tandem report``."""
         monitor = current_monitor_if_any()
         if monitor is not None:
-            write_trace(self._output_dir / "traces" / f"rank-{self.rank}.json", monitor.ledger.entries(), self.rank)
+            write_trace(self._output_dir / "traces" / f"rank-{self.rank}.json", monitor.ledger.entries(),
+                        self.rank, self._spans)
 
     def _reached_max_steps(self) -> bool:
         return self.config.max_steps is not None and self.state.step >= self.config.max_steps
@@ -367,6 +371,7 @@ class Trainer:
         batches = planned_batches(iter(self.train_loader), split, self.rank, self._empty_batch)
         done = 0  # global batches of the split trained
         fetched = time.perf_counter()
+        wall = time.time() - fetched  # the trace's clock is the ledger's, wall-clock
         # DDP's reducer numbers its steps in the ledger; for the other models the Trainer does
         # (hang reports and `tandem report` show a collective's step).
         monitor = current_monitor_if_any()
@@ -379,6 +384,8 @@ class Trainer:
             started = time.perf_counter()
             step = self._runner.run([p.batch for p in planned], window.loss, [p.weight for p in planned])
             ended = time.perf_counter()
+            self._spans.append(StepSpan(state.step + 1, wall + fetched, wall + started,
+                                        wall + ended - step.optimizer_s, wall + ended))
             window.add(sum(split.size_of(p.index) for p in planned), ended - started,
                        step.comm_wait, step.grad_norm, step.skipped if self._runner.counts_skips else None)
             if self._stragglers is not None:
@@ -558,6 +565,8 @@ def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: 
 _TRACED = 1024
 """Collectives a Trainer's ledger keeps, so that the trace it writes at the end of
 ``fit()`` holds the last steps whole, evaluation and saves after them included."""
+_TRACED_STEPS = 64
+"""Steps whose spans the trace written at the end of ``fit()`` holds."""
 
 
 class _LazyBoard:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import datetime
+import html
 import os
 import random
 import signal
@@ -313,6 +314,12 @@ def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_an
         assert done[rank]["steps"] == expected[rank]["steps"] == "16"
         assert done[rank]["params"] == expected[rank]["params"]
     assert r.orphans == [] and ref.orphans == []
+    # `tandem report` shows the restart and the hang report, whole and escaped.
+    from tandem.launch.cli import main
+    assert main(["report", str(tmp_path / "out"), "--logs", str(logs)]) == 0
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "<p>1 restart(s).</p><h3>hang-report-attempt_0.txt</h3><pre>" in page
+    assert html.escape(report, quote=True) in page and html.escape(asleep, quote=True) in page
 
 
 # ---------------------------------------------------------------- a lost store

@@ -51,29 +51,45 @@ def test_the_slowest_phase_of_a_rank_is_the_one_named() -> None:
 
 
 class _Gathered:
-    """A group whose all-gather returns the windows it is given, one a call."""
+    """A gather that returns the windows it is given, one a gather started."""
 
     def __init__(self, windows: list[list[list[float]]]) -> None:
         self.windows = iter(windows)
+        self.under_way: list[list[float]] | None = None
 
-    size = 2
+    def start(self, mine: list[float]) -> None:
+        assert self.under_way is None, "a gather started before the one under way was finished"
+        self.under_way = next(self.windows)
 
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> None:
-        output.copy_(torch.tensor(next(self.windows), dtype=torch.float64).flatten())
+    def finish(self) -> list[list[float]] | None:
+        done, self.under_way = self.under_way, None
+        return done
 
 
 def test_a_rank_is_named_after_confirm_windows_in_a_row_of_the_same_phase() -> None:
     fast, slow_data, slow_compute = [0.001, 0.01, 0.0, 0.002], [0.05, 0.01, 0.0, 0.002], [0.001, 0.06, 0.0, 0.002]
     windows = [[fast, slow_data], [fast, slow_data], [fast, slow_compute], [fast, slow_compute],
                [fast, slow_compute], [fast, slow_compute], [fast, fast]]
-    watch = StragglerWatch(_Gathered(windows), every=2, confirm=3)  # type: ignore[arg-type]
+    watch = StragglerWatch(_Gathered(windows), every=2, confirm=3, min_window_s=0.0)  # type: ignore[arg-type]
     named = []
-    for _ in range(2 * len(windows)):
+    for _ in range(2 * len(windows) + 1):
         named.append(watch.end_step(StepPhases(0.0, 0.0, 0.0, 0.0)))
-    assert named[0::2] == [None] * len(windows)  # between gathers
-    said = [[s.describe() for s in n] for n in named[1::2]]
+    # Gathers start at every second step and are judged at the step after.
+    assert named[0::2][0] is None and named[1::2] == [None] * len(windows)
+    said = [[s.describe() for s in n] for n in named[2::2]]
     assert said == [[], [], [], [], ["rank 1 slow: compute 6.0x the median"],
                     ["rank 1 slow: compute 6.0x the median"], []]
+
+
+def test_a_window_of_short_steps_lasts_min_window_s() -> None:
+    # Steps of 10 ms: the next window is 0.1 s, 10 steps; steps of 60 ms: ``every`` steps.
+    short, long = [0.001, 0.007, 0.0, 0.002], [0.001, 0.057, 0.0, 0.002]
+    watch = StragglerWatch(_Gathered([[short, short], [long, long], [short, short]]),  # type: ignore[arg-type]
+                           every=4, confirm=3, min_window_s=0.1)
+    judged_at = [step for step in range(1, 25) if watch.end_step(StepPhases(0.0, 0.0, 0.0, 0.0)) is not None]
+    # Windows end at steps 4 (judged at 5: the next window runs to 14), 14 (judged at 15: every
+    # again, to 18) and 18 (judged at 19).
+    assert judged_at == [5, 15, 19] and watch.window == 10
 
 
 # ---------------------------------------------------------------------- real runs
@@ -161,7 +177,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.parametrize("where", ["data", "compute"])
 def test_a_sleeping_rank_is_named_with_its_phase_within_20_steps(runs: list[dict], where: str) -> None:
-    for rank, run in enumerate(runs):
+    for run in runs:
         named = [(r["step"], r.get("stragglers")) for r in run[where]["records"]]
         first = next(step for step, said in named if said)
         assert first <= 20, named
@@ -176,13 +192,16 @@ def test_a_run_without_a_straggler_names_none_over_200_steps(runs: list[dict]) -
     records = runs[0]["none"]["records"]
     assert records[-1]["step"] == 200 and len(records) == 50
     assert [r for r in records if r.get("stragglers")] == [], [r["stragglers"] for r in records]
-    assert all("stragglers" in r for r in records)  # the ranks did compare, every window
+    # The ranks did compare: windows of 4 steps, or of 0.1 s where steps are short.
+    judged = [r["step"] for r in records if "stragglers" in r]
+    assert len(judged) >= 5, (judged, [r["samples_per_s"] for r in records])
     assert "straggler" not in runs[0]["none"]["printed"]
 
 
 def test_a_prepared_loop_names_the_straggler_on_rank_0s_stderr(runs: list[dict]) -> None:
     said = runs[0]["own loop"]
-    assert re.search(r"^tandem: rank 2 slow: data [\d.]+x the median \(the ranks compare their steps every 4\)$",
+    assert re.search(r"^tandem: rank 2 slow: data [\d.]+x the median "
+                     r"\(the ranks compare their steps every 4 or more, 0\.1 s at least\)$",
                      said, re.M), said
     assert said.count("tandem: rank 2 slow") == 1  # said when it changes, not at every window
     assert runs[1]["own loop"] == runs[2]["own loop"] == ""  # rank 0 says it for the job
@@ -198,10 +217,19 @@ def test_the_report_of_a_run_with_a_straggler_names_it_and_draws_its_phases(runs
     assert main(["report", str(out)]) == 0  # `tandem report RUN_DIR`
     page = (out / "report.html").read_text()
     assert re.search(r"<td[^>]*>rank 2 slow: data [\d.]+x the median</td>", page)
-    assert page.count("<svg") == 4  # loss, throughput, phases, the step's collectives
+    assert page.count("<svg") == 4  # loss, throughput, phases, one step's collectives against compute
     assert "aria-label='phases'" in page and "aria-label='timeline'" in page
     for rank in range(RANKS):
         assert f">rank {rank}</text>" in page
+    # The timeline: on each rank's lane the last step's phases, and its collectives (the DDP
+    # all-reduce); rank 2's wait for its batch is long (30 ms asleep), the others' short.
+    timeline = page[page.index("aria-label='timeline'"):]
+    lanes = re.split(r">rank \d</text>", timeline[:timeline.index("</svg>")])[1:]
+    data_ms = [float(re.search(r"<title>data ([\d.]+) ms</title>", lane)[1]) for lane in lanes]
+    assert len(lanes) == RANKS and data_ms[2] >= 25 and max(data_ms[:2]) < 10, data_ms
+    for lane in lanes:
+        assert "<title>forward and backward" in lane and "<title>optimizer" in lane
+        assert re.search(r"<title>#\d+ all_reduce bucket 0 \(162 x float32\)", lane), lane
     assert "<script" not in page and "src=" not in page and "stylesheet" not in page  # nothing fetched
     assert "href='traces/rank-2.json'" in page
     assert "The world never changed." in page

@@ -52,7 +52,7 @@ def render(run: RunData) -> str:
         parts.append(f"<h2>Each rank's step, by phase (mean over the window before step {last['step']})</h2>"
                      + _phase_bars(last["rank_phases"]))
     if run.traces:
-        parts.append("<h2>One step's collectives</h2>" + _timeline(run.traces))
+        parts.append("<h2>One step: collectives against compute</h2>" + _timeline(run.traces))
         parts.append("<p>Traces (Chrome / Perfetto: open them at ui.perfetto.dev): "
                      + ", ".join(f"<a href='{_e(f)}'>{_e(f)}</a>" for f in run.trace_files) + "</p>")
     parts.append("<h2>World changes</h2>" + (_table(
@@ -114,7 +114,7 @@ def _line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], label:
 def _phase_bars(rank_phases: list[list[float]]) -> str:
     w, bar, pad = 900, 22, 90
     longest = max(sum(p) for p in rank_phases) or 1.0
-    h = pad // 2 + bar * 2 * len(rank_phases) + 30
+    h = 10 + bar * (2 * len(rank_phases) - 1) + 34
     out = [f"<svg width='{w}' height='{h}' xmlns='http://www.w3.org/2000/svg' role='img' aria-label='phases'>"]
     for r, phases in enumerate(rank_phases):
         y, x = 10 + 2 * bar * r, float(pad)
@@ -132,28 +132,42 @@ def _phase_bars(rank_phases: list[list[float]]) -> str:
 
 
 def _timeline(traces: dict[int, list[dict[str, Any]]]) -> str:
-    steps = [max((e["args"].get("step", 0) for e in spans), default=None) for spans in traces.values()]
-    common = [s for s in steps if s is not None]
-    if not common:
-        return "<p>No collective completed.</p>"
-    step = min(common) - 1 if min(common) > 0 else min(common)  # the last step every rank finished
-    chosen = {r: [e for e in spans if e["args"].get("step") == step] for r, spans in traces.items()}
-    spans = [e for es in chosen.values() for e in es]
-    if not spans:
-        return f"<p>No collective of step {step} is in the traces.</p>"
+    steps = {r: [e for e in es if e.get("cat") == "step"] for r, es in traces.items()}
+    if not all(steps.values()):
+        return "<p>No rank's trace holds a step.</p>"
+    step = min(max(e["args"]["step"] for e in spans) for spans in steps.values())  # the last every rank ended
+    lanes = {}
+    for rank in sorted(traces):
+        phases = [e for e in steps[rank] if e["args"]["step"] == step]
+        if not phases:
+            return f"<p>Step {step} is not in rank {rank}'s trace.</p>"
+        begin, end = min(e["ts"] for e in phases), max(e["ts"] + e["dur"] for e in phases)
+        lanes[rank] = (phases, [e for e in traces[rank] if e.get("cat") != "step" and begin <= e["ts"] <= end])
+    spans = [e for phases, colls in lanes.values() for e in phases + colls]
     t0, t1 = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
-    w, lane, pad = 900, 34, 70
-    h = 30 + lane * len(chosen)
-    out = [f"<svg width='{w}' height='{h}' xmlns='http://www.w3.org/2000/svg' role='img' aria-label='timeline'>",
-           f"<text x='{pad}' y='{h - 6}' {_FONT}>step {step}: {len(spans)} collectives over "
-           f"{(t1 - t0) / 1e3:.1f} ms, issue to completion, on each rank's lane</text>"]
-    for i, (rank, es) in enumerate(sorted(chosen.items())):
+    w, lane, pad = 900, 46, 70
+    h = 46 + lane * len(lanes)
+    scale = (w - pad - 10) / max(t1 - t0, 1e-9)
+    colours = {"data": _PHASE_COLOURS["data"], "forward and backward": _PHASE_COLOURS["compute"],
+               "optimizer": _PHASE_COLOURS["optimizer"]}
+    out = [f"<svg width='{w}' height='{h}' xmlns='http://www.w3.org/2000/svg' role='img' aria-label='timeline'>"]
+    for i, (rank, (phases, colls)) in enumerate(lanes.items()):
         y = 4 + lane * i
-        out.append(f"<text x='{pad - 8}' y='{y + 18}' text-anchor='end' {_FONT}>rank {rank}</text>")
-        for e in es:
-            x = pad + (e["ts"] - t0) / max(t1 - t0, 1e-9) * (w - pad - 10)
-            width = max(1.0, e["dur"] / max(t1 - t0, 1e-9) * (w - pad - 10))
-            out.append(f"<rect x='{x:.1f}' y='{y}' width='{width:.1f}' height='{lane - 8}' fill='#7570b3' "
-                       f"fill-opacity='0.7' stroke='#3b3880'><title>#{e['args'].get('seq')} {_e(e['name'])} "
+        out.append(f"<text x='{pad - 8}' y='{y + 22}' text-anchor='end' {_FONT}>rank {rank}</text>")
+        for e in phases:
+            out.append(f"<rect x='{pad + (e['ts'] - t0) * scale:.1f}' y='{y}' width='{max(1.0, e['dur'] * scale):.1f}' "
+                       f"height='16' fill='{colours.get(e['name'], '#999')}'><title>{_e(e['name'])} "
+                       f"{e['dur'] / 1e3:.2f} ms</title></rect>")
+        for e in colls:
+            out.append(f"<rect x='{pad + (e['ts'] - t0) * scale:.1f}' y='{y + 19}' "
+                       f"width='{max(1.0, e['dur'] * scale):.1f}' height='18' fill='{_PHASE_COLOURS['comm']}' "
+                       f"fill-opacity='0.75' stroke='#3b3880'><title>#{e['args'].get('seq')} {_e(e['args'].get('op'))} "
+                       f"{_e(e['name'])} "
                        f"({e['args'].get('numel')} x {e['args'].get('dtype')}) {e['dur'] / 1e3:.2f} ms</title></rect>")
+    count = sum(len(colls) for _, colls in lanes.values())
+    legend = "".join(f"<tspan fill='{c}'>■ {n}  </tspan>" for n, c in colours.items())
+    out.append(f"<text x='{pad}' y='{h - 24}' {_FONT}>{legend}<tspan fill='{_PHASE_COLOURS['comm']}'>"
+               "■ collective, issue to completion</tspan></text>")
+    out.append(f"<text x='{pad}' y='{h - 6}' {_FONT}>step {step} on each rank: its phases above, its {count} "
+               f"collectives below, over {(t1 - t0) / 1e3:.1f} ms of wall-clock time</text>")
     return "".join(out) + "</svg>"
