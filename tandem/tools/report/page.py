@@ -84,7 +84,7 @@ def _line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], label:
     points = [p for _, _, pts in series for p in pts]
     if not points:
         return "<p>Nothing recorded.</p>"
-    w, h, pad = 900, 260, 50
+    w, h, pad = 900, 260, 60
     x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
     y0, y1 = min(p[1] for p in points), max(p[1] for p in points)
     x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
@@ -97,8 +97,8 @@ def _line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], label:
            f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{h - pad}' stroke='#888'/>",
            f"<text x='{pad}' y='{h - pad + 18}' {_FONT}>step {x0:g}</text>",
            f"<text x='{w - pad}' y='{h - pad + 18}' text-anchor='end' {_FONT}>step {x1:g}</text>",
-           f"<text x='{pad - 4}' y='{pad + 4}' text-anchor='end' {_FONT}>{y1:.3g}</text>",
-           f"<text x='{pad - 4}' y='{h - pad}' text-anchor='end' {_FONT}>{y0:.3g}</text>"]
+           f"<text x='{pad - 4}' y='{pad + 4}' text-anchor='end' {_FONT}>{_number(y1)}</text>",
+           f"<text x='{pad - 4}' y='{h - pad}' text-anchor='end' {_FONT}>{_number(y0)}</text>"]
     for i, (name, colour, pts) in enumerate(series):
         if not pts:
             continue
@@ -107,8 +107,13 @@ def _line_chart(series: list[tuple[str, str, list[tuple[float, float]]]], label:
         out += [f"<circle cx='{at(x, y).split(',')[0]}' cy='{at(x, y).split(',')[1]}' r='3' fill='{colour}'/>"
                 for x, y in pts] if len(pts) < 30 else []
         out.append(f"<text x='{w - pad}' y='{pad + 16 * i}' text-anchor='end' fill='{colour}' {_FONT}>{_e(name)}"
-                   f" (last {pts[-1][1]:.4g})</text>")
+                   f" (last {_number(pts[-1][1], 4)})</text>")
     return "".join(out) + "</svg>"
+
+
+def _number(value: float, digits: int = 3) -> str:
+    """``1,260`` rather than ``1.26e+03``: an axis label that fits its margin."""
+    return f"{value:,.0f}" if abs(value) >= 10 ** digits else f"{value:.{digits}g}"
 
 
 def _phase_bars(rank_phases: list[list[float]]) -> str:
