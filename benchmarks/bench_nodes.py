@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _two_nodes import launch, link_bytes, require_cluster
 
 HERE = Path(__file__).resolve()
 CONTENDERS = ("ddp", "torch-ddp", "zero2", "torch-zero1", "fully_shard", "torch-fully_shard", "hsdp", "torch-hsdp")
@@ -118,11 +119,6 @@ def _contender(name: str, args: argparse.Namespace, rank: int, mesh: Any) -> Cal
     return step
 
 
-def _link_bytes() -> int:
-    stats = Path("/sys/class/net/eth0/statistics")
-    return sum(int((stats / f"{d}_bytes").read_text()) for d in ("tx", "rx"))
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -143,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             dist.barrier()
-            before = _link_bytes() if world.rank == 0 else 0
+            before = link_bytes() if world.rank == 0 else 0
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 steps[n]()
@@ -151,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
             elapsed = time.perf_counter() - t0
             if world.rank == 0:
                 times[n].append(elapsed / args.steps)
-                nbytes[n].append((_link_bytes() - before) / args.steps)
+                nbytes[n].append((link_bytes() - before) / args.steps)
     if world.rank == 0:
         Path(args.out).write_text(json.dumps({"times": times, "bytes": nbytes}))
     tandem.shutdown()
@@ -188,14 +184,7 @@ def elastic_worker(args: argparse.Namespace) -> None:
 
 def _launch(cluster: Any, extra: list[str], worker_args: list[str], env: dict[str, str] | None = None,
             ) -> list[subprocess.Popen]:
-    procs = []
-    for node in range(2):
-        argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-endpoint", f"{cluster.address(0)}:29400", "--rdzv-id", "bench",
-                "--local-addr", cluster.address(node), "--rdzv-timeout", "120", *extra, str(HERE), *worker_args]
-        procs.append(cluster.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, **(env or {})}))
-    return procs
+    return launch(cluster, HERE, "bench", extra, worker_args, env)
 
 
 def _planned(args: argparse.Namespace) -> dict[str, int]:
@@ -309,11 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.elastic_worker:
         elastic_worker(args)
         return
-    from tandem.testing import cluster_unavailable
-
-    reason = cluster_unavailable()
-    if reason is not None:
-        raise SystemExit(f"bench_nodes needs network namespaces: {reason}")
+    require_cluster("bench_nodes")
     planned = _planned(args)
     results = {}
     for rate in args.rates.split(","):

@@ -20,6 +20,7 @@ if _TYPE_CHECKING:
     from tandem.comm import WorldInfo, init, irecv, isend, recv, send, shutdown
     from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
         weighted_mean
+    from tandem.diloco import DiLoCo, DiLoCoConfig
     from tandem.dp import DataParallel
     from tandem.fsdp import FSDPModule, fully_shard
     from tandem.ddp import DistributedDataParallel, join
@@ -37,6 +38,7 @@ _FROM = {  # module: the public names tandem takes from it
     "tandem.comm": ("WorldInfo", "init", "irecv", "isend", "recv", "send", "shutdown"),
     "tandem.data": ("DistributedSampler", "RunningMean", "all_reduce_mean", "all_reduce_sum", "gather_samples",
                     "weighted_mean"),
+    "tandem.diloco": ("DiLoCo", "DiLoCoConfig"),
     "tandem.dp": ("DataParallel",),
     "tandem.fsdp": ("FSDPModule", "fully_shard"),
     "tandem.ddp": ("DistributedDataParallel", "join"),
@@ -70,7 +72,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["CheckReport", "CheckpointError", "DataParallel", "DistributedDataParallel", "DistributedLoader",
+__all__ = ["CheckReport", "CheckpointError", "DataParallel", "DiLoCo", "DiLoCoConfig", "DistributedDataParallel",
+           "DistributedLoader",
            "DistributedSampler", "FSDPModule", "PlanReport", "RunningMean", "SyncBatchNorm", "Trainer",
            "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean", "all_reduce_sum",
            "atomic_save", "capture_rng_state", "check", "checkpoint", "comm_hooks", "fsdp", "fully_shard",

@@ -652,3 +652,13 @@ def fake_store() -> torch.distributed.Store:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+__all__ += ["all_gather_into_tensor", "reduce_scatter_tensor"]
+
+# Why: torch 2.13 renamed the tensor forms of these collectives (the old names
+# warn); torch 2.4 has only the old ones.
+reduce_scatter_tensor = getattr(torch.distributed, "reduce_scatter_single", None) or \
+    torch.distributed.reduce_scatter_tensor
+all_gather_into_tensor = getattr(torch.distributed, "all_gather_single", None) or \
+    torch.distributed.all_gather_into_tensor

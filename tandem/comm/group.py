@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem._compat import group_label
+from tandem._compat import all_gather_into_tensor, group_label, reduce_scatter_tensor
 from tandem.comm.failure_gate import FailureGate
 from tandem.comm.ledger import LedgerEntry
 from tandem.comm.monitor import current_monitor
@@ -39,10 +39,8 @@ from tandem.comm.plain_data import decode, gather_payloads
 
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
-# torch 2.13 renamed the tensor forms of these collectives (the old names warn);
-# torch 2.4 has only the old ones.
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = reduce_scatter_tensor  # torch's name of the day: _compat
+_all_gather_into_tensor = all_gather_into_tensor
 
 
 _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in (
@@ -160,7 +158,7 @@ class GroupComm:
                 observe(event)
         entry = self.ledger.issue(op, tag, 0 if tensor is None else tensor.numel(),
                                   "" if tensor is None else _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)),
-                                  self.label)
+                                  self.label, 0 if tensor is None else tensor.numel() * tensor.element_size())
         if self.monitor.fingerprints is not None and self.size > 1:
             self.monitor.fingerprints.check(self.label, self.members, entry,
                                             () if tensor is None else tuple(tensor.shape))
@@ -243,6 +241,17 @@ class GroupComm:
             # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
             return self._waiter.submit(work) if self._watched else work
         return self._run("reduce_scatter", input, tag, launch, async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
+                   async_op: bool = False) -> Work:
+        """Split ``input`` into ``size`` equal chunks along its first dimension and
+        send chunk r to rank r; ``output``'s chunk r is what rank r sent this rank.
+        A group of one copies."""
+        if self.size == 1:
+            output.copy_(input)
+            return self._issued(None, self._issue("all_to_all", input, tag), False)
+        return self._run("all_to_all", input, tag, lambda: dist.all_to_all_single(
+            output, input, group=self.group, async_op=True), async_op)
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "",
                         async_op: bool = False, via: Any = None) -> Work:

@@ -42,16 +42,18 @@ _MAX_DESCRIPTIONS = 4096
 class LedgerEntry:
     """One collective as this rank issued it."""
 
-    __slots__ = ("seq", "op", "tag", "numel", "dtype", "group", "step", "issued_at",
+    __slots__ = ("seq", "op", "tag", "numel", "dtype", "nbytes", "group", "step", "issued_at",
                  "completed_at")
 
     def __init__(self, seq: int, op: str, tag: str, numel: int, dtype: str, group: str,
-                 step: int) -> None:
+                 step: int, nbytes: int = 0) -> None:
         self.seq = seq
         self.op = op
         self.tag = tag
         self.numel = numel
         self.dtype = dtype
+        self.nbytes = nbytes
+        """The payload this rank handed to the collective (its input's bytes)."""
         self.group = group
         self.step = step
         self.issued_at = time.time()
@@ -86,6 +88,8 @@ class Ledger:
         """Collectives issued by this process (the last ``seq``)."""
         self.completed = 0
         """Collectives this process has seen complete."""
+        self.bytes_issued = 0
+        """Payload bytes of every collective issued by this process (each one's input)."""
         self.step = 0
         """The training step, as last reported by :meth:`mark_step`."""
         self.last_progress = time.time()
@@ -101,10 +105,11 @@ class Ledger:
             raise ValueError(f"Ledger capacity must be >= 1, got {capacity}")
         self._ring = deque(self._ring, maxlen=capacity)
 
-    def issue(self, op: str, tag: str, numel: int, dtype: str, group: str) -> LedgerEntry:
-        """Record a collective about to be issued; returns its entry."""
+    def issue(self, op: str, tag: str, numel: int, dtype: str, group: str, nbytes: int = 0) -> LedgerEntry:
+        """Record a collective about to be issued, of ``nbytes`` of payload; returns its entry."""
         self.issued += 1
-        entry = LedgerEntry(self.issued, op, tag, numel, dtype, group, self.step)
+        self.bytes_issued += nbytes
+        entry = LedgerEntry(self.issued, op, tag, numel, dtype, group, self.step, nbytes)
         self._ring.append(entry)
         return entry
 

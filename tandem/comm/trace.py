@@ -56,7 +56,8 @@ def trace_events(entries: Iterable[LedgerEntry], rank: int, steps: Iterable[Step
             continue
         events.append({"name": e.tag or e.op, "cat": e.op, "ph": "X", "pid": rank, "tid": e.group,
                        "ts": e.issued_at * 1e6, "dur": max(0.0, (e.completed_at - e.issued_at) * 1e6),
-                       "args": {"seq": e.seq, "op": e.op, "numel": e.numel, "dtype": e.dtype, "step": e.step}})
+                       "args": {"seq": e.seq, "op": e.op, "numel": e.numel, "dtype": e.dtype, "bytes": e.nbytes,
+                                "step": e.step}})
     return events
 
 

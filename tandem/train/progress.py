@@ -78,6 +78,16 @@ def _fields(record: dict[str, Any]) -> dict[str, str]:
            "loss": f"{record['loss']:.4f}", "samples/s": f"{record['samples_per_s']:.0f}"}
     if record.get("comm_wait_share") is not None:
         out["comm wait"] = f"{100 * record['comm_wait_share']:.0f}%"
+    if record.get("comm_bytes_per_step"):
+        out["sent"] = f"{_size(record['comm_bytes_per_step'])}/step"
     if record.get("stragglers"):
         out["straggler"] = "; ".join(record["stragglers"])
     return out
+
+
+def _size(nbytes: float) -> str:
+    """``12.1 MiB``, ``640 KiB``, ``96 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"

@@ -18,7 +18,9 @@ class Window:
     ranks when recorded), throughput, the share of time waiting on communication,
     the mean gradient norm before clipping (the same on every rank), the steps
     skipped for NaN/Inf gradients (None when they are not counted), and the ranks
-    named slow (``stragglers``, when the ranks compared their steps in the window)."""
+    named slow (``stragglers``, when the ranks compared their steps in the window),
+    and the bytes this rank handed to collectives during its steps (``comm_bytes``,
+    from the collective ledger; None without one)."""
 
     def __init__(self) -> None:
         self.loss = RunningMean()
@@ -27,13 +29,18 @@ class Window:
         self.comm_wait: float | None = None
         self.grad_norms: list[torch.Tensor] = []
         self.skipped: int | None = None
+        self.steps = 0
+        self.comm_bytes: int | None = None
         self.stragglers: list[str] | None = None
+        """The ranks named slow at the window's last gather (Note [naming a straggler]); None: no gather yet."""
         self.rank_phases: list[list[float]] | None = None
         """Every rank's mean seconds per step in data, compute, comm and optimizer, at the last gather."""
-        """The ranks named slow at the window's last gather (Note [naming a straggler]); None: no gather yet."""
 
     def add(self, samples: int, seconds: float, comm_wait: float | None,
-            grad_norm: torch.Tensor | None, skipped: bool | None) -> None:
+            grad_norm: torch.Tensor | None, skipped: bool | None, comm_bytes: int | None = None) -> None:
+        self.steps += 1
+        if comm_bytes is not None:
+            self.comm_bytes = (self.comm_bytes or 0) + comm_bytes
         if skipped is not None:
             self.skipped = (self.skipped or 0) + int(skipped)
         self.samples += samples
@@ -52,6 +59,7 @@ class Window:
                 # One device sync per record, not per step.
                 "grad_norm": float(torch.stack(self.grad_norms).float().mean()) if self.grad_norms else None,
                 "skipped_steps": self.skipped,
+                "comm_bytes_per_step": None if self.comm_bytes is None else self.comm_bytes / max(self.steps, 1),
                 **({} if self.stragglers is None else {"stragglers": self.stragglers}),
                 **({} if self.rank_phases is None else {"rank_phases": self.rank_phases})}
 

@@ -53,6 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem._compat import all_gather_into_tensor
+
 __all__ = ["PHASES", "MIN_EXCESS_S", "LoopPhases", "PhaseGather", "Slow", "StepPhases", "StragglerWatch", "judge"]
 
 PHASES = ("data", "compute", "comm", "optimizer")
@@ -139,8 +141,8 @@ class PhaseGather:
     def start(self, mine: Sequence[float]) -> None:
         """Start gathering ``mine`` from every rank (call :meth:`finish` first)."""
         self._out = torch.empty(self.size * len(mine), dtype=torch.float64)
-        self._work = dist.all_gather_into_tensor(self._out, torch.tensor(mine, dtype=torch.float64),
-                                                 group=self._group(), async_op=True)
+        self._work = all_gather_into_tensor(self._out, torch.tensor(mine, dtype=torch.float64),
+                                            group=self._group(), async_op=True)
 
     def finish(self) -> list[list[float]] | None:
         """Every rank's values of the gather started last, by rank; None when none is under way."""

@@ -381,13 +381,15 @@ class Trainer:
         while planned := list(islice(batches, cfg.grad_accum)):
             if ledger is not None:
                 ledger.mark_step(state.step + 1)
+            sent_before = 0 if monitor is None else monitor.ledger.bytes_issued
             started = time.perf_counter()
             step = self._runner.run([p.batch for p in planned], window.loss, [p.weight for p in planned])
             ended = time.perf_counter()
+            sent = None if monitor is None else monitor.ledger.bytes_issued - sent_before
             self._spans.append(StepSpan(state.step + 1, wall + fetched, wall + started,
                                         wall + ended - step.optimizer_s, wall + ended))
             window.add(sum(split.size_of(p.index) for p in planned), ended - started,
-                       step.comm_wait, step.grad_norm, step.skipped if self._runner.counts_skips else None)
+                       step.comm_wait, step.grad_norm, step.skipped if self._runner.counts_skips else None, sent)
             if self._stragglers is not None:
                 comm = step.comm_wait or 0.0
                 named = self._stragglers.end_step(StepPhases(

@@ -353,8 +353,15 @@ def test_mixed_precision_trains_close_to_fp32(runs, precision):
 def test_records_report_throughput_and_communication_share(runs):
     two = runs["records_two"]
     (one,) = runs["records_one"]
-    for record in train_records(two[0]["history"]):
+    params = list(make_model(0.0).parameters())
+    bucket = 4 * sum(p.numel() for p in params) + 4  # fp32 gradients and DDP's 4-byte flag, one bucket
+    records = train_records(two[0]["history"])
+    for record in records:
         assert record["samples_per_s"] > 0 and 0 <= record["comm_wait_share"] < 1
+    # What the steps handed to collectives, from the ledger: the bucket every step, and in the
+    # first window (2 steps) the bucket order DDP broadcasts after its first step (an int64 a parameter).
+    assert records[0]["comm_bytes_per_step"] == bucket + 8 * len(params) / 2, records[0]
+    assert all(r["comm_bytes_per_step"] == bucket for r in records[1:]), records
     assert all(r["comm_wait_share"] is None for r in train_records(one["history"]))
     assert Path(two[0]["plot"]).stat().st_size > 0
 

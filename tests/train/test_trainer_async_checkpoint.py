@@ -52,7 +52,9 @@ KINDS = ("full", "sharded")
 TIMEOUT = 120
 FAST_LIVENESS = Liveness(beat_s=0.25, stale_after_s=1.0)  # a killed rank found in 1 s
 # the records' measured times, which differ run to run
-TIMING = ("samples_per_s", "comm_wait_share", "rank_phases", "stragglers")
+# Timings, and the bytes the steps handed to collectives (a save in the background issues its
+# own during the steps).
+TIMING = ("samples_per_s", "comm_wait_share", "rank_phases", "stragglers", "comm_bytes_per_step")
 
 
 def _data() -> TensorDataset:

@@ -1,0 +1,101 @@
+"""The average of a flat tensor across a group, sent in int8 or int4 blocks:
+:class:`QuantizedAverage`.
+
+# Note [a quantized average]
+An all-reduce cannot sum quantized blocks (each rank's have their own scales),
+so the average takes two collectives, as ZeRO++'s quantized gradient
+reduce-scatter does (arXiv 2306.10209):
+
+    x (+ residual)                       this rank's values, n elements, in W chunks
+    q1 = quantize(each chunk)            blocks of Note [block-wise quantization]
+    all-to-all q1                        rank r receives everyone's chunk r
+    a_r = mean of the dequantized chunks this rank's chunk of the average
+    q2 = quantize(a_r)
+    all-gather q2                        everyone receives every chunk
+    x = dequantize(all of q2)
+
+Each rank sends about 2 (W-1)/W n bytes at int8 (half at int4), plus 4 bytes
+of scale a block, where a ring all-reduce of fp32 sends 2 (W-1)/W 4n: 3.9x
+fewer bytes at int8 with blocks of 256, 7.5x at int4.
+
+Error feedback: what the first quantization lost on this rank, ``e1 = x -
+dequantize(q1)``, and what the second lost on the chunk this rank owns, ``e2
+= a_r - dequantize(q2)``, are kept as the residual ``e1 + W e2`` (the second
+on the owned chunk only) and added to the next call's input. The mean of the
+ranks' next residuals is then exactly what this call's result missed, so over
+any number of calls the sum of the results equals the sum of the true
+averages less the mean of the last residuals: bounded by one call's error,
+never growing (tests/comm/test_quantized_average.py holds it to that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.comm.group import GroupComm
+from tandem.comm.quantize import BLOCK, Quantized, dequantize, qmax, quantize
+
+__all__ = ["QuantizedAverage"]
+
+
+class QuantizedAverage:
+    """Averages flat fp32 tensors over ``comm`` in ``bits``-bit blocks (Note
+    [a quantized average]).
+
+    Args:
+        comm: the group.
+        bits: 8 or 4.
+        block: elements per block (even).
+    """
+
+    def __init__(self, comm: GroupComm, bits: int = 8, block: int = BLOCK) -> None:
+        qmax(bits)  # 8 or 4, or a ValueError naming the value
+        self.comm, self.bits, self.block = comm, bits, block
+
+    def average_(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, tag: str = "") -> torch.Tensor:
+        """Replace flat ``x`` by its average over the group, the same on every rank.
+        With ``residual`` (flat, ``x``'s length, zeros at first) it is added to
+        ``x`` first and then holds what this call lost. Returns ``x``."""
+        size, n = self.comm.size, x.numel()
+        if size == 1:
+            return x
+        chunk = -(-n // size)  # elements per rank's chunk (the last padded with zeros)
+        work = x.new_zeros(size * chunk, dtype=torch.float32)
+        work[:n].copy_(x.reshape(-1))
+        if residual is not None:
+            work[:n].add_(residual)
+        parts = [quantize(c, self.bits, self.block) for c in work.view(size, chunk)]
+        if residual is not None:
+            back = torch.cat([dequantize(q) for q in parts])
+            residual.copy_(work[:n] - back[:n])
+        sent = torch.stack([self._pack(q) for q in parts])
+        received = torch.empty_like(sent)
+        self.comm.all_to_all(received, sent, tag=f"{tag} quantized chunks")
+        mine = torch.zeros(chunk, dtype=torch.float32, device=x.device)
+        for row in received:
+            mine.add_(dequantize(self._unpack(row, chunk)))
+        mine.div_(size)
+        second = quantize(mine, self.bits, self.block)
+        if residual is not None:
+            lost = (mine - dequantize(second)).mul_(size)
+            start = self.comm.rank * chunk
+            if start < n:
+                end = min(n, start + chunk)
+                residual[start:end].add_(lost[: end - start])
+        own = self._pack(second)
+        gathered = torch.empty(size * own.numel(), dtype=torch.uint8, device=x.device)
+        self.comm.all_gather_into(gathered, own, tag=f"{tag} quantized average")
+        result = torch.cat([dequantize(self._unpack(row, chunk)) for row in gathered.view(size, -1)])
+        x.copy_(result[:n].view_as(x))
+        return x
+
+    def _pack(self, q: Quantized) -> torch.Tensor:
+        """``q`` as bytes: its values, then its scales."""
+        return torch.cat([q.values.view(torch.uint8), q.scales.contiguous().view(torch.uint8)])
+
+    def _unpack(self, row: torch.Tensor, chunk: int) -> Quantized:
+        """What :meth:`_pack` wrote of ``chunk`` elements."""
+        value_bytes = -(-chunk * self.bits // 8)
+        values = row[:value_bytes].clone()
+        scales = row[value_bytes:].clone().view(torch.float32)
+        return Quantized(values.view(torch.int8) if self.bits == 8 else values, scales, chunk, self.bits, self.block)

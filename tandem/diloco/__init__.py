@@ -1,0 +1,7 @@
+"""Training over slow links: DiLoCo, LocalSGD and Streaming DiLoCo
+(:class:`DiLoCo`, :class:`DiLoCoConfig`)."""
+
+from tandem.diloco.config import DiLoCoConfig
+from tandem.diloco.diloco import DiLoCo
+
+__all__ = ["DiLoCo", "DiLoCoConfig"]

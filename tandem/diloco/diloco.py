@@ -1,0 +1,125 @@
+"""Training over a slow link: local steps and an outer step, :class:`DiLoCo`.
+
+# Note [local steps and the outer step]
+DDP sends every gradient every step. DiLoCo (Douillard et al., arXiv
+2311.08105) lets each rank take ``H`` steps of its own optimizer (the inner
+one) on its own data, sending nothing, and then syncs: each rank's
+pseudo-gradient, the synced parameters of the last sync less its local ones,
+is averaged across the ranks, and an outer optimizer (Nesterov SGD) steps the
+synced parameters with it; every rank then continues from the result. The
+link carries one model's worth every ``H`` steps instead of every step.
+
+- LocalSGD is the special case of an outer SGD at lr 1 without momentum: the
+  new parameters are the ranks' average (:meth:`DiLoCoConfig.local_sgd`).
+- With ``H = 1``, that outer SGD at lr 1 and a plain SGD inner optimizer, the
+  pseudo-gradient is ``lr`` times the local gradient and the step is DDP's:
+  tests/diloco/test_diloco.py holds DiLoCo to DDP, and to one process
+  simulating the ranks, on that identity and others.
+- Streaming DiLoCo (arXiv 2501.18512) syncs the model in fragments, each at
+  its own step of the ``H`` (Note [fragments and their schedule] in
+  fragments.py), and may let a fragment's average travel beside ``overlap``
+  inner steps before it is applied, mixing ``mix`` of the local parameters
+  into the result. With one fragment, no overlap and no mix it is DiLoCo.
+- The pseudo-gradients may travel in int8 or int4 blocks with error feedback
+  (``quantize``; Note [a quantized average] in tandem/comm/quantized_average.py).
+
+What it costs: the synced copy of the parameters (fp32) and the outer
+optimizer's momentum, two copies of the model per rank, as the paper's. Every
+rank must step its inner optimizer the same number of times. The model's
+buffers (BatchNorm's statistics) stay each rank's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.comm.group import GroupComm
+from tandem.diloco.config import DiLoCoConfig
+from tandem.diloco.fragment_sync import FragmentSync
+from tandem.diloco.fragments import fragments_due, plan_fragments
+
+__all__ = ["DiLoCo"]
+
+
+class DiLoCo:
+    """Local steps of ``optimizer`` on ``model``, synced by an outer step every
+    ``config.sync_every`` of them (Note [local steps and the outer step]).
+
+    Build it after the model and its optimizer, on every rank; the model is not
+    wrapped (no DDP: each rank trains its own copy between syncs), and the
+    ranks start from rank 0's parameters. The syncs happen in the optimizer's
+    ``step()``, through a hook: the training loop stays as it is.
+
+    Args:
+        model: the model, the same architecture on every rank.
+        optimizer: the inner optimizer, stepping ``model``'s parameters.
+        config: when and how to sync (default: DiLoCo's settings, H=100).
+        comm: the ranks that sync (default: the world).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 config: DiLoCoConfig | None = None, *, comm: GroupComm | None = None) -> None:
+        self.config = config if config is not None else DiLoCoConfig()
+        self.comm = comm if comm is not None else GroupComm(None)
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"rank {self.comm.rank}: DiLoCo: the model has no parameter that requires grad")
+        with torch.no_grad():
+            self.comm.broadcast_coalesced([p.detach() for p in params], 0, tag="diloco start")
+        groups = plan_fragments([p.numel() for p in params], self.config.fragments)
+        self.fragments = [FragmentSync(i, [params[j] for j in g], self.comm, self.config)
+                          for i, g in enumerate(groups)]
+        self.step = 0
+        """Inner steps taken."""
+        self._due: dict[int, int] = {}  # a fragment in flight -> the step it is applied at
+        self._hook = optimizer.register_step_post_hook(self._after_inner_step)
+
+    def _after_inner_step(self, *_: Any) -> None:
+        self.step += 1
+        for f, due in sorted(self._due.items()):
+            if due == self.step:
+                del self._due[f]
+                self.fragments[f].finish()
+        cfg = self.config
+        for f in fragments_due(self.step, cfg.sync_every, cfg.fragments):
+            self.fragments[f].start()
+            if cfg.overlap:
+                self._due[f] = self.step + cfg.overlap
+            else:
+                self.fragments[f].finish()
+
+    @property
+    def bytes_per_sync(self) -> int:
+        """Payload bytes one sync of the whole model hands to the collectives (fp32)."""
+        return sum(4 * p.numel() for f in self.fragments for p in f.params)
+
+    def flush(self) -> None:
+        """Apply the fragments still in flight now (at the end of training)."""
+        for f in sorted(self._due):
+            self.fragments[f].finish()
+        self._due.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to go on as if never stopped: the step, each
+        fragment's synced parameters, outer optimizer and residual, and the
+        syncs in flight (their averages waited for, to be applied at their step;
+        every rank must call it at the same step)."""
+        return {"step": self.step, "due": dict(self._due), "fragments": [f.state_dict() for f in self.fragments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["fragments"]) != len(self.fragments):
+            raise ValueError(f"rank {self.comm.rank}: DiLoCo state of {len(state['fragments'])} fragments, "
+                             f"this one has {len(self.fragments)}: build it with the same DiLoCoConfig.fragments")
+        self.step = int(state["step"])
+        self._due = {int(f): int(due) for f, due in state.get("due", {}).items()}
+        for f, saved in zip(self.fragments, state["fragments"]):
+            f.load_state_dict(saved)
+
+    def remove(self) -> None:
+        """Stop syncing: the optimizer's hook removed, syncs in flight applied."""
+        self.flush()
+        self._hook.remove()

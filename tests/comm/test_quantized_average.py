@@ -1,0 +1,111 @@
+"""The quantized average (Note [a quantized average] in
+tandem/comm/quantized_average.py) on three gloo ranks, in one spawned group:
+within its bound of the true mean and the same on every rank; with error
+feedback, the sum over 300 calls equal to the sum of the true means less the
+mean of the last residuals, and within one call's bound, where without it the
+error grows with the calls; and the bytes handed to the collectives."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tandem.testing import run_distributed
+
+WORLD = 3
+CALLS = 300
+
+
+def _half_steps(x: torch.Tensor, bits: int, block: int, chunks: int = WORLD) -> torch.Tensor:
+    """Half a quantization step per element, from the definition (absmax / qmax / 2 per block),
+    the blocks starting afresh at each of the ``chunks`` chunks the average splits ``x`` into."""
+    top = 127 if bits == 8 else 7
+    chunk = -(-x.numel() // chunks)
+    out = []
+    for part in torch.cat([x, x.new_zeros(chunks * chunk - x.numel())]).split(chunk):
+        padded = torch.cat([part, part.new_zeros((-chunk) % block)]).view(-1, block)
+        out.append((padded.abs().amax(dim=1) / top / 2).repeat_interleave(block)[:chunk])
+    return torch.cat(out)[: x.numel()]
+
+
+def _cases(rank: int, world_size: int) -> dict:
+    import tandem
+    from tandem.comm.group import GroupComm
+    from tandem.comm.quantized_average import QuantizedAverage
+
+    comm = GroupComm(None)
+    out: dict = {}
+    for bits in (8, 4):
+        for n, block in ((1000, 64), (5, 2), (3 * 256, 256)):
+            g = torch.Generator().manual_seed(1000 * bits + n)
+            xs = [torch.randn(n, generator=g) * torch.logspace(-3, 2, n) for _ in range(world_size)]
+            x = xs[rank].clone()
+            ledger = tandem.comm.monitor.current_monitor().ledger
+            before = ledger.bytes_issued
+            QuantizedAverage(comm, bits, block).average_(x, tag="test")
+            sent = ledger.bytes_issued - before
+            mean = torch.stack(xs).mean(0)
+            # First quantization: each rank's error, averaged; the second: half a step of the
+            # average, whose magnitude is at most |mean| plus that first error.
+            first = torch.stack([_half_steps(v, bits, block) for v in xs]).mean(0)
+            bound = first + _half_steps(mean.abs() + first, bits, block)
+            out[(bits, n, block)] = {"x": x, "ok": bool(((x - mean).abs() <= bound * 1.0001 + 1e-7).all()),
+                                     "worst": float(((x - mean).abs() / bound.clamp_min(1e-30)).max()),
+                                     "sent": sent}
+        # Error feedback: a large entry and a small steady one the quantization rounds to zero.
+        n, block = 512, 256
+        average = QuantizedAverage(comm, bits, block)
+        for feedback in (True, False):
+            residual = torch.zeros(n) if feedback else None
+            total, true_total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+            g = torch.Generator().manual_seed(7)
+            for _ in range(CALLS):
+                grads = [torch.full((n,), 1e-3) + torch.randn(n, generator=g) * 1e-4 for _ in range(world_size)]
+                for v in grads:
+                    v[0], v[300] = 1.0, -1.0  # one large entry in each block
+                x = grads[rank].clone()
+                average.average_(x, residual, tag="feedback")
+                total += x.double()
+                true_total += torch.stack(grads).double().mean(0)
+            residuals = comm.all_gather(residual if residual is not None else torch.zeros(n))
+            out[(bits, "feedback", feedback)] = {
+                "gap": total - true_total, "mean_residual": torch.stack(residuals).double().mean(0),
+                "one_call": _half_steps(torch.full((n,), 1.0), bits, block, 1).double() * (1 + world_size)}
+    return out
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_distributed(_cases, WORLD, timeout=180)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n,block", [(1000, 64), (5, 2), (3 * 256, 256)])
+def test_the_average_is_within_its_bound_and_the_same_on_every_rank(bits: int, n: int, block: int) -> None:
+    results = [r[(bits, n, block)] for r in _results()]
+    for r in results:
+        assert r["ok"], r["worst"]
+        assert torch.equal(r["x"], results[0]["x"])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_error_feedback_loses_nothing_over_calls(bits: int) -> None:
+    for r in _results():
+        fed, lost = r[(bits, "feedback", True)], r[(bits, "feedback", False)]
+        # The sum of what was applied is the sum of the true averages, less the mean of the last
+        # residuals (exactly, up to float rounding over 300 sums) ...
+        torch.testing.assert_close(fed["gap"], -fed["mean_residual"], rtol=0, atol=1e-4)
+        # ... which one call's error bounds, however many calls were made ...
+        assert (fed["gap"].abs() <= fed["one_call"]).all(), fed["gap"].abs().max()
+        # ... while without feedback the small entries are lost at every call: 300 x 1e-3 each.
+        assert lost["gap"][1:300].abs().min() > 0.5 * CALLS * 1e-3 > fed["gap"].abs().max()
+
+
+def test_the_payload_is_a_quarter_of_fp32s_at_int8_and_an_eighth_at_int4() -> None:
+    for r in _results():
+        n = 3 * 256
+        # Values and a 4-byte scale a block, once to the all-to-all and a rank's chunk to the all-gather.
+        assert r[(8, n, 256)]["sent"] == (n + 3 * 4) + (256 + 4)
+        assert r[(4, n, 256)]["sent"] == (n // 2 + 3 * 4) + (128 + 4)
