@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tandem._compat import foreach_copy_
+from tandem.comm.group import GroupComm
+from tandem.comm.node_groups import NodeGroups
 from tandem.comm.quantize import BLOCK, qmax
 from tandem.comm.quantized_average import QuantizedAverage
-from tandem.comm_hooks._comm import hook_comm
+from tandem.comm_hooks._comm import hook_comm, is_default_group
 
 __all__ = ["QuantizedState", "quantized_hook"]
 
@@ -38,16 +40,22 @@ class QuantizedState:
         error_feedback: carry what quantization lost into the next step (keep it on:
             without it, gradient entries smaller than half a step of their block
             are lost at every step).
+        by_node: on several nodes of equal size, reduce inside each node in fp32
+            first and send only each rank's share across (Note [ranks by node]);
+            the groups are made here, so build the state on every rank.
         process_group: ``None`` (the DDP's group), a ``ProcessGroup`` or a ``GroupComm``.
     """
 
-    def __init__(self, bits: int = 8, *, block: int = BLOCK, error_feedback: bool = True,
+    def __init__(self, bits: int = 8, *, block: int = BLOCK, error_feedback: bool = True, by_node: bool = True,
                  process_group: Any = None) -> None:
         qmax(bits)
         if block < 2 or block % 2:
             raise ValueError(f"QuantizedState: block must be an even number >= 2, got {block!r}")
         self.bits, self.block, self.error_feedback = bits, block, error_feedback
         self.process_group = process_group
+        self.nodes = NodeGroups.build(GroupComm(None)) if by_node and dist.is_initialized() and \
+            is_default_group(process_group) else None
+        """The ranks by node, where the bucket is reduced inside each node first (None: flat)."""
         self._residual: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def residual(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -77,7 +85,7 @@ def quantized_hook(state: QuantizedState,
     params = bucket.parameters()
     if state.error_feedback:
         residual = torch.cat([_residual_of(state, p, g) for p, g in zip(params, grads)])
-    QuantizedAverage(comm, state.bits, state.block).average_(
+    QuantizedAverage(comm, state.bits, state.block, state.nodes).average_(
         flat, residual, tag=f"hook int{state.bits} bucket {bucket.index()}")
     buffer = bucket.buffer()
     if buffer.numel() == flat.numel():

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tandem.comm.group import GroupComm
+from tandem.comm.node_groups import NodeGroups
 from tandem.diloco.config import DiLoCoConfig
 from tandem.diloco.fragment_sync import FragmentSync
 from tandem.diloco.fragments import fragments_due, plan_fragments
@@ -71,7 +72,9 @@ class DiLoCo:
         with torch.no_grad():
             self.comm.broadcast_coalesced([p.detach() for p in params], 0, tag="diloco start")
         groups = plan_fragments([p.numel() for p in params], self.config.fragments)
-        self.fragments = [FragmentSync(i, [params[j] for j in g], self.comm, self.config)
+        # Note [ranks by node] in tandem/comm/node_groups.py: quantized, inside each node first.
+        nodes = NodeGroups.build(self.comm) if self.config.quantize else None
+        self.fragments = [FragmentSync(i, [params[j] for j in g], self.comm, self.config, nodes)
                           for i, g in enumerate(groups)]
         self.step = 0
         """Inner steps taken."""

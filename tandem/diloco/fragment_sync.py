@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tandem.comm.group import GroupComm, Work
+from tandem.comm.node_groups import NodeGroups
 from tandem.comm.quantized_average import QuantizedAverage
 from tandem.diloco.config import DiLoCoConfig
 
@@ -32,9 +33,11 @@ class FragmentSync:
         params: the model's parameters in this fragment.
         comm: the ranks that average.
         config: the outer optimizer's settings.
+        nodes: ``comm``'s ranks by node, for a quantized average reduced inside each node first.
     """
 
-    def __init__(self, index: int, params: Sequence[nn.Parameter], comm: GroupComm, config: DiLoCoConfig) -> None:
+    def __init__(self, index: int, params: Sequence[nn.Parameter], comm: GroupComm, config: DiLoCoConfig,
+                 nodes: NodeGroups | None = None) -> None:
         self.index, self.params, self.comm, self.config = index, list(params), comm, config
         with torch.no_grad():
             self.synced = [nn.Parameter(p.detach().clone().float()) for p in self.params]
@@ -42,7 +45,7 @@ class FragmentSync:
                                      nesterov=config.nesterov)
         numel = sum(p.numel() for p in self.params)
         self.residual = torch.zeros(numel, device=self._device()) if config.quantize else None
-        self._quantized = QuantizedAverage(comm, config.quantize) if config.quantize else None
+        self._quantized = QuantizedAverage(comm, config.quantize, nodes=nodes) if config.quantize else None
         self._delta: torch.Tensor | None = None
         self._work: Work | None = None
 

@@ -81,6 +81,84 @@ def _results() -> list[dict]:
     return run_distributed(_cases, WORLD, timeout=180)
 
 
+# ---------------------------------------------------------------------- by node
+
+def _by_node(rank: int, world_size: int) -> dict:
+    """Four ranks as two nodes of two (GROUP_RANK, as the launcher sets it)."""
+    import os
+
+    from tandem.comm.group import GroupComm
+    from tandem.comm.monitor import current_monitor
+    from tandem.comm.node_groups import NodeGroups
+    from tandem.comm.quantized_average import QuantizedAverage
+
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    comm = GroupComm(None)
+    nodes = NodeGroups.build(comm)
+    assert nodes is not None
+    out: dict = {"local": nodes.local.members, "cross": nodes.cross.members}
+    n, block, bits = 1000, 64, 8
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g) * torch.logspace(-3, 2, n) for _ in range(world_size)]
+    ledger = current_monitor().ledger
+    entries = len(ledger.entries())
+    x = xs[rank].clone()
+    QuantizedAverage(comm, bits, block, nodes).average_(x, tag="by node")
+    out["x"], out["mean"] = x, torch.stack(xs).mean(0)
+    out["ops"] = [(e.op, e.group, e.nbytes) for e in ledger.entries()[entries:]]
+    # Error feedback, as in the flat case: the sum of 300 results against the sum of the true means.
+    average, residual = QuantizedAverage(comm, 4, 256, nodes), torch.zeros(512)
+    total, true_total = torch.zeros(512, dtype=torch.float64), torch.zeros(512, dtype=torch.float64)
+    for _ in range(CALLS):
+        grads = [torch.full((512,), 1e-3) + torch.randn(512, generator=g) * 1e-4 for _ in range(world_size)]
+        for v in grads:
+            v[0], v[300] = 1.0, -1.0
+        x = grads[rank].clone()
+        average.average_(x, residual, tag="feedback")
+        total += x.double()
+        true_total += torch.stack(grads).double().mean(0)
+    out["gap"], out["residuals"] = total - true_total, comm.all_gather(residual)
+    return out
+
+
+@functools.cache
+def _by_node_results() -> list[dict]:
+    return run_distributed(_by_node, 4, timeout=180)
+
+
+def test_by_node_the_groups_are_each_node_and_each_position_across_nodes() -> None:
+    from tandem.comm.node_groups import plan_node_groups
+
+    assert [(r["local"], r["cross"]) for r in _by_node_results()] == [
+        ([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    assert plan_node_groups(["b", "a", "b", "a"]) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    assert plan_node_groups(["a", "a"]) is None  # one node
+    assert plan_node_groups(["a", "b", "c"]) is None  # one rank a node
+    assert plan_node_groups(["a", "a", "b"]) is None  # nodes of different sizes
+
+
+def test_by_node_only_a_ranks_share_crosses_nodes_and_the_average_holds() -> None:
+    results = _by_node_results()
+    for r in results:
+        assert torch.equal(r["x"], results[0]["x"])
+        # fp32 inside the node, a bound of int8 across: well within 1% of the largest value.
+        assert (r["x"] - r["mean"]).abs().max() <= r["mean"].abs().max() / 127, (r["x"] - r["mean"]).abs().max()
+        ops = r["ops"]
+        # Inside the node: the fp32 sum and gather; across: int8 of this rank's 500 values.
+        assert [op for op, _, _ in ops] == ["reduce_scatter", "all_to_all", "all_gather_into", "all_gather_into"]
+        assert ops[0][2] == 4 * 1000 and ops[3][2] == 4 * 500
+        assert ops[1][2] == 2 * (250 + 4 * 4) and ops[2][2] == 250 + 4 * 4  # 250 values a rank, blocks of 64
+
+
+def test_by_node_error_feedback_loses_nothing() -> None:
+    results = _by_node_results()
+    mean_residual = torch.stack(results[0]["residuals"]).double().mean(0)  # every rank's, from all ranks
+    for r in results:
+        torch.testing.assert_close(r["gap"], -mean_residual, rtol=0, atol=1e-4)
+        # One call's error: half a step of int4 of a block holding 1.0, (1 + 2 nodes) times, as flat.
+        assert r["gap"].abs().max() <= (1.0 / 7 / 2) * 3
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n,block", [(1000, 64), (5, 2), (3 * 256, 256)])
 def test_the_average_is_within_its_bound_and_the_same_on_every_rank(bits: int, n: int, block: int) -> None:
