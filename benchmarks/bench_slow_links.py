@@ -19,7 +19,8 @@ worker holds the model) on CPython's own documentation text
 
     ddp / torch-ddp            tandem.DistributedDataParallel / torch's DDP
     powersgd / torch-powersgd  DDP with PowerSGD at rank --rank, from step 10 (tandem's hook / torch's,
-                               on their own DDPs)
+                               on their own DDPs; torch's with one bucket: with several, its hook's
+                               collectives go out of order across ranks on gloo, which aborts)
     int8                       tandem's DDP with the int8 hook (tandem.comm_hooks.quantized_hook)
     localsgd                   DiLoCoConfig.local_sgd(--sync-every): parameters averaged every H steps
     diloco                     DiLoCoConfig(sync_every=--sync-every, quantize=8): Nesterov outer step
@@ -75,8 +76,13 @@ def worker(args: argparse.Namespace) -> None:
     wrapped: Any = model
     if name in ("ddp", "powersgd", "int8"):
         wrapped = tandem.DistributedDataParallel(model)
-    elif name in ("torch-ddp", "torch-powersgd"):
+    elif name == "torch-ddp":
         wrapped = TorchDDP(model)
+    elif name == "torch-powersgd":
+        # torch's powerSGD_hook issues collectives from future callbacks, whose order differs
+        # across ranks with several buckets in flight: gloo aborts (Note [powersgd order] in
+        # tandem/comm_hooks/powersgd.py). One bucket keeps it in order.
+        wrapped = TorchDDP(model, bucket_cap_mb=1024)
     if name == "powersgd":
         wrapped.register_comm_hook(comm_hooks.PowerSGDState(comm_hooks.PowerSGDConfig(
             matrix_rank=args.rank, start_iter=10)), comm_hooks.powersgd_hook)
