@@ -39,6 +39,7 @@ each rate.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import tempfile
@@ -128,6 +129,9 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"wall_s": wall, "link_bytes": sent,
                                               "val_loss": float(loss) / world.world_size,
                                               "params": sum(p.numel() for p in model.parameters())}))
+    # One run of torch's DDP at 100 Mbit/s had a rank stay in its exit for minutes after
+    # the job's work was done: say where, and go.
+    faulthandler.dump_traceback_later(60, exit=True)
     tandem.shutdown()
 
 

@@ -31,6 +31,7 @@ from tandem.comm_hooks._comm import hook_comm, is_default_group
 __all__ = ["QuantizedState", "quantized_hook"]
 
 
+# Note [ranks by node] in tandem/comm/node_groups.py for by_node.
 class QuantizedState:
     """What :func:`quantized_hook` keeps: its settings and each parameter's residual.
 
@@ -41,8 +42,8 @@ class QuantizedState:
             without it, gradient entries smaller than half a step of their block
             are lost at every step).
         by_node: on several nodes of equal size, reduce inside each node in fp32
-            first and send only each rank's share across (Note [ranks by node]);
-            the groups are made here, so build the state on every rank.
+            first and send only each rank's share across the nodes; the groups
+            are made here, so build the state on every rank.
         process_group: ``None`` (the DDP's group), a ``ProcessGroup`` or a ``GroupComm``.
     """
 

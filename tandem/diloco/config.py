@@ -7,10 +7,10 @@ from dataclasses import dataclass
 __all__ = ["DiLoCoConfig"]
 
 
+# Note [local steps and the outer step] in tandem/diloco/diloco.py
 @dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig:
-    """Local steps and the outer step that syncs them (Note [local steps and
-    the outer step] in tandem/diloco/diloco.py). The defaults are DiLoCo's
+    """Local steps and the outer step that syncs them. The defaults are DiLoCo's
     (Douillard et al., arXiv 2311.08105): Nesterov SGD at lr 0.7, momentum 0.9.
     :meth:`local_sgd` is the special case that averages the parameters."""
 
@@ -34,10 +34,10 @@ class DiLoCoConfig:
     """At a fragment's sync, the share of the local parameters kept: the
     fragment becomes ``mix * local + (1 - mix) * synced`` (Streaming DiLoCo's
     alpha; 0 takes the synced parameters, as DiLoCo)."""
-    quantize: int | None = None
-    """8 or 4: the pseudo-gradients averaged in int8 or int4 blocks (Note [a
-    quantized average] in tandem/comm/quantized_average.py), with error feedback;
-    None sends fp32."""
+    quantize: int | None = None  # Note [a quantized average] in tandem/comm/quantized_average.py
+    """8 or 4: the pseudo-gradients averaged in int8 or int4 blocks of 256 values
+    with a scale each, with error feedback (what a sync loses is sent at the
+    next), reduced in fp32 inside each node first; None sends fp32."""
 
     def __post_init__(self) -> None:
         for name in ("sync_every", "fragments"):

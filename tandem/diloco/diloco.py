@@ -45,9 +45,12 @@ from tandem.diloco.fragments import fragments_due, plan_fragments
 __all__ = ["DiLoCo"]
 
 
+# Note [local steps and the outer step] at the top of this file.
 class DiLoCo:
     """Local steps of ``optimizer`` on ``model``, synced by an outer step every
-    ``config.sync_every`` of them (Note [local steps and the outer step]).
+    ``config.sync_every`` of them: the ranks average their pseudo-gradients
+    (the parameters of the last sync less their own), and an outer optimizer
+    steps the synced parameters with that average.
 
     Build it after the model and its optimizer, on every rank; the model is not
     wrapped (no DDP: each rank trains its own copy between syncs), and the

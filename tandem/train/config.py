@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.comm.membership import ElasticConfig
+from tandem.diloco.config import DiLoCoConfig
 from tandem.ddp.checks import NonFinite
 
 __all__ = ["CheckpointFormat", "Precision", "TrainerConfig"]
@@ -36,6 +37,7 @@ class CheckpointFormat(str, Enum):
 
     FULL = "full"          # one file, the whole state gathered onto rank 0, in torch's format
     SHARDED = "sharded"    # every rank writes its shard with torch.distributed.checkpoint
+    PER_RANK = "per_rank"  # every rank writes its whole state: the ranks' models differ (DiLoCo)
 
     @classmethod
     def parse(cls, value: str | CheckpointFormat | None) -> CheckpointFormat | None:
@@ -85,9 +87,11 @@ class TrainerConfig:
     checkpoint_format: CheckpointFormat | str | None = None
     """"sharded": each rank writes its shard of the model and optimizer in parallel
     (torch.distributed.checkpoint, in a committed step directory); "full": rank 0
-    writes one file holding the whole state in torch's format. None: "sharded"
-    for a fully-sharded model or a ZeroOptimizer, "full" otherwise. Resuming reads
-    either; ``Trainer.export`` writes the full format on demand."""
+    writes one file holding the whole state in torch's format; "per_rank": each
+    rank writes its whole state (with ``diloco``, whose ranks' models differ
+    between syncs). None: "per_rank" with ``diloco``, "sharded" for a
+    fully-sharded model or a ZeroOptimizer, "full" otherwise. Resuming reads
+    each; ``Trainer.export`` writes the full format on demand."""
     async_checkpoint: bool = False  # Note [saves in the background] in tandem/train/background_saves.py
     """Save checkpoints without stopping training for the write: each is copied
     into host memory (kept between saves: a second copy of the state) and
@@ -128,6 +132,13 @@ class TrainerConfig:
     """Also write every record as TensorBoard scalars (``train/loss``,
     ``train/lr``, ``eval/loss``, ...) to ``output_dir/tensorboard``, on rank 0;
     needs the ``tensorboard`` package."""
+    diloco: DiLoCoConfig | None = None  # Note [local steps and the outer step] in tandem/diloco/diloco.py
+    """Train with local steps (DiLoCo, LocalSGD, Streaming DiLoCo): the model is
+    not wrapped in DDP, each rank steps its own copy with the optimizer, and the
+    ranks sync every ``diloco.sync_every`` steps (:class:`tandem.DiLoCo`).
+    Checkpoints are then per rank. Not with ``elastic`` or ``async_checkpoint``
+    yet; evaluation runs each rank's model on its share of the data (between
+    syncs the ranks' models differ)."""
     straggler_every: int | None = 4  # Note [naming a straggler] in tandem/train/stragglers.py
     """Every this many steps (more where steps are short: a window lasts at
     least 0.1 s) the ranks share how long each phase of their steps took
@@ -164,6 +175,15 @@ class TrainerConfig:
             raise ValueError(f"tensorboard must be a bool, got {self.tensorboard!r}")
         if not isinstance(self.async_checkpoint, bool):
             raise ValueError(f"async_checkpoint must be a bool, got {self.async_checkpoint!r}")
+        if self.diloco is not None:
+            if not isinstance(self.diloco, DiLoCoConfig):
+                raise TypeError(f"diloco must be a tandem.DiLoCoConfig or None, got {self.diloco!r}")
+            if self.elastic or self.async_checkpoint:
+                raise ValueError("diloco does not go with elastic or async_checkpoint yet; pass elastic=False "
+                                 "and async_checkpoint=False")
+            if self.checkpoint_format not in (None, CheckpointFormat.PER_RANK):
+                raise ValueError(f"diloco needs checkpoint_format='per_rank' (the ranks' models differ between "
+                                 f"syncs), got {self.checkpoint_format!r}")
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             _check_positive(name, getattr(self, name))

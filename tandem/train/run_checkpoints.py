@@ -17,6 +17,7 @@ from tandem.checkpoint.one_rank import checkpoint_name, latest_checkpoint, load_
 from tandem.train.background_saves import BackgroundSaves
 from tandem.train.config import CheckpointFormat
 from tandem.train.history import History
+from tandem.train.per_rank_checkpoint import load_per_rank_state, save_per_rank_state
 from tandem.train.sharded_checkpoint import load_sharded_state, save_sharded_state
 from tandem.checkpoint.state import TrainingState
 
@@ -32,16 +33,27 @@ class Saves(Protocol):
     def abandon(self) -> None: ...
 
 
+class LocalState(Protocol):
+    """A rank's own state beside the model and optimizer (a per-rank checkpoint's)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class WaitedSaves:
     """Saves that training waits for: written, committed and pruned before
     :meth:`save` returns."""
 
-    def __init__(self, state: TrainingState, directory: Path, fmt: CheckpointFormat, keep: int) -> None:
-        self.state, self.directory, self.format, self._keep = state, directory, fmt, keep
+    def __init__(self, state: TrainingState, directory: Path, fmt: CheckpointFormat, keep: int,
+                 local: LocalState | None = None) -> None:
+        self.state, self.directory, self.format, self._keep, self._local = state, directory, fmt, keep, local
 
     def save(self, rank: int) -> Path:
         """Save now (a collective), then prune the oldest on rank 0."""
-        if self.format is CheckpointFormat.SHARDED:
+        if self.format is CheckpointFormat.PER_RANK:
+            local = self._local
+            path = save_per_rank_state(self.state, self.directory, lambda: {} if local is None else local.state_dict())
+        elif self.format is CheckpointFormat.SHARDED:
             path = save_sharded_state(self.state, self.directory)
         else:
             path = save_checkpoint(self.state.state_dict(), self.directory / checkpoint_name(self.state.step))
@@ -70,12 +82,16 @@ class RunCheckpoints:
         device: where a resume loads tensors.
         background: stage each save in memory and write it on a thread (Note
             [saves in the background] in background_saves.py).
+        local: this rank's own state, saved with a per-rank checkpoint (Note
+            [per-rank trainer checkpoints] in per_rank_checkpoint.py).
     """
 
     def __init__(self, state: TrainingState, directory: Path, fmt: CheckpointFormat, keep: int,
-                 device: torch.device, *, background: bool = False) -> None:
+                 device: torch.device, *, background: bool = False, local: LocalState | None = None) -> None:
         self.state, self.directory, self.format, self._device = state, directory, fmt, device
-        self._saves: Saves = (BackgroundSaves if background else WaitedSaves)(state, directory, fmt, keep)
+        self._local = local
+        self._saves: Saves = (BackgroundSaves(state, directory, fmt, keep) if background
+                              else WaitedSaves(state, directory, fmt, keep, local))
 
     def latest(self) -> Path | None:
         self._saves.join()  # a save in flight is listed once it is complete
@@ -113,7 +129,12 @@ class RunCheckpoints:
                 "resume=False")
         if latest is None:
             return None
-        if latest.is_dir():
+        if latest.is_dir() and self.format is CheckpointFormat.PER_RANK:
+            local = self._local
+            load_per_rank_state(self.state, latest,
+                                lambda saved: None if local is None else local.load_state_dict(saved),
+                                map_location=self._device)
+        elif latest.is_dir():
             load_sharded_state(self.state, latest, map_location=self._device)
         else:
             self.state.load_state_dict(load_checkpoint(latest, map_location=self._device))

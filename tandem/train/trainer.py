@@ -56,6 +56,7 @@ from tandem._tree import to_device
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import Generation
 from tandem.data import DistributedSampler, gather_samples
+from tandem.diloco import DiLoCo
 from tandem.data.batches import empty_batch, planned_batches
 from tandem.data.split import RestSplit
 from tandem.ddp.checks import NonFinite
@@ -148,7 +149,11 @@ class Trainer:
             require_tensorboard()
         self.device = device_of(model)
         fsdp = is_fully_sharded(model)
-        self.model = _wrap(model, self.config, self.world_size, elastic=run is not None)
+        local_steps = self.config.diloco
+        if local_steps is not None:
+            _check_local_steps(model, run is not None, self.rank)
+        self.model = model if local_steps is not None else _wrap(model, self.config, self.world_size,
+                                                                  elastic=run is not None)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
         self.metrics = dict(metrics or {})
         if fsdp:
@@ -162,12 +167,18 @@ class Trainer:
         self._loaders = self._new_loaders()
         self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
                                    scaler=self.scaler)
-        # Note [sharded trainer checkpoints] in sharded_checkpoint.py
+        # Note [local steps and the outer step] in tandem/diloco/diloco.py: syncs in optimizer.step().
+        self._diloco = None if local_steps is None else DiLoCo(model, optimizer, local_steps)
+        # Note [sharded trainer checkpoints] in sharded_checkpoint.py; with local steps, Note
+        # [per-rank trainer checkpoints] in per_rank_checkpoint.py.
         chosen = cast("CheckpointFormat | None", self.config.checkpoint_format)
+        if local_steps is not None:
+            chosen = CheckpointFormat.PER_RANK
         self._checkpoints = RunCheckpoints(
             self.state, self._output_dir / "checkpoints",
             chosen or (CheckpointFormat.SHARDED if zero or fsdp else CheckpointFormat.FULL),
-            self.config.keep_checkpoints, self.device, background=self.config.async_checkpoint)
+            self.config.keep_checkpoints, self.device, background=self.config.async_checkpoint,
+            local=self._diloco)
         self._autocast = autocast_for(self._precision, self.device)
         self._elastic = None if run is None else ElasticWorld(
             run, self.model, optimizer, self.state, TrainingStatePoints(self.state), self._checkpoints,
@@ -550,6 +561,18 @@ def _elastic_run(config: TrainerConfig, model: nn.Module, rank: int) -> ElasticR
     if is_fully_sharded(model):
         check_regroupable(model, rank)  # Note [regrouped units] in tandem/fsdp/regroup.py
     return ElasticRun(elastic_membership(elastic))
+
+
+def _check_local_steps(model: nn.Module, elastic: bool, rank: int) -> None:
+    """``TrainerConfig.diloco`` trains the bare model of each rank, outside an elastic job."""
+    if is_ddp(model) or is_fully_sharded(model):
+        raise ValueError(f"rank {rank}: TrainerConfig.diloco trains each rank's own copy of the model between "
+                         "syncs: pass the plain module, not a DistributedDataParallel or fully_shard model")
+    if elastic:
+        raise ValueError(f"rank {rank}: TrainerConfig.diloco does not go with an elastic job yet: run without "
+                         "--elastic, or without diloco")
+    if not dist.is_initialized():
+        raise ValueError(f"rank {rank}: TrainerConfig.diloco needs torch.distributed: call tandem.init() first")
 
 
 def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: bool) -> nn.Module:
