@@ -6,9 +6,10 @@ number of tokens.
 
 Run book (as root: it builds network namespaces, tandem.testing.Cluster)::
 
-    python benchmarks/bench_slow_links.py                      # about 15 minutes on 2 cores
+    python benchmarks/bench_slow_links.py                      # about 20 minutes on 2 cores
     python benchmarks/bench_slow_links.py --rates 100mbit --contenders ddp,diloco --steps 64
     python benchmarks/bench_slow_links.py --json /tmp/slow.json
+    python benchmarks/bench_slow_links.py --rates none --loss-seeds 0,1,2    # the losses alone
 
 Each contender is one job (``tandem run --nnodes 2 --nproc-per-node 2``, the
 store on node 0's address, each link a ``tbf`` queue at the rate): the GPT of
@@ -34,6 +35,15 @@ averaged over the workers (DiLoCo's workers differ between syncs; ``--steps``
 is a multiple of H, so the last step syncs; Streaming DiLoCo's last fragment
 syncs then, the others earlier). Contenders run in turn, in a rotated order at
 each rate.
+
+The validation loss after a few hundred steps moves by several percent with
+the order of the batches alone (DDP's, over three orders of batches: 2.34,
+2.14, 2.34), so one run cannot tell a 1% difference. ``--loss-seeds`` runs
+every contender again for each seed (each worker's batches drawn from
+``seed``) on one node of four workers, without the link: the loss does not
+depend on the link (the same seed gives the same loss to the last digit over
+namespaced nodes and on loopback), and prints each contender's losses and
+their mean against DDP's mean.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,9 +116,9 @@ def worker(args: argparse.Namespace) -> None:
         diloco = tandem.DiLoCo(model, opt, tandem.DiLoCoConfig(sync_every=args.sync_every, fragments=args.fragments,
                                                                quantize=8))
     train, val = Windows(train_ids, args.block), Windows(val_ids, args.block)
-    gen = torch.Generator().manual_seed(world.rank)  # each worker its own batches, the same in every job
+    gen = torch.Generator().manual_seed(world.rank + 100 * args.seed)  # each worker its own batches
     dist.barrier()
-    before = link_bytes() if world.rank == 0 else 0
+    before = link_bytes() if world.rank == 0 and not args.loopback else 0
     t0 = time.perf_counter()
     for _ in range(args.steps):
         idx = torch.randint(0, len(train), (args.batch,), generator=gen).tolist()
@@ -118,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
         diloco.flush()
     dist.barrier()
     wall = time.perf_counter() - t0
-    sent = link_bytes() - before if world.rank == 0 else 0
+    sent = link_bytes() - before if world.rank == 0 and not args.loopback else 0
     picks = torch.linspace(0, len(val) - 1, args.val_windows).long().tolist()
     with torch.no_grad():
         vx = torch.stack([val[i][0] for i in picks])
@@ -137,16 +150,35 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- the host
 
+def _worker_args(name: str, seed: int, out: Path, args: argparse.Namespace) -> list[str]:
+    """The worker's command line: the contender, the seed, where to write, the shared settings."""
+    argv = ["--worker", "--contender", name, "--out", str(out), "--seed", str(seed)]
+    for flag in ("steps", "batch", "block", "layers", "heads", "embd", "lr", "sync_every", "fragments", "rank",
+                 "val_windows"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv
+
+
 def _run(cluster: Any, name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{name}.json"
-    worker_args = ["--worker", "--contender", name, "--out", str(out)]
-    for flag in ("steps", "batch", "block", "layers", "heads", "embd", "lr", "sync_every", "fragments", "rank", "val_windows"):
-        worker_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    procs = launch(cluster, HERE, f"slow-{name}", [], worker_args, {"OMP_NUM_THREADS": "1"})
+    procs = launch(cluster, HERE, f"slow-{name}", [], _worker_args(name, args.seed, out, args),
+                   {"OMP_NUM_THREADS": "1"})
     logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
     if any(p.returncode for p in procs) or not out.exists():
         raise SystemExit(f"{name} failed:\n" + "\n".join(log[-3000:] for log in logs))
     return json.loads(out.read_text())
+
+
+def run_loopback(name: str, seed: int, args: argparse.Namespace, tmp: Path) -> float:
+    """Contender ``name``'s validation loss with batches of ``seed``, four workers on this node."""
+    out = tmp / f"{name}-{seed}.json"
+    argv = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", "4", str(HERE), "--loopback",
+            *_worker_args(name, seed, out, args)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode or not out.exists():
+        raise SystemExit(f"{name} (seed {seed}) failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return float(json.loads(out.read_text())["val_loss"])
 
 
 def run_rate(rate: str, args: argparse.Namespace, rotate: int) -> dict[str, Any]:
@@ -177,6 +209,16 @@ def format_results(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_losses(losses: dict[str, list[float]], seeds: list[int]) -> str:
+    lines = [f"| contender | validation loss, seeds {', '.join(map(str, seeds))} | mean | / DDP's mean |",
+             "|---|---|---|---|"]
+    ddp = statistics.mean(losses["ddp"]) if "ddp" in losses else float("nan")
+    for name, values in losses.items():
+        mean = statistics.mean(values)
+        lines.append(f"| {name} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} | {mean / ddp:.4f} |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="1gbit,100mbit")
@@ -192,10 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fragments", type=int, default=4, help="Streaming DiLoCo's fragments")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's matrix rank")
     p.add_argument("--val-windows", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="the batches' seed of the timed runs")
+    p.add_argument("--loss-seeds", default="", help="also the losses over these seeds, on one node (e.g. 0,1,2)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--loopback", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -205,15 +250,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    require_cluster("bench_slow_links")
     if args.steps % args.sync_every:
-        raise SystemExit(f"--steps {args.steps} must be a multiple of --sync-every {args.sync_every}: the last step syncs")
-    results = {}
-    for i, rate in enumerate(args.rates.split(",")):
+        raise SystemExit(f"--steps {args.steps} must be a multiple of --sync-every {args.sync_every}: the last "
+                         "step syncs")
+    results: dict[str, Any] = {}
+    rates = [] if args.rates == "none" else args.rates.split(",")
+    if rates:
+        require_cluster("bench_slow_links")
+    for i, rate in enumerate(rates):
         results[rate] = run_rate(rate, args, i)
-    print(format_results(results))
+    if results:
+        print(format_results(results))
+    losses: dict[str, list[float]] = {}
+    seeds = [int(s) for s in args.loss_seeds.split(",") if s]
+    if seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.contenders.split(","):
+                losses[name] = [run_loopback(name, seed, args, Path(tmp)) for seed in seeds]
+                print(f"{name}: {losses[name]}", file=sys.stderr, flush=True)
+        print(format_losses(losses, seeds))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "losses": losses}, indent=1))
 
 
 if __name__ == "__main__":
