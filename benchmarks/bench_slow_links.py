@@ -40,10 +40,11 @@ The validation loss after a few hundred steps moves by several percent with
 the order of the batches alone (DDP's, over three orders of batches: 2.34,
 2.14, 2.34), so one run cannot tell a 1% difference. ``--loss-seeds`` runs
 every contender again for each seed (each worker's batches drawn from
-``seed``) on one node of four workers, without the link: the loss does not
-depend on the link (the same seed gives the same loss to the last digit over
-namespaced nodes and on loopback), and prints each contender's losses and
-their mean against DDP's mean.
+``seed``) on one node of four workers, without the link, grouped as two nodes
+of two (``GROUP_RANK``, which the quantized averages group by): the loss does
+not depend on the link (the same seed gives the same loss to the last digit
+over namespaced nodes and on loopback), and prints each contender's losses
+and their mean against DDP's mean.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def worker(args: argparse.Namespace) -> None:
     from tandem.examples.gpt import Windows, lm_loss, load_text, split_text
     from tandem.examples.gpt_model import GPT, GPTConfig
 
+    if args.loopback:  # one node of four as two of two: the groups the quantized averages make (by node)
+        os.environ["GROUP_RANK"] = str(int(os.environ["RANK"]) // 2)
     world = tandem.init()
     torch.set_num_threads(1)
     codec, train_ids, val_ids = split_text(load_text())
