@@ -20,7 +20,7 @@ worker holds the model) on CPython's own documentation text
 
     ddp / torch-ddp            tandem.DistributedDataParallel / torch's DDP
     powersgd / torch-powersgd  DDP with PowerSGD at rank --rank, from step 10 (tandem's hook / torch's,
-                               on their own DDPs; torch's with one bucket: with several, its hook's
+                               on their own DDPs, each with one bucket: with several, torch's hook's
                                collectives go out of order across ranks on gloo, which aborts)
     int8                       tandem's DDP with the int8 hook (tandem.comm_hooks.quantized_hook)
     localsgd                   DiLoCoConfig.local_sgd(--sync-every): parameters averaged every H steps
@@ -91,8 +91,10 @@ def worker(args: argparse.Namespace) -> None:
     model.init_weights(0)
     name = args.contender
     wrapped: Any = model
-    if name in ("ddp", "powersgd", "int8"):
+    if name in ("ddp", "int8"):
         wrapped = tandem.DistributedDataParallel(model)
+    elif name == "powersgd":  # one bucket, as torch's below: the same collectives a step
+        wrapped = tandem.DistributedDataParallel(model, bucket_cap_mb=1024)
     elif name == "torch-ddp":
         wrapped = TorchDDP(model)
     elif name == "torch-powersgd":
