@@ -17,7 +17,7 @@ from pathlib import Path
 from tandem.checkpoint.atomic import fsync_directory, remove_quietly
 
 __all__ = ["MARKER", "MARKER_FORMAT", "CheckpointError", "CommittedCheckpoint", "FileRecord", "committed_steps",
-           "describe_root", "read_marker", "remove_step_directory", "step_directories", "step_directory"]
+           "describe_root", "read_marker", "remove_step_directory", "step_directories", "step_directory", "step_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,18 @@ class CommittedCheckpoint:
     def path(self, name: str) -> Path:
         """The path of one of its files."""
         return self.directory / name
+
+
+def step_of(directory: Path) -> int:
+    """The step a step directory (``step-00000120``) holds.
+
+    Raises:
+        ValueError: ``directory`` is not named as a step directory.
+    """
+    try:
+        return int(directory.name.removeprefix("step-"))
+    except ValueError:
+        raise ValueError(f"{directory} is not a step directory (step-NNNNNNNN)") from None
 
 
 def step_directory(root: str | os.PathLike[str], step: int) -> Path:

@@ -39,8 +39,6 @@ from tandem.comm.plain_data import decode, gather_payloads
 
 __all__ = ["CollectiveEvent", "GroupComm", "Work"]
 
-_reduce_scatter_tensor = reduce_scatter_tensor  # torch's name of the day: _compat
-_all_gather_into_tensor = all_gather_into_tensor
 
 
 _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in (
@@ -151,14 +149,14 @@ class GroupComm:
         return dist.get_global_rank(self.group, group_rank)
 
     def _issue(self, op: str, tensor: torch.Tensor | None, tag: str) -> LedgerEntry:
+        numel = 0 if tensor is None else tensor.numel()
         if self.observers:
-            event = CollectiveEvent(op, 0 if tensor is None else tensor.numel(),
-                                    None if tensor is None else tensor.dtype, tag)
+            event = CollectiveEvent(op, numel, None if tensor is None else tensor.dtype, tag)
             for observe in self.observers:
                 observe(event)
-        entry = self.ledger.issue(op, tag, 0 if tensor is None else tensor.numel(),
+        entry = self.ledger.issue(op, tag, numel,
                                   "" if tensor is None else _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)),
-                                  self.label, 0 if tensor is None else tensor.numel() * tensor.element_size())
+                                  self.label, 0 if tensor is None else numel * tensor.element_size())
         if self.monitor.fingerprints is not None and self.size > 1:
             self.monitor.fingerprints.check(self.label, self.members, entry,
                                             () if tensor is None else tuple(tensor.shape))
@@ -237,7 +235,7 @@ class GroupComm:
             elif all_reduce:  # Note [gloo's reduce-scatter]
                 work = dist.all_reduce(input, group=self.group, async_op=True)
             else:
-                work = _reduce_scatter_tensor(output, input, group=self.group, async_op=True)
+                work = reduce_scatter_tensor(output, input, group=self.group, async_op=True)
             # Its wait ignores a timeout on gloo: a watched wait goes through a thread.
             return self._waiter.submit(work) if self._watched else work
         return self._run("reduce_scatter", input, tag, launch, async_op)
@@ -267,7 +265,7 @@ class GroupComm:
         def launch() -> Any:
             if via is not None:
                 return via(output_tensor=output, input_tensor=input, group=self._process_group(), async_op=True)
-            return _all_gather_into_tensor(output, input, group=self.group, async_op=True)
+            return all_gather_into_tensor(output, input, group=self.group, async_op=True)
         return self._run("all_gather_into", input, tag, launch, async_op)
 
     def _process_group(self) -> dist.ProcessGroup:

@@ -98,11 +98,6 @@ class DiLoCo:
             else:
                 self.fragments[f].finish()
 
-    @property
-    def bytes_per_sync(self) -> int:
-        """Payload bytes one sync of the whole model hands to the collectives (fp32)."""
-        return sum(4 * p.numel() for f in self.fragments for p in f.params)
-
     def flush(self) -> None:
         """Apply the fragments still in flight now (at the end of training)."""
         for f in sorted(self._due):

@@ -52,11 +52,6 @@ class FragmentSync:
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether a sync was started and not finished."""
-        return self._delta is not None
-
     def start(self) -> None:
         """Launch the average of this fragment's pseudo-gradient (synced minus local)."""
         if self._delta is not None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.state import TrainingState, unwrap_model
+from tandem.checkpoint.steps import step_of
 from tandem.train.sharded_checkpoint import LOOP_FILE
 
 __all__ = ["KIND", "load_per_rank_state", "save_per_rank_state"]
@@ -83,7 +84,7 @@ def load_per_rank_state(state: TrainingState, directory: str | Path, load_local:
     """
     directory = Path(directory)
     rank, world = dist.get_rank(), dist.get_world_size()
-    ckpt = load_committed(directory.parent, step=int(directory.name.split("-")[1]), kind=KIND)
+    ckpt = load_committed(directory.parent, step=step_of(directory), kind=KIND)
     if ckpt.world_size != world:
         raise ValueError(f"rank {rank}: {directory} was saved by {ckpt.world_size} ranks, each its own model "
                          f"(local steps: the ranks differ between syncs); resume it on {ckpt.world_size} ranks, "

@@ -45,6 +45,7 @@ from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.dcp import dcp_state_dicts, dcp_writer, load_dcp_files, load_dcp_into, read_dcp_metadata
 from tandem.checkpoint.state import TrainingState, unwrap_model
+from tandem.checkpoint.steps import step_of
 from tandem.zero.dcp_state import zero_dcp_state, zero_load_target
 from tandem.zero.optimizer import ZeroOptimizer
 
@@ -111,7 +112,7 @@ def load_sharded_state(state: TrainingState, directory: str | Path, *,
             a scheduler, ...), before anything is loaded.
     """
     directory = Path(directory)
-    ckpt = load_committed(directory.parent, step=_step_of(directory), kind=KIND, group=group)
+    ckpt = load_committed(directory.parent, step=step_of(directory), kind=KIND, group=group)
     loop = torch.load(ckpt.path(LOOP_FILE), map_location=map_location or "cpu", weights_only=True)
     state.check_loop_state(loop)
     model, optimizer = state.model, state.optimizer
@@ -131,10 +132,3 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
     if isinstance(optimizer, ZeroOptimizer):
         return {"model": unwrap_model(model).state_dict(), "optim": zero_dcp_state(optimizer)}
     return dcp_state_dicts(unwrap_model(model), optimizer)
-
-
-def _step_of(directory: Path) -> int:
-    try:
-        return int(directory.name.removeprefix("step-"))
-    except ValueError:
-        raise ValueError(f"{directory} is not a step directory (step-NNNNNNNN)") from None

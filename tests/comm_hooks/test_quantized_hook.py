@@ -71,7 +71,6 @@ def _sums(rank: int, world_size: int, wrapper: str, bits: int, feedback: bool) -
 def _loss(rank: int, hook: str | None, steps: int = 200) -> tuple[float, list[tuple[int, float]]]:
     import tandem
     from tandem import comm_hooks
-    from tandem.comm.wire import sent_bytes
 
     g = torch.Generator().manual_seed(123)
     w1, w2 = torch.randn(16, 32, generator=g) / 4, torch.randn(32, 8, generator=g) / 2
@@ -97,6 +96,17 @@ def _loss(rank: int, hook: str | None, steps: int = 200) -> tuple[float, list[tu
         opt.step()
     with torch.no_grad():
         return nn.functional.mse_loss(model(x), y).item(), sent
+
+
+# What a rank sends for a collective of ``payload`` bytes in a group of ``size``, by the
+# bandwidth-optimal algorithms (ring all-reduce: reduce-scatter then all-gather;
+# pairwise all-to-all; ring all-gather of this rank's input; a broadcast's payload, on average).
+_SENT = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_to_all": lambda w: (w - 1) / w,
+         "reduce_scatter": lambda w: (w - 1) / w, "all_gather_into": lambda w: w - 1.0, "broadcast": lambda w: 1.0}
+
+
+def sent_bytes(op: str, payload: int, size: int) -> float:
+    return payload * _SENT[op](size)
 
 
 def _all(rank: int, world_size: int) -> dict:

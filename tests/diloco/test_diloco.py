@@ -271,7 +271,6 @@ def test_diloco_sends_one_h_th_of_ddps_bytes_a_step() -> None:
 
 
 def test_int8_pseudo_gradients_stay_within_the_quantization_bound() -> None:
-    r0 = _results()[0]["quantized"]
     simulated = _simulate(dict(sync_every=4), _adamw, steps=4)
     for r in _results():
         q, f = r["quantized"]["int8"], r["quantized"]["fp32"]
@@ -285,4 +284,3 @@ def test_int8_pseudo_gradients_stay_within_the_quantization_bound() -> None:
         for a, b in zip(q, f):
             assert (a - b).abs().max() <= bound, ((a - b).abs().max(), bound)
         assert any(not torch.equal(a, b) for a, b in zip(q, f))  # it did quantize
-    assert r0 is not None
