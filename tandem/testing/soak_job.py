@@ -26,7 +26,10 @@ committed and its buddy copies sent), under ZeRO-2 inside the optimizer's
 parameter all-gather once its own shard is updated (``gather``), inside a
 checkpoint save (``save``), in the world's rebuild after a regroup
 (``regroup``: the step is the one the job goes on from), or, for a replacement
-(``"member": "j1"``), as soon as it is admitted (``join``).
+(``"member": "j1"``), as soon as it is admitted (``join``). A kill with
+``"after": n`` waits until n kills on purpose have happened (their ``killed``
+events): a death that must come alone, not in the same step or rebuild as
+another, waits for the others.
 """
 
 from __future__ import annotations
@@ -128,13 +131,21 @@ def main() -> None:
     def generation() -> int:
         return trainer._elastic.membership.generation.number if trainer is not None and trainer._elastic else -1
 
+    def killed_so_far() -> int:
+        return sum(p.read_text().count('"e": "killed"') for p in out.glob("events-*.jsonl"))
+
+    def due(phase: str, step: int) -> bool:
+        """A kill of this member at this point is due (a world at full size: one loss at a time)."""
+        if dist.get_world_size() < full:
+            return False  # a kill waits for the world to have grown back
+        mine = [k for k in kills if k["member"] == member() and k["phase"] == phase and k["step"] <= step]
+        return bool(mine) and any(k.get("after", 0) <= killed_so_far() for k in mine)
+
     def kill_if(phase: str, step: int | None = None) -> None:
         if trainer is None:
             return
         step = trainer.state.step if step is None else step
-        if dist.get_world_size() < full:
-            return  # one loss at a time: a kill waits for the world to have grown back
-        if any(k["member"] == member() and k["phase"] == phase and k["step"] <= step for k in kills):
+        if due(phase, step):
             events.write("killed", member=member(), phase=phase, step=step)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -247,9 +258,7 @@ def main() -> None:
 
     def save_or_die(*args: Any, **kwargs: Any) -> Any:
         assert trainer is not None
-        if dist.get_world_size() == full and any(
-                k["member"] == member() and k["phase"] == "save" and k["step"] <= trainer.state.step
-                for k in kills):
+        if due("save", trainer.state.step):
             # Killed from another thread a moment into the save, not before it starts.
             threading.Timer(0.002, kill_if, args=("save", trainer.state.step)).start()
         return save(*args, **kwargs)
