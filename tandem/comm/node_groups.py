@@ -1,5 +1,6 @@
-"""The ranks by node: :func:`plan_node_groups` (pure) and :class:`NodeGroups`
-(the process groups it plans).
+"""The ranks by node: :func:`plan_node_groups` (pure), :class:`NodeGroups`
+(the process groups it plans) and :func:`node_mesh` (the same as a 2-D
+DeviceMesh, for fully_shard inside each node).
 
 # Note [ranks by node]
 A collective that crosses a slow link between nodes sends less over it when
@@ -20,12 +21,14 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tandem.comm.group import GroupComm
 
-__all__ = ["NodeGroups", "plan_node_groups"]
+__all__ = ["NodeGroups", "node_mesh", "plan_node_groups"]
 
 
 def plan_node_groups(nodes: Sequence[str]) -> tuple[list[list[int]], list[list[int]]] | None:
@@ -57,8 +60,7 @@ class NodeGroups:
         calls it); None where the nodes do not make two dimensions."""
         if comm.group is not None or comm.size < 4:
             return None
-        node = os.environ.get("GROUP_RANK") or socket.gethostname()
-        planned = plan_node_groups([str(n) for n in comm.all_gather_object(node, tag="node of each rank")])
+        planned = plan_node_groups(_node_of_each_rank(comm))
         if planned is None:
             return None
         local_lists, cross_lists = planned
@@ -69,3 +71,36 @@ class NodeGroups:
                 if comm.rank in ranks:
                     mine[kind] = GroupComm(group)
         return cls(mine["local"], mine["cross"])
+
+
+def _node_of_each_rank(comm: GroupComm) -> list[str]:
+    """Each rank's node (Note [ranks by node]): a collective."""
+    node = os.environ.get("GROUP_RANK") or socket.gethostname()
+    return [str(n) for n in comm.all_gather_object(node, tag="node of each rank")]
+
+
+def node_mesh(device_type: str, *, who: str) -> Any:
+    """The world's ranks as a 2-D ``DeviceMesh`` with dimensions ``("node",
+    "local")``: ``mesh["local"]`` the ranks of this rank's node, ``mesh["node"]``
+    the ranks at its position on every node. A collective: every rank calls it.
+
+    Raises:
+        ValueError: on every rank, where the nodes do not make two dimensions
+            (one node, one rank a node, or nodes of different sizes), naming
+            the ranks of each node; ``who`` says which caller needed them.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    comm = GroupComm(None)
+    nodes = _node_of_each_rank(comm)
+    planned = plan_node_groups(nodes)
+    if planned is None:
+        by_node: dict[str, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            by_node.setdefault(node, []).append(rank)
+        raise ValueError(
+            f"rank {comm.rank}: {who} needs at least 2 nodes of the same number of ranks, 2 or more each "
+            f"(the node of each rank is GROUP_RANK, set by tandem run and torchrun, else the host name); "
+            f"got ranks by node {by_node}. On one node, or one rank a node, use strategy='ddp'")
+    local, _ = planned
+    return DeviceMesh(device_type, torch.tensor(local), mesh_dim_names=("node", "local"))

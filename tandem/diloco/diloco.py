@@ -23,6 +23,21 @@ link carries one model's worth every ``H`` steps instead of every step.
 - The pseudo-gradients may travel in int8 or int4 blocks with error feedback
   (``quantize``; Note [a quantized average] in tandem/comm/quantized_average.py).
 
+# Note [DiLoCo across nodes, fully_shard inside]
+Over a slow link between nodes and a fast one inside each, a node can be one
+worker: its ranks shard the model with ``fully_shard`` over the node alone
+(``mesh["local"]`` of :func:`tandem.comm.node_groups.node_mesh`), so every
+inner step's all-gathers and reduce-scatters stay inside it, and the nodes
+sync every ``H`` steps. The rank at a given place on each node holds the same
+shard of every parameter (the same local shapes, the same rows), so the outer
+step runs on each rank's local shards, averaged with the ranks at its place on
+the other nodes (``mesh["node"]``): each rank sends its shard, a node sends one
+model, and the synced copy and the outer momentum are sharded too. With H=1
+and an outer SGD at lr 1 it is HSDP (tests/diloco/test_prepare_diloco.py
+holds it to torch's). ``tandem.prepare(..., strategy="fsdp", diloco=...)``
+builds it; by hand, it is ``fully_shard(model, mesh=mesh["local"])`` and
+``DiLoCo(model, optimizer, config, comm=GroupComm(mesh["node"].get_group()))``.
+
 What it costs: the synced copy of the parameters (fp32) and the outer
 optimizer's momentum, two copies of the model per rank, as the paper's. Every
 rank must step its inner optimizer the same number of times. The model's
@@ -41,6 +56,7 @@ from tandem.comm.node_groups import NodeGroups
 from tandem.diloco.config import DiLoCoConfig
 from tandem.diloco.fragment_sync import FragmentSync
 from tandem.diloco.fragments import fragments_due, plan_fragments
+from tandem.dtensor import local_tensor
 
 __all__ = ["DiLoCo"]
 
@@ -73,8 +89,8 @@ class DiLoCo:
         if not params:
             raise ValueError(f"rank {self.comm.rank}: DiLoCo: the model has no parameter that requires grad")
         with torch.no_grad():
-            self.comm.broadcast_coalesced([p.detach() for p in params], 0, tag="diloco start")
-        groups = plan_fragments([p.numel() for p in params], self.config.fragments)
+            self.comm.broadcast_coalesced([local_tensor(p).detach() for p in params], 0, tag="diloco start")
+        groups = plan_fragments([local_tensor(p).numel() for p in params], self.config.fragments)
         # Note [ranks by node] in tandem/comm/node_groups.py: quantized, inside each node first.
         nodes = NodeGroups.build(self.comm) if self.config.quantize else None
         self.fragments = [FragmentSync(i, [params[j] for j in g], self.comm, self.config, nodes)
@@ -83,6 +99,17 @@ class DiLoCo:
         """Inner steps taken."""
         self._due: dict[int, int] = {}  # a fragment in flight -> the step it is applied at
         self._hook = optimizer.register_step_post_hook(self._after_inner_step)
+
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer) -> DiLoCo | None:
+        """The DiLoCo that syncs after ``optimizer``'s steps (the one
+        ``tandem.prepare(..., diloco=...)`` built), or None: to save its
+        :meth:`state_dict` with a checkpoint, or :meth:`flush` it at the end."""
+        for hook in getattr(optimizer, "_optimizer_step_post_hooks", {}).values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, DiLoCo):
+                return owner
+        return None
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1

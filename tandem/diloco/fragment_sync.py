@@ -7,6 +7,10 @@ and, with quantization, the residual of its error feedback. A sync is a pair,
 diloco.py): start computes the pseudo-gradient (global minus local) and
 launches its average; finish waits for it, takes the outer step on the global
 copy and writes the result into the model's parameters.
+
+A sharded parameter (a DTensor of ``fully_shard`` over the ranks of a node)
+syncs its local shard: the ranks that average hold the same shard on each
+node (Note [DiLoCo across nodes, fully_shard inside] in diloco.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tandem.comm.group import GroupComm, Work
 from tandem.comm.node_groups import NodeGroups
 from tandem.comm.quantized_average import QuantizedAverage
 from tandem.diloco.config import DiLoCoConfig
+from tandem.dtensor import local_tensor
 
 __all__ = ["FragmentSync"]
 
@@ -40,7 +45,7 @@ class FragmentSync:
                  nodes: NodeGroups | None = None) -> None:
         self.index, self.params, self.comm, self.config = index, list(params), comm, config
         with torch.no_grad():
-            self.synced = [nn.Parameter(p.detach().clone().float()) for p in self.params]
+            self.synced = [nn.Parameter(p.detach().clone().float()) for p in self._locals()]
         self.outer = torch.optim.SGD(self.synced, lr=config.outer_lr, momentum=config.outer_momentum,
                                      nesterov=config.nesterov)
         numel = sum(p.numel() for p in self.params)
@@ -52,12 +57,17 @@ class FragmentSync:
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
+    def _locals(self) -> list[torch.Tensor]:
+        """The parameters' tensors on this rank (a DTensor's local shard), read at
+        each use: the tensors a parameter holds may change, the parameter does not."""
+        return [local_tensor(p) for p in self.params]
+
     def start(self) -> None:
         """Launch the average of this fragment's pseudo-gradient (synced minus local)."""
         if self._delta is not None:
             raise RuntimeError(f"fragment {self.index}: a sync started before the last one finished")
         with torch.no_grad():
-            delta = torch.cat([(s - p.float()).reshape(-1) for s, p in zip(self.synced, self.params)])
+            delta = torch.cat([(s - p.float()).reshape(-1) for s, p in zip(self.synced, self._locals())])
         tag = f"diloco fragment {self.index}"
         if self._quantized is not None:
             self._quantized.average_(delta, self.residual, tag=tag)  # already the average
@@ -88,7 +98,7 @@ class FragmentSync:
         self.outer.step()
         mix = self.config.mix
         with torch.no_grad():
-            for s, p in zip(self.synced, self.params):
+            for s, p in zip(self.synced, self._locals()):
                 s.grad = None
                 if mix:
                     p.mul_(mix).add_(s.to(p.dtype), alpha=1.0 - mix)

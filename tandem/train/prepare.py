@@ -48,7 +48,9 @@ from torch.utils.data import DataLoader
 
 from tandem.comm.group import GroupComm
 from tandem.comm.membership import ElasticConfig
+from tandem.comm.node_groups import node_mesh
 from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
+from tandem.diloco import DiLoCo, DiLoCoConfig
 from tandem.fsdp import FSDPModule
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.strategy import Strategy, apply_strategy, param_names
@@ -68,7 +70,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             strategy: str | Strategy = "ddp", wrapper_kwargs: Mapping[str, Any] | None = None,
             shard_units: tuple[type[nn.Module], ...] = (), device: torch.device | str | None = None,
             seed: int | None = None, move_batches: bool = True,
-            elastic: bool | ElasticConfig | None = None, straggler_every: int | None = 4) -> tuple[Any, ...]:
+            elastic: bool | ElasticConfig | None = None, straggler_every: int | None = 4,
+            diloco: DiLoCoConfig | None = None) -> tuple[Any, ...]:
     """Make a model, its optimizer and DataLoaders data-parallel, for a training
     loop the caller writes.
 
@@ -123,6 +126,16 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             when a rank is consistently slower than the others in a phase
             (``tandem: rank 2 slow: data 3.1x the median``). One small
             all-gather each time; None turns it off. Not yet with ``elastic``.
+        diloco: train with local steps (DiLoCo, LocalSGD, Streaming DiLoCo:
+            :class:`tandem.DiLoCoConfig`), synced in the optimizer's ``step()``
+            every ``diloco.sync_every`` steps. With ``strategy="ddp"`` the model
+            is not wrapped: each rank trains its own copy between syncs. With
+            ``strategy="fsdp"`` the model is sharded over the ranks of each node
+            (every step's collectives stay inside it) and the nodes sync their
+            shards (the node of each rank is ``GROUP_RANK``, else the host).
+            ``tandem.DiLoCo.of(optimizer)`` is the object that syncs: save its
+            ``state_dict()`` with a checkpoint, and ``flush()`` it at the end.
+            Not yet with ``elastic``, ``"zero1"`` or ``"zero2"``.
 
     Returns:
         ``(model, optimizer, *dataloaders)``, in the order given: the wrapped
@@ -164,14 +177,28 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         elastic_settings = None  # `tandem run --elastic` and a model prepared for inference: nothing to step
     if elastic_settings is not None:
         _check_elastic(optimizer, comm.rank)
+    if diloco is not None:
+        _check_diloco(diloco, chosen, optimizer, elastic_settings is not None, kwargs, comm.rank)
     specs = [loader_spec(loader, i, seed) for i, loader in enumerate(dataloaders)]
     _agree(comm, chosen, specs)
     target = _resolve_device(device)
+    sync_comm = comm
+    if diloco is not None and chosen is Strategy.FULLY_SHARD:
+        # Note [DiLoCo across nodes, fully_shard inside] in tandem/diloco/diloco.py
+        mesh = node_mesh(target.type, who="prepare(strategy='fsdp', diloco=...)")
+        kwargs["mesh"] = mesh["local"]
+        sync_comm = GroupComm(mesh["node"].get_group())
 
     model.to(target)
     param_names(model, optimizer)  # every tensor it steps is the model's, or fail by name
-    wrapped, stepped = _wrap(model, optimizer, chosen, kwargs, shard_units, target, comm.size,
-                             elastic=elastic_settings is not None)
+    if diloco is not None and chosen is Strategy.DDP:
+        wrapped, stepped = model, optimizer  # each rank's own copy between syncs
+    else:
+        wrapped, stepped = _wrap(model, optimizer, chosen, kwargs, shard_units, target, comm.size,
+                                 elastic=elastic_settings is not None)
+    if diloco is not None:
+        assert stepped is not None  # _check_diloco
+        DiLoCo(wrapped, stepped, diloco, comm=sync_comm)  # it lives in the optimizer's step hook
     loaders = [distributed_loader(loader, spec, comm, target if move_batches else None)
                for loader, spec in zip(dataloaders, specs)]
     if elastic_settings is not None:
@@ -226,6 +253,27 @@ def _check_elastic(optimizer: torch.optim.Optimizer | None, rank: int) -> None:
     if optimizer is None:
         raise ValueError(f"prepare (rank {rank}): elastic=... needs the optimizer: its step() is where "
                          "the ranks agree on each step; pass it, or leave elastic unset for inference")
+
+
+def _check_diloco(diloco: DiLoCoConfig, strategy: Strategy, optimizer: torch.optim.Optimizer | None,
+                  elastic: bool, kwargs: dict[str, Any], rank: int) -> None:
+    if not isinstance(diloco, DiLoCoConfig):
+        raise TypeError(f"prepare (rank {rank}): diloco must be a tandem.DiLoCoConfig or None, got {diloco!r}")
+    if optimizer is None:
+        raise ValueError(f"prepare (rank {rank}): diloco=... needs the optimizer: the syncs happen in its step()")
+    if elastic:
+        raise ValueError(f"prepare (rank {rank}): diloco=... does not go with an elastic job yet: run without "
+                         "--elastic (elastic=False), or without diloco")
+    if strategy not in (Strategy.DDP, Strategy.FULLY_SHARD):
+        raise ValueError(f"prepare (rank {rank}): diloco=... with strategy={strategy.value!r}: DiLoCo trains each "
+                         "rank's own copy between syncs; use strategy='ddp' (each rank alone) or 'fsdp' (sharded "
+                         "inside each node, the nodes synced)")
+    if strategy is Strategy.DDP and kwargs:
+        raise ValueError(f"prepare (rank {rank}): diloco=... with strategy='ddp' does not wrap the model, so "
+                         f"wrapper_kwargs={sorted(kwargs)} would do nothing; drop them")
+    if "mesh" in kwargs:
+        raise ValueError(f"prepare (rank {rank}): diloco=... with strategy='fsdp' shards over each node's ranks "
+                         "and syncs across the nodes: it builds that mesh itself; drop wrapper_kwargs['mesh']")
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
