@@ -97,6 +97,9 @@ class DiLoCo:
                           for i, g in enumerate(groups)]
         self.step = 0
         """Inner steps taken."""
+        self.synced_at = 0
+        """The inner step of the last sync of the whole model (one fragment, no
+        overlap): where an elastic job goes back to when a rank is lost."""
         self._due: dict[int, int] = {}  # a fragment in flight -> the step it is applied at
         self._hook = optimizer.register_step_post_hook(self._after_inner_step)
 
@@ -124,6 +127,41 @@ class DiLoCo:
                 self._due[f] = self.step + cfg.overlap
             else:
                 self.fragments[f].finish()
+        if self.whole and self.step % cfg.sync_every == 0:
+            self.synced_at = self.step
+
+    @property
+    def whole(self) -> bool:
+        """Whether each sync is of the whole model, applied at once (one fragment,
+        no overlap, no mix): after a sync, every rank holds the synced parameters."""
+        cfg = self.config
+        return cfg.fragments == 1 and not cfg.overlap and not cfg.mix
+
+    def sync_now(self) -> None:
+        """Sync the whole model now, outside the schedule (an elastic job does at
+        an epoch's end); nothing if it was synced at this step. Only for
+        :attr:`whole` syncs."""
+        if not self.whole:
+            raise ValueError(f"rank {self.comm.rank}: DiLoCo.sync_now() syncs the whole model at once: it needs "
+                             "fragments=1, overlap=0 and mix=0")
+        if self.synced_at != self.step:
+            self.fragments[0].start()
+            self.fragments[0].finish()
+            self.synced_at = self.step
+
+    def take_synced(self) -> None:
+        """Set every parameter to its synced value (the state of the last sync)."""
+        for f in self.fragments:
+            f.take_synced()
+
+    def reset_process_group(self, comm: GroupComm) -> None:
+        """Sync over ``comm`` from now on (a new world: every rank of it calls
+        this); a sync in flight is dropped."""
+        self.comm = comm
+        nodes = NodeGroups.build(comm) if self.config.quantize else None
+        for f in self.fragments:
+            f.reset_process_group(comm, nodes)
+        self._due.clear()
 
     def flush(self) -> None:
         """Apply the fragments still in flight now (at the end of training)."""
@@ -136,13 +174,15 @@ class DiLoCo:
         fragment's synced parameters, outer optimizer and residual, and the
         syncs in flight (their averages waited for, to be applied at their step;
         every rank must call it at the same step)."""
-        return {"step": self.step, "due": dict(self._due), "fragments": [f.state_dict() for f in self.fragments]}
+        return {"step": self.step, "synced_at": self.synced_at, "due": dict(self._due),
+                "fragments": [f.state_dict() for f in self.fragments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["fragments"]) != len(self.fragments):
             raise ValueError(f"rank {self.comm.rank}: DiLoCo state of {len(state['fragments'])} fragments, "
                              f"this one has {len(self.fragments)}: build it with the same DiLoCoConfig.fragments")
         self.step = int(state["step"])
+        self.synced_at = int(state.get("synced_at", 0))
         self._due = {int(f): int(due) for f, due in state.get("due", {}).items()}
         for f, saved in zip(self.fragments, state["fragments"]):
             f.load_state_dict(saved)

@@ -105,6 +105,18 @@ class FragmentSync:
                 else:
                     p.copy_(s)
 
+    def take_synced(self) -> None:
+        """Set the fragment's parameters to their synced values."""
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._locals()):
+                p.copy_(s)
+
+    def reset_process_group(self, comm: GroupComm, nodes: NodeGroups | None) -> None:
+        """Average over ``comm`` from now on; a sync in flight is dropped."""
+        self.comm = comm
+        self._quantized = QuantizedAverage(comm, self.config.quantize, nodes=nodes) if self.config.quantize else None
+        self._delta = self._work = None
+
     def state_dict(self) -> dict[str, Any]:
         """The synced parameters, the outer optimizer's state, the residual, and the
         averaged pseudo-gradient of a sync in flight (waited for, not applied)."""

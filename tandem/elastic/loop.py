@@ -111,8 +111,11 @@ from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import ElasticConfig, Generation
 from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
+from tandem.comm.group import GroupComm
 from tandem.ddp.batch_weight import weigh_gradients
+from tandem.diloco import DiLoCo
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, first_sentence, is_peer_failure
+from tandem.elastic.sync_points import SyncPoints
 from tandem.elastic.world import ElasticWorld
 
 __all__ = ["ElasticLoop", "ElasticOptimizer", "make_elastic"]
@@ -189,6 +192,9 @@ class ElasticLoop:
         self._fsdp = is_fully_sharded(model)
         self._zero = hasattr(optimizer, "sharded_state_dict")  # a tandem.ZeroOptimizer
         self._points = _LoopPoints(self)
+        # Note [elastic local steps] in sync_points.py: the bare model of each rank, synced every H steps.
+        self.diloco = DiLoCo.of(optimizer)
+        self._syncs = None if self.diloco is None else SyncPoints(self.diloco, optimizer, self._points)
         self.world = ElasticWorld(run, model, optimizer, self.state, self._points, None,
                                   sharded=self._zero or self._fsdp)
         self.failure: BaseException | None = None  # a peer's failure seen during this step
@@ -198,8 +204,10 @@ class ElasticLoop:
         self._confirm_at: list[DistributedLoader] = []  # Note [an epoch's last step]
         self._received: list[Any] | None = None  # on a replacement: their states, loaded as registered
         self._weight = 1.0
-        cast(Any, model).set_failure_handler(self._record)
-        if self._fsdp:  # DDP weighs its outputs itself (batch_weight)
+        self._weighs_outputs = not hasattr(model, "batch_weight")  # DDP weighs its outputs itself
+        if hasattr(model, "set_failure_handler"):  # a bare model (DiLoCo) communicates in step() only
+            cast(Any, model).set_failure_handler(self._record)
+        if self._weighs_outputs:
             model.register_forward_hook(self._weigh_outputs)
         for loader in self.loaders:
             loader.before_batch = functools.partial(self._before_batch, loader)
@@ -209,6 +217,8 @@ class ElasticLoop:
             run.join(self._rebuild, self._report)
         else:
             self.world.refresh_buddy(dist.get_rank())  # the first copies, before the first step
+            if self._syncs is not None:
+                self._syncs.capture(self.state.step)  # the start: every rank holds rank 0's parameters
         run.step_started()
 
     def register(self, obj: Any) -> None:
@@ -244,7 +254,7 @@ class ElasticLoop:
         cause = self.failure
         if cause is None:
             try:
-                if self.world.buddy is not None:
+                if self.world.buddy is not None or self._syncs is not None:
                     self._points.complete()
                 self.world.decide(self.state.step)  # keeps this rank's shard as it is before the update
             except Exception as e:
@@ -270,6 +280,10 @@ class ElasticLoop:
         if not self._refresh_copies():
             self.run.step_started()
             return False, result  # the job went back before this step (Note [one step back])
+        if self._syncs is not None and self.diloco is not None and self.diloco.synced_at == self.diloco.step:
+            self._syncs.capture(self.state.step)
+        if self.run.grow_pending and self._between_syncs():
+            self.run.grow_pending = False  # decided again at the next step: admitted right after a sync
         if self.run.grow_pending:
             # Admitted at the training loader's next batch, after what the loop does
             # after step() (the scheduler's step): where a replacement's loop starts.
@@ -278,6 +292,10 @@ class ElasticLoop:
                 self._change_world(None, in_step=False)
         self.run.step_started()
         return True, result
+
+    def _between_syncs(self) -> bool:
+        """DiLoCo's ranks differ since its last sync (Note [elastic local steps])."""
+        return self.diloco is not None and self.diloco.synced_at != self.diloco.step
 
     def _refresh_copies(self) -> bool:
         """Send this rank's shard to its buddy after a commit (Note [buddy copies]);
@@ -296,7 +314,7 @@ class ElasticLoop:
         """A loader yields a batch of this weight: the model's next forwards count so
         (Note [batch weight] in tandem/ddp/batch_weight.py)."""
         self._weight = weight
-        if not self._fsdp:
+        if not self._weighs_outputs:
             cast(Any, self.model).batch_weight = weight
 
     def _weigh_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -312,12 +330,17 @@ class ElasticLoop:
             self.run.step_started()
 
     def _before_end(self, loader: DistributedLoader) -> None:
-        """A loader's iteration is about to end (Note [an epoch's last step])."""
-        if loader not in self._confirm_at or self.world.buddy is None:
+        """A loader's iteration is about to end (Note [an epoch's last step]; with
+        local steps, a sync: Note [elastic local steps])."""
+        if loader not in self._confirm_at or (self.world.buddy is None and self._syncs is None):
             return
         self._confirm_at = []
         try:
-            watched("barrier before an epoch ends", dist.barrier)
+            if self._syncs is not None and self.diloco is not None:
+                self.diloco.sync_now()
+                self._syncs.capture(self.state.step)
+            else:
+                watched("barrier before an epoch ends", dist.barrier)
         except Exception as e:
             if not is_peer_failure(e):
                 raise
@@ -337,17 +360,27 @@ class ElasticLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self._agree()  # a replacement's prepare agrees, one whose join was cut short too
         model: Any = self.model
-        model.reset_process_group()  # fully_shard: issues collectives again (Note [a broken step goes on])
+        if hasattr(model, "reset_process_group"):  # not a bare model (DiLoCo)
+            model.reset_process_group()  # fully_shard: issues collectives again (Note [a broken step goes on])
         resumed = None
         if self.world.buddy is not None:
             if self._zero:
                 cast(Any, self.optimizer).reset_process_group()
             resumed = self.world.restore_shards(own, rank)  # no checkpoint to fall back to
+        if self._syncs is not None and self.diloco is not None:  # Note [elastic local steps]
+            self.diloco.reset_process_group(GroupComm(None))
+            step = self._syncs.go_back(has_state=not self.run.needs_state)
+            if step is not None and step != self.state.step:
+                resumed = Resumed(step, checkpoint=False)
+            if step is not None:
+                self.state.step = step
         if self.run.state_wanted():  # Note [a join cut short] in tandem/elastic/run.py
             self._share_state()
         for loader in self.loaders:
             loader.regroup(dist.get_world_size(), rank)
         self.world.refresh_buddy(rank)  # copies for the new world, before its first step
+        if self._syncs is not None:
+            self._syncs.capture(self.state.step)  # every rank at the sync: the new world's first point
         return resumed
 
     def _share_state(self) -> None:
@@ -355,9 +388,12 @@ class ElasticLoop:
         replacement takes them up. A fully-sharded model's shards are in place
         already (Note [elastic fully_shard] in fsdp_shards.py)."""
         self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
-                            "objects": [obj.state_dict() for obj in self.registered]}
+                            "objects": [obj.state_dict() for obj in self.registered],
+                            "diloco": None if self.diloco is None else self.diloco.state_dict()}
         self.world.share_state()
         if self.run.needs_state:
+            if self.diloco is not None:
+                self.diloco.load_state_dict(self.state.extra["diloco"])
             for loader, (epoch, start) in zip(self.loaders, self.state.extra["loaders"]):
                 # Mid-epoch the members split the rest exactly (DistributedLoader.regroup): so does this rank.
                 loader.set_epoch(epoch, start, exact=start > 0)

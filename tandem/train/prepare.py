@@ -135,7 +135,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
             shards (the node of each rank is ``GROUP_RANK``, else the host).
             ``tandem.DiLoCo.of(optimizer)`` is the object that syncs: save its
             ``state_dict()`` with a checkpoint, and ``flush()`` it at the end.
-            Not yet with ``elastic``, ``"zero1"`` or ``"zero2"``.
+            With ``elastic``, a change of world takes every rank back to the
+            last sync and the new world trains the steps since again (every
+            sample once); it needs ``strategy="ddp"`` and syncs of the whole
+            model (one fragment, no overlap, no mix), and every epoch's end is a
+            sync too. Not with ``"zero1"`` or ``"zero2"``.
 
     Returns:
         ``(model, optimizer, *dataloaders)``, in the order given: the wrapped
@@ -261,9 +265,11 @@ def _check_diloco(diloco: DiLoCoConfig, strategy: Strategy, optimizer: torch.opt
         raise TypeError(f"prepare (rank {rank}): diloco must be a tandem.DiLoCoConfig or None, got {diloco!r}")
     if optimizer is None:
         raise ValueError(f"prepare (rank {rank}): diloco=... needs the optimizer: the syncs happen in its step()")
-    if elastic:
-        raise ValueError(f"prepare (rank {rank}): diloco=... does not go with an elastic job yet: run without "
-                         "--elastic (elastic=False), or without diloco")
+    if elastic and (strategy is not Strategy.DDP or diloco.fragments != 1 or diloco.overlap or diloco.mix):
+        raise ValueError(f"prepare (rank {rank}): diloco=... in an elastic job goes back to the last sync of the "
+                         "whole model when a rank is lost: it needs strategy='ddp', fragments=1, overlap=0 and "
+                         f"mix=0, got strategy={strategy.value!r}, fragments={diloco.fragments}, "
+                         f"overlap={diloco.overlap}, mix={diloco.mix}; or run without --elastic (elastic=False)")
     if strategy not in (Strategy.DDP, Strategy.FULLY_SHARD):
         raise ValueError(f"prepare (rank {rank}): diloco=... with strategy={strategy.value!r}: DiLoCo trains each "
                          "rank's own copy between syncs; use strategy='ddp' (each rank alone) or 'fsdp' (sharded "

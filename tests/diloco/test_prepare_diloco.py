@@ -111,7 +111,7 @@ def _errors(rank: int) -> dict[str, str]:
     from tandem.diloco import DiLoCoConfig
 
     out = {}
-    cases = {"zero1": dict(strategy="zero1"), "elastic": dict(elastic=True),
+    cases = {"zero1": dict(strategy="zero1"), "elastic": dict(elastic=True, strategy="fsdp"),
              "mesh": dict(strategy="fsdp", wrapper_kwargs={"mesh": None}),
              "ddp kwargs": dict(wrapper_kwargs={"bucket_cap_mb": 1})}
     for name, kwargs in cases.items():
@@ -209,7 +209,8 @@ def test_bad_input_is_named_on_every_rank() -> None:
     for rank, r in enumerate(_results()):
         e = r["errors"]
         assert f"rank {rank}" in e["zero1"] and "strategy='zero1'" in e["zero1"] and "'ddp'" in e["zero1"]
-        assert "elastic" in e["elastic"] and "--elastic" in e["elastic"]
+        assert "in an elastic job goes back to the last sync" in e["elastic"]
+        assert "strategy='fully_shard'" in e["elastic"]
         assert "wrapper_kwargs['mesh']" in e["mesh"]
         assert "bucket_cap_mb" in e["ddp kwargs"] and "drop them" in e["ddp kwargs"]
         assert "at least 2 nodes" in e["one node"] and "{'0': [0, 1, 2, 3]}" in e["one node"], e["one node"]

@@ -12,6 +12,7 @@ scenarios three at a time, each in a directory of its own.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -27,7 +28,8 @@ import torch
 import torch.distributed as dist
 from test_elastic import (ADAM, BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
                           _die_once_admitted, _launched, _reference, _schedule, _used_samples, die_before_sending_copy,
-                          global_batches, launch_all, make_model, make_optimizer, make_scheduler, reference_on)
+                          committed_steps, global_batches, launch_all, make_model, make_optimizer, make_scheduler,
+                          reference_on)
 from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
@@ -72,8 +74,15 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
 
     module = make_model()
     loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
-    sharded = strategy != "ddp"
-    if sharded:  # a unit per Linear, and a root without parameters (fully_shard)
+    sharded = strategy in ("zero2", "fsdp")
+    if strategy.startswith("diloco"):  # LocalSGD every H steps: Note [elastic local steps]
+        from tandem.diloco import DiLoCoConfig
+
+        model, optimizer, train = tandem.prepare(
+            module, torch.optim.SGD(module.parameters(), lr=LOCAL_LR), loader, elastic=CONFIG,
+            diloco=DiLoCoConfig.local_sgd(int(strategy.removeprefix("diloco"))))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    elif sharded:  # a unit per Linear, and a root without parameters (fully_shard)
         model, optimizer, train = tandem.prepare(
             module, torch.optim.Adam(module.parameters(), **ADAM), loader, elastic=CONFIG, strategy=strategy,
             wrapper_kwargs={"min_unit_bytes": 0} if strategy == "fsdp" else {"bucket_cap_mb": 0.0001},
@@ -117,7 +126,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
                     scheduler.step()
                 optimizer.zero_grad()
             after_epoch.append(params())
-    return {"params": params(), "after_epoch": after_epoch,
+    synced_at = None if not strategy.startswith("diloco") else tandem.DiLoCo.of(optimizer.optimizer).synced_at
+    return {"params": params(), "after_epoch": after_epoch, "synced_at": synced_at,
             "changes": [c.record() for c in optimizer.world_changes], "abandoned": abandoned,
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
             "steps": optimizer.steps_taken, "scheduler_steps": scheduler.last_epoch, "stderr": said.getvalue()}
@@ -157,7 +167,13 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     # epoch's last: 48 samples, 6 a step): the survivors go back a step.
     "step-back-zero2": ({1: 3}, {"in_refresh": True, "strategy": "zero2"}),
     "step-back-at-epoch-end-fsdp": ({1: 8}, {"in_refresh": True, "epochs": 2, "strategy": "fsdp"}),
+    # Local steps (Note [elastic local steps]): H=1 is DDP; with H=3, rank 1 dies in step 4,
+    # after the sync of step 3 (0-based: steps 0-2 synced), and the survivors go back to it.
+    "diloco-h1": ({1: 2}, {"strategy": "diloco1"}),
+    "diloco-h3": ({1: 4}, {"strategy": "diloco3", "epochs": 2}),
+    "diloco-h3-replacement": ({1: 4}, {**JOIN, "join_at": 5, "epochs": 2, "strategy": "diloco3"}),
 }
+LOCAL_LR = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +400,106 @@ def test_elastic_prepare_refuses_what_it_cannot_keep_alive() -> None:
     assert "needs the optimizer" in out["no optimizer"]
     assert "elastic must be a bool" in out["type"]
     assert out["default"] == "SGD"  # without elastic (and TANDEM_ELASTIC), the user's optimizer
+
+
+# ---------------------------------------------------------------------- local steps
+
+
+def _local_sgd_reference(out: Path, died_at: dict[str, int], sync_every: int, epochs: int) -> list[torch.Tensor]:
+    """LocalSGD written from the records alone: in each committed step, each
+    process trains its own copy on its batch, weighed as the loader says (its
+    share of the step's samples times the number of ranks), with plain SGD; every
+    ``sync_every`` steps, at each epoch's end and where the processes change, the
+    copies become their average."""
+    data = Indexed()
+    per_step: dict[int, dict[str, list[int]]] = {}
+    for path in out.glob("samples-*.jsonl"):
+        process = path.name.removeprefix("samples-").removesuffix(".jsonl")
+        member = process.split("-")[0]
+        last: dict[int, list[int]] = {}
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            last[record["step"]] = record["idx"]
+        for step, idx in last.items():
+            if not (member in died_at and step >= died_at[member]):
+                per_step.setdefault(step, {})[process] = idx
+    steps = sorted(per_step)
+    assert steps == list(range(len(steps))), steps
+    synced = make_model()
+    local: dict[str, torch.nn.Module] = {}
+    seen = 0
+    for step in steps:
+        batches = per_step[step]
+        if set(batches) != set(local):  # a new world: every copy starts from the synced model
+            assert not local or (step % sync_every == 0 or seen % N == 0), (step, seen)
+            local = {p: copy.deepcopy(synced) for p in batches}
+        total = sum(len(idx) for idx in batches.values())
+        for process, idx in batches.items():
+            if not idx:
+                continue
+            model = local[process]
+            weight = len(idx) * len(batches) / total
+            loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean() * weight
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            with torch.no_grad():
+                for param, grad in zip(model.parameters(), grads):
+                    param.sub_(LOCAL_LR * grad)
+        seen += total
+        if (step + 1) % sync_every == 0 or seen % N == 0:
+            with torch.no_grad():
+                for target, *copies in zip(synced.parameters(), *(m.parameters() for m in local.values())):
+                    target.copy_(torch.stack(copies).mean(0))
+            local = {p: copy.deepcopy(synced) for p in local}
+    assert seen == epochs * N
+    return [p.detach().clone() for p in synced.parameters()]
+
+
+def _check_local_sgd(tmp_path: Path, live: list[dict], died_at: dict[str, int], sync_every: int,
+                     epochs: int) -> None:
+    _check_equal_replicas(live)  # the last epoch's end was a sync
+    assert sorted(i for _, idx in committed_steps(tmp_path, died_at) for i in idx) == sorted(list(range(N)) * epochs)
+    for a, b in zip(live[0]["params"], _local_sgd_reference(tmp_path, died_at, sync_every, epochs)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_own_loop_with_local_steps_h1_is_ddp_after_a_loss(scenarios: dict) -> None:
+    tmp_path, live = _launched(scenarios, "diloco-h1")
+    assert [r["member"] for r in live] == ["0", "2"] and all(r["world_size"] == 2 for r in live)
+    changes = live[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["world_size"]) for c in changes] == [(2, [1], 2)]
+    assert not changes[0]["stepped_back"]  # H=1: the last sync is the last step
+    # DDP's reference: one process, plain SGD, on each committed step's global batch.
+    model = make_model()
+    data = Indexed()
+    for idx in global_batches(tmp_path, {"1": 2}):
+        loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        with torch.no_grad():
+            for param, grad in zip(model.parameters(), grads):
+                param.sub_(LOCAL_LR * grad)
+    for a, b in zip(live[0]["params"], model.parameters()):
+        torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=0)
+    _check_local_sgd(tmp_path, live, {"1": 2}, 1, 1)
+
+
+def test_own_loop_with_local_steps_goes_back_to_the_last_sync(scenarios: dict) -> None:
+    tmp_path, live = _launched(scenarios, "diloco-h3")
+    assert [r["member"] for r in live] == ["0", "2"]
+    changes = live[0]["changes"]
+    # Rank 1 died in step 4; the sync of step 3 (steps 0-2) is where the survivors went back to.
+    assert [(c["step"], c["lost_ranks"], c["stepped_back"]) for c in changes] == [(3, [1], True)], changes
+    assert all(r["synced_at"] == r["steps"] for r in live)
+    _check_local_sgd(tmp_path, live, {"1": 3}, 3, 2)
+    # The copies differ between syncs: a reference that synced every step gives other parameters.
+    every_step = _local_sgd_reference(tmp_path, {"1": 3}, 1, 2)
+    assert not torch.allclose(live[0]["params"][0], every_step[0], atol=1e-4)
+
+
+def test_own_loop_with_local_steps_admits_a_replacement_right_after_a_sync(scenarios: dict) -> None:
+    tmp_path, live = _launched(scenarios, "diloco-h3-replacement")
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"]) for c in changes] == [([1], []), ([], ["j1"])], changes
+    assert changes[0]["step"] == 3 and changes[0]["stepped_back"]
+    assert changes[1]["step"] % 3 == 0 and changes[1]["steps_lost"] == 0, changes  # held at 5, admitted at 6
+    _check_local_sgd(tmp_path, live, {"1": 3}, 3, 2)
