@@ -60,6 +60,21 @@ class DiLoCoConfig:
         if self.quantize not in (None, 8, 4):
             raise ValueError(f"DiLoCoConfig.quantize must be None, 8 or 4, got {self.quantize!r}")
 
+    @property
+    def whole(self) -> bool:
+        """Whether each sync is of the whole model, applied at once (one fragment,
+        no overlap, no mix): after a sync, every rank holds the synced parameters."""
+        return self.fragments == 1 and not self.overlap and not self.mix
+
+    def check_elastic(self, who: str) -> None:
+        """Raises ValueError unless an elastic job can go back to this config's syncs
+        (Note [elastic local steps] in tandem/elastic/sync_points.py); ``who`` names the caller."""
+        if not self.whole:
+            raise ValueError(
+                f"{who}: diloco in an elastic job goes back to the last sync of the whole model when a rank is "
+                f"lost: it needs fragments=1, overlap=0 and mix=0, got fragments={self.fragments}, "
+                f"overlap={self.overlap}, mix={self.mix}; or run without --elastic (elastic=False)")
+
     @classmethod
     def local_sgd(cls, sync_every: int, **kw: object) -> DiLoCoConfig:
         """LocalSGD: the parameters averaged every ``sync_every`` steps (the outer

@@ -132,10 +132,8 @@ class DiLoCo:
 
     @property
     def whole(self) -> bool:
-        """Whether each sync is of the whole model, applied at once (one fragment,
-        no overlap, no mix): after a sync, every rank holds the synced parameters."""
-        cfg = self.config
-        return cfg.fragments == 1 and not cfg.overlap and not cfg.mix
+        """Whether each sync is of the whole model, applied at once (:attr:`DiLoCoConfig.whole`)."""
+        return self.config.whole
 
     def sync_now(self) -> None:
         """Sync the whole model now, outside the schedule (an elastic job does at

@@ -62,6 +62,9 @@ class TrainingStatePoints:
                 None if state.scaler is None else copy.deepcopy(state.scaler.state_dict()),
                 capture_rng_state())
 
+    def complete(self) -> None:
+        """Nothing: the Trainer steps its scheduler before the commit, so a point is whole when taken."""
+
     def restore(self, point: Any) -> None:
         state = self._state
         state.step, state.epoch, state.consumed, scheduler, scaler, rng = point

@@ -136,9 +136,12 @@ class TrainerConfig:
     """Train with local steps (DiLoCo, LocalSGD, Streaming DiLoCo): the model is
     not wrapped in DDP, each rank steps its own copy with the optimizer, and the
     ranks sync every ``diloco.sync_every`` steps (:class:`tandem.DiLoCo`).
-    Checkpoints are then per rank. Not with ``elastic`` or ``async_checkpoint``
-    yet; evaluation runs each rank's model on its share of the data (between
-    syncs the ranks' models differ)."""
+    Checkpoints are then per rank. With ``elastic``, a change of world takes
+    every rank back to the last sync, the new world trains the steps since
+    again, and every epoch's end is a sync; that needs syncs of the whole model
+    (one fragment, no overlap, no mix). Not with ``async_checkpoint`` yet;
+    evaluation runs each rank's model on its share of the data (between syncs
+    the ranks' models differ)."""
     straggler_every: int | None = 4  # Note [naming a straggler] in tandem/train/stragglers.py
     """Every this many steps (more where steps are short: a window lasts at
     least 0.1 s) the ranks share how long each phase of their steps took
@@ -178,9 +181,10 @@ class TrainerConfig:
         if self.diloco is not None:
             if not isinstance(self.diloco, DiLoCoConfig):
                 raise TypeError(f"diloco must be a tandem.DiLoCoConfig or None, got {self.diloco!r}")
-            if self.elastic or self.async_checkpoint:
-                raise ValueError("diloco does not go with elastic or async_checkpoint yet; pass elastic=False "
-                                 "and async_checkpoint=False")
+            if self.async_checkpoint:
+                raise ValueError("diloco does not go with async_checkpoint yet; pass async_checkpoint=False")
+            if self.elastic:
+                self.diloco.check_elastic("TrainerConfig")
             if self.checkpoint_format not in (None, CheckpointFormat.PER_RANK):
                 raise ValueError(f"diloco needs checkpoint_format='per_rank' (the ranks' models differ between "
                                  f"syncs), got {self.checkpoint_format!r}")
@@ -217,3 +221,4 @@ def _check_ddp_options(options: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(f"ddp_options has {', '.join(map(repr, unknown))}, which tandem.DistributedDataParallel "
                          f"does not take; it takes {', '.join(accepted)}")
+

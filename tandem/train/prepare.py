@@ -265,11 +265,12 @@ def _check_diloco(diloco: DiLoCoConfig, strategy: Strategy, optimizer: torch.opt
         raise TypeError(f"prepare (rank {rank}): diloco must be a tandem.DiLoCoConfig or None, got {diloco!r}")
     if optimizer is None:
         raise ValueError(f"prepare (rank {rank}): diloco=... needs the optimizer: the syncs happen in its step()")
-    if elastic and (strategy is not Strategy.DDP or diloco.fragments != 1 or diloco.overlap or diloco.mix):
-        raise ValueError(f"prepare (rank {rank}): diloco=... in an elastic job goes back to the last sync of the "
-                         "whole model when a rank is lost: it needs strategy='ddp', fragments=1, overlap=0 and "
-                         f"mix=0, got strategy={strategy.value!r}, fragments={diloco.fragments}, "
-                         f"overlap={diloco.overlap}, mix={diloco.mix}; or run without --elastic (elastic=False)")
+    if elastic and strategy is not Strategy.DDP:
+        raise ValueError(f"prepare (rank {rank}): diloco=... in an elastic job goes back to the last sync of each "
+                         f"rank's own model: it needs strategy='ddp', got strategy={strategy.value!r}; or run "
+                         "without --elastic (elastic=False)")
+    if elastic:
+        diloco.check_elastic(f"prepare (rank {rank})")
     if strategy not in (Strategy.DDP, Strategy.FULLY_SHARD):
         raise ValueError(f"prepare (rank {rank}): diloco=... with strategy={strategy.value!r}: DiLoCo trains each "
                          "rank's own copy between syncs; use strategy='ddp' (each rank alone) or 'fsdp' (sharded "

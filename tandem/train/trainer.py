@@ -54,15 +54,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from tandem._tree import to_device
 from tandem.comm.bootstrap import elastic_membership
+from tandem.comm.group import GroupComm
 from tandem.comm.membership import Generation
 from tandem.data import DistributedSampler, gather_samples
-from tandem.diloco import DiLoCo
+from tandem.diloco import DiLoCo, DiLoCoConfig
 from tandem.data.batches import empty_batch, planned_batches
 from tandem.data.split import RestSplit
 from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, elastic_config, is_peer_failure
+from tandem.elastic.sync_points import SyncPoints
 from tandem.elastic.world import ElasticWorld, TrainingStatePoints
 from tandem.train.history import History
 from tandem.train.loaders import Loaders
@@ -151,7 +153,7 @@ class Trainer:
         fsdp = is_fully_sharded(model)
         local_steps = self.config.diloco
         if local_steps is not None:
-            _check_local_steps(model, run is not None, self.rank)
+            _check_local_steps(model, local_steps, run is not None, self.rank)
         self.model = model if local_steps is not None else _wrap(model, self.config, self.world_size,
                                                                   elastic=run is not None)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
@@ -183,6 +185,9 @@ class Trainer:
         self._elastic = None if run is None else ElasticWorld(
             run, self.model, optimizer, self.state, TrainingStatePoints(self.state), self._checkpoints,
             sharded=zero or fsdp)
+        # Note [elastic local steps] in tandem/elastic/sync_points.py: back to the last sync.
+        self._syncs = None if self._diloco is None or self._elastic is None else SyncPoints(
+            self._diloco, optimizer, TrainingStatePoints(self.state))
         self._runner = StepRunner(self.model, optimizer, scheduler, loss_fn, self.config, self.state,
                                   device=self.device, rank=self.rank, scaler=self.scaler,
                                   scaled=self._scaled(), guard=self._nonfinite_guard(),
@@ -306,6 +311,8 @@ class Trainer:
         else:
             resumed_from = self._checkpoints.resume(self.rank, self._share_all) if cfg.resume else None
             self._refresh_buddy()
+            if self._syncs is not None:
+                self._syncs.capture(self.state.step)  # the start, or the checkpoint's step
         board = _LazyBoard(self._output_dir / "tensorboard") if cfg.tensorboard else None
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"), sink=board.write if board is not None else None)
@@ -331,6 +338,9 @@ class Trainer:
                         self.state.epoch += 1
                         self.state.consumed = 0
                         self._exact_rest = False
+                        if self._syncs is not None:  # a window never crosses an epoch's end
+                            self._diloco.sync_now()  # type: ignore[union-attr]
+                            self._syncs.capture(self.state.step)
                         self._evaluate_into(history, progress)
                     checkpoint = self._save(history)
                 except Exception as e:
@@ -413,6 +423,8 @@ class Trainer:
             state.step += 1
             state.consumed = split.consumed_after(done)
             self._refresh_buddy()
+            if self._syncs is not None:
+                self._after_local_step()
             progress.advance()
             if state.step % cfg.log_every == 0:
                 record = window.record(state, self._runner.lr())
@@ -505,17 +517,40 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._runner.rank = self.rank
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.reset_process_group()  # type: ignore[operator]
+        if self._diloco is None:
+            self.model.reset_process_group()  # type: ignore[operator]
         resumed = None
         if elastic.buddy is not None:
             if not is_fully_sharded(self.model):
                 self.optimizer.reset_process_group()  # type: ignore[attr-defined]
             resumed = self._restore_shards(own)
+        if self._syncs is not None:
+            resumed = self._back_to_the_last_sync()
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted()
         self._refresh_buddy()  # copies for the new world, before its first step
+        if self._syncs is not None:
+            self._syncs.capture(self.state.step)  # every rank at the sync: the new world's first point
         return resumed
+
+    def _after_local_step(self) -> None:
+        """A committed step with local steps in an elastic job: keep it if it
+        synced, and admit replacements only then (Note [elastic local steps] in
+        tandem/elastic/sync_points.py)."""
+        assert self._syncs is not None and self._diloco is not None and self._elastic is not None
+        if self._diloco.synced_at == self._diloco.step:
+            self._syncs.capture(self.state.step)
+        else:
+            self._elastic.run.grow_pending = False  # decided again at the next step
+
+    def _back_to_the_last_sync(self) -> Resumed | None:
+        """Every rank back to the last sync they all hold, the DiLoCo over the new world."""
+        assert self._syncs is not None and self._diloco is not None and self._elastic is not None
+        self._diloco.reset_process_group(GroupComm(None))
+        before = self.state.step
+        step = self._syncs.go_back(has_state=not self._elastic.run.needs_state)
+        return None if step is None or step == before else Resumed(step, checkpoint=False)
 
     def _join(self) -> None:
         """A replacement's start, in its world of one: join the job, and rebuild
@@ -528,7 +563,13 @@ class Trainer:
         """Rank 0's state on every rank when a rank has none (a replacement)."""
         assert self._elastic is not None
         if self._elastic.run.state_wanted():
+            receiving = self._elastic.run.needs_state
+            if self._diloco is not None:  # the synced parameters and the outer optimizer with it
+                self.state.extra["diloco"] = self._diloco.state_dict()
             self._elastic.share_state()
+            diloco = self.state.extra.pop("diloco", None)
+            if self._diloco is not None and receiving:
+                self._diloco.load_state_dict(diloco)
             self._elastic.run.needs_state = False
 
     def _report(self, change: WorldChange, history: History | None, progress: Progress | None) -> None:
@@ -563,14 +604,14 @@ def _elastic_run(config: TrainerConfig, model: nn.Module, rank: int) -> ElasticR
     return ElasticRun(elastic_membership(elastic))
 
 
-def _check_local_steps(model: nn.Module, elastic: bool, rank: int) -> None:
-    """``TrainerConfig.diloco`` trains the bare model of each rank, outside an elastic job."""
+def _check_local_steps(model: nn.Module, local_steps: DiLoCoConfig, elastic: bool, rank: int) -> None:
+    """``TrainerConfig.diloco`` trains the bare model of each rank; in an elastic
+    job, with syncs of the whole model (Note [elastic local steps] in tandem/elastic/sync_points.py)."""
     if is_ddp(model) or is_fully_sharded(model):
         raise ValueError(f"rank {rank}: TrainerConfig.diloco trains each rank's own copy of the model between "
                          "syncs: pass the plain module, not a DistributedDataParallel or fully_shard model")
     if elastic:
-        raise ValueError(f"rank {rank}: TrainerConfig.diloco does not go with an elastic job yet: run without "
-                         "--elastic, or without diloco")
+        local_steps.check_elastic(f"rank {rank}: TrainerConfig")
     if not dist.is_initialized():
         raise ValueError(f"rank {rank}: TrainerConfig.diloco needs torch.distributed: call tandem.init() first")
 

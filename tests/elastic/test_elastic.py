@@ -17,6 +17,7 @@ it admitted the replacement (a wrong report gives different parameters).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -67,6 +68,7 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 ADAM = {"lr": 0.01}  # ZeRO runs: Adam, whose moments are what a lost shard would take away
+LOCAL_LR = 0.1  # local steps (LocalSGD): plain SGD, so that the reference is plain too
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -121,9 +123,11 @@ def die_before_sending_copy(step: int) -> None:
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
-          save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None) -> dict:
+          save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None,
+          local_steps: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
-    ``fsdp``: fully_shard and Adam); ``deaths`` maps a founding rank to
+    ``fsdp``: fully_shard and Adam; with ``local_steps``: LocalSGD syncing every
+    that many steps, plain SGD); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
     hold step ``join_at`` until a replacement asks to join, so that it joins
     before the (short) epoch ends; founding rank ``admitting_dies`` kills itself
@@ -227,14 +231,20 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         from tandem import DistributedDataParallel, ZeroOptimizer
         wrapped = DistributedDataParallel(model, zero_stage=2, bucket_cap_mb=0.0001)
         optimizer = ZeroOptimizer(wrapped, torch.optim.Adam, **ADAM)
+    elif local_steps is not None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LOCAL_LR)
     else:
         optimizer = make_optimizer(model)
+    diloco = None
+    if local_steps is not None:
+        from tandem import DiLoCoConfig
+        diloco = DiLoCoConfig.local_sgd(local_steps)
     trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
                       scheduler=make_scheduler(optimizer) if zero or fsdp else None,
                       config=TrainerConfig(batch_size=BATCH, epochs=1, elastic=CONFIG, progress=False,
                                            plot=False, log_every=1, output_dir=Path(out) / "run",
                                            resume=False, ddp_options={"bucket_cap_mb": 0.0001},
-                                           checkpoint_every=checkpoint_every))
+                                           checkpoint_every=checkpoint_every, diloco=diloco))
     result = trainer.fit()
     params = [p.full_tensor() if fsdp else p for p in model.parameters()]  # fully_shard: a collective
     return {"params": [p.detach().clone() for p in params],
@@ -269,6 +279,55 @@ def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
             scheduler.step()
     assert consumed == N
     return [p.detach().clone() for p in model.parameters()]
+
+
+def local_sgd_reference(out: Path, died_at: dict[str, int], sync_every: int, epochs: int) -> list[torch.Tensor]:
+    """LocalSGD written from the records alone: in each committed step, each
+    process trains its own copy on its batch, weighed as the loader says (its
+    share of the step's samples times the number of ranks), with plain SGD; every
+    ``sync_every`` steps, at each epoch's end and where the processes change, the
+    copies become their average."""
+    data = Indexed()
+    per_step: dict[int, dict[str, list[int]]] = {}
+    for path in out.glob("samples-*.jsonl"):
+        process = path.name.removeprefix("samples-").removesuffix(".jsonl")
+        member = process.split("-")[0]
+        last: dict[int, list[int]] = {}
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            last[record["step"]] = record["idx"]
+        for step, idx in last.items():
+            if not (member in died_at and step >= died_at[member]):
+                per_step.setdefault(step, {})[process] = idx
+    steps = sorted(per_step)
+    assert steps == list(range(len(steps))), steps
+    synced = make_model()
+    local: dict[str, torch.nn.Module] = {}
+    seen = 0
+    for step in steps:
+        batches = per_step[step]
+        if set(batches) != set(local):  # a new world: every copy starts from the synced model
+            assert not local or (step % sync_every == 0 or seen % N == 0), (step, seen)
+            local = {p: copy.deepcopy(synced) for p in batches}
+        total = sum(len(idx) for idx in batches.values())
+        for process, idx in batches.items():
+            if not idx:
+                continue
+            model = local[process]
+            weight = len(idx) * len(batches) / total
+            loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean() * weight
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            with torch.no_grad():
+                for param, grad in zip(model.parameters(), grads):
+                    param.sub_(LOCAL_LR * grad)
+        seen += total
+        if (step + 1) % sync_every == 0 or seen % N == 0:
+            with torch.no_grad():
+                for target, *copies in zip(synced.parameters(), *(m.parameters() for m in local.values())):
+                    target.copy_(torch.stack(copies).mean(0))
+            local = {p: copy.deepcopy(synced) for p in local}
+    assert seen == epochs * N
+    return [p.detach().clone() for p in synced.parameters()]
 
 
 def global_batches(out: Path, died_at: dict[str, int]) -> list[list[int]]:
@@ -332,12 +391,13 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          join_dies: str | None = None, join_at: int | None = None, zero: bool = False,
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
-         world: int = 3, miscounts: int | None = None, leaves_at: int | None = None) -> list[dict]:
+         world: int = 3, miscounts: int | None = None, leaves_at: int | None = None,
+         local_steps: int | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
                                                   fsdp, admitting_dies, group_dies, in_refresh, save_dies,
-                                                  miscounts, leaves_at),
+                                                  miscounts, leaves_at, local_steps),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -382,6 +442,9 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "lost-in-dcp-save-fsdp": ({}, {"save_dies": 2, "world": 4, "checkpoint_every": 2, "fsdp": True}),
     "miscounted-groups": ({1: 2}, {"miscounts": 2}),
     "left-alive-zero2": ({}, {"leaves_at": 3, "zero": True}),
+    # Local steps (Note [elastic local steps]): rank 1 dies in step 4, after the sync of step 3.
+    "local-steps": ({1: 4}, {"local_steps": 3}),
+    "local-steps-replacement": ({1: 4}, {**JOIN, "join_at": 5, "local_steps": 3}),
 }
 
 
@@ -651,3 +714,24 @@ def test_a_rank_waited_on_by_a_peer_that_left_for_a_regroup_follows_it(scenarios
     assert "rank 2 has left generation 0 to regroup" in changes[0]["cause"], changes[0]["cause"]
     _check_reference(results, [3] * (N // 6), zero=True)
     assert _used_samples(tmp_path, {}) == list(range(N))
+
+
+def test_local_steps_go_back_to_the_last_sync_and_admit_at_one(scenarios: dict) -> None:
+    """The Trainer with LocalSGD (H=3): the survivors of a loss in step 4 go back to
+    the sync of step 3 and train the window again; a replacement held for at step 5
+    is admitted at the sync of step 6. Each ends equal to LocalSGD written from what
+    every process trained, with every sample once."""
+    for name in ("local-steps", "local-steps-replacement"):
+        tmp_path, results = _launched(scenarios, name)
+        live = [r for r in results if r is not None]
+        _check_equal_replicas(live)  # the epoch's end is a sync
+        changes = live[0]["changes"]
+        assert (changes[0]["step"], changes[0]["lost_ranks"], changes[0]["stepped_back"]) == (3, [1], True), changes
+        if name == "local-steps-replacement":
+            assert [c["joined"] for c in changes] == [[], ["j1"]] and changes[1]["step"] == 6, changes
+            assert sorted(r["member"] for r in live) == ["0", "2", "j"]
+        else:
+            assert len(changes) == 1 and [r["member"] for r in live] == ["0", "2"]
+        assert _used_samples(tmp_path, {"1": 3}) == list(range(N))
+        for a, b in zip(live[0]["params"], local_sgd_reference(tmp_path, {"1": 3}, 3, 1)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

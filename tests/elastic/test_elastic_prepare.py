@@ -12,7 +12,6 @@ scenarios three at a time, each in a directory of its own.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import os
@@ -28,8 +27,8 @@ import torch
 import torch.distributed as dist
 from test_elastic import (ADAM, BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
                           _die_once_admitted, _launched, _reference, _schedule, _used_samples, die_before_sending_copy,
-                          committed_steps, global_batches, launch_all, make_model, make_optimizer, make_scheduler,
-                          reference_on)
+                          LOCAL_LR, committed_steps, global_batches, launch_all, local_sgd_reference, make_model,
+                          make_optimizer, make_scheduler, reference_on)
 from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
@@ -173,7 +172,6 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "diloco-h3": ({1: 4}, {"strategy": "diloco3", "epochs": 2}),
     "diloco-h3-replacement": ({1: 4}, {**JOIN, "join_at": 5, "epochs": 2, "strategy": "diloco3"}),
 }
-LOCAL_LR = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -405,60 +403,11 @@ def test_elastic_prepare_refuses_what_it_cannot_keep_alive() -> None:
 # ---------------------------------------------------------------------- local steps
 
 
-def _local_sgd_reference(out: Path, died_at: dict[str, int], sync_every: int, epochs: int) -> list[torch.Tensor]:
-    """LocalSGD written from the records alone: in each committed step, each
-    process trains its own copy on its batch, weighed as the loader says (its
-    share of the step's samples times the number of ranks), with plain SGD; every
-    ``sync_every`` steps, at each epoch's end and where the processes change, the
-    copies become their average."""
-    data = Indexed()
-    per_step: dict[int, dict[str, list[int]]] = {}
-    for path in out.glob("samples-*.jsonl"):
-        process = path.name.removeprefix("samples-").removesuffix(".jsonl")
-        member = process.split("-")[0]
-        last: dict[int, list[int]] = {}
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            last[record["step"]] = record["idx"]
-        for step, idx in last.items():
-            if not (member in died_at and step >= died_at[member]):
-                per_step.setdefault(step, {})[process] = idx
-    steps = sorted(per_step)
-    assert steps == list(range(len(steps))), steps
-    synced = make_model()
-    local: dict[str, torch.nn.Module] = {}
-    seen = 0
-    for step in steps:
-        batches = per_step[step]
-        if set(batches) != set(local):  # a new world: every copy starts from the synced model
-            assert not local or (step % sync_every == 0 or seen % N == 0), (step, seen)
-            local = {p: copy.deepcopy(synced) for p in batches}
-        total = sum(len(idx) for idx in batches.values())
-        for process, idx in batches.items():
-            if not idx:
-                continue
-            model = local[process]
-            weight = len(idx) * len(batches) / total
-            loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean() * weight
-            grads = torch.autograd.grad(loss, list(model.parameters()))
-            with torch.no_grad():
-                for param, grad in zip(model.parameters(), grads):
-                    param.sub_(LOCAL_LR * grad)
-        seen += total
-        if (step + 1) % sync_every == 0 or seen % N == 0:
-            with torch.no_grad():
-                for target, *copies in zip(synced.parameters(), *(m.parameters() for m in local.values())):
-                    target.copy_(torch.stack(copies).mean(0))
-            local = {p: copy.deepcopy(synced) for p in local}
-    assert seen == epochs * N
-    return [p.detach().clone() for p in synced.parameters()]
-
-
 def _check_local_sgd(tmp_path: Path, live: list[dict], died_at: dict[str, int], sync_every: int,
                      epochs: int) -> None:
     _check_equal_replicas(live)  # the last epoch's end was a sync
     assert sorted(i for _, idx in committed_steps(tmp_path, died_at) for i in idx) == sorted(list(range(N)) * epochs)
-    for a, b in zip(live[0]["params"], _local_sgd_reference(tmp_path, died_at, sync_every, epochs)):
+    for a, b in zip(live[0]["params"], local_sgd_reference(tmp_path, died_at, sync_every, epochs)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
@@ -491,7 +440,7 @@ def test_own_loop_with_local_steps_goes_back_to_the_last_sync(scenarios: dict) -
     assert all(r["synced_at"] == r["steps"] for r in live)
     _check_local_sgd(tmp_path, live, {"1": 3}, 3, 2)
     # The copies differ between syncs: a reference that synced every step gives other parameters.
-    every_step = _local_sgd_reference(tmp_path, {"1": 3}, 1, 2)
+    every_step = local_sgd_reference(tmp_path, {"1": 3}, 1, 2)
     assert not torch.allclose(live[0]["params"][0], every_step[0], atol=1e-4)
 
 

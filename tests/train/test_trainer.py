@@ -414,6 +414,15 @@ def test_a_misspelt_ddp_option_is_named_when_the_config_is_made():
     assert tandem.TrainerConfig(ddp_options={"bucket_cap_mb": 1}).ddp_options == {"bucket_cap_mb": 1}
 
 
+def test_local_steps_in_an_elastic_job_need_syncs_of_the_whole_model():
+    # Note [elastic local steps] in tandem/elastic/sync_points.py: a loss goes back to the last sync.
+    with pytest.raises(ValueError, match="fragments=2, overlap=0, mix=0.0; or run without --elastic"):
+        tandem.TrainerConfig(elastic=True, diloco=tandem.DiLoCoConfig(sync_every=4, fragments=2))
+    with pytest.raises(ValueError, match="async_checkpoint=False"):
+        tandem.TrainerConfig(async_checkpoint=True, diloco=tandem.DiLoCoConfig(sync_every=4))
+    assert tandem.TrainerConfig(elastic=True, diloco=tandem.DiLoCoConfig(sync_every=4)).diloco is not None
+
+
 def test_a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints(tmp_path):
     train(0, 1, str(tmp_path), dict(epochs=1, batch_size=32, plot=False))
     with pytest.raises(ValueError, match="resume=False, but .* holds checkpoints of an earlier run"):
