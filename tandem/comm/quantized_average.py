@@ -14,7 +14,9 @@ reduce-scatter does (arXiv 2306.10209):
     all-gather q2                        everyone receives every chunk
     x = dequantize(all of q2)
 
-Each rank sends about 2 (W-1)/W n bytes at int8 (half at int4), plus 4 bytes
+The two collectives are quantized_collectives.py's (Note [quantized
+collectives]), which fully_shard's quantized gathers and reductions use
+alone. Each rank sends about 2 (W-1)/W n bytes at int8 (half at int4), plus 4 bytes
 of scale a block, where a ring all-reduce of fp32 sends 2 (W-1)/W 4n: 3.9x
 fewer bytes at int8 with blocks of 256, 7.5x at int4.
 
@@ -45,7 +47,8 @@ import torch
 
 from tandem.comm.group import GroupComm
 from tandem.comm.node_groups import NodeGroups
-from tandem.comm.quantize import BLOCK, Quantized, dequantize, qmax, quantize
+from tandem.comm.quantize import BLOCK, qmax, unpack_rows
+from tandem.comm.quantized_collectives import all_gather_quantized, reduce_scatter_quantized
 
 __all__ = ["QuantizedAverage"]
 
@@ -81,29 +84,22 @@ class QuantizedAverage:
         work[:n].copy_(x.reshape(-1))
         if residual is not None:
             work[:n].add_(residual)
-        parts = [quantize(c, self.bits, self.block) for c in work.view(size, chunk)]
+        mine = torch.empty(chunk, dtype=torch.float32, device=x.device)
+        first = reduce_scatter_quantized(self.comm, mine, work.view(size, chunk), self.bits, self.block,
+                                         tag=f"{tag} quantized chunks")
         if residual is not None:
-            back = torch.cat([dequantize(q) for q in parts])
+            back = unpack_rows(first.sent, chunk, self.bits, self.block).reshape(-1)
             residual.copy_(work[:n] - back[:n])
-        sent = torch.stack([self._pack(q) for q in parts])
-        received = torch.empty_like(sent)
-        self.comm.all_to_all(received, sent, tag=f"{tag} quantized chunks")
-        mine = torch.zeros(chunk, dtype=torch.float32, device=x.device)
-        for row in received:
-            mine.add_(dequantize(self._unpack(row, chunk)))
         mine.div_(size)
-        second = quantize(mine, self.bits, self.block)
-        if residual is not None:
-            lost = (mine - dequantize(second)).mul_(size)
+        gathered = torch.empty(size, chunk, dtype=torch.float32, device=x.device)
+        all_gather_quantized(self.comm, gathered, mine, self.bits, self.block, tag=f"{tag} quantized average")
+        if residual is not None:  # what the second quantization lost of this rank's chunk
+            lost = (mine - gathered[self.comm.rank]).mul_(size)
             start = self.comm.rank * chunk
             if start < n:
                 end = min(n, start + chunk)
                 residual[start:end].add_(lost[: end - start])
-        own = self._pack(second)
-        gathered = torch.empty(size * own.numel(), dtype=torch.uint8, device=x.device)
-        self.comm.all_gather_into(gathered, own, tag=f"{tag} quantized average")
-        result = torch.cat([dequantize(self._unpack(row, chunk)) for row in gathered.view(size, -1)])
-        x.copy_(result[:n].view_as(x))
+        x.copy_(gathered.view(-1)[:n].view_as(x))
         return x
 
     def _by_node(self, nodes: NodeGroups, across: QuantizedAverage, x: torch.Tensor,
@@ -131,14 +127,3 @@ class QuantizedAverage:
         local.all_gather_into(work, mine, tag=f"{tag} node gather")
         x.copy_(work[:n].view_as(x))
         return x
-
-    def _pack(self, q: Quantized) -> torch.Tensor:
-        """``q`` as bytes: its values, then its scales."""
-        return torch.cat([q.values.view(torch.uint8), q.scales.contiguous().view(torch.uint8)])
-
-    def _unpack(self, row: torch.Tensor, chunk: int) -> Quantized:
-        """What :meth:`_pack` wrote of ``chunk`` elements."""
-        value_bytes = -(-chunk * self.bits // 8)
-        values = row[:value_bytes].clone()
-        scales = row[value_bytes:].clone().view(torch.float32)
-        return Quantized(values.view(torch.int8) if self.bits == 8 else values, scales, chunk, self.bits, self.block)

@@ -52,3 +52,23 @@ def test_int4_uses_all_fifteen_levels_and_packs_two_a_byte() -> None:
 def test_bad_settings_are_refused_by_name(bad: dict) -> None:
     with pytest.raises(ValueError, match="bits must be 8 or 4|block must be an even number"):
         quantize(torch.ones(8), **{"bits": 8, "block": 4, **bad})
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel,block", [(1, 2), (7, 2), (300, 256), (512, 256), (1001, 64)])
+def test_rows_pack_as_each_row_quantized_alone_and_unpack_to_its_round_trip(bits: int, numel: int,
+                                                                             block: int) -> None:
+    from tandem.comm.quantize import pack_rows, unpack_rows
+
+    g = torch.Generator().manual_seed(numel + bits)
+    rows = torch.randn(3, numel + 5, generator=g)[:, :numel] * torch.tensor([[1e-3], [1.0], [1e3]])  # not contiguous
+    packed = pack_rows(rows, bits, block)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, wire_bytes(numel, bits, block))
+    back = unpack_rows(packed, numel, bits, block)
+    for r in range(3):
+        # Note [quantized rows]: a row's bytes are its values then its scales, as if quantized alone.
+        q = quantize(rows[r], bits, block)
+        assert torch.equal(packed[r], torch.cat([q.values.view(torch.uint8), q.scales.view(torch.uint8)]))
+        assert torch.equal(back[r], dequantize(q))
+    with pytest.raises(ValueError, match=f"rows of {numel} elements at {bits} bits in blocks of {block} are"):
+        unpack_rows(packed[:, 1:], numel, bits, block)
