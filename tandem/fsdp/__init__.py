@@ -2,8 +2,9 @@
 torch's FSDP2 ``torch.distributed.fsdp.fully_shard``; the methods it adds to a
 module (:class:`FSDPModule`); loading a full state dict into a sharded model
 (:func:`load_full_state_dict`); random init of shards as if unsharded
-(:func:`init_like_unsharded`); and the pure layout of a unit
-(:func:`plan_unit`).
+(:func:`init_like_unsharded`); the pure layout of a unit
+(:func:`plan_unit`); and collectives in int8 or int4 blocks
+(:class:`QuantizedCommPolicy`).
 """
 
 # The package's files: the pure layout of each unit's buffers (layout.py), which
@@ -17,11 +18,13 @@ module (:class:`FSDPModule`); loading a full state dict into a sharded model
 # (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
 # in and out (state_dict.py), random init of sharded parameters (init.py), the
 # units laid out again over a new group in an elastic job (regroup.py), the audit
-# of a unit's mixed-precision policy (precision.py), and the public function
+# of a unit's mixed-precision policy (precision.py), the policy of collectives
+# in int8 or int4 blocks (comm_policy.py), and the public function
 # (api.py) and the methods it adds to a module (module.py).
 
 from tandem._compat import fsdp_policies
 from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, fully_shard
+from tandem.fsdp.comm_policy import QuantizedCommPolicy
 from tandem.fsdp.init import init_like_unsharded
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 from tandem.fsdp.module import FSDPModule, UnshardHandle
@@ -30,5 +33,5 @@ from tandem.fsdp.state_dict import load_full_state_dict
 MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy = fsdp_policies()
 
 __all__ = ["CPUOffloadPolicy", "DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "ParamShard", "UnitLayout", "UnshardHandle", "fully_shard", "init_like_unsharded", "load_full_state_dict",
-           "plan_unit"]
+           "ParamShard", "QuantizedCommPolicy", "UnitLayout", "UnshardHandle", "fully_shard", "init_like_unsharded",
+           "load_full_state_dict", "plan_unit"]

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from tandem.comm.group import GroupComm
+from tandem.fsdp.comm_policy import QuantizedCommPolicy
 from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_meshes, default_mesh, modules_of, \
     move_to_device, shard_dims, tensor_parallel_layouts, unit_config
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
@@ -59,7 +60,8 @@ ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
 def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Any = None, mp_policy: Any = None, offload_policy: Any = None,
                 ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: Any = None,
-                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES) -> ModuleOrList:
+                min_unit_bytes: int = DEFAULT_MIN_UNIT_BYTES,
+                comm_policy: QuantizedCommPolicy | None = None) -> ModuleOrList:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (ZeRO-3), as
     ``torch.distributed.fsdp.fully_shard`` does, with the same arguments.
 
@@ -125,17 +127,25 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
         min_unit_bytes: tandem only: a unit with fewer bytes of parameters
             joins the unit of a later ``fully_shard`` call on an enclosing
             module (0 keeps every call a unit of its own, as torch does).
+        comm_policy: tandem only: a :class:`~tandem.fsdp.QuantizedCommPolicy`
+            sends this unit's parameter all-gather in int8 blocks and its
+            gradient reduce-scatter in int8 or int4 blocks (ZeRO++'s qwZ and
+            qgZ); None sends them in ``param_dtype`` and ``reduce_dtype``. A
+            tiny unit merged into this one (``min_unit_bytes``) takes this
+            call's policy, as it takes its ``mp_policy``.
 
     Returns:
         ``module`` (the module, or the list), sharded in place.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module`` or a list of them, or
-            ``shard_placement_fn`` returns something other than a ``Shard``.
+        TypeError: ``module`` is not an ``nn.Module`` or a list of them,
+            ``shard_placement_fn`` returns something other than a ``Shard``,
+            or ``comm_policy`` is not a ``QuantizedCommPolicy``.
         ValueError: a bad ``reshard_after_forward`` or mesh (3-D, or 2-D
             without dimension names), a placement dim out of range or uneven,
             mixed dtypes in a unit, a parameter tied to one in another unit,
-            or a 0-dimensional parameter (torch's fully_shard refuses it too).
+            a 0-dimensional parameter (torch's fully_shard refuses it too), or
+            a ``comm_policy`` that quantizes a unit of integer parameters.
         NotImplementedError: HSDP of tensor-parallel parameters, a
             ``ShardPlacementResult``, a placement dim other than 0 for a
             tensor-parallel parameter, or ``dp_mesh_dims``.
@@ -143,7 +153,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
     # For developers: the prefetch is Note [prefetch] and a list of modules Note [grouped modules]
     # (schedule.py); ranks' different parameters Note [gradient flags] and HSDP Note [hybrid sharding]
     # (unit_reduce.py); min_unit_bytes Note [tiny units] above; tensor-parallel parameters Note
-    # [2-D parameters] (tensor_parallel.py).
+    # [2-D parameters] (tensor_parallel.py); comm_policy Note [quantized units] (comm_policy.py).
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (an SPMD mesh) is not supported; pass the data-parallel "
@@ -158,7 +168,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
     comm = GroupComm(shard_mesh.get_group())
     replicate_comm = GroupComm(replicate_mesh.get_group()) if replicate_mesh is not None else None
     reshard = check_reshard(reshard_after_forward, comm.size)
-    config = unit_config(mesh, mp_policy, offload_policy)
+    config = unit_config(mesh, mp_policy, offload_policy, comm_policy)
     ignored = {id(p) for p in (ignored_params or ())}
     params, absorbed = collect_params(modules, ignored, mesh)
     tp = tensor_parallel_layouts(params, absorbed, mesh)
@@ -179,8 +189,9 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
                 setattr(sub, UNIT_ATTR, unit)
     for member in modules:
         _attach(member, unit)
-    logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged",
-                 name, len(unit.managed), unit.layout.numel, len(absorbed))
+    logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged%s",
+                 name, len(unit.managed), unit.layout.numel, len(absorbed),
+                 f", {comm_policy}" if comm_policy is not None else "")
     warn_precision(unit_findings(unit))  # Note [precision of a unit] in precision.py
     return module
 

@@ -2,7 +2,8 @@
 mesh (1-D: FSDP; 2-D: HSDP, Note [hybrid sharding] in unit_reduce.py), the module or
 modules of one call (Note [grouped modules] in schedule.py), the parameters
 it takes, their tensor-parallel layouts and the dim each is sharded on
-(``shard_placement_fn``), the policies, and ``reshard_after_forward``.
+(``shard_placement_fn``), the policies (``comm_policy``: comm_policy.py), and
+``reshard_after_forward``.
 
 Every check runs before any collective, so bad input raises the same error on
 every rank.
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem._compat import dtensor_api, fsdp_policies
+from tandem.fsdp.comm_policy import QuantizedCommPolicy
 from tandem.fsdp.tensor_parallel import TensorParallelParam, tensor_parallel_param
 from tandem.fsdp.unit import ShardedUnit, unit_of
 from tandem.fsdp.unit_state import UnitConfig
@@ -71,7 +73,7 @@ def check_reshard(value: Any, world_size: int) -> bool | int | None:
     raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
 
 
-def unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
+def unit_config(mesh: Any, mp_policy: Any, offload_policy: Any, comm_policy: Any = None) -> UnitConfig:
     MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy = fsdp_policies()
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp, MixedPrecisionPolicy):
@@ -79,6 +81,9 @@ def unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
     offload = offload_policy if offload_policy is not None else OffloadPolicy()
     if not isinstance(offload, OffloadPolicy):
         raise ValueError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {offload!r}")
+    if comm_policy is not None and not isinstance(comm_policy, QuantizedCommPolicy):
+        raise TypeError(f"comm_policy must be a tandem.fsdp.QuantizedCommPolicy or None, got {comm_policy!r}; "
+                        "for example comm_policy=QuantizedCommPolicy(weight_bits=8, grad_bits=4)")
     if mesh.device_type == "cpu":
         device = torch.device("cpu")
     else:
@@ -87,7 +92,8 @@ def unit_config(mesh: Any, mp_policy: Any, offload_policy: Any) -> UnitConfig:
     return UnitConfig(device=device, shard_device=torch.device("cpu") if cpu_offload else device,
                       param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                       pin_memory=cpu_offload and bool(getattr(offload, "pin_memory", True)),
-                      cast_forward_inputs=bool(mp.cast_forward_inputs), output_dtype=mp.output_dtype)
+                      cast_forward_inputs=bool(mp.cast_forward_inputs), output_dtype=mp.output_dtype,
+                      comm_policy=comm_policy)
 
 
 def collect_params(modules: tuple[nn.Module, ...], ignored: set[int], mesh: Any

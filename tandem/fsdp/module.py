@@ -129,8 +129,13 @@ class FSDPModule:
         """Gather this unit with ``comm``, torch's ``AllGather``: its
         ``allocate(size, dtype=, device=)`` makes the output buffer and
         ``comm(output_tensor=, input_tensor=, group=, async_op=True)`` issues the
-        collective (it must return a work handle, or None when done)."""
+        collective (it must return a work handle, or None when done).
+
+        Raises:
+            ValueError: the unit's ``comm_policy`` quantizes its gathers.
+        """
         _check_comm(comm, "set_custom_all_gather")
+        _check_not_quantized(_unit(self), "weight_bits", "set_custom_all_gather")
         _unit(self).overrides.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
@@ -139,9 +144,14 @@ class FSDPModule:
         ``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM,
         async_op=True)`` issues it. The input is tandem's: each rank's chunk
         ends with one flag per parameter (1 where this rank produced a
-        gradient), which a custom reduction must sum like the rest."""
+        gradient), which a custom reduction must sum like the rest.
+
+        Raises:
+            ValueError: the unit's ``comm_policy`` quantizes its reductions.
+        """
         # The flags: Note [gradient flags] in unit_reduce.py.
         _check_comm(comm, "set_custom_reduce_scatter")
+        _check_not_quantized(_unit(self), "grad_bits", "set_custom_reduce_scatter")
         _unit(self).overrides.reduce_scatter = comm
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -314,6 +324,16 @@ def _check_comm(comm: Any, method: str) -> None:
     if not callable(comm) or not callable(getattr(comm, "allocate", None)):
         raise TypeError(f"{method}: comm must be a torch.distributed.fsdp AllGather/ReduceScatter (a callable with "
                         f"an allocate(size, dtype=, device=) method), got {comm!r}")
+
+
+def _check_not_quantized(unit: ShardedUnit, field: str, method: str) -> None:
+    """A custom collective replaces the one a ``comm_policy`` quantizes: refuse the pair."""
+    policy = unit.config.comm_policy
+    if policy is not None and getattr(policy, field) is not None:
+        raise ValueError(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {method} on fully_shard unit '{unit.name}', "
+            f"whose comm_policy={policy} quantizes that collective: a custom one would replace it. Use one or "
+            f"the other: fully_shard it with QuantizedCommPolicy({field}=None), or drop the {method} call")
 
 
 def _cannot_copy(module: Any, how: str) -> TypeError:

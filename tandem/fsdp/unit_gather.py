@@ -21,6 +21,7 @@ import torch
 
 from tandem._compat import foreach_copy_, preserve_version_counters
 from tandem.comm.group import GroupComm, Work
+from tandem.comm.quantized_collectives import all_gather_quantized
 from tandem.fsdp.unit_params import UnitParams
 from tandem.fsdp.unit_state import CommOverrides, PendingGather, ShardState
 
@@ -35,6 +36,9 @@ class UnitGather:
         self.state = ShardState.SHARDED
         self.pending: PendingGather | None = None
         self.group_shard: torch.Tensor | None = None   # reshard_after_forward=k: this rank's 1/k slice
+        policy = params.config.comm_policy
+        self._bits = None if policy is None else policy.weight_bits  # int8 gathers (comm_policy.py)
+        self._block = 0 if policy is None else policy.block
 
     def launch(self, comm: GroupComm, group_comm: GroupComm | None, overrides: CommOverrides) -> None:
         """Start the all-gather of the full parameters (async): over ``comm``, or
@@ -52,6 +56,12 @@ class UnitGather:
             out = overrides.allocate(custom, p.layout.unsharded_numel, p.param_dtype, p.config.device)
             work = group_comm.all_gather_into(out, self.group_shard, tag=tag, async_op=True, via=custom)
             self.pending = PendingGather(work, out, self.group_shard, direct=True)
+        elif self._bits is not None and comm.size > 1:  # Note [quantized units] in comm_policy.py
+            assert overrides.all_gather is None  # refused by set_custom_all_gather
+            out = torch.empty(p.layout.unsharded_numel, dtype=p.param_dtype, device=p.config.device)
+            shard = p.shard_flat.to(out.device, p.param_dtype, non_blocking=True)  # what would be sent
+            handle = all_gather_quantized(comm, out, shard, self._bits, self._block, tag=tag, async_op=True)
+            self.pending = PendingGather(handle, out, handle.sent, direct=False)
         else:
             custom = overrides.all_gather
             out = overrides.allocate(custom, p.layout.unsharded_numel, p.param_dtype, p.config.device)

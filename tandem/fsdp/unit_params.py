@@ -12,6 +12,7 @@ from torch import nn
 
 from tandem._compat import dtensor_api, dtensor_local, set_dtensor_spec
 from tandem.comm.group import GroupComm
+from tandem.fsdp.comm_policy import check_quantizable
 from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
 from tandem.fsdp.tensor_parallel import TensorParallelParam
 from tandem.fsdp.unit_state import ManagedParam, UnitConfig
@@ -36,6 +37,7 @@ class UnitParams:
                  shard_dims: list[int] | None = None) -> None:
         self.name, self.mesh, self.config, self._hybrid = name, mesh, config, hybrid
         self.orig_dtype = _uniform_dtype(name, params)
+        check_quantizable(name, self.orig_dtype, config.comm_policy)
         self.param_dtype = config.param_dtype or self.orig_dtype
         self.reduce_dtype = config.reduce_dtype or self.param_dtype
         tp = tp if tp is not None else [None] * len(params)

@@ -92,6 +92,7 @@ import torch
 
 from tandem._compat import chunk_cat, dtensor_like, dtensor_local
 from tandem.comm.group import GroupComm
+from tandem.comm.quantized_collectives import reduce_scatter_quantized
 from tandem.dtensor import local_grad
 from tandem.fsdp.unit_params import UnitParams
 from tandem.fsdp.unit_state import CommOverrides, PendingReduce, ReduceState
@@ -116,6 +117,9 @@ class UnitReduce:
         self._to_host: torch.cuda.Event | None = None  # Note [gradients to the host]: copies in flight
         self.num_ready = 0
         self.completed = False      # this backward (Note [unit completion] in schedule.py)
+        policy = params.config.comm_policy
+        self._bits = None if policy is None else policy.grad_bits  # int8/int4 reductions (comm_policy.py)
+        self._block = 0 if policy is None else policy.block
 
     def grad_ready(self) -> bool:
         """Count one arrived gradient; True when all trainable ones have."""
@@ -166,6 +170,15 @@ class UnitReduce:
         for m in p.managed:
             m.unsharded.grad = None
             m.accumulated = None
+        if self._bits is not None and reduce_comm.size > 1:  # Note [quantized units] in comm_policy.py
+            assert custom is None  # refused by set_custom_reduce_scatter
+            n = p.layout.shard_numel
+            out = torch.empty(width, dtype=p.reduce_dtype, device=p.config.device)
+            handle = reduce_scatter_quantized(reduce_comm, out, inp[:, :n], self._bits, self._block,
+                                              exact=inp[:, n:], tag=f"unit {p.name}", async_op=True)
+            self.pending = PendingReduce(handle, out, handle.sent)  # the input is freed here
+            self.state = ReduceState.IN_FLIGHT
+            return
         in_place = custom is None  # Note [reduce-scatter in place]; a custom one gets its own output
         out = inp[reduce_comm.rank] if in_place else overrides.allocate(custom, width, p.reduce_dtype, p.config.device)
         work = reduce_comm.reduce_scatter(out, inp.view(-1), tag=f"unit {p.name}", async_op=True, via=custom)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from tandem.comm.group import Work
+from tandem.comm.quantized_collectives import QuantizedWork
+from tandem.fsdp.comm_policy import QuantizedCommPolicy
 from tandem.fsdp.layout import ParamShard
 from tandem.fsdp.tensor_parallel import TensorParallelParam
 
@@ -71,6 +73,7 @@ class UnitConfig:
     pin_memory: bool                    # pin the offloaded shards (CUDA only)
     cast_forward_inputs: bool = True    # MixedPrecisionPolicy.cast_forward_inputs
     output_dtype: torch.dtype | None = None  # MixedPrecisionPolicy.output_dtype
+    comm_policy: QuantizedCommPolicy | None = None  # Note [quantized units] in comm_policy.py
 
 
 @dataclass
@@ -94,7 +97,7 @@ class CommOverrides:
 class PendingGather:
     """An all-gather in flight (unit_gather.py)."""
 
-    work: Work
+    work: Work | QuantizedWork
     output: torch.Tensor
     input: torch.Tensor     # kept alive until the collective completes
     direct: bool            # the output is parameter-major already (one plain copy)
@@ -104,7 +107,7 @@ class PendingGather:
 class PendingReduce:
     """A reduction stage in flight (unit_reduce.py)."""
 
-    work: Work
+    work: Work | QuantizedWork
     output: torch.Tensor
     input: torch.Tensor
     in_place: bool = False  # output is this rank's chunk of input (Note [reduce-scatter in place] in unit_reduce.py)
