@@ -20,7 +20,7 @@ if _TYPE_CHECKING:
     from tandem.comm import WorldInfo, init, irecv, isend, recv, send, shutdown
     from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
         weighted_mean
-    from tandem.diloco import DiLoCo, DiLoCoConfig
+    from tandem.diloco import DiLoCo, DiLoCoConfig, node_mesh
     from tandem.dp import DataParallel
     from tandem.fsdp import FSDPModule, fully_shard
     from tandem.ddp import DistributedDataParallel, join
@@ -38,7 +38,7 @@ _FROM = {  # module: the public names tandem takes from it
     "tandem.comm": ("WorldInfo", "init", "irecv", "isend", "recv", "send", "shutdown"),
     "tandem.data": ("DistributedSampler", "RunningMean", "all_reduce_mean", "all_reduce_sum", "gather_samples",
                     "weighted_mean"),
-    "tandem.diloco": ("DiLoCo", "DiLoCoConfig"),
+    "tandem.diloco": ("DiLoCo", "DiLoCoConfig", "node_mesh"),
     "tandem.dp": ("DataParallel",),
     "tandem.fsdp": ("FSDPModule", "fully_shard"),
     "tandem.ddp": ("DistributedDataParallel", "join"),
@@ -78,7 +78,7 @@ __all__ = ["CheckReport", "CheckpointError", "DataParallel", "DiLoCo", "DiLoCoCo
            "TrainerConfig", "TrainingState", "WorldInfo", "ZeroOptimizer", "all_reduce_mean", "all_reduce_sum",
            "atomic_save", "capture_rng_state", "check", "checkpoint", "comm_hooks", "fsdp", "fully_shard",
            "gather_for_metrics", "gather_samples", "init", "irecv", "isend", "join", "latest_checkpoint",
-           "load_checkpoint", "load_sharded_checkpoint", "no_sync", "plan", "prepare", "recv",
+           "load_checkpoint", "load_sharded_checkpoint", "no_sync", "node_mesh", "plan", "prepare", "recv",
            "restore_rng_state", "save_checkpoint", "save_sharded_checkpoint", "seed_everything", "send",
            "shutdown", "spawn", "unwrap", "weighted_mean"]
 __version__ = "0.1.0"

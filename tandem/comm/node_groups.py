@@ -79,10 +79,12 @@ def _node_of_each_rank(comm: GroupComm) -> list[str]:
     return [str(n) for n in comm.all_gather_object(node, tag="node of each rank")]
 
 
-def node_mesh(device_type: str, *, who: str) -> Any:
+def node_mesh(device_type: str = "cpu", *, who: str = "node_mesh") -> Any:
     """The world's ranks as a 2-D ``DeviceMesh`` with dimensions ``("node",
     "local")``: ``mesh["local"]`` the ranks of this rank's node, ``mesh["node"]``
     the ranks at its position on every node. A collective: every rank calls it.
+    ``fully_shard(model, mesh=node_mesh("cuda")["local"])`` shards a model over
+    each node alone, for DiLoCo across the nodes (``TrainerConfig(diloco=...)``).
 
     Raises:
         ValueError: on every rank, where the nodes do not make two dimensions

@@ -2,6 +2,7 @@
 (:class:`DiLoCo`, :class:`DiLoCoConfig`)."""
 
 from tandem.diloco.config import DiLoCoConfig
+from tandem.comm.node_groups import node_mesh
 from tandem.diloco.diloco import DiLoCo
 
-__all__ = ["DiLoCo", "DiLoCoConfig"]
+__all__ = ["DiLoCo", "DiLoCoConfig", "node_mesh"]

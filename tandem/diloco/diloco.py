@@ -33,10 +33,13 @@ shard of every parameter (the same local shapes, the same rows), so the outer
 step runs on each rank's local shards, averaged with the ranks at its place on
 the other nodes (``mesh["node"]``): each rank sends its shard, a node sends one
 model, and the synced copy and the outer momentum are sharded too. With H=1
-and an outer SGD at lr 1 it is HSDP (tests/diloco/test_prepare_diloco.py
+and an outer SGD at lr 1 it is HSDP (tests/diloco/test_across_nodes.py
 holds it to torch's). ``tandem.prepare(..., strategy="fsdp", diloco=...)``
-builds it; by hand, it is ``fully_shard(model, mesh=mesh["local"])`` and
-``DiLoCo(model, optimizer, config, comm=GroupComm(mesh["node"].get_group()))``.
+builds it, and so does the Trainer with ``TrainerConfig(diloco=...)`` and a
+model sharded over ``tandem.node_mesh()["local"]``; by hand, it is
+``fully_shard(model, mesh=mesh["local"])`` and ``DiLoCo(model, optimizer,
+config, comm=GroupComm(mesh["node"].get_group()))``. Per-rank checkpoints
+copy each shard out of its unit's buffer to write it.
 
 What it costs: the synced copy of the parameters (fp32) and the outer
 optimizer's momentum, two copies of the model per rank, as the paper's. Every

@@ -135,8 +135,11 @@ class TrainerConfig:
     diloco: DiLoCoConfig | None = None  # Note [local steps and the outer step] in tandem/diloco/diloco.py
     """Train with local steps (DiLoCo, LocalSGD, Streaming DiLoCo): the model is
     not wrapped in DDP, each rank steps its own copy with the optimizer, and the
-    ranks sync every ``diloco.sync_every`` steps (:class:`tandem.DiLoCo`).
-    Checkpoints are then per rank. With ``elastic``, a change of world takes
+    ranks sync every ``diloco.sync_every`` steps (:class:`tandem.DiLoCo`). A
+    model sharded with ``fully_shard`` over each node alone
+    (``mesh=tandem.node_mesh()["local"]``) makes each node one worker: every
+    step's collectives stay inside it, and each rank's shards sync with the
+    ranks at its place on the other nodes. Checkpoints are then per rank. With ``elastic``, a change of world takes
     every rank back to the last sync, the new world trains the steps since
     again, and every epoch's end is a sync; that needs syncs of the whole model
     (one fragment, no overlap, no mix). Not with ``async_checkpoint`` yet;

@@ -31,7 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem._tree import map_tensors
 from tandem.checkpoint.atomic import atomic_save
+from tandem.checkpoint.full_state import is_fully_sharded
+from tandem.dtensor import is_distributed
 from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.checkpoint.steps import step_of
@@ -60,6 +63,11 @@ def save_per_rank_state(state: TrainingState, root: str | Path, local: Callable[
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {"model": unwrap_model(state.model).state_dict(),
             "optimizer": None if state.optimizer is None else state.optimizer.state_dict(), "local": local()}
+    if is_fully_sharded(state.model):
+        # A shard's local tensor is a view into its unit's padded buffer, which torch.save
+        # cannot write: each is copied out (fully_shard inside a node: Note [DiLoCo across
+        # nodes, fully_shard inside] in tandem/diloco/diloco.py).
+        mine = map_tensors(lambda t: t.detach().clone() if is_distributed(t) else t, mine)
 
     def write(directory: Path) -> list[str]:
         names = [_rank_file(rank, world)]

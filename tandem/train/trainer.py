@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 from tandem._tree import to_device
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.group import GroupComm
+from tandem.comm.node_groups import node_mesh
 from tandem.comm.membership import Generation
 from tandem.data import DistributedSampler, gather_samples
 from tandem.diloco import DiLoCo, DiLoCoConfig
@@ -170,7 +171,9 @@ class Trainer:
         self.state = TrainingState(model=self.model, optimizer=optimizer, scheduler=scheduler,
                                    scaler=self.scaler)
         # Note [local steps and the outer step] in tandem/diloco/diloco.py: syncs in optimizer.step().
-        self._diloco = None if local_steps is None else DiLoCo(model, optimizer, local_steps)
+        # Note [DiLoCo across nodes, fully_shard inside] in tandem/diloco/diloco.py: a node is a worker.
+        across = _across_nodes(model, self.rank) if local_steps is not None and fsdp else None
+        self._diloco = None if local_steps is None else DiLoCo(model, optimizer, local_steps, comm=across)
         # Note [sharded trainer checkpoints] in sharded_checkpoint.py; with local steps, Note
         # [per-rank trainer checkpoints] in per_rank_checkpoint.py.
         chosen = cast("CheckpointFormat | None", self.config.checkpoint_format)
@@ -607,13 +610,36 @@ def _elastic_run(config: TrainerConfig, model: nn.Module, rank: int) -> ElasticR
 def _check_local_steps(model: nn.Module, local_steps: DiLoCoConfig, elastic: bool, rank: int) -> None:
     """``TrainerConfig.diloco`` trains the bare model of each rank; in an elastic
     job, with syncs of the whole model (Note [elastic local steps] in tandem/elastic/sync_points.py)."""
-    if is_ddp(model) or is_fully_sharded(model):
+    if is_ddp(model):
         raise ValueError(f"rank {rank}: TrainerConfig.diloco trains each rank's own copy of the model between "
-                         "syncs: pass the plain module, not a DistributedDataParallel or fully_shard model")
+                         "syncs: pass the plain module, not a DistributedDataParallel (or a fully_shard model "
+                         "sharded over each node's ranks: tandem.node_mesh)")
     if elastic:
         local_steps.check_elastic(f"rank {rank}: TrainerConfig")
+        if is_fully_sharded(model):
+            raise ValueError(f"rank {rank}: TrainerConfig.diloco with a fully_shard model does not go with an "
+                             "elastic job yet: pass the plain module, or run without --elastic")
     if not dist.is_initialized():
         raise ValueError(f"rank {rank}: TrainerConfig.diloco needs torch.distributed: call tandem.init() first")
+
+
+def _across_nodes(model: nn.Module, rank: int) -> GroupComm:
+    """The ranks that sync this rank's shards: those at its place on every node
+    (a collective). The model must be sharded over this rank's node alone.
+
+    Raises:
+        ValueError: the model is sharded over other ranks, naming both and the fix.
+    """
+    from tandem.dtensor import is_distributed
+
+    mesh = next(p for p in model.parameters() if is_distributed(p)).device_mesh  # type: ignore[attr-defined]
+    nodes = node_mesh(mesh.device_type, who="TrainerConfig.diloco with a fully_shard model")
+    mine, node = mesh.mesh.flatten().tolist(), nodes["local"].mesh.flatten().tolist()
+    if mine != node:
+        raise ValueError(f"rank {rank}: TrainerConfig.diloco with a fully_shard model syncs each node's shards "
+                         f"across the nodes, so the model must be sharded over its node's ranks {node}, not "
+                         f"{mine}: fully_shard(..., mesh=tandem.node_mesh({mesh.device_type!r})['local'])")
+    return GroupComm(nodes["node"].get_group())
 
 
 def _wrap(model: nn.Module, config: TrainerConfig, world_size: int, *, elastic: bool) -> nn.Module:

@@ -1,4 +1,5 @@
-"""``tandem.prepare(..., diloco=...)`` on four gloo ranks as two nodes of two
+"""DiLoCo in ``tandem.prepare(..., diloco=...)`` and in the Trainer, across
+nodes with fully_shard inside each, on four gloo ranks as two nodes of two
 (``GROUP_RANK``, as the launcher sets it), in one spawned group.
 
 Identities that can fail:
@@ -11,7 +12,9 @@ Identities that can fail:
   two dimensions.
 - LocalSGD with H=3 equals one process simulating the workers, written here:
   four under ``"ddp"``, two under ``"fsdp"`` (a node is one worker, training
-  on its ranks' samples).
+  on its ranks' samples); in the Trainer with a model sharded over
+  ``tandem.node_mesh()["local"]`` too, and a run stopped between two syncs
+  resumes from its per-rank checkpoint (sharded tensors) to the same end.
 - Bad input raises on every rank, naming the value and the fix.
 """
 
@@ -106,6 +109,32 @@ def _torch_hsdp(rank: int) -> list[torch.Tensor]:
     return _full_params(model)
 
 
+def _trained(out: str, sync_every: int, max_steps: int | None = None) -> list[torch.Tensor]:
+    """The Trainer, the model sharded over this rank's node."""
+    import tandem
+
+    model = _model()
+    tandem.fully_shard(model, mesh=tandem.node_mesh("cpu")["local"])
+    config = tandem.TrainerConfig(batch_size=BATCH, epochs=EPOCHS, seed=SEED, progress=False, plot=False,
+                                  output_dir=out, max_steps=max_steps, straggler_every=None,
+                                  diloco=_config(sync_every))
+    tandem.Trainer(model, _optimizer(model), _train_set(), nn.functional.mse_loss, config=config).fit()
+    return _full_params(model)
+
+
+def _sharded_over_the_world(rank: int) -> str:
+    import tandem
+
+    model = _model()
+    tandem.fully_shard(model)
+    try:
+        tandem.Trainer(model, _optimizer(model), _train_set(), nn.functional.mse_loss,
+                       config=tandem.TrainerConfig(diloco=_config(2), progress=False, plot=False))
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
 def _errors(rank: int) -> dict[str, str]:
     import tandem
     from tandem.diloco import DiLoCoConfig
@@ -133,8 +162,25 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     os.environ["GROUP_RANK"] = str(rank // PER_NODE)
     out: dict[str, Any] = {f"{s} H={h}": _prepared(s, h) for s in ("ddp", "fsdp") for h in (1, H)}
     out["torch HSDP"] = _torch_hsdp(rank)
+    tmp = _shared_tmp(rank)
+    out["trainer H=1"] = _trained(f"{tmp}/h1", 1)
+    out["trainer H=3"] = _trained(f"{tmp}/h3", H)
+    _trained(f"{tmp}/parted", H, max_steps=5)  # two steps past the sync of step 3
+    out["trainer H=3 resumed"] = _trained(f"{tmp}/parted", H)
+    out["trainer world mesh"] = _sharded_over_the_world(rank)
     out["errors"] = _errors(rank)
     return out
+
+
+def _shared_tmp(rank: int) -> str:
+    """One new directory, the same on every rank (rank 0's, broadcast)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="diloco-nodes-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 @functools.cache
@@ -215,3 +261,17 @@ def test_bad_input_is_named_on_every_rank() -> None:
         assert "bucket_cap_mb" in e["ddp kwargs"] and "drop them" in e["ddp kwargs"]
         assert "at least 2 nodes" in e["one node"] and "{'0': [0, 1, 2, 3]}" in e["one node"], e["one node"]
         assert "strategy='ddp'" in e["one node"]
+
+
+def test_the_trainer_with_fully_shard_inside_each_node() -> None:
+    one = _simulate([list(range(WORLD))], sync_every=1)[0]
+    nodes = [list(range(n * PER_NODE, (n + 1) * PER_NODE)) for n in range(WORLD // PER_NODE)]
+    expected = _simulate(nodes, sync_every=H)
+    for rank, r in enumerate(_results()):
+        _close(r["trainer H=1"], one)
+        _close(r["trainer H=3"], expected[rank // PER_NODE])
+        for a, b in zip(r["trainer H=3 resumed"], r["trainer H=3"]):
+            assert torch.equal(a, b)
+        said = r["trainer world mesh"]
+        assert f"rank {rank}" in said and "node_mesh('cpu')['local']" in said, said
+        assert f"{nodes[rank // PER_NODE]}, not [0, 1, 2, 3]" in said, said
