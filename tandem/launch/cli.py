@@ -76,8 +76,10 @@ def build_parser() -> _Parser:
     """The ``tandem`` parser with its ``run`` sub-command (``.run``)."""
     top = _Parser(prog="tandem", description="tandem: data-parallel training for PyTorch.")
     sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # No abbreviations: a script's own flag that begins like one of ours (``--h``)
+    # must reach the script, not match ``--hang-timeout``.
     p: _Parser = sub.add_parser(
-        "run", help="start a job on this node (torchrun's options)",
+        "run", allow_abbrev=False, help="start a job on this node (torchrun's options)",
         description="Start the workers of a distributed job on this node, on torch's elastic "
                     "agent. Takes torchrun's options; each worker's output lines carry its rank.")
     top.run = p

@@ -156,6 +156,14 @@ def test_script_arguments_are_left_alone():
                                                             ["--lr", "0.1", "--nproc-per-node", "9"])
 
 
+
+def test_a_scripts_flag_that_begins_like_ours_reaches_the_script():
+    # argparse would take "--h" for an abbreviation of --hang-timeout (or --help) and
+    # fail "ambiguous option"; and "--nproc" for --nproc-per-node.
+    args = parse("--nproc-per-node", "2", "train.py", "--h", "3", "--nproc", "4")
+    assert (args.nproc_per_node, args.script, args.script_args) == ("2", "train.py", ["--h", "3", "--nproc", "4"])
+
+
 # ---------------------------------------------------------------- what the workers run
 
 def test_worker_command_forms():
