@@ -21,12 +21,13 @@ def link_bytes() -> int:
 
 
 def launch(cluster: Any, script: Path, run_id: str, tandem_args: Sequence[str], worker_args: Sequence[str],
-           env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """``tandem run --nnodes 2 --nproc-per-node 2 ... script worker_args`` on each node,
-    the store on node 0's address; the processes, their output piped."""
+           env: dict[str, str] | None = None, nproc_per_node: int = 2) -> list[subprocess.Popen]:
+    """``tandem run --nnodes 2 --nproc-per-node 2 ... script worker_args`` on each node
+    (``nproc_per_node`` workers each), the store on node 0's address; the
+    processes, their output piped."""
     procs = []
     for node in range(2):
-        argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--nproc-per-node", "2",
+        argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--nproc-per-node", str(nproc_per_node),
                 "--rdzv-endpoint", f"{cluster.address(0)}:29400", "--rdzv-id", run_id,
                 "--local-addr", cluster.address(node), "--rdzv-timeout", "120", *tandem_args, str(script),
                 *worker_args]
