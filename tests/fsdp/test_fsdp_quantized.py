@@ -12,8 +12,8 @@ tandem's layout). Two spawned groups run every case:
   within half a step of the true ones, and backward's gather equal to
   forward's; the reduced gradients against the round-tripped sum, within the
   bound of the exact fp32 mean and not equal to it, exactly equal for
-  representable gradients, with a parameter one rank does not use and one
-  nobody uses; training a small transformer-like model (AdamW, clipping) near
+  representable gradients, with a parameter one rank does not use, one
+  nobody uses and one sharded on dim 1; training a small transformer-like model (AdamW, clipping) near
   torch's FSDP2, with CPUOffloadPolicy and bf16; the ledger's bytes of a step
   against fully_shard's without the policy; refusals on every rank.
 - 4 gloo ranks: HSDP 2 x 2 (only the shard group's collectives quantized) and
@@ -125,40 +125,40 @@ class Outer(nn.Module):
 
 
 class Probe(nn.Module):
-    """``(a * x).sum() + (b * y).sum()``: the gradients are exactly the inputs. ``c``
-    is used by nobody."""
+    """``(a * x).sum() + (b * y).sum() + (d * z).sum()``: the gradients are exactly
+    the inputs. ``c`` is used by nobody; ``d`` is sharded on dim 1."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Parameter(torch.zeros(7, 100))
         self.b = nn.Parameter(torch.zeros(5, 40))
         self.c = nn.Parameter(torch.zeros(4))
+        self.d = nn.Parameter(torch.zeros(6, 30))
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        loss = (self.a * x).sum()
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
+        loss = (self.a * x).sum() + (self.d * z).sum()
         return loss if y is None else loss + (self.b * y).sum()
 
 
-def _probe_grads(rank: int, bits: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s gradients of Probe's a and b. Exact: integers times a power
-    of two, each block of each destination's chunk holding a value of qmax steps
-    (every value is then a whole number of steps: it survives the round trip)."""
+PROBE_SHAPES, PROBE_DIMS = [(7, 100), (5, 40), (4,), (6, 30)], [0, 0, 0, 1]
+
+
+def _probe_grads(rank: int, bits: int, exact: bool) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradients of Probe's a, b and d. Exact: integers times a
+    power of two, each block of each destination's chunk holding a value of qmax
+    steps (every value is then a whole number of steps: it survives the round trip)."""
     g = torch.Generator().manual_seed(17 * rank + bits)
-    if not exact:  # magnitudes from 1e-4 to 1e1 across the rows
-        return (torch.randn(7, 100, generator=g) * torch.logspace(-4, 1, 7)[:, None],
-                torch.randn(5, 40, generator=g))
+    if not exact:  # magnitudes from 1e-4 to 1e1 across a's rows
+        return [torch.randn(7, 100, generator=g) * torch.logspace(-4, 1, 7)[:, None],
+                torch.randn(5, 40, generator=g), torch.randn(6, 30, generator=g)]
     top, step = (127, 2.0 ** -6) if bits == 8 else (7, 2.0 ** -3)
-    a = torch.randint(-top, top + 1, (7, 100), generator=g).float()
-    b = torch.randint(-top, top + 1, (5, 40), generator=g).float()
-    # Shard buffers of 3 rows of a (300) and 2 of b (80): blocks at 0 and 256 of each.
+    a, b, d = (torch.randint(-top, top + 1, shape, generator=g).float() for shape in ((7, 100), (5, 40), (6, 30)))
+    # Each rank's shard buffer: 3 rows of a (300), 2 of b (80), 2 of c (2), 10 columns of d
+    # (60); its blocks start at 0 (in a) and 256 (ending in d, which every rank sends).
     for r in range(WORLD):
-        if 3 * r < 7:
-            a[3 * r, 0] = top
-        if 3 * r + 2 < 7:
-            a[3 * r + 2, 56] = -top
-        elif 2 * r < 5:
-            b[2 * r, 0] = top  # rank 2's a holds one row: its second block starts in b
-    return a * step, b * step
+        a[3 * r, 0] = top
+        d[0, 10 * r] = -top
+    return [a * step, b * step, d * step]
 
 
 # ---------------------------------------------------------------------- the 3-rank group
@@ -201,15 +201,18 @@ def _count_gathers(module: nn.Module) -> list[str]:
 
 
 def _reductions(rank: int, world_size: int) -> dict:
+    from torch.distributed.tensor import Shard
+
     from tandem.fsdp import QuantizedCommPolicy, fully_shard
 
     out: dict = {}
     for bits in (8, 4):
         for exact in (False, True):
             model = Probe()
-            fully_shard(model, comm_policy=QuantizedCommPolicy(weight_bits=None, grad_bits=bits))
-            a, b = _probe_grads(rank, bits, exact)
-            model(a, None if rank == 1 else b).backward()   # rank 1 does not use b
+            fully_shard(model, comm_policy=QuantizedCommPolicy(weight_bits=None, grad_bits=bits),
+                        shard_placement_fn=lambda p, m=model: Shard(1) if p is m.d else None)
+            a, b, d = _probe_grads(rank, bits, exact)
+            model(a, None if rank == 1 else b, d).backward()   # rank 1 does not use b
             out[(bits, exact)] = {k: None if p.grad is None else p.grad.full_tensor()
                                   for k, p in model.named_parameters()}
     return out
@@ -386,8 +389,9 @@ def _expected_reduction(bits: int, exact: bool) -> tuple[dict, dict, dict]:
     fp32 and divided by the ranks; the exact fp32 mean; the bound of the first
     against the second (the mean of each rank's half steps)."""
     grads = [_probe_grads(r, bits, exact) for r in range(WORLD)]
-    sent = [[a, torch.zeros_like(b) if r == 1 else b] for r, (a, b) in enumerate(grads)]  # rank 1: no b
-    shapes, dims = [(7, 100), (5, 40)], [0, 0]
+    # Every rank sends every parameter's rows, zeros where it has no gradient: rank 1 for b, all for c.
+    sent = [[a, torch.zeros_like(b) if r == 1 else b, torch.zeros(4), d] for r, (a, b, d) in enumerate(grads)]
+    shapes, dims = PROBE_SHAPES, PROBE_DIMS
     per_rank = [_shard_buffers(s, dims, WORLD) for s in sent]   # per sender, per destination
     summed, half = [], []
     for dest in range(WORLD):
@@ -399,9 +403,9 @@ def _expected_reduction(bits: int, exact: bool) -> tuple[dict, dict, dict]:
             halves += h
         summed.append(total / WORLD)
         half.append(halves / WORLD)
-    got = dict(zip("ab", _unshard(summed, shapes, dims)))
-    bound = dict(zip("ab", _unshard(half, shapes, dims)))
-    mean = {"a": (sent[0][0] + sent[1][0] + sent[2][0]) / WORLD, "b": (sent[0][1] + sent[1][1] + sent[2][1]) / WORLD}
+    got = dict(zip("abcd", _unshard(summed, shapes, dims)))
+    bound = dict(zip("abcd", _unshard(half, shapes, dims)))
+    mean = {k: (sent[0][i] + sent[1][i] + sent[2][i]) / WORLD for i, k in enumerate("abcd")}
     return got, mean, bound
 
 
@@ -410,7 +414,7 @@ def test_reduced_gradients_are_the_round_tripped_mean_within_the_bound_of_the_ex
     want, mean, bound = _expected_reduction(bits, exact=False)
     for r, result in enumerate(_results()):
         got = result["reductions"][(bits, False)]
-        for k in "ab":
+        for k in "abd":
             assert torch.equal(got[k], want[k]), (r, k, (got[k] - want[k]).abs().max())
             assert ((got[k] - mean[k]).abs() <= bound[k] * (1 + 1e-5) + 1e-7).all(), (r, k)
             assert not torch.equal(got[k], mean[k]), (r, k)  # the quantization lost something: it is on
@@ -424,7 +428,7 @@ def test_representable_gradients_arrive_exactly(bits: int) -> None:
     _, mean, _ = _expected_reduction(bits, exact=True)
     for r, result in enumerate(_results()):
         got = result["reductions"][(bits, True)]
-        for k in "ab":
+        for k in "abd":
             assert torch.equal(got[k], mean[k]), (r, k, (got[k] - mean[k]).abs().max())
 
 
