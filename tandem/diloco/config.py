@@ -68,7 +68,9 @@ class DiLoCoConfig:
 
     def check_elastic(self, who: str) -> None:
         """Raises ValueError unless an elastic job can go back to this config's syncs
-        (Note [elastic local steps] in tandem/elastic/sync_points.py); ``who`` names the caller."""
+        (when a rank is lost, every rank goes back to the last sync of the whole
+        model); ``who`` names the caller."""
+        # Note [elastic local steps] in tandem/elastic/sync_points.py
         if not self.whole:
             raise ValueError(
                 f"{who}: diloco in an elastic job goes back to the last sync of the whole model when a rank is "
