@@ -111,7 +111,6 @@ from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import ElasticConfig, Generation
 from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
-from tandem.comm.group import GroupComm
 from tandem.ddp.batch_weight import weigh_gradients
 from tandem.diloco import DiLoCo
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, first_sentence, is_peer_failure
@@ -280,9 +279,7 @@ class ElasticLoop:
         if not self._refresh_copies():
             self.run.step_started()
             return False, result  # the job went back before this step (Note [one step back])
-        if self._syncs is not None and self.diloco is not None and self.diloco.synced_at == self.diloco.step:
-            self._syncs.capture(self.state.step)
-        if self.run.grow_pending and self._between_syncs():
+        if self._syncs is not None and not self._syncs.committed(self.state.step):
             self.run.grow_pending = False  # decided again at the next step: admitted right after a sync
         if self.run.grow_pending:
             # Admitted at the training loader's next batch, after what the loop does
@@ -292,10 +289,6 @@ class ElasticLoop:
                 self._change_world(None, in_step=False)
         self.run.step_started()
         return True, result
-
-    def _between_syncs(self) -> bool:
-        """DiLoCo's ranks differ since its last sync (Note [elastic local steps])."""
-        return self.diloco is not None and self.diloco.synced_at != self.diloco.step
 
     def _refresh_copies(self) -> bool:
         """Send this rank's shard to its buddy after a commit (Note [buddy copies]);
@@ -336,9 +329,8 @@ class ElasticLoop:
             return
         self._confirm_at = []
         try:
-            if self._syncs is not None and self.diloco is not None:
-                self.diloco.sync_now()
-                self._syncs.capture(self.state.step)
+            if self._syncs is not None:
+                self._syncs.epoch_end(self.state.step)
             else:
                 watched("barrier before an epoch ends", dist.barrier)
         except Exception as e:
@@ -367,9 +359,8 @@ class ElasticLoop:
             if self._zero:
                 cast(Any, self.optimizer).reset_process_group()
             resumed = self.world.restore_shards(own, rank)  # no checkpoint to fall back to
-        if self._syncs is not None and self.diloco is not None:  # Note [elastic local steps]
-            self.diloco.reset_process_group(GroupComm(None))
-            step = self._syncs.go_back(has_state=not self.run.needs_state)
+        if self._syncs is not None:  # Note [elastic local steps]
+            step = self._syncs.regroup(has_state=not self.run.needs_state)
             if step is not None and step != self.state.step:
                 resumed = Resumed(step, checkpoint=False)
             if step is not None:

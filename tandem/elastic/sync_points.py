@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.comm.group import GroupComm
 from tandem.comm.membership import MembershipError
 from tandem.comm.plain_data import all_gather_object
 from tandem.comm.watched_call import watched
@@ -62,6 +63,25 @@ class SyncPoints:
     def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer, loop: Any) -> None:
         self.diloco, self._optimizer, self._loop = diloco, optimizer, loop
         self._points: list[tuple[int, dict[str, Any]]] = []  # (committed steps, what to go back to)
+
+    def committed(self, step: int) -> bool:
+        """Step ``step`` committed: keep it if it synced. Returns whether the ranks
+        are at a sync now, where a replacement may be admitted."""
+        at_sync = self.diloco.synced_at == self.diloco.step
+        if at_sync:
+            self.capture(step)
+        return at_sync
+
+    def epoch_end(self, step: int) -> None:
+        """An epoch ends at ``step``: sync there, so that no window crosses it."""
+        self.diloco.sync_now()
+        self.capture(step)
+
+    def regroup(self, has_state: bool) -> int | None:
+        """A new world (a collective of it): sync over it from now on, and go back
+        to the latest sync every rank holds (:meth:`go_back`)."""
+        self.diloco.reset_process_group(GroupComm(None))
+        return self.go_back(has_state)
 
     def capture(self, step: int) -> None:
         """Keep this rank's state at ``step``, right after a sync."""

@@ -342,8 +342,7 @@ class Trainer:
                         self.state.consumed = 0
                         self._exact_rest = False
                         if self._syncs is not None:  # a window never crosses an epoch's end
-                            self._diloco.sync_now()  # type: ignore[union-attr]
-                            self._syncs.capture(self.state.step)
+                            self._syncs.epoch_end(self.state.step)
                         self._evaluate_into(history, progress)
                     checkpoint = self._save(history)
                 except Exception as e:
@@ -426,8 +425,9 @@ class Trainer:
             state.step += 1
             state.consumed = split.consumed_after(done)
             self._refresh_buddy()
-            if self._syncs is not None:
-                self._after_local_step()
+            if self._syncs is not None and not self._syncs.committed(state.step):
+                assert self._elastic is not None
+                self._elastic.run.grow_pending = False  # decided again at the next step: admitted at a sync
             progress.advance()
             if state.step % cfg.log_every == 0:
                 record = window.record(state, self._runner.lr())
@@ -527,8 +527,10 @@ class Trainer:
             if not is_fully_sharded(self.model):
                 self.optimizer.reset_process_group()  # type: ignore[attr-defined]
             resumed = self._restore_shards(own)
-        if self._syncs is not None:
-            resumed = self._back_to_the_last_sync()
+        if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
+            was_at = self.state.step
+            step = self._syncs.regroup(has_state=not elastic.run.needs_state)
+            resumed = None if step is None or step == was_at else Resumed(step, checkpoint=False)
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted()
@@ -536,24 +538,6 @@ class Trainer:
         if self._syncs is not None:
             self._syncs.capture(self.state.step)  # every rank at the sync: the new world's first point
         return resumed
-
-    def _after_local_step(self) -> None:
-        """A committed step with local steps in an elastic job: keep it if it
-        synced, and admit replacements only then (Note [elastic local steps] in
-        tandem/elastic/sync_points.py)."""
-        assert self._syncs is not None and self._diloco is not None and self._elastic is not None
-        if self._diloco.synced_at == self._diloco.step:
-            self._syncs.capture(self.state.step)
-        else:
-            self._elastic.run.grow_pending = False  # decided again at the next step
-
-    def _back_to_the_last_sync(self) -> Resumed | None:
-        """Every rank back to the last sync they all hold, the DiLoCo over the new world."""
-        assert self._syncs is not None and self._diloco is not None and self._elastic is not None
-        self._diloco.reset_process_group(GroupComm(None))
-        before = self.state.step
-        step = self._syncs.go_back(has_state=not self._elastic.run.needs_state)
-        return None if step is None or step == before else Resumed(step, checkpoint=False)
 
     def _join(self) -> None:
         """A replacement's start, in its world of one: join the job, and rebuild
