@@ -43,8 +43,13 @@ class QuantizedState:
             are lost at every step).
         by_node: on several nodes of equal size, reduce inside each node in fp32
             first and send only each rank's share across the nodes; the groups
-            are made here, so build the state on every rank.
+            are made at the first bucket, and made again for a new world.
         process_group: ``None`` (the DDP's group), a ``ProcessGroup`` or a ``GroupComm``.
+
+    With ``process_group=None`` the state follows the DDP model into a new world
+    (an elastic job's, ``DistributedDataParallel.reset_process_group``): the
+    hook stays registered, the groups by node are made for the new world, and
+    each rank keeps its residuals.
     """
 
     def __init__(self, bits: int = 8, *, block: int = BLOCK, error_feedback: bool = True, by_node: bool = True,
@@ -54,10 +59,26 @@ class QuantizedState:
             raise ValueError(f"QuantizedState: block must be an even number >= 2, got {block!r}")
         self.bits, self.block, self.error_feedback = bits, block, error_feedback
         self.process_group = process_group
-        self.nodes = NodeGroups.build(GroupComm(None)) if by_node and dist.is_initialized() and \
-            is_default_group(process_group) else None
-        """The ranks by node, where the bucket is reduced inside each node first (None: flat)."""
+        self.by_node = by_node and is_default_group(process_group)
+        self._nodes: NodeGroups | None = None
+        self._nodes_of: Any = None  # the default group the groups by node were made in
         self._residual: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    @property
+    def follows_world(self) -> bool:
+        """Whether the hook goes on with the DDP model in a new world (its group is the default one)."""
+        return is_default_group(self.process_group)
+
+    def nodes(self) -> NodeGroups | None:
+        """The ranks by node of the current world, where a bucket is reduced inside
+        each node first (None: flat). Made at the first call in each world, a
+        collective: every rank's hook calls it at the same bucket."""
+        if not self.by_node:
+            return None
+        world = dist.group.WORLD
+        if self._nodes_of is not world:
+            self._nodes, self._nodes_of = NodeGroups.build(GroupComm(None)), world
+        return self._nodes
 
     def residual(self, param: torch.Tensor) -> torch.Tensor | None:
         """What this rank's last step lost of ``param``'s gradient (None before its first)."""
@@ -86,7 +107,7 @@ def quantized_hook(state: QuantizedState,
     params = bucket.parameters()
     if state.error_feedback:
         residual = torch.cat([_residual_of(state, p, g) for p, g in zip(params, grads)])
-    QuantizedAverage(comm, state.bits, state.block, state.nodes).average_(
+    QuantizedAverage(comm, state.bits, state.block, state.nodes()).average_(
         flat, residual, tag=f"hook int{state.bits} bucket {bucket.index()}")
     buffer = bucket.buffer()
     if buffer.numel() == flat.numel():

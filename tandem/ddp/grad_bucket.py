@@ -87,8 +87,12 @@ class HookWork:
         self._hook_name = hook_name
 
     def settle(self) -> None:
-        """Block until the hook's work (with all its chained callbacks) is done."""
-        self._future.wait()
+        """Block until the hook's work (with all its chained callbacks) is done; a
+        failure is raised by :meth:`wait`, where the reducer collects the buckets."""
+        try:
+            self._future.wait()
+        except Exception:  # noqa: BLE001 - raised again by wait()
+            pass
 
     def wait(self) -> None:
         value = self._future.wait()

@@ -270,7 +270,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffers are broadcast from the new group's rank 0 after checking that
         every rank holds the same model. A collective of the new group. A
         communication hook is kept when its state is this model's own
-        communicator; any other hook must be registered again.
+        communicator, or says it follows the default group into a new world
+        (``follows_world``, as :class:`tandem.comm_hooks.QuantizedState` over
+        the default group); any other hook must be registered again.
         """
         if self._reducer is not None:
             self._reducer.close()
@@ -278,6 +280,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         hook = self._comm_hook
         self._comm_hook = None
         own_hook = hook is not None and hook[0] is self._comm
+        follows = hook is not None and getattr(hook[0], "follows_world", False) is True  # QuantizedState
         self.process_group = process_group
         self._comm = GroupComm(process_group)
         self._sync = ModelSync(self.module, self._ignored, self._comm)
@@ -289,6 +292,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.fuse_optimizer(fused)
         if own_hook and hook is not None:
             self.register_comm_hook(self._comm, hook[1])
+        elif follows and hook is not None:
+            self.register_comm_hook(*hook)
         self._split_hint = split_hint(self._reducer_options.caps, self._reducer_options.overlap,
                                       self._comm.size)
 

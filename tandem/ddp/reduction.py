@@ -258,6 +258,11 @@ class HookReduce:
         self._serialize, self._check, self._stepper = serialize, check, stepper
         self.name = getattr(hook, "__qualname__", repr(hook))
         self._previous: HookWork | None = None
+        # A hook that raised in this step (a collective it waited for inside, a peer
+        # lost): its error is the bucket's, raised where a reduction's would be, at the
+        # end of backward (Note [recovered reduction failures] in reducer.py), and the
+        # later buckets' hooks are not called on the broken group.
+        self._failed: BaseException | None = None
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
         bucket.fill(step.div, self._delivery.as_view)
@@ -266,7 +271,16 @@ class HookReduce:
         if self._serialize and bucket.index > 0:
             assert self._previous is not None
             self._previous.settle()  # Note [hook order] in grad_bucket.py
-        work = HookWork(self._hook(self._state, GradBucket(bucket, is_last, self._comm)), bucket, self.name)
+        future = None
+        if self._failed is None:
+            try:
+                future = self._hook(self._state, GradBucket(bucket, is_last, self._comm))
+            except Exception as e:
+                self._failed = e
+        if future is None:
+            future = torch.futures.Future()
+            future.set_exception(self._failed)  # type: ignore[arg-type]  # torch's stub says Tensor
+        work = HookWork(future, bucket, self.name)
         self._previous = work
         bucket.launched(work)
 
@@ -276,6 +290,7 @@ class HookReduce:
         if self._serialize and self._previous is not None:
             self._previous.settle()
         self._previous = None
+        self._failed = None
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         self._delivery.deliver(bucket, used, self._stepper)
