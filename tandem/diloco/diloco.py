@@ -115,7 +115,8 @@ class DiLoCo:
             owner = getattr(hook, "__self__", None)
             if isinstance(owner, DiLoCo):
                 return owner
-        return None
+        inner = getattr(optimizer, "optimizer", None)  # an elastic job's ElasticOptimizer stands for it
+        return DiLoCo.of(inner) if isinstance(inner, torch.optim.Optimizer) else None
 
     def _after_inner_step(self, *_: Any) -> None:
         self.step += 1

@@ -138,7 +138,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
                     scheduler.step()
                 optimizer.zero_grad()
             after_epoch.append(params())
-    synced_at = None if not strategy.startswith("diloco") else tandem.DiLoCo.of(optimizer.optimizer).synced_at
+    synced_at = None if not strategy.startswith("diloco") else tandem.DiLoCo.of(optimizer).synced_at
     from tandem.comm.monitor import current_monitor
     last_ops = sorted({(e.op, e.dtype) for e in current_monitor().ledger.entries()[-12:]})  # the last step's
     return {"params": params(), "after_epoch": after_epoch, "synced_at": synced_at, "hook_calls": hook_calls,
