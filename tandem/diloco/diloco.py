@@ -131,19 +131,14 @@ class DiLoCo:
                 self._due[f] = self.step + cfg.overlap
             else:
                 self.fragments[f].finish()
-        if self.whole and self.step % cfg.sync_every == 0:
+        if cfg.whole and self.step % cfg.sync_every == 0:
             self.synced_at = self.step
-
-    @property
-    def whole(self) -> bool:
-        """Whether each sync is of the whole model, applied at once (:attr:`DiLoCoConfig.whole`)."""
-        return self.config.whole
 
     def sync_now(self) -> None:
         """Sync the whole model now, outside the schedule (an elastic job does at
         an epoch's end); nothing if it was synced at this step. Only for
-        :attr:`whole` syncs."""
-        if not self.whole:
+        :attr:`DiLoCoConfig.whole` syncs."""
+        if not self.config.whole:
             raise ValueError(f"rank {self.comm.rank}: DiLoCo.sync_now() syncs the whole model at once: it needs "
                              "fragments=1, overlap=0 and mix=0")
         if self.synced_at != self.step:

@@ -193,7 +193,8 @@ class ElasticLoop:
         self._points = _LoopPoints(self)
         # Note [elastic local steps] in sync_points.py: the bare model of each rank, synced every H steps.
         self.diloco = DiLoCo.of(optimizer)
-        self._syncs = None if self.diloco is None else SyncPoints(self.diloco, optimizer, self._points)
+        self._syncs = (None if self.diloco is None
+                       else SyncPoints(self.diloco, optimizer, self.state, self._points))
         self.world = ElasticWorld(run, model, optimizer, self.state, self._points, None,
                                   sharded=self._zero or self._fsdp)
         self.failure: BaseException | None = None  # a peer's failure seen during this step
@@ -217,7 +218,7 @@ class ElasticLoop:
         else:
             self.world.refresh_buddy(dist.get_rank())  # the first copies, before the first step
             if self._syncs is not None:
-                self._syncs.capture(self.state.step)  # the start: every rank holds rank 0's parameters
+                self._syncs.capture()  # the start: every rank holds rank 0's parameters
         run.step_started()
 
     def register(self, obj: Any) -> None:
@@ -279,7 +280,7 @@ class ElasticLoop:
         if not self._refresh_copies():
             self.run.step_started()
             return False, result  # the job went back before this step (Note [one step back])
-        if self._syncs is not None and not self._syncs.committed(self.state.step):
+        if self._syncs is not None and not self._syncs.committed():
             self.run.grow_pending = False  # decided again at the next step: admitted right after a sync
         if self.run.grow_pending:
             # Admitted at the training loader's next batch, after what the loop does
@@ -330,7 +331,7 @@ class ElasticLoop:
         self._confirm_at = []
         try:
             if self._syncs is not None:
-                self._syncs.epoch_end(self.state.step)
+                self._syncs.epoch_end()
             else:
                 watched("barrier before an epoch ends", dist.barrier)
         except Exception as e:
@@ -360,18 +361,14 @@ class ElasticLoop:
                 cast(Any, self.optimizer).reset_process_group()
             resumed = self.world.restore_shards(own, rank)  # no checkpoint to fall back to
         if self._syncs is not None:  # Note [elastic local steps]
-            step = self._syncs.regroup(has_state=not self.run.needs_state)
-            if step is not None and step != self.state.step:
-                resumed = Resumed(step, checkpoint=False)
-            if step is not None:
-                self.state.step = step
+            resumed = self._syncs.regroup(has_state=not self.run.needs_state)
         if self.run.state_wanted():  # Note [a join cut short] in tandem/elastic/run.py
             self._share_state()
         for loader in self.loaders:
             loader.regroup(dist.get_world_size(), rank)
         self.world.refresh_buddy(rank)  # copies for the new world, before its first step
         if self._syncs is not None:
-            self._syncs.capture(self.state.step)  # every rank at the sync: the new world's first point
+            self._syncs.capture()  # every rank at the sync: the new world's first point
         return resumed
 
     def _share_state(self) -> None:

@@ -43,7 +43,9 @@ from tandem.comm.group import GroupComm
 from tandem.comm.membership import MembershipError
 from tandem.comm.plain_data import all_gather_object
 from tandem.comm.watched_call import watched
+from tandem.checkpoint.state import TrainingState
 from tandem.diloco import DiLoCo
+from tandem.elastic.run import Resumed
 
 __all__ = ["SyncPoints"]
 
@@ -54,37 +56,42 @@ class SyncPoints:
     Args:
         diloco: what syncs the local steps.
         optimizer: the inner optimizer.
+        state: the loop's counters; ``state.step`` counts committed steps.
         loop: captures and restores the loop's own state (``capture()`` /
             ``restore(point)``, as :class:`~tandem.elastic.world.LoopPoints`, and
             ``complete()``: the registered objects of the last point, taken as
             the next step is decided).
     """
 
-    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer, loop: Any) -> None:
-        self.diloco, self._optimizer, self._loop = diloco, optimizer, loop
+    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer, state: TrainingState, loop: Any) -> None:
+        self.diloco, self._optimizer, self._state, self._loop = diloco, optimizer, state, loop
         self._points: list[tuple[int, dict[str, Any]]] = []  # (committed steps, what to go back to)
 
-    def committed(self, step: int) -> bool:
-        """Step ``step`` committed: keep it if it synced. Returns whether the ranks
-        are at a sync now, where a replacement may be admitted."""
+    def committed(self) -> bool:
+        """A step committed: keep it if it synced. Returns whether the ranks are at
+        a sync now, where a replacement may be admitted."""
         at_sync = self.diloco.synced_at == self.diloco.step
         if at_sync:
-            self.capture(step)
+            self.capture()
         return at_sync
 
-    def epoch_end(self, step: int) -> None:
-        """An epoch ends at ``step``: sync there, so that no window crosses it."""
+    def epoch_end(self) -> None:
+        """An epoch ends: sync there, so that no window crosses it."""
         self.diloco.sync_now()
-        self.capture(step)
+        self.capture()
 
-    def regroup(self, has_state: bool) -> int | None:
+    def regroup(self, has_state: bool) -> Resumed | None:
         """A new world (a collective of it): sync over it from now on, and go back
-        to the latest sync every rank holds (:meth:`go_back`)."""
+        to the latest sync every rank holds (:meth:`go_back`). Returns where the
+        state went back to, if it did."""
         self.diloco.reset_process_group(GroupComm(None))
-        return self.go_back(has_state)
+        was_at = self._state.step
+        step = self.go_back(has_state)
+        return None if step is None or step == was_at else Resumed(step, checkpoint=False)
 
-    def capture(self, step: int) -> None:
-        """Keep this rank's state at ``step``, right after a sync."""
+    def capture(self) -> None:
+        """Keep this rank's state now, right after a sync."""
+        step = self._state.step
         point = {"diloco": copy.deepcopy(self.diloco.state_dict()),
                  "optimizer": copy.deepcopy(self._optimizer.state_dict()), "loop": self._loop.capture()}
         self._points = [*[p for p in self._points if p[0] != step][-1:], (step, point)]
@@ -114,5 +121,6 @@ class SyncPoints:
         self.diloco.take_synced()
         self._optimizer.load_state_dict(copy.deepcopy(point["optimizer"]))
         self._loop.restore(point["loop"])
+        self._state.step = step
         self._points = [(s, p) for s, p in self._points if s <= step]
         return step

@@ -190,7 +190,7 @@ class Trainer:
             sharded=zero or fsdp)
         # Note [elastic local steps] in tandem/elastic/sync_points.py: back to the last sync.
         self._syncs = None if self._diloco is None or self._elastic is None else SyncPoints(
-            self._diloco, optimizer, TrainingStatePoints(self.state))
+            self._diloco, optimizer, self.state, TrainingStatePoints(self.state))
         self._runner = StepRunner(self.model, optimizer, scheduler, loss_fn, self.config, self.state,
                                   device=self.device, rank=self.rank, scaler=self.scaler,
                                   scaled=self._scaled(), guard=self._nonfinite_guard(),
@@ -315,7 +315,7 @@ class Trainer:
             resumed_from = self._checkpoints.resume(self.rank, self._share_all) if cfg.resume else None
             self._refresh_buddy()
             if self._syncs is not None:
-                self._syncs.capture(self.state.step)  # the start, or the checkpoint's step
+                self._syncs.capture()  # the start, or the checkpoint's step
         board = _LazyBoard(self._output_dir / "tensorboard") if cfg.tensorboard else None
         history = History(self._output_dir / "metrics.jsonl" if self.rank == 0 else None,
                           self.state.extra.get("history"), sink=board.write if board is not None else None)
@@ -342,7 +342,7 @@ class Trainer:
                         self.state.consumed = 0
                         self._exact_rest = False
                         if self._syncs is not None:  # a window never crosses an epoch's end
-                            self._syncs.epoch_end(self.state.step)
+                            self._syncs.epoch_end()
                         self._evaluate_into(history, progress)
                     checkpoint = self._save(history)
                 except Exception as e:
@@ -425,7 +425,7 @@ class Trainer:
             state.step += 1
             state.consumed = split.consumed_after(done)
             self._refresh_buddy()
-            if self._syncs is not None and not self._syncs.committed(state.step):
+            if self._syncs is not None and not self._syncs.committed():
                 assert self._elastic is not None
                 self._elastic.run.grow_pending = False  # decided again at the next step: admitted at a sync
             progress.advance()
@@ -528,15 +528,13 @@ class Trainer:
                 self.optimizer.reset_process_group()  # type: ignore[attr-defined]
             resumed = self._restore_shards(own)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
-            was_at = self.state.step
-            step = self._syncs.regroup(has_state=not elastic.run.needs_state)
-            resumed = None if step is None or step == was_at else Resumed(step, checkpoint=False)
+            resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted()
         self._refresh_buddy()  # copies for the new world, before its first step
         if self._syncs is not None:
-            self._syncs.capture(self.state.step)  # every rank at the sync: the new world's first point
+            self._syncs.capture()  # every rank at the sync: the new world's first point
         return resumed
 
     def _join(self) -> None:
