@@ -9,7 +9,10 @@ several files, one or more per rank, go into committed step directories instead
 Under data parallelism every rank holds the same model and optimizer state, so
 rank 0 writes and the others wait. They wait in a collective that also carries
 whether the write succeeded: a full disk on rank 0 becomes an error on every
-rank, instead of rank 0 dying and the others hanging in the next collective.
+rank, instead of rank 0 dying and the others hanging in the next collective. The wait is one of
+tandem's (watched under ``--elastic``: Note [dead peers] in peers.py): a short
+soak once found a rank held in it by a peer killed inside the save while the
+others had left to regroup.
 """
 
 from __future__ import annotations
@@ -56,8 +59,11 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *,
             logger.info("checkpoint saved: %s", path)
         except Exception as e:  # reported to every rank below, then re-raised here
             error = e
-    failed = torch.tensor([0 if error is None else 1], device=GroupComm(group).device)
-    dist.all_reduce(failed, group=group)
+    comm = GroupComm(group)
+    failed = torch.tensor([0 if error is None else 1], device=comm.device)
+    # Through tandem's collectives, so that under --elastic a rank waiting here for a
+    # peer that died (or left to regroup) is told, not held until the group's timeout.
+    comm.all_reduce(failed, tag="checkpoint written")
     if error is not None:
         raise error
     if failed.item():

@@ -142,6 +142,7 @@ def run_soak(plan: SoakPlan) -> SoakResult:
             launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             result.problems.append(f"the job ran past {plan.timeout_s:.0f} s and was killed")
+            result.problems.extend(_where_they_wait(out))
         finally:
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
@@ -196,6 +197,43 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path,
     if (kills or plan.kills) and going():
         _stop_soon(out, plan.every_s or 1.0)
     return kills
+
+
+def _where_they_wait(out: Path) -> list[str]:
+    """Each live worker's threads, innermost frames first, from the
+    ``faulthandler`` dump SIGUSR1 asks of it (``TANDEM_STACKS_FILE``): where a
+    soak that ran past its time was waiting, for the test's message."""
+    workers: dict[int, Path] = {}
+    for pid in _processes_with(f"SOAK_DIR={out}"):
+        try:
+            environ = dict(item.split(b"=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        stacks = environ.get(b"TANDEM_STACKS_FILE")
+        if stacks is not None:
+            workers[pid] = Path(stacks.decode())
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)
+    found = []
+    for pid, path in sorted(workers.items()):
+        try:
+            dump = path.read_text(errors="replace")
+        except OSError:
+            dump = ""
+        threads = []
+        for block in dump.split("\n\n"):  # faulthandler: one block a thread, innermost frame first
+            lines = [line.strip() for line in block.splitlines() if line.strip()]
+            if not lines or "most recent call first" not in lines[0]:
+                continue
+            frames = [line.removeprefix("File ") for line in lines[1:6]]
+            threads.append(("current " if lines[0].startswith("Current") else "") + " <- ".join(frames))
+        found.append(f"pid {pid} ({path.parent.name}): " + (" | ".join(threads) or "no stack dump"))
+    return found
 
 
 def _killed_on_purpose(out: Path) -> int:

@@ -45,7 +45,7 @@ POINTS = {
 @pytest.mark.parametrize("strategy", sorted(POINTS))
 def test_a_short_soak_loses_nothing_and_counts_nothing_twice(tmp_path: Path, strategy: str) -> None:
     result = run_soak(SoakPlan(directory=tmp_path, strategy=strategy, kills=POINTS[strategy], timeout_s=240))
-    assert result.problems == [], (result.problems, result.output[-4000:])
+    assert result.problems == [], "\n".join(result.problems) + "\n" + result.output[-4000:]
     lost = [r for c in result.changes for r in c["lost_ranks"]]  # two deaths can make one change
     assert len(lost) >= len(POINTS[strategy]) - 1, result.changes  # the admitted-then-killed j1 may go unseen
     assert result.steps > 0 and result.attempted >= result.steps
