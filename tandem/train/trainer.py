@@ -56,7 +56,7 @@ from tandem._tree import to_device
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.group import GroupComm
 from tandem.comm.node_groups import node_mesh
-from tandem.comm.membership import Generation
+from tandem.comm.membership import Generation, MembershipError
 from tandem.data import DistributedSampler, gather_samples
 from tandem.diloco import DiLoCo, DiLoCoConfig
 from tandem.data.batches import empty_batch, planned_batches
@@ -64,6 +64,7 @@ from tandem.data.split import RestSplit
 from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
+from tandem.elastic.epoch_end import agreed_position
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, elastic_config, is_peer_failure
 from tandem.elastic.sync_points import SyncPoints
 from tandem.elastic.world import ElasticWorld, TrainingStatePoints
@@ -529,6 +530,7 @@ class Trainer:
             resumed = self._restore_shards(own)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
+        self._agree_on_the_place()
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted()
@@ -536,6 +538,20 @@ class Trainer:
         if self._syncs is not None:
             self._syncs.capture()  # every rank at the sync: the new world's first point
         return resumed
+
+    def _agree_on_the_place(self) -> None:
+        """Every member goes on from the same epoch and sample (Note [an epoch's end
+        seen apart] in tandem/elastic/epoch_end.py). A collective of the new world."""
+        assert self._elastic is not None
+        state = self.state
+        mine = None if self._elastic.run.needs_state else (state.epoch, state.consumed)
+        places: list[Any] = [None] * dist.get_world_size()
+        watched("all_gather_object of each rank's place in the data", all_gather_object, places, mine)
+        end = self._split.end if self._split is not None else self.sampler.dataset_size
+        try:
+            state.epoch, state.consumed = agreed_position(places, end)
+        except RuntimeError as e:
+            raise MembershipError(f"rank {self.rank}: {e}") from None
 
     def _join(self) -> None:
         """A replacement's start, in its world of one: join the job, and rebuild

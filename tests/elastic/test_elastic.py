@@ -124,7 +124,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
           save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None,
-          local_steps: int | None = None) -> dict:
+          local_steps: int | None = None, ends_apart_at: int | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam; with ``local_steps``: LocalSGD syncing every
     that many steps, plain SGD); ``deaths`` maps a founding rank to
@@ -188,6 +188,20 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
                 raise PeerLostError(me, {}, "a test: rank 2 leaves for a regroup")
             send_copy(self, shard, at, members, me)
         BuddyCopies.refresh = leave  # type: ignore[method-assign]
+    if ends_apart_at is not None and rank == 2 and not joining:
+        # Rank 2 leaves for a regroup, alive, as it would send its copy of the epoch's last
+        # step (the Trainer's buddy refresh): the others, logging nothing there, end the epoch and see it
+        # in the save.
+        from tandem.comm.peers import PeerLostError
+        refresh = Trainer._refresh_buddy
+        apart: list[bool] = []
+
+        def leave_at_the_end(self: Trainer) -> None:
+            if self.state.step == ends_apart_at and not apart:
+                apart.append(True)
+                raise PeerLostError(2, {}, "a test: rank 2 leaves for a regroup at the epoch's end")
+            refresh(self)
+        Trainer._refresh_buddy = leave_at_the_end  # type: ignore[method-assign]
     if rank == save_dies and not joining and fsdp:  # inside dcp.save, between its plan's collectives and its last
         from torch.distributed.checkpoint import FileSystemWriter
         FileSystemWriter.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
@@ -244,8 +258,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         diloco = DiLoCoConfig.local_sgd(local_steps)
     trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
                       scheduler=make_scheduler(optimizer) if zero or fsdp else None,
-                      config=TrainerConfig(batch_size=BATCH, epochs=1, elastic=CONFIG, progress=False,
-                                           plot=False, log_every=1, output_dir=Path(out) / "run",
+                      config=TrainerConfig(batch_size=BATCH, epochs=1 if ends_apart_at is None else 2, elastic=CONFIG, progress=False,
+                                           plot=False, log_every=1 if ends_apart_at is None else 100, output_dir=Path(out) / "run",
                                            resume=False, ddp_options={"bucket_cap_mb": 0.0001},
                                            checkpoint_every=checkpoint_every, diloco=diloco))
     result = trainer.fit()
@@ -397,12 +411,12 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
          world: int = 3, miscounts: int | None = None, leaves_at: int | None = None,
-         local_steps: int | None = None) -> list[dict]:
+         local_steps: int | None = None, ends_apart_at: int | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
                                                   fsdp, admitting_dies, group_dies, in_refresh, save_dies,
-                                                  miscounts, leaves_at, local_steps),
+                                                  miscounts, leaves_at, local_steps, ends_apart_at),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -449,6 +463,8 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "lost-in-file-save-ddp": ({}, {"save_dies": 2, "world": 4, "checkpoint_every": 2}),
     "miscounted-groups": ({1: 2}, {"miscounts": 2}),
     "left-alive-zero2": ({}, {"leaves_at": 3, "zero": True}),
+    # Rank 2 of 3 leaves for a regroup after the last step of the first of two epochs (8 steps).
+    "epoch-end-seen-apart": ({}, {"ends_apart_at": 8}),
     # Local steps (Note [elastic local steps]): rank 1 dies in step 4, after the sync of step 3.
     "local-steps": ({1: 4}, {"local_steps": 3}),
     "local-steps-replacement": ({1: 4}, {**JOIN, "join_at": 5, "local_steps": 3}),
@@ -723,6 +739,28 @@ def test_a_rank_waited_on_by_a_peer_that_left_for_a_regroup_follows_it(scenarios
     assert "rank 2 has left generation 0 to regroup" in changes[0]["cause"], changes[0]["cause"]
     _check_reference(results, [3] * (N // 6), zero=True)
     assert _used_samples(tmp_path, {}) == list(range(N))
+
+
+def test_an_epochs_end_seen_apart_is_ended_again_together(scenarios: dict) -> None:
+    # Note [an epoch's end seen apart] in tandem/elastic/epoch_end.py: rank 2 regroups before
+    # counting the first epoch, ranks 0 and 1 after counting it (their end-of-epoch save sees
+    # rank 2 gone). Found by a ZeRO-2 soak: the first saved while the others trained the next
+    # step, and each waited for the other (300 s). Now all three end the epoch again, save,
+    # and train the second epoch as one process would.
+    tmp_path, results = _launched(scenarios, "epoch-end-seen-apart")
+    assert [r["member"] for r in results] == ["0", "1", "2"] and all(r["world_size"] == 3 for r in results)
+    _check_equal_replicas(results)
+    changes = results[0]["changes"]
+    assert [(c["step"], c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == [(8, [], [], 3)]
+    assert "rank 2 has left generation 0 to regroup" in changes[0]["cause"], changes[0]["cause"]
+    batches = global_batches(tmp_path, {})
+    assert len(batches) == 16 and all(len(b) == 6 for b in batches)
+    for epoch in (batches[:8], batches[8:]):
+        assert sorted(i for b in epoch for i in b) == list(range(N))  # every sample once an epoch
+    for a, b in zip(results[0]["params"], reference_on(batches, sharded=False)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved[-1] == "step-00000016.pt" and "step-00000008.pt" in saved, saved
 
 
 def test_local_steps_go_back_to_the_last_sync_and_admit_at_one(scenarios: dict) -> None:
