@@ -41,6 +41,23 @@ buckets after the first step: compression may start at any step (torch requires
 tandem/ddp/module.py) carries the memory as (parameter, tensor) pairs, so that
 the keys become the copied model's parameters and the copy compresses on as the
 original does.
+
+# Note [powersgd in a new world]
+Under ``--elastic`` a state over the default group follows the DDP model into
+each new world (``follows_world``; ``DistributedDataParallel.reset_process_group``
+keeps the hook and calls :meth:`PowerSGDState.regroup`). Its ranks must then
+agree on what decides their collectives and their result: whether the step is
+compressed (``iter``: a replacement starts from 0, and would all-reduce the whole
+bucket while the members all-reduce [uncompressed | P], a collective of another
+size), and each parameter's warm-start Q (the same on every member, since Q is
+all-reduced; a replacement has none, and P = sum of M @ Q over ranks with
+different Qs spans another space). So every rank takes rank 0's ``iter`` and Qs.
+The error memory is cleared on every rank: it holds each rank's residual, and
+the residuals sum to what compression lost last step over the old world; the
+lost rank's is gone, so the survivors' alone would be a sum of another meaning.
+A world change thus costs the last step's residual, as a restart of error
+feedback does; with a compression that loses nothing (rank as large as the
+gradient), training across a world change equals DDP's.
 """
 
 # Annotations stay evaluated (no ``from __future__ import annotations``): torch's
@@ -145,6 +162,26 @@ class PowerSGDState:
         self.__dict__.update(state)
         self._error = WeakIdKeyDictionary(dict(state["_error"]))
         self._q = WeakIdKeyDictionary(dict(state["_q"]))
+
+    @property
+    def follows_world(self) -> bool:
+        """Whether the hook goes on with the DDP model in a new world (its group is
+        the default one): Note [powersgd in a new world]."""
+        return is_default_group(self.process_group)
+
+    def regroup(self, comm: GroupComm, parameters: list[torch.Tensor]) -> None:
+        """A new world (Note [powersgd in a new world]): rank 0's step count and
+        warm-start Qs on every rank, the error memory cleared. A collective of
+        ``comm`` (the model's group); ``parameters`` are the model's, in the same
+        order on every rank."""
+        index = {id(p): i for i, p in enumerate(parameters)}
+        mine = None
+        if comm.rank == 0:
+            mine = {"iter": self.iter, "q": {index[id(p)]: q for p, q in self._q.items() if id(p) in index}}
+        sent = comm.all_gather_object(mine, tag="powersgd state for a new world")[0]
+        self.iter = int(sent["iter"])
+        self._q = WeakIdKeyDictionary({parameters[int(i)]: q.clone() for i, q in sent["q"].items()})
+        self._error = WeakIdKeyDictionary()
 
     @property
     def compressing(self) -> bool:

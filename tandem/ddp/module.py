@@ -271,8 +271,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         every rank holds the same model. A collective of the new group. A
         communication hook is kept when its state is this model's own
         communicator, or says it follows the default group into a new world
-        (``follows_world``, as :class:`tandem.comm_hooks.QuantizedState` over
-        the default group); any other hook must be registered again.
+        (``follows_world``, as :class:`tandem.comm_hooks.QuantizedState` and
+        :class:`tandem.comm_hooks.PowerSGDState` over the default group, which
+        then ``regroup``); any other hook is dropped, with a warning, and must
+        be registered again.
         """
         if self._reducer is not None:
             self._reducer.close()
@@ -280,7 +282,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         hook = self._comm_hook
         self._comm_hook = None
         own_hook = hook is not None and hook[0] is self._comm
-        follows = hook is not None and getattr(hook[0], "follows_world", False) is True  # QuantizedState
+        follows = hook is not None and getattr(hook[0], "follows_world", False) is True
         self.process_group = process_group
         self._comm = GroupComm(process_group)
         self._sync = ModelSync(self.module, self._ignored, self._comm)
@@ -294,6 +296,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.register_comm_hook(self._comm, hook[1])
         elif follows and hook is not None:
             self.register_comm_hook(*hook)
+            regroup = getattr(hook[0], "regroup", None)
+            if callable(regroup):  # PowerSGD: Note [powersgd in a new world] in tandem/comm_hooks/powersgd.py
+                regroup(self._comm, list(self.module.parameters()))
+        elif hook is not None and self._comm.rank == 0:
+            logger.warning("the communication hook %s was dropped in the new world of %d rank(s): its state holds "
+                           "the old world's group; the model reduces with its default all-reduce until a hook "
+                           "is registered again", getattr(hook[1], "__name__", repr(hook[1])), self._comm.size)
         self._split_hint = split_hint(self._reducer_options.caps, self._reducer_options.overlap,
                                       self._comm.size)
 
@@ -477,10 +486,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise NotImplementedError(
                 f"register_comm_hook is not supported with zero_stage={int(self.zero_stage)}: "
                 "ZeRO reduce-scatters each bucket itself")
+        self._comm_hook = (state, hook)  # kept in a world of one too: an elastic replacement's grows
         if self._reducer is None:
             return  # a world of one: nothing to reduce
         self._reducer.register_comm_hook(state, hook)
-        self._comm_hook = (state, hook)
 
     # ------------------------------------------------------------------ uneven inputs
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

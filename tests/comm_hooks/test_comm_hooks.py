@@ -326,7 +326,25 @@ def _join_with_hook(rank: int) -> list[torch.Tensor]:
 
 def _two_ranks(rank: int, world_size: int) -> dict:
     return {"pairs": _pairs(rank, world_size, _CASES, _PAIRS), "accounting": _accounting(rank, world_size),
-            "torch_powersgd": _torch_powersgd_on_tandem(rank), "join": _join_with_hook(rank)}
+            "torch_powersgd": _torch_powersgd_on_tandem(rank), "join": _join_with_hook(rank),
+            "regroup": _powersgd_regroup(rank)}
+
+
+def _powersgd_regroup(rank: int) -> dict:
+    """Rank 0 as a member 7 steps in, rank 1 as a replacement with another Q and
+    an error of its own: ``regroup`` (Note [powersgd in a new world])."""
+    from tandem.comm.group import GroupComm
+    params = [torch.zeros(4, 3), torch.zeros(3, 2)]
+    state = comm_hooks.PowerSGDState(comm_hooks.PowerSGDConfig(start_iter=2))
+    if rank == 0:
+        state.iter = 7
+        state._q[params[0]] = torch.arange(6.0).view(3, 2)
+    else:
+        state._q[params[1]] = torch.ones(2, 1)
+    state._error[params[1]] = torch.full((3, 2), float(rank + 1))
+    state.regroup(GroupComm(None), params)
+    return {"follows": state.follows_world, "iter": state.iter, "errors": len(state._error),
+            "q": {i: state._q[p] for i, p in enumerate(params) if p in state._q}}
 
 
 def _torch_powersgd_on_tandem(rank: int) -> float:
@@ -378,6 +396,12 @@ def test_bytes_per_step(two_ranks: list[dict]) -> None:
     assert acc["skip"] == [0, 0, 4 * numel] * 2
     assert acc["tags"] == ["bucket order", "hook allreduce", "hook powersgd Q",
                            "hook powersgd uncompressed+P", "missing gradients flag"]
+
+
+def test_powersgd_regroup_takes_rank_0s_step_and_qs_and_clears_the_errors(two_ranks: list[dict]) -> None:
+    for got in (r["regroup"] for r in two_ranks):
+        assert got["follows"] and got["iter"] == 7 and got["errors"] == 0
+        assert list(got["q"]) == [0] and torch.equal(got["q"][0], torch.arange(6.0).view(3, 2))
 
 
 def test_join_with_a_hook_finishes_with_the_same_model_everywhere(two_ranks: list[dict]) -> None:

@@ -124,7 +124,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
           save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None,
-          local_steps: int | None = None, ends_apart_at: int | None = None) -> dict:
+          local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam; with ``local_steps``: LocalSGD syncing every
     that many steps, plain SGD); ``deaths`` maps a founding rank to
@@ -252,14 +252,26 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         optimizer = torch.optim.SGD(model.parameters(), lr=LOCAL_LR)
     else:
         optimizer = make_optimizer(model)
+    hook_state: Any = None
+    if hook is not None:  # registered in a replacement's world of one too: it must follow it into the job's
+        from tandem import DistributedDataParallel, comm_hooks
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        if hook == "powersgd":  # lossless: rank as large as each gradient (Note [powersgd in a new world])
+            hook_state = comm_hooks.PowerSGDState(comm_hooks.PowerSGDConfig(
+                matrix_rank=16, start_iter=1, min_compression_rate=1e-3))
+            wrapped.register_comm_hook(hook_state, comm_hooks.powersgd_hook)
+        else:
+            hook_state = comm_hooks.QuantizedState(8, block=16)
+            wrapped.register_comm_hook(hook_state, counted_quantized_hook)
     diloco = None
     if local_steps is not None:
         from tandem import DiLoCoConfig
         diloco = DiLoCoConfig.local_sgd(local_steps)
+    apart = ends_apart_at is not None  # two epochs, and no logging collective at the first one's end
     trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
                       scheduler=make_scheduler(optimizer) if zero or fsdp else None,
-                      config=TrainerConfig(batch_size=BATCH, epochs=1 if ends_apart_at is None else 2, elastic=CONFIG, progress=False,
-                                           plot=False, log_every=1 if ends_apart_at is None else 100, output_dir=Path(out) / "run",
+                      config=TrainerConfig(batch_size=BATCH, epochs=2 if apart else 1, elastic=CONFIG, progress=False,
+                                           plot=False, log_every=100 if apart else 1, output_dir=Path(out) / "run",
                                            resume=False, ddp_options={"bucket_cap_mb": 0.0001},
                                            checkpoint_every=checkpoint_every, diloco=diloco))
     result = trainer.fit()
@@ -271,7 +283,19 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
                             if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "kept_bytes": (trainer._elastic.buddy.kept_nbytes  # type: ignore[union-attr]
                            if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
-            "steps": result.steps}
+            "steps": result.steps,
+            "hook_steps": None if hook_state is None else getattr(hook_state, "iter", QUANTIZED_STEPS[0])}
+
+
+QUANTIZED_STEPS = [0]  # backwards whose last bucket this process's int8 hook reduced
+
+
+def counted_quantized_hook(state: Any, bucket: Any) -> Any:
+    """tandem's int8 hook, counting this process's backwards (at each one's last bucket)."""
+    from tandem.comm_hooks import quantized_hook
+    if bucket.is_last():
+        QUANTIZED_STEPS[0] += 1
+    return quantized_hook(state, bucket)
 
 
 def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
@@ -411,12 +435,12 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
          world: int = 3, miscounts: int | None = None, leaves_at: int | None = None,
-         local_steps: int | None = None, ends_apart_at: int | None = None) -> list[dict]:
+         local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
                                                   fsdp, admitting_dies, group_dies, in_refresh, save_dies,
-                                                  miscounts, leaves_at, local_steps, ends_apart_at),
+                                                  miscounts, leaves_at, local_steps, ends_apart_at, hook),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -465,6 +489,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "left-alive-zero2": ({}, {"leaves_at": 3, "zero": True}),
     # Rank 2 of 3 leaves for a regroup after the last step of the first of two epochs (8 steps).
     "epoch-end-seen-apart": ({}, {"ends_apart_at": 8}),
+    **{f"{hook}-replacement": ({1: 2}, {**JOIN, "hook": hook}) for hook in ("powersgd", "int8")},
     # Local steps (Note [elastic local steps]): rank 1 dies in step 4, after the sync of step 3.
     "local-steps": ({1: 4}, {"local_steps": 3}),
     "local-steps-replacement": ({1: 4}, {**JOIN, "join_at": 5, "local_steps": 3}),
@@ -525,6 +550,45 @@ def test_replacement_joins_and_gets_the_state(scenarios: dict) -> None:
     grow = changes[1]
     assert grow["joined"] == ["j1"] and grow["world_size"] == 3 and grow["step"] == 5
     _check_reference(live, _schedule(changes))
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_powersgd_follows_the_model_into_each_new_world(scenarios: dict) -> None:
+    # Note [powersgd in a new world] in tandem/comm_hooks/powersgd.py: a loss, then a replacement
+    # that registered its hook in its world of one. Every rank compresses every step after the
+    # first (the replacement from rank 0's step count and Qs; without them it all-reduced whole
+    # buckets against the members' [uncompressed | P]), and at a rank as large as each gradient
+    # PowerSGD loses nothing: the run equals DDP's across both changes.
+    tmp_path, results = _launched(scenarios, "powersgd-replacement")
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"]) for c in changes] == [([1], []), ([], ["j1"])]
+    schedule = _schedule(changes)
+    assert [r["hook_steps"] for r in live] == [len(schedule)] * 3
+    for a, b in zip(live[0]["params"], _reference(schedule)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_the_int8_hook_follows_a_replacement_into_the_job(scenarios: dict) -> None:
+    # A replacement registers its hook in its world of one, where DDP has no reducer: the hook
+    # was dropped there, and the replacement all-reduced each bucket while the members sent
+    # int8 all-to-alls. Now every rank runs the hook on every step, the replicas stay equal,
+    # and the parameters stay near DDP's (int8 with error feedback is not lossless).
+    tmp_path, results = _launched(scenarios, "int8-replacement")
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"]) for c in changes] == [([1], []), ([], ["j1"])]
+    schedule = _schedule(changes)
+    steps = {r["member"]: r["hook_steps"] for r in live}
+    # A member may have reached the last bucket of the step the loss dropped: counted too.
+    assert steps["j"] == len(schedule) - changes[1]["step"] and min(steps["0"], steps["2"]) >= len(schedule), steps
+    reference = _reference(schedule)
+    assert max((a - b).abs().max().item() for a, b in zip(live[0]["params"], reference)) < 5e-3
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
