@@ -267,11 +267,11 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     if local_steps is not None:
         from tandem import DiLoCoConfig
         diloco = DiLoCoConfig.local_sgd(local_steps)
-    two_epochs = ends_apart_at is not None  # and no logging collective at the first one's end
+    two = ends_apart_at is not None  # two epochs, and no logging collective at the first one's end
     trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
                       scheduler=make_scheduler(optimizer) if zero or fsdp else None,
-                      config=TrainerConfig(batch_size=BATCH, epochs=2 if two_epochs else 1, elastic=CONFIG, progress=False,
-                                           plot=False, log_every=100 if two_epochs else 1, output_dir=Path(out) / "run",
+                      config=TrainerConfig(batch_size=BATCH, epochs=2 if two else 1, elastic=CONFIG, progress=False,
+                                           plot=False, log_every=100 if two else 1, output_dir=Path(out) / "run",
                                            resume=False, ddp_options={"bucket_cap_mb": 0.0001},
                                            checkpoint_every=checkpoint_every, diloco=diloco))
     result = trainer.fit()
