@@ -1,4 +1,4 @@
-"""Where the members of a new world are in the data, agreed: :func:`agreed_position`.
+"""Where the members of a new world are in the data, agreed: :func:`agreed_place`.
 
 # Note [an epoch's end seen apart]
 The Trainer ends an epoch after its last step: the epoch is counted, the
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["agreed_position"]
+__all__ = ["agreed_place"]
 
 
-def agreed_position(places: Sequence[tuple[int, int] | None], epoch_end: int) -> tuple[int, int]:
+def agreed_place(places: Sequence[tuple[int, int] | None], epoch_end: int) -> tuple[int, int]:
     """The ``(epoch, consumed)`` every member of a new world goes on from, given
     each rank's (None for a rank without state: a replacement) and the number
     of samples consumed when an epoch ends, under Note [an epoch's end seen

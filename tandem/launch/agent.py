@@ -98,6 +98,7 @@ class _WatchedAgent(LocalElasticAgent):
         pids = {w.global_rank: w.id for w in worker_group.workers if w.id is not None}
         address = getattr(worker_group.spec.rdzv_handler, "workers_store", None)
         self._on_hang(self._watchdog.report(attempt, pids, stalled, store_address=address))
+        self._watchdog.let_other_nodes_report(attempt)
         failures = {w.global_rank: ProcessFailure(
             local_rank=w.local_rank, pid=w.id, exitcode=HANG_EXITCODE,
             error_file=str(attempt.ranks[w.global_rank].error_file))

@@ -61,6 +61,14 @@ watchdog fires, it reads the snapshots of the ranks of other nodes from the
 workers' store, and the report names every rank, on this node or another, that
 has not issued the collective the others wait in. A store it cannot reach
 leaves the report to this node's ranks, saying so.
+
+The nodes' watchdogs fire within about a check interval of each other (their
+ranks stopped together), and each then waits up to STACKS_WAIT_S for stacks. A
+node that stopped its workers as soon as its report was written would end the
+others' ranks (they see a peer die) before their watchdogs fired: their logs
+would hold a lost peer instead of the report (a CI run saw node 0's so). So in
+a job of several nodes, a node that reported waits OTHER_NODES_GRACE_S before
+its workers are stopped (:meth:`Watchdog.let_other_nodes_report`).
 """
 
 from __future__ import annotations
@@ -97,6 +105,8 @@ STARTUP_GRACE_S = 60.0
 """Before any worker wrote progress, how long an attempt may take to start (at least)."""
 FINISH_GRACE_S = 60.0
 """Once a worker has finished, how long the others may take to finish (at least)."""
+OTHER_NODES_GRACE_S = 2 * CHECK_INTERVAL_S + STACKS_WAIT_S
+"""After a hang report, how long the other nodes get to write theirs (Note [a hang on another node])."""
 
 
 class Watchdog:
@@ -144,6 +154,13 @@ class Watchdog:
         need the time to go on without it."""
         self._started = time.time()
         self._next_check = 0.0
+
+    def let_other_nodes_report(self, attempt: Attempt) -> None:
+        """After this node's report, before its workers are stopped: in a job of
+        several nodes, give the others' watchdogs the time to write theirs (Note
+        [a hang on another node])."""
+        if attempt.world_size > len(attempt.ranks):
+            time.sleep(OTHER_NODES_GRACE_S)
 
     def snapshots(self, attempt: Attempt) -> dict[int, dict[str, Any] | None]:
         """This node's workers' last progress, by global rank."""

@@ -64,7 +64,7 @@ from tandem.data.split import RestSplit
 from tandem.ddp.checks import NonFinite
 from tandem.fsdp.regroup import check_regroupable
 from tandem.train.config import CheckpointFormat, Precision, TrainerConfig
-from tandem.elastic.epoch_end import agreed_position
+from tandem.elastic.epoch_end import agreed_place
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, elastic_config, is_peer_failure
 from tandem.elastic.sync_points import SyncPoints
 from tandem.elastic.world import ElasticWorld, TrainingStatePoints
@@ -549,7 +549,7 @@ class Trainer:
         watched("all_gather_object of each rank's place in the data", all_gather_object, places, mine)
         end = self._split.end if self._split is not None else self.sampler.dataset_size
         try:
-            state.epoch, state.consumed = agreed_position(places, end)
+            state.epoch, state.consumed = agreed_place(places, end)
         except RuntimeError as e:
             raise MembershipError(f"rank {self.rank}: {e}") from None
 
