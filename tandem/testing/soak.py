@@ -200,19 +200,12 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path,
 
 
 def _where_they_wait(out: Path) -> list[str]:
-    """Each live worker's threads, innermost frames first, from the
+    """Each live worker's main thread, innermost frame first, from the
     ``faulthandler`` dump SIGUSR1 asks of it (``TANDEM_STACKS_FILE``): where a
     soak that ran past its time was waiting, for the test's message."""
-    workers: dict[int, Path] = {}
-    for pid in _processes_with(f"SOAK_DIR={out}"):
-        try:
-            environ = dict(item.split(b"=", 1) for item in
-                           Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        stacks = environ.get(b"TANDEM_STACKS_FILE")
-        if stacks is not None:
-            workers[pid] = Path(stacks.decode())
+    from tandem.launch.hang import main_thread_stack
+    workers = {pid: Path(environ[b"TANDEM_STACKS_FILE"].decode()) for pid in _processes_with(f"SOAK_DIR={out}")
+               if b"TANDEM_STACKS_FILE" in (environ := _environ(pid))}
     for pid in workers:
         try:
             os.kill(pid, signal.SIGUSR1)
@@ -225,14 +218,8 @@ def _where_they_wait(out: Path) -> list[str]:
             dump = path.read_text(errors="replace")
         except OSError:
             dump = ""
-        threads = []
-        for block in dump.split("\n\n"):  # faulthandler: one block a thread, innermost frame first
-            lines = [line.strip() for line in block.splitlines() if line.strip()]
-            if not lines or "most recent call first" not in lines[0]:
-                continue
-            frames = [line.removeprefix("File ") for line in lines[1:6]]
-            threads.append(("current " if lines[0].startswith("Current") else "") + " <- ".join(frames))
-        found.append(f"pid {pid} ({path.parent.name}): " + (" | ".join(threads) or "no stack dump"))
+        frames = main_thread_stack(dump, None)[:12]  # the thread the signal interrupted: the main one
+        found.append(f"pid {pid} ({path.parent.name}): " + (" <- ".join(map(str, frames)) or "no stack dump"))
     return found
 
 
@@ -273,17 +260,19 @@ def _children(pid: int) -> list[int]:
 
 
 def _processes_with(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if marker.encode() in environ:
-            found.append(int(entry.name))
-    return found
+    """The processes (not this one) whose environment holds ``marker`` (``KEY=value``)."""
+    key, _, value = marker.encode().partition(b"=")
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and int(e.name) != os.getpid() and _environ(int(e.name)).get(key) == value]
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    """Process ``pid``'s environment (empty when it is gone or not readable)."""
+    try:
+        items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.split(b"=", 1) for item in items if b"=" in item)
 
 
 def _read_events(out: Path) -> list[dict[str, Any]]:
