@@ -39,10 +39,11 @@ Python's shutdown does up to that point, and then ends the process:
   multiprocessing's cleanup of its children, ``weakref.finalize``;
 - files left open, stdout and stderr are flushed, as the modules' teardown
   would have done;
-- last, the monitor marks this rank as left in the job's store, which peers
-  waiting on it read as "has left the job" and fail with. Python's own order
-  would mark it among the ``atexit`` handlers, before the others and the scan
-  for open files had run: on a loaded host a peer then failed, exited and was
+- last, the monitor leaves this rank's last beat in the job's store, saying
+  that it raised and what (Note [how a rank left] in peers.py), which peers
+  waiting on it read as "crashed: it raised an uncaught ValueError" and fail
+  with. Python's own order would mark it among the ``atexit`` handlers, before
+  the others and the scan for open files had run: on a loaded host a peer then failed, exited and was
   reported by ``tandem run`` as the rank that failed first, while this rank, the
   cause, was still exiting and was "stopped by the launcher". Marked last, its
   traceback is written and its exit a moment away when a peer learns of it;
@@ -83,7 +84,8 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE, lost_store_message
-from tandem.comm.monitor import current_monitor_if_any, leave_at_exit
+from tandem.comm.monitor import current_monitor_if_any, leave_at_exit, stop_monitor
+from tandem.comm.peers import last_beat
 
 __all__ = ["install_clean_exit", "uninstall_clean_exit"]
 
@@ -175,8 +177,12 @@ def _leave(exc_type: type[BaseException], code: int = 1) -> NoReturn:
     # thread): it is skipped, and the process still ends. atexit._run_exitfuncs
     # is the interpreter's own way into the handlers (private; CPython 3.0 to
     # 3.13): it runs them once, last registered first, and forgets them.
-    atexit.unregister(leave_at_exit)  # run last, below
-    for step in (_join_threads, atexit._run_exitfuncs, _flush_open_files, leave_at_exit):
+    atexit.unregister(leave_at_exit)  # this rank leaves last, below, saying it raised
+
+    def leave() -> None:
+        stop_monitor(left=True, beat=last_beat(raised=exc_type))
+
+    for step in (_join_threads, atexit._run_exitfuncs, _flush_open_files, leave):
         try:
             step()
         except BaseException:  # noqa: BLE001, S110 - see above

@@ -51,7 +51,7 @@ from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.job_secret import signed, signed_like
 from tandem.comm.ledger import Ledger
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
-from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key
+from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key, last_beat
 
 __all__ = ["Monitor", "PROGRESS_POST_S", "current_monitor", "current_monitor_if_any", "progress_key", "start_monitor",
            "stop_monitor"]
@@ -151,8 +151,9 @@ class Monitor:
         if self._cut_off is not None:
             self._cut_off.start()
 
-    def stop(self, *, left: bool = True) -> None:
-        """End the thread; with ``left``, tell peers this rank left on purpose."""
+    def stop(self, *, left: bool = True, beat: str = EXITED) -> None:
+        """End the thread; with ``left``, leave ``beat`` as this rank's last, which
+        tells its peers how it left (Note [how a rank left] in peers.py)."""
         self._stop.set()
         if self._cut_off is not None:
             self._cut_off.stop()
@@ -165,7 +166,7 @@ class Monitor:
             if self.fingerprints is not None:
                 self.fingerprints.post_shutdown()
             try:
-                self.store.set(heartbeat_key(self.rank), EXITED)
+                self.store.set(heartbeat_key(self.rank), beat)
             except Exception:  # noqa: BLE001 - the store may already be gone
                 pass
         if self._stacks is not None:
@@ -274,14 +275,14 @@ def start_monitor(*, timeout_s: float, environ: Mapping[str, str] | None = None,
     return monitor
 
 
-def stop_monitor(*, left: bool = True) -> None:
-    """Stop this process's monitor, if it has one."""
+def stop_monitor(*, left: bool = True, beat: str = EXITED) -> None:
+    """Stop this process's monitor, if it has one; ``left`` and ``beat``: :meth:`Monitor.stop`."""
     global _current
     if _current is not None:
         (pid, _), monitor = _current
         _current = None
         if pid == os.getpid():
-            monitor.stop(left=left)
+            monitor.stop(left=left, beat=beat)
 
 
 def current_monitor_if_any() -> Monitor | None:
@@ -300,9 +301,9 @@ def current_monitor() -> Monitor:
 
 @atexit.register
 def leave_at_exit() -> None:
-    """Tell peers this rank left: run at exit. A process that ends without
-    tandem.shutdown() (an exception, sys.exit) has still left on purpose as far as
-    its peers' waits are concerned: its collectives will never come, and "has
-    left" is the truthful diagnosis. After an uncaught exception it runs last of
-    all instead (Note [exit on an uncaught exception])."""
-    stop_monitor(left=True)
+    """Tell peers this rank left without tandem.shutdown(): run at exit, when
+    its script returned or called sys.exit. Its collectives will never come,
+    and its last beat says so (Note [how a rank left] in peers.py). After an
+    uncaught exception the exit hook leaves instead, saying it raised, last of
+    all (Note [exit on an uncaught exception] in exit.py)."""
+    stop_monitor(left=True, beat=last_beat(shut_down=False))

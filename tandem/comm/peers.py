@@ -46,6 +46,18 @@ on this kernel, or whose launcher posted its exit, is gone at once (Note
 A peer that is alive but stuck (a hang, not a death) keeps beating: that is the
 launcher watchdog's case (``tandem run --hang-timeout``). NCCL has its own
 watchdog and blocking semantics, so NCCL waits are not sliced.
+
+# Note [how a rank left]
+A peer waiting on a rank that is gone says what happened to it from what is
+known, never a guess worded as a fact. First the rank's own last beat
+(:func:`last_beat`): it called tandem.shutdown(), or its script ended without
+it, or it raised (only the rank knows that, and its exit hook knows which
+exception: Note [exit on an uncaught exception] in exit.py), each worded by
+:func:`departure` ("has left the job", "crashed: it raised an uncaught
+ValueError"). Then its process's end as its kernel or its launcher saw it: an
+exit code or a signal, where one of them can tell (Note [deaths seen at once]
+in process_id.py). Last the silence of its beat. Only for those two does the
+error add a guess at the cause (killed, out of memory, or crashed).
 """
 
 from __future__ import annotations
@@ -64,7 +76,8 @@ from tandem.comm.process_id import PostedProcesses, ProcessId
 from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
-           "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "heartbeat_key", "wait_watching_peers"]
+           "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "departure", "heartbeat_key", "last_beat",
+           "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -73,7 +86,41 @@ STALE_AFTER_S = 2.5
 WAIT_SLICE_S = 0.5
 """How long one slice of a watched wait lasts before the peers are looked at."""
 EXITED = "exited"
-"""The beat of a rank that left the job on purpose."""
+"""The first word of a rank's last beat; alone, it called tandem.shutdown()."""
+_ENDED = "ended"
+_RAISED = "raised "
+
+
+def last_beat(*, raised: type[BaseException] | None = None, shut_down: bool = True) -> str:
+    """The beat a rank leaves behind, which its peers word (Note [how a rank left]).
+
+    Args:
+        raised: its process is ending on this uncaught exception (the exit hook:
+            Note [exit on an uncaught exception] in exit.py).
+        shut_down: it called tandem.shutdown(); False: its process ended without.
+    """
+    if raised is not None:
+        return f"{EXITED}: {_RAISED}{raised.__name__}"
+    return EXITED if shut_down else f"{EXITED}: {_ENDED}"
+
+
+LEFT = "has left the job"
+"""How a peer words a rank that left the job (it reached tandem.shutdown() or the end of its script)."""
+CRASHED = "crashed"
+"""How a peer words a rank that raised an uncaught exception."""
+
+
+def departure(value: str) -> str | None:
+    """What a rank's last beat ``value`` says of its end, in words; None when
+    ``value`` is an ordinary beat."""
+    if value == EXITED:
+        return f"{LEFT} (it called tandem.shutdown())"
+    if not value.startswith(f"{EXITED}: "):
+        return None
+    how = value[len(EXITED) + 2:]
+    if how.startswith(_RAISED):
+        return f"{CRASHED}: it raised an uncaught {how[len(_RAISED):]} (its traceback is in its log)"
+    return f"{LEFT}: its process ended without calling tandem.shutdown() (its script returned, or called sys.exit)"
 
 
 
@@ -119,9 +166,12 @@ class PeerLostError(RuntimeError):
         self.lost = dict(lost)
         who = ", ".join(f"rank {r} {why}" for r, why in sorted(lost.items()))
         names = ", ".join(str(r) for r in sorted(lost))
+        # Note [how a rank left]: a rank that said how it left needs no guess.
+        said = all(why.startswith((LEFT, CRASHED)) for why in lost.values())
+        guess = "" if said else " (killed, out of memory, or crashed)"
         super().__init__(
             f"rank {rank}: peer lost during {during}: {who}. The collective cannot complete; "
-            f"the cause is in the log of rank {names} (killed, out of memory, or crashed). "
+            f"the cause is in the log of rank {names}{guess}. "
             "Under `tandem run --max-restarts K` the group restarts and resumes from the "
             "last checkpoint")
 
@@ -175,8 +225,9 @@ class PeerWatch:
         for r, value in zip(ranks, self._read(ranks)):
             if r == self.rank:
                 continue
-            if value == EXITED:
-                lost[r] = "has left the job (its process finished or called tandem.shutdown)"
+            said = departure(value) if value is not None else None
+            if said is not None:
+                lost[r] = said
                 continue
             try:
                 ended = self._processes.ended(r)

@@ -19,6 +19,11 @@ parties can tell at once:
   writes an exit notice under :func:`exit_notice_key` (below every prefix of
   the workers' store, where the id's kernel and pid name it).
 
+Each says how the process ended where it can (:func:`exit_words`): a zombie's
+exit status is in its ``/proc/<pid>/stat``, and the launcher has the code;
+a process already reaped on this kernel has left no status, and then its
+launcher's notice, when there is one, says more.
+
 Whoever judges a peer (a collective's wait: :class:`~tandem.comm.peers.PeerWatch`;
 an elastic member: :class:`~tandem.comm.membership.Membership`) asks these first
 and the heartbeat after, so a death is seen within a wait slice or a store poll,
@@ -30,15 +35,17 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.job_secret import SignedStore, signed_like
 
-__all__ = ["PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key",
+__all__ = ["PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key", "exit_words",
            "write_exit_notice"]
 
 _NOTICES = "tandem/exited"
@@ -58,15 +65,31 @@ def _this_kernel() -> str | None:
     return f"{boot}-{inode}"
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and start time (clock ticks after boot), or None if it has none."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """A process's state letter, start time (clock ticks after boot) and exit
+    status (as ``waitpid`` gives it: 0 while it runs, or where the kernel does
+    not show it), or None if it has none."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None
     fields = text[text.rfind(")") + 2:].split()  # after the command name, which may hold spaces
-    return fields[0], int(fields[19])
+    status = int(fields[49]) if len(fields) > 49 else 0  # field 52, exit_code: Linux 3.5 and later
+    return fields[0], int(fields[19]), status
+
+
+def exit_words(code: int) -> str:
+    """How a process that ended with ``code`` ended, in words: ``code`` as
+    ``Popen.returncode`` has it (negative: killed by that signal)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    if code == CUT_OFF_EXITCODE:
+        return f"stopped, cut off from the job's store (exit code {code})"
+    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)
@@ -102,19 +125,30 @@ class ProcessId:
     def ended_here(self) -> str | None:
         """Why this process has ended, where this kernel can tell (Note [deaths
         seen at once]); None when it runs, or runs on another kernel."""
+        end = self._end_here()
+        return end[0] if end is not None else None
+
+    def _end_here(self) -> tuple[str, bool] | None:
+        """:meth:`ended_here`, and whether it says how the process ended."""
         if self.kernel != _this_kernel():
             return None
         stat = _stat(self.pid)
         if stat is None or stat[1] != self.started:
-            return f"its process (pid {self.pid}) has ended"
-        if stat[0] in ("Z", "X"):
-            return f"its process (pid {self.pid}) has exited"
-        return None
+            return f"its process (pid {self.pid}) has ended", False  # reaped: no status left
+        if stat[0] not in ("Z", "X"):
+            return None
+        if stat[2] == 0:  # exited with 0, or the kernel does not show this reader
+            return f"its process (pid {self.pid}) has exited", False
+        return f"its process (pid {self.pid}) {exit_words(os.waitstatus_to_exitcode(stat[2]))}", True
 
     def ended(self, store: dist.Store) -> str | None:
         """Why this process has ended, from this kernel or from its launcher's
-        notice in ``store`` (the job's, below every prefix); None when neither says so."""
-        return self.ended_here() or exit_notice(store, self)
+        notice in ``store`` (the job's, below every prefix), whichever says how;
+        None when neither says it has."""
+        here = self._end_here()
+        if here is not None and here[1]:
+            return here[0]
+        return exit_notice(store, self) or (here[0] if here is not None else None)
 
 
 def exit_notice_key(kernel: str, pid: int) -> str:

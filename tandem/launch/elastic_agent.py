@@ -83,6 +83,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.elastic_group import NOTHING_TO_JOIN_EXITCODE
+from tandem.comm.process_id import exit_words
 from tandem.launch.exit_notices import ExitNotices
 from tandem.launch.hang import stuck_ranks
 from tandem.launch.logs import WorkerLogs
@@ -141,8 +142,9 @@ class ElasticAgent(LocalElasticAgent):
             if code not in (None, 0) and self._dead.get(local) != handlers[local].proc.pid:
                 self._dead[local] = handlers[local].proc.pid
                 worker = worker_group.workers[local]
-                self._notices.post(getattr(worker_group.spec.rdzv_handler, "workers_store", None),
-                                   handlers[local].proc.pid, f"exited with {code}, seen by its launcher")
+                pid = handlers[local].proc.pid
+                self._notices.post(getattr(worker_group.spec.rdzv_handler, "workers_store", None), pid,
+                                   f"its process (pid {pid}) {exit_words(code)}, seen by its launcher")
                 if code == NOTHING_TO_JOIN_EXITCODE:
                     self._on_event(f"elastic: replacement pid {handlers[local].proc.pid} for local rank "
                                    f"{local} found the job finished; nothing to replace")

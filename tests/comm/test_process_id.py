@@ -1,6 +1,8 @@
 """Deaths seen at once (Note [deaths seen at once] in tandem/comm/process_id.py):
 a peer's process that has ended on this kernel, or whose launcher posted its
-exit, is gone without waiting out the heartbeat window; a stopped one is not."""
+exit, is gone without waiting out the heartbeat window; a stopped one is not.
+And how a peer is worded (Note [how a rank left] in tandem/comm/peers.py): by
+its last beat, then by its exit code or signal where one is known."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from tandem.comm.membership import ElasticConfig, Membership, PREFIX
-from tandem.comm.peers import PeerWatch, heartbeat_key, process_key
-from tandem.comm.process_id import ProcessId, exit_notice_key
+from tandem.comm.peers import PeerLostError, PeerWatch, heartbeat_key, last_beat, process_key
+from tandem.comm.process_id import ProcessId, exit_notice_key, exit_words
 from tandem.launch.exit_notices import ExitNotices
 
 pytestmark = pytest.mark.skipif(ProcessId.this_process() is None, reason="needs Linux's /proc")
@@ -40,7 +42,8 @@ def test_a_process_ended_is_seen_and_a_stopped_one_is_alive() -> None:
         deadline = time.monotonic() + 10
         while process.ended_here() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert process.ended_here() == f"its process (pid {child.pid}) has exited"  # a zombie, not reaped
+        # A zombie, not reaped: its exit status is still there.
+        assert process.ended_here() == f"its process (pid {child.pid}) was killed by SIGKILL"
         child.wait()
         assert process.ended_here() == f"its process (pid {child.pid}) has ended"
     finally:
@@ -104,3 +107,32 @@ def test_the_launcher_posts_an_exit_to_the_workers_store() -> None:
         assert server.get(exit_notice_key(me.kernel, 1234)) == b"exited with -9, seen by its launcher"
     finally:
         notices.stop()
+
+
+def test_a_reaped_process_is_worded_by_its_launchers_notice_when_there_is_one() -> None:
+    store = dist.HashStore()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    process = ProcessId.of(child.pid)
+    assert process is not None
+    child.wait()  # reaped: /proc keeps no status
+    assert process.ended(store) == f"its process (pid {child.pid}) has ended"
+    store.set(exit_notice_key(process.kernel, child.pid),
+              f"its process (pid {child.pid}) {exit_words(child.returncode)}, seen by its launcher")
+    assert process.ended(store) == f"its process (pid {child.pid}) exited with code 3, seen by its launcher"
+    assert exit_words(-signal.SIGSEGV) == "was killed by SIGSEGV" and exit_words(75).startswith("stopped, cut off")
+
+
+def test_a_peer_is_worded_by_its_last_beat() -> None:
+    """Note [how a rank left]: a rank that raised is not "has left the job"."""
+    store = dist.HashStore()
+    watch = PeerWatch(store, 0, clock=lambda: 0.0)
+    for rank, beat in ((1, last_beat()), (2, last_beat(shut_down=False)), (3, last_beat(raised=ValueError))):
+        store.set(heartbeat_key(rank), beat)
+    said = watch.observe([0, 1, 2, 3])
+    assert said == {1: "has left the job (it called tandem.shutdown())",
+                    2: "has left the job: its process ended without calling tandem.shutdown() (its script "
+                       "returned, or called sys.exit)",
+                    3: "crashed: it raised an uncaught ValueError (its traceback is in its log)"}
+    # A rank that said how it left needs no guess at the cause; a silent one gets it.
+    assert "(killed, out of memory, or crashed)" not in str(PeerLostError(0, {3: said[3]}, "#1 all_reduce"))
+    assert "(killed, out of memory, or crashed)" in str(PeerLostError(0, {3: "stopped beating 3.0 s ago"}, "#1"))

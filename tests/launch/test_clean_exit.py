@@ -32,17 +32,20 @@ SHAPES = """
 # "waiting": rank 0 is ahead, waiting in its collective for the bucket rank 1
 # never launches; the communication hook chains Python callbacks on the
 # collectives' futures (which, run by gloo's threads while the interpreter
-# shuts down, aborted the process). "late": rank 0 comes to step 3's
-# collectives only after LATE_S (rank 1 used to wait for it while exiting).
+# shuts down, aborted the process); it ignores SIGTERM, so that the
+# launcher's stop does not cut short what it says of rank 1. "late": rank 0
+# comes to step 3's collectives only after LATE_S (rank 1 used to wait for it
+# while exiting).
 MID_BACKWARD = """
-    import atexit, os
+    import atexit, os, signal
 
     def told_at_exit():  # registered first, so run last of the atexit handlers
         from tandem._compat import default_store
         from tandem.comm.job_secret import signed
-        from tandem.comm.peers import EXITED, heartbeat_key
+        from tandem.comm.peers import departure, heartbeat_key
         # under tandem run's job secret the heartbeats are signed (Note [signed store])
-        told = signed(default_store()).get(heartbeat_key(int(os.environ["RANK"]))).decode() == EXITED
+        beat = signed(default_store()).get(heartbeat_key(int(os.environ["RANK"]))).decode()
+        told = departure(beat) is not None
         print(f"peers told before the last atexit handler: {told}", flush=True)
 
     atexit.register(told_at_exit)
@@ -51,6 +54,8 @@ MID_BACKWARD = """
 
     ahead, LATE_S = sys.argv[1], 300
     world = tandem.init()
+    if ahead == "waiting" and world.rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.manual_seed(0)
     model = tandem.DistributedDataParallel(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]),
                                            bucket_cap_mb=0.001)
@@ -112,6 +117,9 @@ def test_rank_failing_mid_backward_exits_with_code_1(tmp_path, ahead):
     # handlers (Note [exit on an uncaught exception]): by the time rank 0 fails
     # of it, rank 1 is all but gone, and the summary names it first.
     assert "[rank 1] peers told before the last atexit handler: False" in r.stdout.splitlines(), r
+    if ahead == "waiting":  # Note [how a rank left] in tandem/comm/peers.py: rank 1 raised, and rank 0 says so
+        lost = next(line for line in r.stderr.splitlines() if "PeerLostError: rank 0: peer lost during" in line)
+        assert "rank 1 crashed: it raised an uncaught RuntimeError (its traceback is in its log)" in lost, lost
     # Not after rank 0's LATE_S (300 s), nor after a collective timeout.
     assert r.seconds < 60, r
 
