@@ -29,7 +29,7 @@ import socket
 
 import torch.distributed as dist
 
-__all__ = ["bind_address", "listening_store"]
+__all__ = ["bind_address", "listening_store", "names_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def bind_address(host: str, *, many_nodes: bool = False) -> tuple[socket.Address
         if family not in (socket.AF_INET, socket.AF_INET6):
             continue
         address = str(sockaddr[0])
-        if many_nodes and not _names_loopback(host) and ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        if many_nodes and not names_loopback(host) and ipaddress.ip_address(address.split("%")[0]).is_loopback:
             return None  # a host name this machine resolves to itself
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -59,7 +59,7 @@ def bind_address(host: str, *, many_nodes: bool = False) -> tuple[socket.Address
     return None
 
 
-def _names_loopback(host: str) -> bool:
+def names_loopback(host: str) -> bool:
     """``host`` says loopback itself (every node on this machine), rather than resolving to it."""
     if host == "localhost":
         return True

@@ -10,6 +10,7 @@ command line only: flags to a :class:`~tandem.launch.config.LaunchConfig`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib
 import logging
@@ -36,7 +37,13 @@ from tandem.launch.flags import (
     threads_per_worker,
 )
 from tandem.launch.logs import WorkerLogs
-from tandem.launch.machine import loopback_interface_env, socket_interface_env, usable_cpus, visible_gpus
+from tandem.launch.machine import (
+    loopback_interface_env,
+    node_address,
+    socket_interface_env,
+    usable_cpus,
+    visible_gpus,
+)
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 from tandem.launch.watchdog import HANG_EXITCODE
@@ -321,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_target(command, cwd=os.getcwd())
         if config.max_nodes > 1:  # several nodes must share one secret: refused before anything starts
             secret_for_workers(config.max_nodes)
+            # Note [the address a node gives] in machine.py: known before the rendezvous, never a loopback name
+            rendezvous = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
+            config = dataclasses.replace(config, local_addr=node_address(config.local_addr, rendezvous))
     except ValueError as e:
         _say(sys.stderr, f"error: {e}")
         return EXIT_USAGE

@@ -162,6 +162,8 @@ class LaunchConfig:
         else:
             nodes = (f"{self.min_nodes} to {self.max_nodes} nodes (waiting up to "
                      f"{self.rdzv_timeout_s:g} s for {self.min_nodes}), ")
+        if nodes and self.local_addr:
+            nodes += f"this node at {self.local_addr}, "
         restarts = f", up to {self.max_restarts} restart(s)" if self.max_restarts else ""
         hang = (f", hang watchdog {self.hang_timeout_s:g} s" if self.hang_timeout_s is not None
                 else "")

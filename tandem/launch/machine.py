@@ -17,15 +17,32 @@ machine's loopback) is left to the defaults. Likewise torch's c10d
 rendezvous hosts the store on the node whose hostname resolves to the
 endpoint's host, which no node's does then: the node that holds the
 endpoint's address is told so (``is_host``, agent.py).
+
+The same name reaches the workers' store. torch's c10d rendezvous names each
+node by ``--local-addr`` or else by its fully qualified host name, and the
+first node to arrive hosts the workers' store under that name: where the
+name is ``localhost``, every node's workers are told ``MASTER_ADDR=localhost``
+and the store listens on loopback only, so the other nodes never reach it. So
+a launcher of a job of several nodes always knows its address before the
+rendezvous (:func:`node_address`): ``--local-addr``, or else this machine's
+address on the route to the rendezvous host, which is the address the other
+nodes reach it by whenever they reach the rendezvous host the same way. Where
+that route stays on loopback although the rendezvous host is named by a host
+name (``/etc/hosts`` maps it to this machine's loopback), the others cannot
+reach this node there and tandem cannot tell which address they can: it stops
+at once and asks for ``--local-addr``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
-__all__ = ["address_toward", "interface_of", "loopback_interface_env", "socket_interface_env", "usable_cpus",
-           "visible_gpus"]
+from tandem.comm.listening_store import names_loopback
+
+__all__ = ["address_toward", "interface_of", "loopback_interface_env", "node_address", "socket_interface_env",
+           "usable_cpus", "visible_gpus"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -74,6 +91,32 @@ def address_toward(host: str, port: int) -> str | None:
             return str(s.getsockname()[0])
     except OSError:
         return None
+
+
+def node_address(local_addr: str | None, rendezvous: tuple[str, int]) -> str:
+    """This node's address as the other nodes of a job reach it (Note [the
+    address a node gives]): ``local_addr`` (``--local-addr``) where given,
+    else this machine's address on the route to the ``rendezvous`` host.
+
+    Raises:
+        ValueError: no route leads to the rendezvous host, or the route stays
+            on loopback for a host given by name; the message asks for
+            ``--local-addr``.
+    """
+    if local_addr:
+        return local_addr
+    host, port = rendezvous
+    address = address_toward(host, port)
+    if address is None:
+        raise ValueError(f"this node has no route to the rendezvous host {host!r}, so tandem cannot tell "
+                         "which address the other nodes reach this node by: check the address, or pass "
+                         "--local-addr with this node's own address")
+    if ipaddress.ip_address(address).is_loopback and not names_loopback(host):
+        raise ValueError(f"the rendezvous host {host!r} is this machine's loopback ({address}) here, so "
+                         "tandem cannot tell which address the other nodes reach this node by: pass "
+                         "--local-addr with this node's own address (as the other nodes see it), or give "
+                         "the rendezvous host by that address")
+    return address
 
 
 def socket_interface_env(local_addr: str | None, rendezvous: tuple[str, int],

@@ -12,6 +12,10 @@ of its veth pair (this kernel has ``tbf`` and ``htb``, not ``netem``: delay
 exists only as queueing). Cutting a link sets the bridge's end down, so the
 processes on both sides live on and their connections stall, as when a cable
 is pulled; killing a node sends SIGKILL to every process in its namespace.
+Every node resolves the machine's host name to 127.0.0.1, as in many
+containers (an ``/etc/netns/<name>/hosts`` file, which ``ip netns exec``
+mounts over ``/etc/hosts``): a name torch takes from the host name is then
+of no use to the other nodes, as in the containers users run in.
 Names carry a prefix of the process id and a counter, so clusters of
 concurrent tests never meet, and :meth:`Cluster.close` removes everything,
 also after a failure inside ``with Cluster(...)``. Building one needs
@@ -24,7 +28,9 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +39,7 @@ from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 __all__ = ["Cluster", "cluster_unavailable"]
 
 _COUNTER = itertools.count()
+_NETNS_ETC = Path("/etc/netns")  # ip netns exec mounts <this>/<namespace>/<file> over /etc/<file>
 
 
 def cluster_unavailable() -> str | None:
@@ -95,6 +102,9 @@ class Cluster:
         _ip("link", "set", self.bridge, "up")
         for i, (ns, host_end) in enumerate(zip(self.namespaces, self._host_ends)):
             _ip("netns", "add", ns)
+            etc = _NETNS_ETC / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost {socket.gethostname()}\n")
             _ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", host_end, "master", self.bridge)
             _ip("link", "set", host_end, "up")
@@ -118,6 +128,7 @@ class Cluster:
         self._processes.clear()
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(_NETNS_ETC / ns, ignore_errors=True)
         for name in (*self._host_ends, self.bridge):   # a veth's host end goes with its namespace
             subprocess.run(["ip", "link", "del", name], capture_output=True)
 
@@ -181,6 +192,7 @@ class Cluster:
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
         return ([ns for ns in self.namespaces if ns in namespaces]
+                + [str(_NETNS_ETC / ns) for ns in self.namespaces if (_NETNS_ETC / ns).exists()]
                 + [name for name in (*self._host_ends, self.bridge) if f" {name}:" in links or f" {name}@" in links])
 
     def _in(self, ns: str, *argv: str) -> None:

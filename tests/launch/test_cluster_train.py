@@ -4,11 +4,13 @@ node 0's address, as the docs' "Many nodes" page writes it. DDP, ZeRO-2,
 fully_shard and HSDP (shard within a node, replicate across nodes) each end
 at the parameters of one process on the global batch (tests/launch/_cluster_train.py
 gives both), on 2 nodes x 2 workers and on 4 nodes x 1; ``--nnodes MIN:MAX``
-starts with the nodes that came once the last call has passed."""
+starts with the nodes that came once the last call has passed; and the
+"Launch on many nodes" page's commands train as written."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,36 +104,52 @@ def _losses(metrics: Path) -> list[tuple[str, int, float]]:
     return [(r["kind"], r["step"], r["loss"]) for r in records if "loss" in r]
 
 
-def test_the_digits_job_across_two_nodes_as_the_docs_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's digits job with the "Many nodes" page's static commands,
-    one worker on each of two nodes, records the same losses as the same
-    world of 2 on one host (one thread per worker in both, as the launcher
-    would give each of 2 workers on one host: a convolution's sums depend on
-    the threads it runs on)."""
-    digits = ["-m", "tandem.examples.digits", "--epochs", "2", "--no-progress"]
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    (tmp_path / "host").mkdir()
-    host = subprocess.Popen([sys.executable, "-m", "tandem", "run", "--nproc-per-node", "2", *digits],
-                            cwd=tmp_path / "host", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _docs_block() -> tuple[str, str, list[list[str]]]:
+    """The "Launch on many nodes" page's commands: the line that makes the
+    secret, the line every node runs first, and each form's command per node
+    (the static form's two lines; the c10d form's one line on both nodes)."""
+    page = (Path(__file__).parents[2] / "docs" / "how-to" / "many-nodes.md").read_text()
+    block = page.split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if line and not line.startswith("#")]
+    make, export, static0, static1, c10d = lines
+    assert make.startswith("python3 -c") and export.startswith("export "), lines
+    return make, export, [[static0, static1], [c10d, c10d]]
+
+
+def test_the_many_nodes_commands_train_as_written_where_the_host_name_is_loopback(tmp_path: Path) -> None:
+    """The "Launch on many nodes" page's block, as written but for the address
+    10.0.0.1 (node 0's), on two nodes whose host name resolves to 127.0.0.1
+    (Note [nodes as namespaces]): the secret made once and read by both nodes,
+    then each form of rendezvous. Both train the digits job on 2 x 2 workers
+    to the same losses: the same world of 4, placed by node ranks or by
+    arrival. (The c10d form once handed every worker ``MASTER_ADDR=localhost``,
+    the host name's name, and hung: Note [the address a node gives].)"""
+    make, export, forms = _docs_block()
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    assert subprocess.run(["bash", "-c", make], env=env, timeout=30).returncode == 0
+    losses = []
     with Cluster(2, rate="1gbit") as cluster:
-        procs = []
-        for node in range(2):
-            cwd = tmp_path / f"node{node}"
-            cwd.mkdir()
-            argv = [sys.executable, "-m", "tandem", "run", "--nnodes", "2", "--node-rank", str(node),
-                    "--nproc-per-node", "1", "--master-addr", cluster.address(0), "--master-port", "29500",
-                    *digits]
-            procs.append(cluster.popen(node, argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True))
-        outs = [(p.wait(timeout=240), p.communicate()[0]) for p in procs]
-    host_out = host.communicate(timeout=240)[0]
-    assert host.returncode == 0, host_out[-3000:]
-    for code, out in outs:
-        assert code == 0, out[-3000:]
-    assert "test accuracy" in outs[0][1], outs[0][1][-3000:]
-    across = _losses(tmp_path / "node0" / "tandem-digits" / "metrics.jsonl")
-    assert len(across) >= 10 and any(kind == "eval" for kind, _, _ in across), across
-    assert across == _losses(tmp_path / "host" / "tandem-digits" / "metrics.jsonl")
+        for form, commands in zip(("static", "c10d"), forms):
+            procs = []
+            for node, command in enumerate(commands):
+                cwd = tmp_path / form / f"node{node}"
+                cwd.mkdir(parents=True)
+                line = f"{export} && {command.replace('10.0.0.1', cluster.address(0))}"
+                procs.append(cluster.popen(node, ["bash", "-c", line], with_secret=False, env=env, cwd=cwd,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            outs = [p.communicate(timeout=180)[0] for p in procs]
+            for p, out in zip(procs, outs):
+                assert p.returncode == 0, (form, out[-4000:])
+            [metrics] = (tmp_path / form).glob("node*/tandem-digits/metrics.jsonl")  # rank 0's node writes it
+            assert "test accuracy" in "".join(outs), (form, outs[0][-3000:])
+            losses.append(_losses(metrics))
+    static, c10d = losses
+    assert len(static) >= 20 and any(kind == "eval" for kind, _, _ in static), static
+    assert [(k, s) for k, s, _ in static] == [(k, s) for k, s, _ in c10d]
+    # The same ranks on the same data; gloo's sums in the same order: equal, to float32 rounding at most.
+    assert max(abs(a - b) for (_, _, a), (_, _, b) in zip(static, c10d)) < 1e-5, (static, c10d)
     assert cluster.leftovers() == []
 
 

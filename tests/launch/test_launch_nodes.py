@@ -1,14 +1,18 @@
 """Two nodes on one machine: two ``tandem run`` commands form one world of 4 with
 global ranks 0..3 and local ranks 0..1 on each node, with node ranks
-(``--node-rank``, static rendezvous) and without (``--rdzv-endpoint``, c10d)."""
+(``--node-rank``, static rendezvous) and without (``--rdzv-endpoint``, c10d);
+and the address each node gives the others, known before the rendezvous."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from test_launch_support import TANDEM, Job, clean_env, free_port, lines_with, script
+from test_launch_support import TANDEM, Job, clean_env, free_port, lines_with, script, tandem
 
 from tandem.comm.job_secret import new_secret
+from tandem.launch.machine import node_address
 
 WORLD = """
     import os, torch, torch.distributed as dist, tandem
@@ -50,3 +54,28 @@ def test_two_nodes_form_one_world(tmp_path, form):
     for rank, fields in seen.items():
         assert fields["size"] == "4" and fields["sum"] == "6"
         assert fields["local"] == f"{rank % 2}/2" and fields["node"] == str(rank // 2)
+
+
+def test_a_node_knows_its_address_before_the_rendezvous():
+    """Note [the address a node gives] in tandem/launch/machine.py: --local-addr,
+    else the route's address toward the rendezvous host, never a name."""
+    assert node_address("10.9.8.7", ("10.0.0.1", 29400)) == "10.9.8.7"
+    assert node_address(None, ("127.0.0.1", 29400)) == "127.0.0.1"   # every node on this machine
+    assert node_address(None, ("localhost", 29400)) == "127.0.0.1"
+
+
+def test_a_rendezvous_host_named_into_loopback_is_refused_at_once_naming_local_addr(tmp_path):
+    """A host name that this machine resolves to loopback (as /etc/hosts does here
+    for its own name, skipped where it does not) tells nothing of the address the
+    other nodes reach this node by: the launcher stops before starting anything."""
+    name = socket.gethostname()
+    if not socket.gethostbyname(name).startswith("127."):
+        pytest.skip(f"this machine's host name {name!r} does not resolve to loopback")
+    with pytest.raises(ValueError, match="--local-addr") as caught:
+        node_address(None, (name, 29400))
+    assert name in str(caught.value)
+    path = script(tmp_path, "world.py", WORLD)
+    r = tandem(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"{name}:{free_port()}",
+                str(path)], cwd=tmp_path, timeout=60, env=clean_env(TANDEM_JOB_SECRET=new_secret()))
+    assert r.returncode == 2, r
+    assert "--local-addr" in r.stderr and f"{name!r}" in r.stderr and "WORLD" not in r.stdout, r

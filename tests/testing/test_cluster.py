@@ -2,7 +2,8 @@
 [nodes as namespaces] in tandem/testing/cluster.py). Nodes reach each other at
 their own addresses and nothing else does; a cut link stops the traffic while
 the processes live, and restoring it lets it through again; a killed node
-has no process left; every link is shaped at the rate asked; and nothing of
+has no process left; every node's host name resolves to 127.0.0.1; every
+link is shaped at the rate asked; and nothing of
 a cluster is left behind, also when the test inside it fails. Skipped with
 the reason where namespaces cannot be made (no CAP_NET_ADMIN)."""
 
@@ -55,6 +56,10 @@ def test_nodes_reach_each_other_links_cut_and_come_back_and_nodes_die() -> None:
         assert server.stdout is not None and server.stdout.readline().strip() == "listening"
         assert _ask(cluster, 1, cluster.address(0)) == "HELLO"
         assert _ask(cluster, 2, cluster.address(0)) == "HELLO"
+        # Every node resolves the machine's host name to loopback, as many containers do.
+        resolved = cluster.run(1, [sys.executable, "-c", "import socket; print(socket.gethostbyname("
+                                   "socket.gethostname()), socket.getfqdn())"], capture_output=True, text=True)
+        assert resolved.stdout.split() == ["127.0.0.1", "localhost"], resolved
         # The host has no address on the bridge: only the nodes reach the nodes.
         assert _ask(cluster, None, cluster.address(0)) != "HELLO"
 
