@@ -21,6 +21,19 @@ collectives match at all), so the same ``seq`` names the same collective on
 every rank, and a hang report can say "rank 1 completed #5321; ranks 0, 2 wait
 in #5322". Collectives a user issues through ``torch.distributed`` directly are
 not seen, and do not disturb the numbering as long as every rank issues them.
+
+# Note [step numbers]
+Step N, in what tandem prints of a training run (a collective's "of step N" in
+a peer's error, a hang report or a trace; an elastic change's "going on with
+step N"; the Trainer's progress, records and checkpoints), is the N-th
+optimizer step of the run, counted from 1 and across resumes and changes of
+world: the Trainer's ``state.step`` once that step has committed. A loop that
+counts its steps so (the Trainer, a prepared elastic loop) numbers the entries
+with :meth:`Ledger.loop_step` as each step begins. Without one, a DDP model
+numbers them with its own count (:meth:`Ledger.mark_step`): the synchronised
+backwards it has done since it was built or regrouped, from 0. Where a loop
+numbers the steps, that count is ignored: it restarts at each change of world,
+and one line must not mix it with the run's.
 """
 
 from __future__ import annotations
@@ -91,7 +104,8 @@ class Ledger:
         self.bytes_issued = 0
         """Payload bytes of every collective issued by this process (each one's input)."""
         self.step = 0
-        """The training step, as last reported by :meth:`mark_step`."""
+        """The training step the next entries carry (Note [step numbers])."""
+        self._loop_numbers = False
         self.last_progress = time.time()
         """Wall-clock time of the last completion or step."""
 
@@ -121,8 +135,18 @@ class Ledger:
             self.last_progress = entry.completed_at
 
     def mark_step(self, step: int | None = None) -> None:
-        """A training step begins: ``step``, or the next one. Counts as progress."""
-        self.step = self.step + 1 if step is None else int(step)
+        """A training step begins: ``step``, or the next one, unless a loop numbers
+        the steps (:meth:`loop_step`). Counts as progress."""
+        if not self._loop_numbers:
+            self.step = self.step + 1 if step is None else int(step)
+        self.last_progress = time.time()
+
+    def loop_step(self, step: int) -> None:
+        """A training loop begins its step ``step``, the run's N-th (Note [step
+        numbers]): the number the entries carry from now on, whatever
+        :meth:`mark_step` says. Counts as progress."""
+        self._loop_numbers = True
+        self.step = int(step)
         self.last_progress = time.time()
 
     def describe_tag(self, tag: str, text: str) -> None:

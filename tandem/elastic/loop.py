@@ -109,6 +109,7 @@ from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.bootstrap import elastic_membership
 from tandem.comm.membership import ElasticConfig, Generation
+from tandem.comm.monitor import current_monitor_if_any
 from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
 from tandem.ddp.batch_weight import weigh_gradients
@@ -132,7 +133,7 @@ def make_elastic(config: ElasticConfig, model: nn.Module, optimizer: torch.optim
     generation = loop.run.membership.generation
     logger.info("prepare: elastic, member %s is rank %d of %d (generation %d)%s",
                 loop.run.membership.member, dist.get_rank(), generation.world_size, generation.number,
-                f"; joined at step {loop.state.step}" if loop.joined else "")
+                f"; joined, going on with step {loop.state.step + 1}" if loop.joined else "")
     return ElasticOptimizer(optimizer, loop)
 
 
@@ -219,7 +220,15 @@ class ElasticLoop:
             self.world.refresh_buddy(dist.get_rank())  # the first copies, before the first step
             if self._syncs is not None:
                 self._syncs.capture()  # the start: every rank holds rank 0's parameters
-        run.step_started()
+        self._next_step()
+
+    def _next_step(self) -> None:
+        """A step begins: the decision's clock starts, and the ledger's entries carry
+        its number, the run's (Note [step numbers] in tandem/comm/ledger.py)."""
+        self.run.step_started()
+        monitor = current_monitor_if_any()
+        if monitor is not None:
+            monitor.ledger.loop_step(self.state.step + 1)
 
     def register(self, obj: Any) -> None:
         """Send ``obj``'s state to every replacement; on a replacement, load the
@@ -244,7 +253,7 @@ class ElasticLoop:
             return False
         if self.failure is None:
             logger.warning("rank %d: elastic: a collective failed in step %d (%s); the step is dropped "
-                           "at optimizer.step()", dist.get_rank(), self.state.step, first_sentence(error))
+                           "at optimizer.step()", dist.get_rank(), self.state.step + 1, first_sentence(error))
             self.failure = error
         return True
 
@@ -271,14 +280,14 @@ class ElasticLoop:
         if cause is not None:
             self.failure = None
             self._change_world(cause, in_step=True)
-            self.run.step_started()
+            self._next_step()
             return False, None
         self.state.step += 1
         for loader in self.loaders:
             loader.commit()
         self._confirm_at = [loader for loader in self.loaders if loader.active]
         if not self._refresh_copies():
-            self.run.step_started()
+            self._next_step()
             return False, result  # the job went back before this step (Note [one step back])
         if self._syncs is not None and not self._syncs.committed():
             self.run.grow_pending = False  # decided again at the next step: admitted right after a sync
@@ -288,7 +297,7 @@ class ElasticLoop:
             self._grow_at = [loader for loader in self.loaders if loader.active]
             if not self._grow_at:  # no loader in an iteration: now
                 self._change_world(None, in_step=False)
-        self.run.step_started()
+        self._next_step()
         return True, result
 
     def _refresh_copies(self) -> bool:
@@ -321,7 +330,7 @@ class ElasticLoop:
         if self.run.grow_pending and loader in self._grow_at:
             self._grow_at = []
             self._change_world(None, in_step=False)
-            self.run.step_started()
+            self._next_step()
 
     def _before_end(self, loader: DistributedLoader) -> None:
         """A loader's iteration is about to end (Note [an epoch's last step]; with
@@ -338,7 +347,7 @@ class ElasticLoop:
             if not is_peer_failure(e):
                 raise
             self._change_world(e, in_step=False)
-            self.run.step_started()
+            self._next_step()
 
     def _change_world(self, cause: BaseException | None, *, in_step: bool) -> None:
         self.run.regroup(cause, self.state.step, in_step=in_step, rebuild=self._rebuild,

@@ -123,7 +123,7 @@ class Resumed:
     """Where a world change's rebuild took the training state back to."""
 
     step: int
-    """The step training goes on from."""
+    """The steps committed in the state gone back to (Note [step numbers] in tandem/comm/ledger.py)."""
     checkpoint: bool
     """Read from the last checkpoint (a shard and its buddy copy both lost); else
     one step back on the survivors (Note [one step back] in buddy.py)."""
@@ -136,7 +136,8 @@ class WorldChange:
     generation: int
     """The new generation's number."""
     step: int
-    """The step training goes on from."""
+    """The steps committed when the new world goes on: it goes on with step
+    ``step + 1`` (Note [step numbers] in tandem/comm/ledger.py)."""
     lost: dict[int, str]
     """The ranks that are gone (their rank in the old world) and their member ids."""
     joined: tuple[str, ...]
@@ -171,7 +172,7 @@ class WorldChange:
         if self.joined:
             what.append("admitted " + ", ".join(self.joined))
         head = (f"elastic: {'; '.join(what) or 'regrouped'} -> world {self.previous_world_size} -> "
-                f"{self.world_size} (generation {self.generation}), going on from step {self.step}; ")
+                f"{self.world_size} (generation {self.generation}), going on with step {self.step + 1}; ")
         if not self.lost:  # a replacement admitted: no failure to see, nothing redone
             return f"{head}admitting took {self.regroup_s:.2f} s{self._fallback()}"
         return (f"{head}failure seen after {self.detect_s:.2f} s, regroup took {self.regroup_s:.2f} s, "
@@ -227,10 +228,11 @@ class ElasticRun:
         return any(wants)
 
     def decide(self, step: int) -> None:
-        """Wait for ``step``'s decision; raises :class:`StepAbandoned` on abort."""
+        """Wait for the decision of the step after ``step`` committed steps; raises
+        :class:`StepAbandoned` on abort."""
         decision = self.membership.decide_step(step)
         if decision is Decision.ABORT:
-            raise StepAbandoned(f"member {self.membership.member}: step {step} was abandoned: a member "
+            raise StepAbandoned(f"member {self.membership.member}: step {step + 1} was abandoned: a member "
                                 "of the group is gone")
         self.grow_pending = decision is Decision.GROW
 
@@ -239,7 +241,7 @@ class ElasticRun:
         """Agree on the next generation, enter it (the default group is rebuilt) and
         call ``rebuild(before, after)`` for what depends on the world; it returns
         where the state went back to (a checkpoint, or one step), else None.
-        ``cause`` is the failure (None for a planned grow); ``step`` the step to go on from."""
+        ``cause`` is the failure (None for a planned grow); ``step`` the steps committed."""
         seen, seen_at = time.monotonic(), time.time()
         before = self.membership.generation
         if cause is not None:

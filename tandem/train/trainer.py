@@ -396,15 +396,14 @@ class Trainer:
         done = 0  # global batches of the split trained
         fetched = time.perf_counter()
         wall = time.time() - fetched  # the trace's clock is the ledger's, wall-clock
-        # DDP's reducer numbers its steps in the ledger; for the other models the Trainer does
-        # (hang reports and `tandem report` show a collective's step).
+        # The Trainer numbers the steps in the ledger, for every model (Note [step numbers] in
+        # tandem/comm/ledger.py): hang reports, a peer's error and `tandem report` show them.
         monitor = current_monitor_if_any()
         if monitor is not None and monitor.ledger.capacity < _TRACED:
             monitor.ledger.resize(_TRACED)  # the trace written at the end holds whole steps
-        ledger = None if monitor is None or is_ddp(self.model) else monitor.ledger
         while planned := list(islice(batches, cfg.grad_accum)):
-            if ledger is not None:
-                ledger.mark_step(state.step + 1)
+            if monitor is not None:
+                monitor.ledger.loop_step(state.step + 1)
             sent_before = 0 if monitor is None else monitor.ledger.bytes_issued
             started = time.perf_counter()
             step = self._runner.run([p.batch for p in planned], window.loss, [p.weight for p in planned])

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -223,6 +224,10 @@ def test_own_loop_shrinks_after_a_rank_dies_in_backward(scenarios: dict) -> None
     # The change is printed, once, by the new world's rank 0 (no logging configured here).
     assert "tandem: elastic: lost rank 1 (member 1) -> world 3 -> 2" in live[0]["stderr"], live[0]["stderr"]
     assert "tandem: elastic:" not in live[1]["stderr"], live[1]["stderr"]
+    # Rank 1 died in step 3 (after 2 committed): the line's every step is that one, the failed
+    # collective's too, numbered by the loop, not by DDP (Note [step numbers] in tandem/comm/ledger.py).
+    line = next(x for x in live[0]["stderr"].splitlines() if "tandem: elastic: lost rank 1" in x)
+    assert "going on with step 3;" in line and set(re.findall(r"\bstep (\d+)", line)) == {"3"}, line
 
 
 def test_own_loop_recovers_from_a_collective_that_fails_in_forward(scenarios: dict) -> None:

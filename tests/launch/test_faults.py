@@ -305,6 +305,8 @@ def test_a_rank_asleep_before_a_collective_is_reported_and_the_group_restarts_an
     assert f"{path}:" in asleep and "in forward" in asleep
     waiting = next(line for line in report.splitlines() if line.startswith("  rank 0:"))
     assert "waiting in #" in waiting and "all_reduce 'bucket 0'" in waiting
+    # Rank 1 sleeps in its 6th forward: the Trainer's step 6 (Note [step numbers] in tandem/comm/ledger.py).
+    assert "of step 6 " in waiting, waiting
     # Detected within the timeout + 5 s of rank 1 falling asleep.
     slept_at = float(next(line for line in r.stdout.splitlines() if "sleeping at" in line).split()[-1])
     detected = (logs / "hang-report-attempt_0.txt").stat().st_mtime
