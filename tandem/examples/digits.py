@@ -128,9 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer, test_set = build_trainer(args, world, progress=not args.no_progress)
     result = trainer.fit()
 
-    if world.rank == 0:
-        print(f"trained {result.epochs_done} epoch(s), {result.steps} steps, over "
-              f"{world.world_size} rank(s)")
+    if trainer.rank == 0:  # the rank now: an elastic job's world may have changed in fit()
+        print(result.describe())
         if result.evaluation is not None:
             print(f"test accuracy {100 * result.evaluation['accuracy']:.1f}% on {len(test_set)} "
                   f"images, test loss {result.evaluation['loss']:.4f}")

@@ -4,15 +4,17 @@ The run book::
 
     tandem run --nproc-per-node 3 --elastic --max-restarts 1 -m tandem.examples.elastic
 
-Worker 1 kills itself in step 2 (``--kill-rank``, ``--kill-step``; ``--kill-rank -1``
+Worker 1 kills itself in step 3, after two committed steps (``--kill-rank``,
+``--kill-step``, which counts the steps committed before; ``--kill-rank -1``
 kills none). The other two see the death at once, drop the step in flight and
 go on at world 2; the launcher starts a replacement, which builds its model and
 Trainer, asks to join, and is admitted at a step boundary with the training
-state of a live worker (not from disk); the job ends at world 3. Each worker
-prints a digest of its parameters at the end: the replicas are equal.
+state of a live worker (not from disk); the job ends at world 3. Rank 0 prints
+the run's line ("trained 1 epoch(s), 12 steps, over 3 -> 2 -> 3 rank(s)"), and
+each worker a digest of its parameters: the replicas are equal.
 
 The epoch is short (120 samples, 30 steps of 4 per rank at world 3), so from
-step 6 the members wait for the replacement to ask (``--hold-from``), which a
+step 7 the members wait for the replacement to ask (``--hold-from 6``), which a
 new interpreter importing torch takes a few seconds to do: without that wait
 the epoch could end before it joins. The Trainer writes to ``tandem-elastic/``.
 """
@@ -35,9 +37,10 @@ import tandem
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kill-rank", type=int, default=1, help="the worker that SIGKILLs itself (-1: none)")
-    p.add_argument("--kill-step", type=int, default=2)
+    p.add_argument("--kill-step", type=int, default=2, help="after this many committed steps")
     p.add_argument("--hold-from", type=int, default=6,
-                   help="from this step, while the world is short, wait up to 60 s for a replacement to ask")
+                   help="after this many committed steps, while the world is short, wait up to 60 s for a "
+                        "replacement to ask")
     p.add_argument("--output-dir", default="tandem-elastic")
     return p.parse_args(argv)
 
@@ -67,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     config = tandem.TrainerConfig(batch_size=4, epochs=1, progress=False, plot=False, log_every=1,
                                   resume=False, output_dir=args.output_dir)
     trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), data, loss_fn, config=config)
-    trainer.fit()
+    result = trainer.fit()
+    if trainer.rank == 0:  # the rank now, which fit()'s changes of world may have moved
+        print(result.describe(), flush=True)  # the worlds it went through
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     print(f"done world={trainer.world_size} rank={trainer.rank} params={digest.hexdigest()[:16]}", flush=True)
     tandem.shutdown()

@@ -235,9 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     prompt = codec.encode("\n").view(1, 1).to(world.device)
     sample = generate(trainer.model, prompt, args.sample_chars, block_size=args.block_size,
                       temperature=args.temperature, generator=torch.Generator().manual_seed(args.seed))
-    if world.rank == 0:
-        print(f"trained {result.epochs_done} epoch(s), {result.steps} steps, over "
-              f"{world.world_size} rank(s)")
+    if trainer.rank == 0:  # the rank now: an elastic job's world may have changed in fit()
+        print(result.describe())
         print(f"validation loss {evaluation['loss']:.4f} nats/char "
               f"(unigram baseline {baseline:.4f}, ratio {evaluation['loss'] / baseline:.2f})")
         print(f"sample at temperature {args.temperature}:\n" + "-" * 60)

@@ -110,6 +110,16 @@ class FitResult:
     """The last checkpoint written."""
     plot: Path | None
     """``loss.png``, or None without matplotlib."""
+    world_sizes: tuple[int, ...]
+    """The world sizes the run trained in, in order, the last the one it ended in:
+    one for a run whose world never changed, more for an elastic run that lost or
+    admitted ranks (its ``"elastic"`` records in the history)."""
+
+    def describe(self) -> str:
+        """The run in one line, as the examples end: ``trained 3 epoch(s), 36 steps,
+        over 4 -> 2 rank(s)`` (the world sizes it went through)."""
+        return (f"trained {self.epochs_done} epoch(s), {self.steps} steps, over "
+                f"{' -> '.join(map(str, self.world_sizes))} rank(s)")
 
 
 class Trainer:
@@ -370,7 +380,8 @@ class Trainer:
                          "no loss plot: matplotlib is not installed (pip install matplotlib)")
         return FitResult(steps=self.state.step, epochs_done=self.state.epoch,
                          evaluation=evaluation_of(history.last("eval")), history=history.records,
-                         checkpoint=checkpoint, plot=plot)
+                         checkpoint=checkpoint, plot=plot,
+                         world_sizes=_world_sizes(history.of_kind("elastic"), self.world_size))
 
     def _write_trace(self) -> None:
         """This rank's last collectives and steps as a Chrome/Perfetto trace, for ``tandem report``."""
@@ -591,6 +602,14 @@ class Trainer:
     def _refresh_buddy(self) -> None:
         if self._elastic is not None:
             self._elastic.refresh_buddy(self.rank)
+
+
+def _world_sizes(changes: list[dict[str, Any]], final: int) -> tuple[int, ...]:
+    """The world sizes a run went through, from its history's world changes, ending at ``final``."""
+    sizes = [changes[0]["previous_world_size"], *(c["world_size"] for c in changes)] if changes else [final]
+    if sizes[-1] != final:  # resumed at another size than the last change left
+        sizes.append(final)
+    return tuple(sizes)
 
 
 def _elastic_run(config: TrainerConfig, model: nn.Module, rank: int) -> ElasticRun | None:

@@ -5,6 +5,8 @@ with equal replicas and exit status 0, leaving no process behind."""
 
 from __future__ import annotations
 
+import re
+
 from test_launch_support import clean_env, lines_with, script, tandem
 
 
@@ -16,8 +18,13 @@ def test_a_killed_worker_is_replaced_and_the_job_finishes(tmp_path):
     assert r.returncode == 0, r
     assert "worker 1 (local 1" in r.stderr and "exited with -9" in r.stderr, r
     assert "started replacement 1" in r.stderr, r
-    assert lines_with(r.stdout, "elastic: lost rank 1"), r
+    lost = lines_with(r.stdout, "elastic: lost rank 1")
+    assert lost, r
+    # Worker 1 dies in step 3 (after 2 committed): the line's every step is that one
+    # (Note [step numbers] in tandem/comm/ledger.py), the collective's included.
+    assert "going on with step 3;" in lost[0] and set(re.findall(r"\bstep (\d+)", lost[0])) == {"3"}, lost
     assert lines_with(r.stdout, "admitted j1"), r
+    assert lines_with(r.stdout, "[rank 0] trained 1 epoch(s), 12 steps, over 3 -> 2 -> 3 rank(s)"), r
     # The replacement's output is on the console like the others' (it was only in its
     # log file), and in that file; every line's prefix is the rank its worker has
     # now (it was the launch rank: "[rank 2] done world=3 rank=1").
@@ -166,7 +173,9 @@ HUNG = """
                                   resume=False, output_dir=os.environ["OUT"])
     trainer = tandem.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), data, loss_fn,
                              config=config)
-    trainer.fit()
+    result = trainer.fit()
+    if trainer.rank == 0:
+        print(result.describe(), flush=True)
     print(f"done world={trainer.world_size} steps={trainer.state.step}", flush=True)
     tandem.shutdown()
 """
@@ -184,5 +193,8 @@ def test_a_hung_rank_under_elastic_is_stopped_and_the_others_go_on(tmp_path):
     assert "the others go on" in r.stderr and lines_with(r.stdout, "elastic: lost rank 2"), r
     done = lines_with(r.stdout, "done world=")
     assert len(done) == 2 and all("done world=2 " in line for line in done), r
+    # The run's last line says the worlds it went through, not the one it started in.
+    summary = lines_with(r.stdout, "trained 1 epoch(s), ")
+    assert len(summary) == 1 and summary[0].endswith(" steps, over 3 -> 2 rank(s)"), r
     assert "2 of 3 worker(s) on this node finished in" in r.stderr, r
     assert r.orphans == []
