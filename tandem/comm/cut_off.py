@@ -28,6 +28,14 @@ of the main thread that waits for a key (gloo's address exchange in a
 link. Only a TCP store is watched: a file store has no link to cut, and a
 torch without ``Store.clone`` (before 2.7) beats through the shared client,
 unwatched.
+
+When the store's host is gone (not a cut link: its end of the connection is
+closed, "Broken pipe"), the rank need not wait out the silence: a beat that
+fails so stops it at once (:func:`connection_closed`), and so does an
+uncaught exception caused by such a call (the exit hook, Note [exit on an
+uncaught exception] in exit.py). Either way the rank says why in one line, in
+place of the traceback, and asks nothing more of the store: each call to a
+closed connection would print torch's warning with a C++ backtrace.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-__all__ = ["CUT_OFF_EXITCODE", "CutOffWatch", "MIN_CUT_OFF_S", "cut_off_after", "lost_store_message"]
+__all__ = ["CUT_OFF_EXITCODE", "CutOffWatch", "MIN_CUT_OFF_S", "connection_closed", "cut_off_after",
+           "lost_store_message", "network_error"]
 
 CUT_OFF_EXITCODE = 75
 """A rank's exit status when it was cut off from the job's store (EX_TEMPFAIL)."""
@@ -53,21 +62,39 @@ def cut_off_after(stale_after_s: float) -> float:
     return max(2 * stale_after_s, MIN_CUT_OFF_S)
 
 
-def lost_store_message(rank: int, where: str, error: BaseException) -> str | None:
-    """The line to print when ``error`` (uncaught) says the job's store at
-    ``where`` is out of reach; None when it says something else."""
+def network_error(error: BaseException) -> BaseException | None:
+    """The store's network error behind ``error`` (itself, or in its chain of
+    causes); None when there is none."""
     network = getattr(dist, "DistNetworkError", None)
     seen: BaseException | None = error
     while seen is not None:
         if network is not None and isinstance(seen, network):
-            first = str(seen).strip().splitlines()[0] if str(seen).strip() else type(seen).__name__
-            return (f"tandem: rank {rank} is cut off from the job's store at {where}: a call to it failed "
-                    f"({type(seen).__name__}: {first[:200]}). Its host is gone or the link to it is cut; the "
-                    "ranks that still reach the store have gone on without this one (an elastic job) or "
-                    f"stopped. It stops here with exit status {CUT_OFF_EXITCODE}. If the store's host is "
-                    "lost, start the job again: it resumes from its last checkpoint.\n")
+            return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def connection_closed(error: BaseException) -> bool:
+    """``error`` says the store's end of the connection is gone (its host died
+    or closed it: "Broken pipe", "Connection reset", "got 0 bytes"), not that
+    an answer is late. A client's connection is never made again, so every
+    later call on it fails the same way."""
+    seen = network_error(error)
+    return seen is not None and "timeout" not in str(seen).lower() and "timed out" not in str(seen).lower()
+
+
+def lost_store_message(rank: int, where: str, error: BaseException) -> str | None:
+    """The line to print when ``error`` (uncaught) says the job's store at
+    ``where`` is out of reach; None when it says something else."""
+    seen = network_error(error)
+    if seen is None:
+        return None
+    first = str(seen).strip().splitlines()[0] if str(seen).strip() else type(seen).__name__
+    return (f"tandem: rank {rank} is cut off from the job's store at {where}: a call to it failed "
+            f"({type(seen).__name__}: {first[:200]}). Its host is gone or the link to it is cut; the "
+            "ranks that still reach the store have gone on without this one (an elastic job) or "
+            f"stopped. It stops here with exit status {CUT_OFF_EXITCODE}. If the store's host is "
+            "lost, start the job again: it resumes from its last checkpoint.\n")
 
 
 class CutOffWatch:
@@ -91,6 +118,24 @@ class CutOffWatch:
         self._exit = exit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ending = threading.Lock()   # held by the one thread that says why this process ends
+
+    def claim(self) -> bool:
+        """Take the saying of why this process ends (once per process: a rank
+        that lost its store says so in one line, not from every thread that
+        finds out); False when another thread has it."""
+        return self._ending.acquire(blocking=False)
+
+    def stop_now(self, error: BaseException) -> None:
+        """The store's connection is gone (:func:`connection_closed`): say so and
+        end the process now rather than after the silence of :meth:`check`."""
+        message = lost_store_message(self.rank, self.where, error)
+        if message is None or not self.claim():
+            return
+        try:
+            os.write(2, message.encode())
+        finally:
+            self._exit(CUT_OFF_EXITCODE)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="tandem-cut-off-watch", daemon=True)
@@ -108,6 +153,8 @@ class CutOffWatch:
         limit = self._after_s()
         if silent <= limit:
             return False
+        if not self.claim():
+            return True   # another thread is ending the process, saying why
         message = (
             f"tandem: rank {self.rank} is cut off from the job's store at {self.where}: no heartbeat has "
             f"reached it for {silent:.1f} s (the limit is {limit:g} s, twice the window in which the other "

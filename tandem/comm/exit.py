@@ -33,7 +33,9 @@ what must not run. So the hook installed by :func:`tandem.init` does what
 Python's shutdown does up to that point, and then ends the process:
 
 - the previous ``sys.excepthook`` prints the traceback, once (torch's prefixes
-  its lines with ``[rankN]:``);
+  its lines with ``[rankN]:``); or, where the exception says the job's store is
+  out of reach, one line says so in its place and nothing more is asked of the
+  store (Note [cut off] in cut_off.py), and the exit status is 75;
 - non-daemon threads are joined (``threading._shutdown``), then the ``atexit``
   handlers run, in Python's order: the user's, ``logging.shutdown``,
   multiprocessing's cleanup of its children, ``weakref.finalize``;
@@ -83,7 +85,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from tandem.comm.cut_off import CUT_OFF_EXITCODE, lost_store_message
+from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.monitor import current_monitor_if_any, leave_at_exit, stop_monitor
 from tandem.comm.peers import last_beat
 
@@ -104,12 +106,17 @@ class _CleanExitHook:
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException,
                  tb: TracebackType | None) -> None:
-        try:
-            self.previous(exc_type, exc, tb)
-        except BaseException:  # noqa: BLE001 - a broken hook must not hide the error
-            sys.__excepthook__(exc_type, exc, tb)
-        if self._leaving():
-            _leave(exc_type, _cut_off_code(exc))
+        leaving = self._leaving()
+        lost = _lost_store(exc) if leaving else None
+        if lost is not None:  # Note [cut off] in cut_off.py: one line says it all
+            _say(lost)
+        else:
+            try:
+                self.previous(exc_type, exc, tb)
+            except BaseException:  # noqa: BLE001 - a broken hook must not hide the error
+                sys.__excepthook__(exc_type, exc, tb)
+        if leaving:
+            _leave(exc_type, 1 if lost is None else CUT_OFF_EXITCODE)
 
     def _leaving(self) -> bool:
         """Whether the interpreter is about to shut down because of this exception."""
@@ -153,20 +160,19 @@ def uninstall_clean_exit() -> None:
         sys.excepthook = hook.previous
 
 
-def _cut_off_code(exc: BaseException) -> int:
-    """1, or CUT_OFF_EXITCODE after saying so when ``exc`` says the job's store is
-    out of reach (Note [cut off] in cut_off.py)."""
+def _lost_store(exc: BaseException) -> str | None:
+    """The one line to print in place of the traceback when ``exc`` says the
+    job's store is out of reach (Note [cut off] in cut_off.py); None otherwise."""
     monitor = current_monitor_if_any()
-    where = monitor.store_address if monitor is not None else None
-    message = lost_store_message(monitor.rank, where, exc) if monitor is not None and where else None
-    if message is None:
-        return 1
+    return monitor.lost_store(exc) if monitor is not None else None
+
+
+def _say(line: str) -> None:
     try:
-        sys.stderr.write(message)
+        sys.stderr.write(line)
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    return CUT_OFF_EXITCODE
 
 
 def _leave(exc_type: type[BaseException], code: int = 1) -> NoReturn:

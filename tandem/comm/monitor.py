@@ -46,7 +46,7 @@ from typing import IO, Any
 import torch.distributed as dist
 
 from tandem._compat import default_store, own_tcp_client
-from tandem.comm.cut_off import CutOffWatch, cut_off_after
+from tandem.comm.cut_off import CutOffWatch, connection_closed, cut_off_after, lost_store_message
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.job_secret import signed, signed_like
 from tandem.comm.ledger import Ledger
@@ -96,6 +96,7 @@ class Monitor:
         self._stacks: IO[str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._store_gone = threading.Event()  # no call goes to the store any more (Note [cut off])
         self._beats = 0
         self._landed = time.monotonic()   # when the last beat reached the store
         # Note [cut off] in cut_off.py: the beats have a connection of their own, and a
@@ -118,6 +119,20 @@ class Monitor:
     def store_address(self) -> str | None:
         """``host:port`` of the job's TCP store, watched for a cut (Note [cut off]); None otherwise."""
         return self._cut_off.where if self._cut_off is not None else None
+
+    def lost_store(self, error: BaseException) -> str | None:
+        """The line to print when ``error`` says the job's store is out of reach
+        (Note [cut off] in cut_off.py), after which nothing more is asked of the
+        store and the cut-off watch stays quiet (the caller ends the process,
+        saying why); None when ``error`` says something else, or when another
+        thread is already ending the process for it."""
+        if self._cut_off is None:
+            return None
+        message = lost_store_message(self.rank, self._cut_off.where, error)
+        if message is None:
+            return None
+        self._store_gone.set()
+        return message if self._cut_off.claim() else None
 
     @property
     def debug(self) -> bool:
@@ -162,7 +177,7 @@ class Monitor:
             self._thread = None
         if left:  # Note [finishing] in tandem/launch/watchdog.py: the last word, marked as such
             self._write_progress(finished=True)
-        if left and self.store is not None and self.peers is not None:
+        if left and self.store is not None and self.peers is not None and not self._store_gone.is_set():
             if self.fingerprints is not None:
                 self.fingerprints.post_shutdown()
             try:
@@ -189,7 +204,7 @@ class Monitor:
             self._beat()
 
     def _beat(self) -> None:
-        if self.peers is None or self._beat_store is None:
+        if self.peers is None or self._beat_store is None or self._store_gone.is_set():
             return
         self._beats += 1
         try:
@@ -199,6 +214,11 @@ class Monitor:
                 self._landed = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
             logger.debug("rank %d: heartbeat failed: %s", self.rank, e)
+            if self._cut_off is not None and connection_closed(e):
+                # Its connection is never made again: every later beat would fail
+                # (each with torch's warning), until the silence stopped the rank.
+                self._store_gone.set()
+                self._cut_off.stop_now(e)
 
     def _write_progress(self, *, finished: bool = False) -> None:
         if self._progress_file is None:
@@ -227,7 +247,8 @@ class Monitor:
         once every PROGRESS_POST_S (Note [a hang on another node])."""
         last, at = self._posted
         now = time.monotonic()
-        if self._progress_store is None or state == last or now - at < PROGRESS_POST_S:
+        if (self._progress_store is None or state == last or now - at < PROGRESS_POST_S
+                or self._store_gone.is_set()):
             return
         self._posted = (state, now)
         snapshot = {"rank": self.rank, "pid": self.pid, "host": socket.gethostname(),

@@ -27,11 +27,21 @@ When the launcher's own output is a terminal, each redraw is also shown as it
 arrives (``\r`` and the prefix, on the same line), so bars move under
 ``tandem run`` as they do under ``python``; workers learn that their output
 ends on a terminal from ``TANDEM_STDOUT_ISATTY=1``.
+
+# Note [C++ backtraces]
+torch logs some C++ warnings with the backtrace of the error behind them: a
+store call to a host that is gone prints "[c10d] sendBytes failed ...:
+Broken pipe", then "Exception raised from ..." and some twenty ``frame #N``
+lines, once for each connection that finds it gone. On the console a rank
+that has lost its job would bury the one line that says why under them. So
+the console shows each such warning's first line and leaves the backtrace
+out (:func:`without_backtraces`); the rank's log keeps every line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +50,7 @@ from typing import BinaryIO, TextIO
 
 from tandem.launch.logs import Attempt, RankLogs
 
-__all__ = ["RankOutput", "is_terminal", "rank_prefix", "split_lines", "visible_text"]
+__all__ = ["RankOutput", "is_terminal", "rank_prefix", "split_lines", "visible_text", "without_backtraces"]
 
 _POLL_S = 0.05
 _CHUNK = 1 << 16
@@ -63,6 +73,28 @@ def split_lines(pending: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
     return lines, rest
 
 
+_BACKTRACE_START = re.compile(rb"^(\[rank\d+\]:)?Exception raised from .* \(most recent call first\):$")
+_BACKTRACE_LINE = re.compile(rb"^(\[rank\d+\]:)?(frame #\d+: .*|<omitting python frames>)$")
+
+
+def without_backtraces(lines: list[bytes], inside: bool) -> tuple[list[bytes], bool]:
+    """``lines`` without the C++ backtraces torch logs after some warnings (Note
+    [C++ backtraces]): from "Exception raised from ..." through its frames and
+    the empty line after them. ``inside``: the previous lines ended inside
+    one; returns whether these do."""
+    kept = []
+    for line in lines:
+        if inside and _BACKTRACE_LINE.match(line):
+            continue
+        if inside and not line.strip():
+            inside = False
+            continue
+        inside = bool(_BACKTRACE_START.match(line))
+        if not inside:
+            kept.append(line)
+    return kept, inside
+
+
 def visible_text(line: bytes) -> bytes:
     """What a terminal shows of ``line``: its last non-empty ``\r`` segment
     (see Note [carriage returns])."""
@@ -83,6 +115,7 @@ class _Follow:
     fp: BinaryIO | None = None
     pending: bytes = b""
     redrawn: bytes = b""  # the redraw last shown live, for a terminal
+    in_backtrace: bool = False  # the last line shown was inside a C++ backtrace (Note [C++ backtraces])
 
 
 class RankOutput:
@@ -209,6 +242,7 @@ class RankOutput:
         self._write(f, f"\r{f.prefix}{segment.decode(errors='replace')}\x1b[K", live=True)
 
     def _emit(self, f: _Follow, lines: list[bytes]) -> None:
+        lines, f.in_backtrace = without_backtraces(lines, f.in_backtrace)
         if not lines:
             return
         text = "".join(f"{f.prefix}{visible_text(line).decode(errors='replace')}\n" for line in lines)

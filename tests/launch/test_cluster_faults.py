@@ -12,7 +12,8 @@ on node 0's address, the Trainer job of tests/launch/_cluster_faults.py:
   (Note [cut off] in tandem/comm/cut_off.py); when the link is back nothing
   of node 1 trains;
 - node 0, the store's host, lost: node 1's workers stop within the window,
-  saying so.
+  saying so; and with only its launcher killed (the stores gone, every worker
+  alive), at once, in one line each.
 
 Each training run ends at the parameters of one process on the same global
 batches (at the world sizes the run recorded), every sample of the epoch is
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem.comm.cut_off import cut_off_after
+from tandem.comm.peers import STALE_AFTER_S
 from tandem.testing import Cluster, cluster_unavailable
 from tandem.testing.ports import listening_ports
 
@@ -225,6 +229,30 @@ def test_the_store_host_lost_stops_every_other_rank_and_the_job_resumes(tmp_path
     step = int(resumed[0].split("step ")[-1].rstrip(")"))
     assert step >= 4, resumed
     assert _used_samples(tmp_path, cutoff=step) == _check_result(_done(tmp_path), 4) == list(range(N))
+    assert cluster.leftovers() == []
+
+
+def test_the_store_lost_stops_the_other_node_at_once_with_one_line_of_cause(tmp_path: Path) -> None:
+    """Node 0's launcher, which hosts the job's stores, killed while every
+    worker lives (a job without --elastic): each rank's next call to the store
+    finds its connection closed, and node 1's workers stop at once, well
+    within the silence that would stop them (Note [cut off] in
+    tandem/comm/cut_off.py), each with one line that says why in place of a
+    traceback, and no C++ backtrace on the console; node 1's launcher fails
+    naming that cause."""
+    with Cluster(2) as cluster:
+        nodes = [Node(cluster, n, tmp_path, ["2"], {"HOLD_FROM": "0:0.1"}) for n in (0, 1)]
+        _await(lambda: _trained_step(tmp_path, 6), "step 6")
+        os.kill(nodes[0].proc.pid, signal.SIGKILL)   # `ip netns exec` ran the launcher in its own process
+        lost_at = time.monotonic()
+        code1, out1 = nodes[1].finish(timeout=60)
+        said = [(t, line) for t, line in nodes[1].lines if "is cut off from the job's store at" in line
+                and line.startswith("[rank ")]
+    assert code1 == 1 and "failed first, with exit code 75 (cut off from the job's store)" in out1, out1[-4000:]
+    assert sorted(line.split()[1] for _, line in said) == ["2]", "3]"], out1[-4000:]   # one line per rank
+    assert max(t for t, _ in said) - lost_at < cut_off_after(STALE_AFTER_S), out1[-4000:]
+    workers = [line for line in out1.splitlines() if line.startswith("[rank ")]
+    assert not [line for line in workers if "Traceback" in line or "frame #" in line], out1[-4000:]
     assert cluster.leftovers() == []
 
 

@@ -27,7 +27,7 @@ from tandem.launch.flags import (
     threads_per_worker,
 )
 from tandem.launch.logs import WorkerLogs
-from tandem.launch.output import RankOutput, rank_prefix, split_lines
+from tandem.launch.output import RankOutput, rank_prefix, split_lines, without_backtraces
 from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.summary import Failure, format_summary, in_order_of_failure, traceback_tail
 
@@ -202,6 +202,21 @@ def test_rank_prefix_and_lines():
     assert rank_prefix(3, 4) == "[rank 3] " and rank_prefix(3, 16) == "[rank  3] "
     assert split_lines(b"ab", b"c\nde\n\nf") == ([b"abc", b"de", b""], b"f")
     assert split_lines(b"", b"no newline") == ([], b"no newline")
+
+
+def test_the_console_leaves_cpp_backtraces_to_the_log():
+    """Note [C++ backtraces] in tandem/launch/output.py: a warning's first line stays,
+    its backtrace (and the empty line closing it) goes, also across two reads."""
+    warning = [b"[rank2]:[W1129 01:02:01.5 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=11): Broken pipe",
+               b"Exception raised from sendBytes at torch/csrc/distributed/c10d/Utils.hpp:758 (most recent call first):",
+               b"frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f in libc10.so)",
+               b"<omitting python frames>"]
+    rest = [b"frame #23: _start + 0x21 (0x55 in python)", b"", b"tandem: rank 2 is cut off", b"", b"frame #1 is text"]
+    kept, inside = without_backtraces(warning, False)
+    assert kept == warning[:1] and inside
+    assert without_backtraces(rest, inside) == ([b"tandem: rank 2 is cut off", b"", b"frame #1 is text"], False)
+    plain = [b"step 1", b"", b"frame #0: not after an 'Exception raised from' line"]
+    assert without_backtraces(plain, False) == (plain, False)
 
 
 def _attempt_logs(tmp_path, world_size=2, restart=0):
