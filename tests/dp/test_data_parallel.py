@@ -184,7 +184,7 @@ def test_training_through_the_original_parameters() -> None:
     plain = nn.Sequential(nn.Linear(IN, HID), nn.Tanh(), nn.Linear(HID, OUT))
     dp = tandem.DataParallel(copy.deepcopy(plain), CPU3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, dp)]
-    for step in range(3):
+    for _step in range(3):
         x, y = torch.randn(7, IN), torch.randn(7, OUT)
         for model, opt in zip((plain, dp), opts):
             opt.zero_grad()
@@ -221,7 +221,10 @@ def test_no_grad_and_autocast_reach_the_replica_threads() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref, out = plain(x), dp(x)
     assert out.dtype == ref.dtype == torch.bfloat16
-    assert torch.equal(out, ref)
+    # The replicas multiply chunks of 3, 3 and 1 rows, plain(x) all 7: other matrix products, whose
+    # fp32 sums may round to a neighbouring bf16 value. Two bf16 steps of the largest output
+    # (a step is at most 2^-7 of a value) bound that, and the hidden layer's step it carries.
+    assert (out.float() - ref.float()).abs().max() <= 2 * 2.0 ** -7 * ref.float().abs().max()
 
 
 def test_a_failing_replica_names_its_device() -> None:
