@@ -18,7 +18,7 @@ world size; one process skips fully_shard). Each block checkpoints its activatio
 runs the loop: AdamW with warm-up and cosine decay, gradient clipping,
 validation loss after every epoch, and forward and loss under bf16 autocast on a
 GPU (``--precision bf16`` asks for it on a CPU too; on a CPU without AVX512-BF16
-or AMX its matrix products run about 6x slower than fp32's, so ``auto`` picks
+or AMX its matrix products run several times slower than fp32's, so ``auto`` picks
 fp32 there).
 
 Loss is cross-entropy per character in nats. The run prints the unigram

@@ -37,6 +37,12 @@ TWO_EPOCHS = SMALL + ["--precision", "bf16", "--batch-size", "16", "--epochs", "
 SHORT_FP32 = SMALL + ["--precision", "fp32", "--max-steps", "20", "--log-every", "1"]
 RULE = "-" * 60  # around the printed sample
 DOCS = Path(__file__).parents[2] / "docs" / "getting-started" / "digits.md"  # the GPT job's page too
+# The shortened form's loss, against its page's: a CPU's kernels (torch's per instruction set,
+# MKL's and oneDNN's) and the threads per worker add its sums in other orders and move the
+# fourth to sixth decimal; another seed moves the second. The page states this tolerance and
+# the spread it covers, as scripts/regenerate_docs.py measured it (a spread over a fifth of
+# the tolerance stops that script).
+LOSS_TOLERANCE = 0.002
 
 
 def _printed(stdout: str, pattern: str) -> str:
@@ -157,9 +163,12 @@ def test_the_gpt_job_ends_at_the_loss_its_page_states(results):
     assert pairs(command.split()) == pairs(TWO_EPOCHS), command
     stated_loss, stated_baseline = re.findall(
         r"ends at validation loss \*\*([\d.]+)\*\* nats per character \(unigram baseline ([\d.]+)\)", page)[0]
+    assert f"within **{LOSS_TOLERANCE}**" in page, "the page states another tolerance than the test's"
     _, runs = results
-    assert f"validation loss {stated_loss} nats/char (unigram baseline {stated_baseline}," in runs["whole"], \
-        (stated_loss, stated_baseline, runs["whole"][-2000:])
+    loss = float(_printed(runs["whole"], r"validation loss ([\d.]+) nats/char"))
+    assert abs(loss - float(stated_loss)) <= LOSS_TOLERANCE, (loss, stated_loss)
+    # The baseline counts characters (in float64): the same on every CPU.
+    assert f"(unigram baseline {stated_baseline}," in runs["whole"], (stated_baseline, runs["whole"][-2000:])
 
 
 def test_the_gpt_job_resumed_mid_epoch_continues_the_same_loss_curve(results):
