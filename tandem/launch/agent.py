@@ -13,7 +13,9 @@ meet. tandem builds them from a :class:`~tandem.launch.config.LaunchConfig`, as
   whose message says what to change;
 - with a hang timeout, a :class:`~tandem.launch.watchdog.Watchdog` looks at the
   workers' progress each time the agent checks on them, and a hang counts as a
-  failure of the group (so ``max_restarts`` restarts it).
+  failure of the group (so ``max_restarts`` restarts it);
+- at the end, a node waits only for the nodes still there, not for one lost
+  after its workers finished (:class:`~tandem.launch.node_roll.NodeRoll`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -40,6 +44,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from tandem._compat import matches_machine_hostname
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.launch.config import LaunchConfig
 from tandem.launch.elastic_agent import JOIN_ENV, ElasticAgent
@@ -48,6 +53,7 @@ from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of
 from tandem.launch.node_roll import JoinRunningJob, NodeRoll
 from tandem.launch.rendezvous import FreshWorkerStore
+from tandem.launch.secret_check import SecretCheck
 from tandem.launch.signed_rendezvous import rendezvous_handler
 from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
@@ -71,25 +77,48 @@ class LaunchError(RuntimeError):
 
 
 
-class _WatchedAgent(LocalElasticAgent):
-    """torch's local agent, whose health check also asks the watchdog.
+class _NodeAgent(LocalElasticAgent):
+    """torch's local agent for a job that is not elastic, with two changes:
 
-    ``_monitor_workers`` is the agent's own extension point (LocalElasticAgent
-    overrides SimpleElasticAgent's); a hang is reported as the group FAILED, and
-    the agent then restarts or stops the workers as for any failure.
+    - with a ``watchdog``, its health check also asks it: a hang is reported as
+      the group FAILED, and the agent then restarts or stops the workers as for
+      any failure (``_monitor_workers`` is the agent's own extension point;
+      LocalElasticAgent overrides SimpleElasticAgent's);
+    - in a job of several nodes (a ``roll``), its exit barrier waits only for
+      the nodes still there (Note [nodes of an elastic job] in node_roll.py),
+      where torch's would wait the whole ``exit_barrier_timeout`` (300 s) for a
+      node lost after its workers finished training, and only if this node
+      hosts a store the others use.
     """
 
-    def __init__(self, spec: WorkerSpec, logs: WorkerLogs, watchdog: Watchdog,
-                 on_hang: Callable[[str], None], **kwargs: Any) -> None:
+    def __init__(self, spec: WorkerSpec, logs: WorkerLogs, *, watchdog: Watchdog | None = None,
+                 on_hang: Callable[[str], None] | None = None, roll: NodeRoll | None = None,
+                 hosts_endpoint: bool = False, **kwargs: Any) -> None:
         super().__init__(spec, logs, **kwargs)
         self._tandem_logs = logs
         self._watchdog = watchdog
-        self._on_hang = on_hang
+        self._on_hang = on_hang or (lambda _: None)
+        self._roll = roll
+        self._hosts_endpoint = hosts_endpoint
+        self._on_roll = False
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        if self._roll is not None and not self._on_roll:
+            self._roll.start()
+            self._on_roll = True
+
+    def _exit_barrier(self) -> None:
+        if self._roll is None or not self._on_roll:
+            super()._exit_barrier()
+            return
+        self._roll.exit_barrier(self._worker_group.spec.rdzv_handler, self._exit_barrier_timeout,
+                                hosts_endpoint=self._hosts_endpoint)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         attempts = self._tandem_logs.attempts
-        if result.state != WorkerState.HEALTHY or not attempts:
+        if self._watchdog is None or result.state != WorkerState.HEALTHY or not attempts:
             return result
         attempt = attempts[-1]
         stalled = self._watchdog.stalled_for(attempt)
@@ -149,6 +178,7 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
     hosts_endpoint = str(options.get("is_host", "")).lower() in ("1", "true", "yes", "y")
     running = roll.running_job() if roll is not None and not hosts_endpoint else None
     handler: RendezvousHandler
+    secret_check: SecretCheck | None = None
     if running is not None:  # Note [nodes of an elastic job] in node_roll.py
         if on_event is not None:
             on_event(f"elastic: a job {config.rdzv_id!r} is running (its workers' store at "
@@ -156,9 +186,13 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         handler = JoinRunningJob(*running, config.rdzv_id)
         logs.add_worker_env({JOIN_ENV: "1"})
     else:
-        with _rendezvous_errors(config):
-            many_nodes = config.max_nodes > 1
-            secret = logs.job_secret()
+        many_nodes = config.max_nodes > 1
+        secret = logs.job_secret()
+        if many_nodes:  # Note [another secret at the rendezvous] in secret_check.py
+            secret_check = SecretCheck(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret,
+                                       nodes=config.max_nodes,
+                                       on_other=on_event or (lambda line: logger.warning("%s", line)))
+        with _rendezvous_errors(config, secret_check):
             handler = FreshWorkerStore(rendezvous_handler(params, secret=secret, many_nodes=many_nodes),
                                        timeout=timeout, poll_waiting=many_nodes, many_nodes=many_nodes,
                                        secret=secret)
@@ -176,16 +210,20 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
             watchdog=(Watchdog(config.hang_timeout_s, secret=logs.job_secret())
                       if config.hang_timeout_s is not None else None),
             start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
-    elif config.hang_timeout_s is not None:
-        agent = _WatchedAgent(
-            spec, logs, Watchdog(config.hang_timeout_s, secret=logs.job_secret()), on_hang or (lambda _: None),
-            start_method=config.start_method, exit_barrier_timeout=config.exit_barrier_timeout_s)
     else:
-        agent = LocalElasticAgent(spec, logs, start_method=config.start_method,
-                                  exit_barrier_timeout=config.exit_barrier_timeout_s)
+        agent = _NodeAgent(
+            spec, logs, on_hang=on_hang, start_method=config.start_method,
+            exit_barrier_timeout=config.exit_barrier_timeout_s,
+            watchdog=(Watchdog(config.hang_timeout_s, secret=logs.job_secret())
+                      if config.hang_timeout_s is not None else None),
+            roll=(NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret())
+                  if config.max_nodes > 1 and isinstance(handler, FreshWorkerStore) else None),
+            hosts_endpoint=_may_host_endpoint(config, options))
     close_rendezvous = True
+    if secret_check is not None:
+        secret_check.start()
     try:
-        with _restored_signal_handlers(), _rendezvous_errors(config):
+        with _restored_signal_handlers(), _rendezvous_errors(config, secret_check):
             result = agent.run()
         # Workers cut off from the job's store (Note [cut off] in tandem/comm/cut_off.py):
         # the rendezvous store is likely out of reach too, and the job goes on elsewhere.
@@ -198,6 +236,8 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         close_rendezvous = False
         raise
     finally:
+        if secret_check is not None:
+            secret_check.stop()
         if roll is not None:
             roll.leave()
         if close_rendezvous:
@@ -215,6 +255,20 @@ def _node_id(config: LaunchConfig) -> str:
     return f"{config.local_addr or socket.gethostname()}-{os.getpid()}"
 
 
+def _may_host_endpoint(config: LaunchConfig, options: dict[str, Any]) -> bool:
+    """This node may host the rendezvous store: node 0 of the static rendezvous;
+    with c10d, the node told so, or any node whose name or address the endpoint
+    matches by torch's rule (on one machine, every node: one of them hosts it,
+    and each waits at the end as torch's barrier would)."""
+    if config.rdzv_backend == "static":
+        return config.node_rank == 0
+    said = str(options.get("is_host", "")).lower()
+    if said:
+        return said in ("1", "true", "yes", "y")
+    host, _ = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
+    return matches_machine_hostname(host) or _holds_endpoint(config)
+
+
 def _holds_endpoint(config: LaunchConfig) -> bool:
     """This node holds the c10d endpoint's address (so it hosts the store)."""
     host, _ = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
@@ -224,25 +278,34 @@ def _holds_endpoint(config: LaunchConfig) -> bool:
 
 
 @contextlib.contextmanager
-def _rendezvous_errors(config: LaunchConfig) -> Iterator[None]:
-    """Turn the rendezvous' failures into a :class:`LaunchError` that says what to do."""
+def _rendezvous_errors(config: LaunchConfig, secret_check: SecretCheck | None = None) -> Iterator[None]:
+    """Turn the rendezvous' failures into a :class:`LaunchError` that says what to
+    do; a node seen with another job secret is named first (Note [another
+    secret at the rendezvous] in secret_check.py)."""
     where = f"{config.rdzv_backend} rendezvous at {config.rdzv_endpoint}"
     nodes = (f"{config.max_nodes} node(s)" if config.min_nodes == config.max_nodes
              else f"{config.min_nodes} node(s)")
-    timed_out = LaunchError(
-        f"the {where} did not complete within {config.rdzv_timeout_s:g} s: fewer than {nodes} "
-        "joined. Start every node with the same --nnodes and rendezvous flags, check that this "
-        "node can reach the address, or raise --rdzv-timeout")
+
+    def secret_first() -> str:
+        other = secret_check.other if secret_check is not None else None
+        return f"{other}. Then: " if other else ""
+
+    def timed_out() -> LaunchError:
+        return LaunchError(
+            f"{secret_first()}the {where} did not complete within {config.rdzv_timeout_s:g} s: fewer than "
+            f"{nodes} joined. Start every node with the same --nnodes, rendezvous flags and job secret, "
+            "check that this node can reach the address, or raise --rdzv-timeout")
+
     try:
         yield
     except RendezvousTimeoutError as e:
-        raise timed_out from e
+        raise timed_out() from e
     except RendezvousClosedError as e:
-        raise LaunchError(f"the {where} was closed by another node: the job has ended or was "
-                          "stopped; start a new one with a new --rdzv-id") from e
+        raise LaunchError(f"{secret_first()}the {where} was closed by another node: the job has ended or "
+                          "was stopped; start a new one with a new --rdzv-id") from e
     except RendezvousError as e:
-        raise LaunchError(f"the {where} failed: {_cause(e)}. Check the address and that the "
-                          "node hosting it is running") from e
+        raise LaunchError(f"{secret_first()}the {where} failed: {_cause(e)}. Check the address and that "
+                          "the node hosting it is running") from e
     except RuntimeError as e:
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
@@ -251,7 +314,11 @@ def _rendezvous_errors(config: LaunchConfig) -> Iterator[None]:
                 "machine, so the rendezvous store cannot listen on it. Pass another "
                 "--master-port, or leave it out on a single node to get a free one") from e
         if "timed out" in text.lower() or "timeout" in text.lower():
-            raise timed_out from e
+            raise timed_out() from e
+        if isinstance(e, dist.DistNetworkError):
+            raise LaunchError(f"{secret_first()}the {where} lost its connection to the rendezvous store "
+                              f"({_cause(e)}): the node hosting it has stopped or cannot be reached. "
+                              "Check that node's output, and start the job again") from e
         raise
 
 

@@ -248,12 +248,8 @@ class ElasticAgent(LocalElasticAgent):
         if self._roll is None:
             super()._exit_barrier()
             return
-        hosted = getattr(self._worker_group.spec.rdzv_handler, "hosted", None) is not None
-        running = self._roll.finish(self._exit_barrier_timeout, hosted_workers=hosted,
-                                    hosts_endpoint=self._hosts_endpoint)
-        if running:
-            logger.warning("nodes %s still ran after %.0f s; not waiting longer", running,
-                           self._exit_barrier_timeout)
+        self._roll.exit_barrier(self._worker_group.spec.rdzv_handler, self._exit_barrier_timeout,
+                                hosts_endpoint=self._hosts_endpoint)
 
     def _replace(self, local: int, worker_group: WorkerGroup) -> None:
         """Start a replacement in the place of local rank ``local`` (Note [elastic launch])."""

@@ -193,6 +193,15 @@ class NodeRoll:
                 return running
             time.sleep(BEAT_S / 2)
 
+    def exit_barrier(self, handler: RendezvousHandler, timeout_s: float, *, hosts_endpoint: bool) -> None:
+        """An agent's exit barrier: :meth:`finish`, hosting the workers' store
+        where ``handler`` (a :class:`~tandem.launch.rendezvous.FreshWorkerStore`)
+        says so; a warning names the nodes still running at the timeout."""
+        hosted = getattr(handler, "hosted", None) is not None
+        running = self.finish(timeout_s, hosted_workers=hosted, hosts_endpoint=hosts_endpoint)
+        if running:
+            logger.warning("nodes %s still ran after %.0f s; not waiting longer", running, timeout_s)
+
     def _running_nodes(self, store: dist.Store) -> list[str]:
         count = store.add(self._key("nodes"), 0)
         ids = [store.get(self._key("node", str(k))).decode() for k in range(1, count + 1)]

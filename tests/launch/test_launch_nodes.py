@@ -26,15 +26,18 @@ WORLD = """
 """
 
 
+def _node_flags(form: str, port: int, run_id: str) -> list[list[str]]:
+    """Each of two nodes' rendezvous flags: with node ranks (static) or an endpoint (c10d)."""
+    if form == "node-rank":
+        return [["--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(port)] for n in (0, 1)]
+    return [["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]] * 2
+
+
 @pytest.mark.parametrize("form", ["node-rank", "endpoint"])
 def test_two_nodes_form_one_world(tmp_path, form):
     path = script(tmp_path, "world.py", WORLD)
     port = free_port()
-    if form == "node-rank":
-        nodes = [["--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-                 for n in (0, 1)]
-    else:
-        nodes = [["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]] * 2
+    nodes = _node_flags(form, port, "two-nodes")
     env = clean_env(TANDEM_JOB_SECRET=new_secret())  # the one secret both nodes of a job share
     jobs = [Job(TANDEM + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-timeout", "60"]
                 + flags + [str(path)], cwd=tmp_path, env=env) for flags in nodes]
@@ -79,3 +82,55 @@ def test_a_rendezvous_host_named_into_loopback_is_refused_at_once_naming_local_a
                 str(path)], cwd=tmp_path, timeout=60, env=clean_env(TANDEM_JOB_SECRET=new_secret()))
     assert r.returncode == 2, r
     assert "--local-addr" in r.stderr and f"{name!r}" in r.stderr and "WORLD" not in r.stdout, r
+
+
+# Node 1's worker, its training done, kills its own launcher before that reaches
+# the end: node 1 is lost just after training ended, never to say it finished.
+LOST_AT_THE_END = """
+    import os, signal, torch, torch.distributed as dist, tandem
+
+    world = tandem.init()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"TRAINED rank={world.rank} sum={t.item():g}", flush=True)
+    tandem.shutdown()
+    if os.environ["GROUP_RANK"] == "1":
+        os.kill(os.getppid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("form", ["node-rank", "endpoint"])
+def test_a_node_lost_just_after_training_is_not_waited_for(tmp_path, form):
+    """torch's exit barrier would keep node 0 (the stores' host) 300 s for a
+    node that never arrives; node 0 waits only while node 1's launcher still
+    beats (Note [nodes of an elastic job] in tandem/launch/node_roll.py: a
+    launcher silent for STALE_S is gone)."""
+    path = script(tmp_path, "lost.py", LOST_AT_THE_END)
+    port = free_port()
+    nodes = _node_flags(form, port, "lost-at-end")
+    env = clean_env(TANDEM_JOB_SECRET=new_secret())
+    jobs = [Job(TANDEM + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-timeout", "60"]
+                + flags + [str(path)], cwd=tmp_path, env=env) for flags in nodes]
+    runs = [job.finish(90) for job in jobs]
+    assert "TRAINED" in runs[0].stdout + runs[1].stdout and "sum=2" in runs[0].stdout + runs[1].stdout, runs
+    assert runs[1].returncode == -9, runs[1]
+    assert runs[0].returncode == 0, runs[0]
+    assert runs[0].seconds < 60, runs[0]   # torch's barrier: 300 s more
+
+
+@pytest.mark.parametrize("form", ["node-rank", "endpoint"])
+def test_nodes_with_different_secrets_are_told_so(tmp_path, form):
+    """Note [another secret at the rendezvous] in tandem/launch/secret_check.py:
+    each node names the other's secret at once, while it waits, and in its
+    error when the rendezvous gives up; nothing trains."""
+    path = script(tmp_path, "world.py", WORLD)
+    port = free_port()
+    nodes = _node_flags(form, port, "two-secrets")
+    jobs = [Job(TANDEM + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-timeout", "8"] + flags + [str(path)],
+                cwd=tmp_path, env=clean_env(TANDEM_JOB_SECRET=new_secret())) for flags in nodes]
+    runs = [job.finish(90) for job in jobs]
+    for r in runs:
+        assert r.returncode == 1 and "WORLD" not in r.stdout, r
+        assert r.stderr.count("came to the rendezvous at 127.0.0.1") >= 1, r
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("tandem run: error: the node at 127.0.0.1-") and "another job secret" in last, r
