@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
+from tandem.comm.elastic_group import JOIN_ENV
 
 NUM_CLASSES = 10
 
@@ -121,9 +123,11 @@ def build_trainer(args: argparse.Namespace, world: tandem.WorldInfo, *, progress
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = tandem.init()
-    if args.fresh and world.rank == 0:
+    # A replacement under --elastic joins a running job, whose checkpoints these are.
+    fresh = args.fresh and os.environ.get(JOIN_ENV) != "1"
+    if fresh and world.rank == 0:
         shutil.rmtree(args.output_dir, ignore_errors=True)
-    if args.fresh and world.world_size > 1:
+    if fresh and world.world_size > 1:
         dist.barrier()
 
     trainer, test_set = build_trainer(args, world, progress=not args.no_progress)

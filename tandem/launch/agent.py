@@ -47,7 +47,8 @@ from torch.distributed.elastic.rendezvous import (
 from tandem._compat import matches_machine_hostname
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.launch.config import LaunchConfig
-from tandem.launch.elastic_agent import JOIN_ENV, ElasticAgent
+from tandem.comm.elastic_group import JOIN_ENV
+from tandem.launch.elastic_agent import ElasticAgent
 from tandem.launch.flags import split_endpoint
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of

@@ -82,7 +82,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
-from tandem.comm.elastic_group import NOTHING_TO_JOIN_EXITCODE
+from tandem.comm.elastic_group import JOIN_ENV, NOTHING_TO_JOIN_EXITCODE
 from tandem.comm.process_id import exit_words
 from tandem.launch.exit_notices import ExitNotices
 from tandem.launch.hang import stuck_ranks
@@ -93,8 +93,6 @@ from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 __all__ = ["ElasticAgent"]
 
 logger = logging.getLogger(__name__)
-
-JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 
 
 class ElasticAgent(LocalElasticAgent):
