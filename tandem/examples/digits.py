@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import tandem
-from tandem.comm.elastic_group import JOIN_ENV
+from tandem.examples._start_over import start_over
 
 NUM_CLASSES = 10
 
@@ -123,12 +120,8 @@ def build_trainer(args: argparse.Namespace, world: tandem.WorldInfo, *, progress
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = tandem.init()
-    # A replacement under --elastic joins a running job, whose checkpoints these are.
-    fresh = args.fresh and os.environ.get(JOIN_ENV) != "1"
-    if fresh and world.rank == 0:
-        shutil.rmtree(args.output_dir, ignore_errors=True)
-    if fresh and world.world_size > 1:
-        dist.barrier()
+    if args.fresh:
+        start_over(args.output_dir, world)
 
     trainer, test_set = build_trainer(args, world, progress=not args.no_progress)
     result = trainer.fit()

@@ -43,17 +43,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import tandem
+from tandem.examples._start_over import start_over
 from tandem.examples.gpt_model import GPT, GPTConfig, generate
 
 
@@ -216,10 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
     world = tandem.init()
-    if args.fresh and world.rank == 0:
-        shutil.rmtree(args.output_dir, ignore_errors=True)
-    if args.fresh and world.world_size > 1:
-        dist.barrier()
+    if args.fresh:
+        start_over(args.output_dir, world)
 
     codec, train_ids, val_ids = split_text(load_text(args.max_chars))
     baseline = unigram_loss(train_ids, val_ids, codec.vocab_size)
