@@ -77,7 +77,11 @@ past its copies of the last step, or a peer's death is seen here, the world
 changes, and when it goes back the loader's iteration goes on with the
 step's samples (``DistributedLoader.go_back``). Every rank reaches the end
 of an epoch with the others (they get as many batches), so it costs one
-barrier per epoch.
+barrier per epoch. A change of world in between clears it: the regroup sends
+the new world's copies from every rank of it, so nothing is left to confirm,
+and a replacement admitted as the loaders are asked for a batch past the
+epoch's last (its loop starts at the next epoch's first step) would never
+enter the old world's barrier.
 
 Under ``no_sync`` micro-batches nothing is reduced, so nothing fails; the step's
 decision covers them all, and a dropped step gives all of its micro-batches
@@ -359,6 +363,7 @@ class ElasticLoop:
         own = self.world.own_shard()  # None without buddy copies, and on a replacement
         rank = dist.get_rank()
         self.failure = None
+        self._confirm_at = []  # Note [an epoch's last step]: the new world's copies are sent below
         self.optimizer.zero_grad(set_to_none=True)
         self._agree()  # a replacement's prepare agrees, one whose join was cut short too
         model: Any = self.model

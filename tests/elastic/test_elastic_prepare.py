@@ -185,6 +185,10 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     **{f"shrink-{s}": ({1: 2}, {"strategy": s}) for s in ("zero2", "fsdp")},
     "fails-in-forward-fsdp": ({1: 1}, {"before_forward": True, "strategy": "fsdp"}),
     **{f"replacement-{s}": ({1: 2}, {**JOIN, "epochs": 2, "strategy": s}) for s in ("zero2", "fsdp")},
+    # Admitted through the first epoch's last step: after rank 1's death in step 2, the
+    # 36 samples left take steps 2 to 10 at world 2 (4 a step).
+    **{f"replacement-at-epoch-end-{s}": ({1: 2}, {**JOIN, "join_at": 10, "epochs": 2, "strategy": s})
+       for s in ("zero2", "fsdp")},
     # Rank 1 dies as it would send its copy of step 3 (mid-epoch) or of step 8 (an
     # epoch's last: 48 samples, 6 a step): the survivors go back a step.
     "step-back-zero2": ({1: 3}, {"in_refresh": True, "strategy": "zero2"}),
@@ -330,9 +334,10 @@ def test_own_fully_sharded_loop_goes_on_past_a_gather_that_fails_in_forward(scen
     assert _used_samples(tmp_path, {"1": 1}) == list(range(N))
 
 
-@SHARDED
-def test_own_sharded_loop_admits_a_replacement_with_its_shard(scenarios: dict, strategy: str) -> None:
-    tmp_path, live = _launched(scenarios, f"replacement-{strategy}")
+def _admitted_with_its_shard(scenarios: dict, name: str) -> list[int]:
+    """A sharded scenario that loses rank 1 and admits j1: the three end equal, at the
+    reference of the first epoch's schedule, every sample once an epoch; the schedule."""
+    tmp_path, live = _launched(scenarios, name)
     assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
     _check_equal_replicas(live)
     changes = live[0]["changes"]
@@ -342,6 +347,23 @@ def test_own_sharded_loop_admits_a_replacement_with_its_shard(scenarios: dict, s
     assert [r["scheduler_steps"] for r in live] == [len(schedule) + N // 6] * 3  # the StepLR's rate reached j1
     _check_reference([{"params": r["after_epoch"][0]} for r in live], schedule, zero=True)
     assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)
+    return schedule
+
+
+@SHARDED
+def test_own_sharded_loop_admits_a_replacement_with_its_shard(scenarios: dict, strategy: str) -> None:
+    _admitted_with_its_shard(scenarios, f"replacement-{strategy}")
+
+
+@SHARDED
+def test_own_sharded_loop_admits_a_replacement_at_an_epochs_end(scenarios: dict, strategy: str) -> None:
+    # The step that admits j1 is the first epoch's last: the members' loaders admit it as
+    # they are asked for a batch past the end, then end the epoch. Their barrier before an
+    # epoch ends (Note [an epoch's last step]) confirmed the old world's copies of that
+    # step; run in the new world, it waited for j1, which was in the next epoch's first
+    # step: every rank waited for good. The regroup sends the new world's copies itself.
+    schedule = _admitted_with_its_shard(scenarios, f"replacement-at-epoch-end-{strategy}")
+    assert schedule == [3, 3] + [2] * 9   # j1 came after all of the first epoch; the second at world 3
 
 
 def test_own_sharded_loop_goes_one_step_back_when_a_copy_was_lost(scenarios: dict) -> None:
