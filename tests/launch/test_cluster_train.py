@@ -146,7 +146,7 @@ def test_the_many_nodes_commands_train_as_written_where_the_host_name_is_loopbac
             assert "test accuracy" in "".join(outs), (form, outs[0][-3000:])
             losses.append(_losses(metrics))
     static, c10d = losses
-    assert len(static) >= 20 and any(kind == "eval" for kind, _, _ in static), static
+    assert len(static) >= 10 and any(kind == "eval" for kind, _, _ in static), static
     assert [(k, s) for k, s, _ in static] == [(k, s) for k, s, _ in c10d]
     # The same ranks on the same data; gloo's sums in the same order: equal, to float32 rounding at most.
     assert max(abs(a - b) for (_, _, a), (_, _, b) in zip(static, c10d)) < 1e-5, (static, c10d)
