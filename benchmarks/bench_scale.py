@@ -36,7 +36,7 @@ and the other runs and worlds go on. Every world prints its two scripts' own
 tables (compute, all-reduce, overlap and bytes held, as bench_ddp.py and
 bench_fsdp.py print them) and its elapsed time as soon as it is done, so that a
 run cut short keeps what it measured; at the end one Markdown table, with the
-command line and the versions, to paste into BENCHMARKS.md:
+command line and the versions, to paste into docs/benchmarks/gpu.md ("Scaling on CPU"):
 
     world | DDP tandem ms | DDP torch ms | ratio [q1-q3] | fsdp tandem ms | FSDP2 ms | ratio [q1-q3]
 

@@ -1,5 +1,5 @@
 """Variants of local steps and of the int8 hook against DDP, by validation loss:
-what was tried for DiLoCo's loss in BENCHMARKS.md ("Over slow links").
+what was tried for DiLoCo's loss in docs/benchmarks/slow-links.md ("Over slow links").
 
 Run book::
 
