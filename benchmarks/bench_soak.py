@@ -13,7 +13,8 @@ float64, SGD with momentum, 16 samples per worker per step, a checkpoint every
 (uniform in [0.5 T, 1.5 T]; rank 0 and replacements too), and a replacement
 started for each. Per run it prints the failures, step efficiency (steps
 committed / attempted), training efficiency (time in committed steps / wall
-time), the median time from a kill to the members seeing it, the median time
+time), sample efficiency (samples in committed steps / what the full world
+trains in that wall time at its undisturbed pace), the median time from a kill to the members seeing it, the median time
 an admission stopped the members against the median step, and whether every
 check passed (parameters equal to one process on the committed batches,
 every sample once per epoch, the last checkpoint loadable, no process left).
@@ -41,9 +42,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true",
                         help="keep every run's events and logs (a failed run's are always kept)")
     args = parser.parse_args()
-    print("| T (s) | strategy | failures | steps | step eff. | training eff. | seen after (median) "
+    print("| T (s) | strategy | failures | steps | step eff. | training eff. | sample eff. | seen after (median) "
           "| admission (median; of it, the group) | step (median) | checks |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for every in args.every:
         for strategy in args.strategies:
             tmp = Path(tempfile.mkdtemp(prefix=f"tandem-soak-{strategy}-{every:g}s-"))
@@ -58,7 +59,7 @@ def main() -> None:
                      f"{statistics.median(r.admit_connect_s) * 1000:.0f} ms" if r.admit_s else "-")
             checks = "all passed" if not r.problems else "; ".join(r.problems)
             print(f"| {every:g} | {strategy} | {len(r.kills)} | {r.steps} | {r.step_efficiency:.1%} | "
-                  f"{r.training_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",
+                  f"{r.training_efficiency:.1%} | {r.sample_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",
                   flush=True)
             if r.problems:
                 print(f"<!-- run took {took:.0f} s; its events and logs are in {tmp}; launcher output tail:\n"

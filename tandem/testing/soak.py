@@ -19,6 +19,10 @@ What is measured, from the job's events (its docstring):
   came between them (so data loading and saves count as training), else from
   its own first forward; the rest of the wall time, from the first forward to
   the last commit, was lost to failures;
+- sample efficiency: samples in committed steps / the samples the full world
+  would have trained in the same wall time at its undisturbed pace (the median
+  time between commits at full size): a step at world 3 of 4 trains 3/4 of a
+  full step's samples, which time alone does not count;
 - how long after a kill the members saw it (the world change's ``seen_at``),
   and how long admitting a replacement stopped them.
 
@@ -107,6 +111,12 @@ class SoakResult:
     """The part of each admission spent agreeing on the generation and building its group."""
     step_s: float = 0.0
     """The median time between commits in the same world."""
+    full_step_s: float = 0.0
+    """The median time between commits in the same world at its full size (``workers``)."""
+    samples: int = 0
+    """Samples in the committed steps."""
+    full_batch: int = 0
+    """Samples a step of the full world trains (``workers`` x ``batch``)."""
     problems: list[str] = field(default_factory=list)
     output: str = ""
 
@@ -117,6 +127,11 @@ class SoakResult:
     @property
     def training_efficiency(self) -> float:
         return self.committed_s / max(self.wall_s, 1e-9)
+
+    @property
+    def sample_efficiency(self) -> float:
+        """Samples trained / what the full world trains in the wall time undisturbed (Note [soak])."""
+        return self.samples * self.full_step_s / max(self.wall_s * self.full_batch, 1e-9)
 
 
 def run_soak(plan: SoakPlan) -> SoakResult:
@@ -316,13 +331,16 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     if sorted(commits) != list(range(result.steps)):
         problems.append(f"steps committed: {len(commits)}, not 0..{result.steps - 1}")
         return
-    intervals, committed = [], 0.0
+    worlds = {(e["gen"], e["step"]): e["world"] for e in events if e["e"] == "batch"}
+    intervals, full_intervals, committed = [], [], 0.0
     for step in range(result.steps):
         c = commits[step]
         previous = commits.get(step - 1)
         if previous is not None and previous["gen"] == c["gen"]:
             span = c["t"] - previous["t"]
             intervals.append(span)
+            if worlds.get((c["gen"], step)) == plan.workers:
+                full_intervals.append(span)
         else:
             span = c["t"] - starts.get((c["gen"], step), c["t"])
         committed += span
@@ -330,6 +348,8 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     result.wall_s = commits[result.steps - 1]["t"] - first
     result.committed_s = committed
     result.step_s = statistics.median(intervals) if intervals else 0.0
+    result.full_step_s = statistics.median(full_intervals) if full_intervals else result.step_s
+    result.full_batch = plan.workers * plan.batch
     trained = {e["pid"]: e["t"] for e in reversed(events) if e["e"] == "batch"}  # a pid's first batch
     for at, pid in result.kills:
         if trained.get(pid, at) >= at:
@@ -343,6 +363,7 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     batches = _committed_batches(events, commits, problems)
     if batches is None:
         return
+    result.samples = sum(len(idx) for _, idx in batches)
     _check_each_sample_once(batches, plan, problems)
     _check_parameters(batches, plan, problems, commits)
     _check_checkpoint(plan, result.steps, problems)
