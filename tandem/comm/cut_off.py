@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 __all__ = ["CUT_OFF_EXITCODE", "CutOffWatch", "MIN_CUT_OFF_S", "connection_closed", "cut_off_after",
-           "lost_store_message", "network_error"]
+           "lost_store_message"]
 
 CUT_OFF_EXITCODE = 75
 """A rank's exit status when it was cut off from the job's store (EX_TEMPFAIL)."""
@@ -62,7 +62,7 @@ def cut_off_after(stale_after_s: float) -> float:
     return max(2 * stale_after_s, MIN_CUT_OFF_S)
 
 
-def network_error(error: BaseException) -> BaseException | None:
+def _network_error(error: BaseException) -> BaseException | None:
     """The store's network error behind ``error`` (itself, or in its chain of
     causes); None when there is none."""
     network = getattr(dist, "DistNetworkError", None)
@@ -79,14 +79,14 @@ def connection_closed(error: BaseException) -> bool:
     or closed it: "Broken pipe", "Connection reset", "got 0 bytes"), not that
     an answer is late. A client's connection is never made again, so every
     later call on it fails the same way."""
-    seen = network_error(error)
+    seen = _network_error(error)
     return seen is not None and "timeout" not in str(seen).lower() and "timed out" not in str(seen).lower()
 
 
 def lost_store_message(rank: int, where: str, error: BaseException) -> str | None:
     """The line to print when ``error`` (uncaught) says the job's store at
     ``where`` is out of reach; None when it says something else."""
-    seen = network_error(error)
+    seen = _network_error(error)
     if seen is None:
         return None
     first = str(seen).strip().splitlines()[0] if str(seen).strip() else type(seen).__name__

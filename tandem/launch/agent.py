@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
-
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -46,8 +45,8 @@ from torch.distributed.elastic.rendezvous import (
 
 from tandem._compat import matches_machine_hostname
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
-from tandem.launch.config import LaunchConfig
 from tandem.comm.elastic_group import JOIN_ENV
+from tandem.launch.config import LaunchConfig
 from tandem.launch.elastic_agent import ElasticAgent
 from tandem.launch.flags import split_endpoint
 from tandem.launch.logs import WorkerLogs

@@ -100,13 +100,16 @@ class SecretCheck:
 
     def _run(self) -> None:
         store: dist.Store | None = None
+        marked = False  # once: a second mark of this node would count as a second node like it
         while not self._stop.is_set():
             try:
                 if store is None:
                     host, port = split_endpoint(self.endpoint, "--rdzv-endpoint")
                     store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=_CONNECT_S))
+                if not marked:
                     number = store.add(f"{self.prefix}/count", 1)
                     store.set(f"{self.prefix}/{number}", f"{self.mark} {self.node}")
+                    marked = True
                 if self.read(store):
                     return
             except Exception as e:  # noqa: BLE001 - not up yet, or gone: the rendezvous says so itself
