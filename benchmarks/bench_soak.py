@@ -18,6 +18,10 @@ trains in that wall time at its undisturbed pace), the median time from a kill t
 an admission stopped the members against the median step, and whether every
 check passed (parameters equal to one process on the committed batches,
 every sample once per epoch, the last checkpoint loadable, no process left).
+After each run, a line splits what the sample efficiency misses into its parts
+(``SoakResult.lost_s``: seconds of full-world training per failure, and their
+share of the wall time) and gives a replacement's median start (birth to its
+Trainer built) and wait (to its first batch).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["ddp", "zero2", "fsdp"])
     parser.add_argument("--hidden", type=int, default=512, help="the MLP's width")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-spare", action="store_true",
+                        help="each replacement a new process started when a worker dies (--no-spare)")
     parser.add_argument("--keep", action="store_true",
                         help="keep every run's events and logs (a failed run's are always kept)")
     args = parser.parse_args()
@@ -50,7 +56,7 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f"tandem-soak-{strategy}-{every:g}s-"))
             started = time.monotonic()
             r = run_soak(SoakPlan(directory=tmp, strategy=strategy, every_s=every, failures=args.failures,
-                                  seed=args.seed, hidden=args.hidden, timeout_s=every * args.failures * 3 + 300))
+                                  seed=args.seed, hidden=args.hidden, spare=not args.no_spare, timeout_s=every * args.failures * 3 + 300))
             took = time.monotonic() - started
             if not r.problems and not args.keep:  # a failed run's events and logs stay, to be looked at
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -61,6 +67,13 @@ def main() -> None:
             print(f"| {every:g} | {strategy} | {len(r.kills)} | {r.steps} | {r.step_efficiency:.1%} | "
                   f"{r.training_efficiency:.1%} | {r.sample_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",
                   flush=True)
+            if r.lost_s:
+                failures = max(len(r.kills), 1)
+                parts = ", ".join(f"{part} {lost / failures:.2f} s ({lost / max(r.wall_s, 1e-9):.1%})"
+                                  for part, lost in r.lost_s.items())
+                start = (f"; a replacement's start {statistics.median(r.start_s):.2f} s, its wait to be admitted "
+                         f"{statistics.median(r.join_s):.2f} s (medians)" if r.start_s and r.join_s else "")
+                print(f"<!-- lost per failure: {parts}{start} -->", flush=True)
             if r.problems:
                 print(f"<!-- run took {took:.0f} s; its events and logs are in {tmp}; launcher output tail:\n"
                       f"{r.output[-3000:]}\n-->", flush=True)

@@ -16,6 +16,8 @@ start raises :class:`LaunchError`, and a spawned process that fails
 # - :mod:`~tandem.launch.logs` and :mod:`~tandem.launch.output`: the workers' log
 #   files, and their lines on the console with rank prefixes.
 # - :mod:`~tandem.launch.summary`: the short report when a worker fails.
+# - :mod:`~tandem.launch.elastic_agent` and :mod:`~tandem.launch.spare`: ``--elastic``'s
+#   agent, and the spare worker it makes each replacement of.
 # - :mod:`~tandem.launch.cli`: the ``tandem`` command; :mod:`~tandem.launch.spawn`:
 #   the same from Python.
 

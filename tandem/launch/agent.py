@@ -55,6 +55,7 @@ from tandem.launch.node_roll import JoinRunningJob, NodeRoll
 from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.secret_check import SecretCheck
 from tandem.launch.signed_rendezvous import rendezvous_handler
+from tandem.launch.spare import Spares, python_target
 from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
 __all__ = ["HANG_EXITCODE", "LaunchError", "SignalException", "quiet_torch_launch_logs",
@@ -203,9 +204,13 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         max_restarts=0 if config.elastic else config.max_restarts,
         monitor_interval=config.monitor_interval_s, master_addr=None, master_port=None,
         local_addr=config.local_addr)
+    spares = None
+    if (config.elastic and config.spare and config.max_restarts > 0 and isinstance(entrypoint, str)
+            and python_target(args) is not None):  # Note [spare workers] in spare.py
+        spares = Spares(entrypoint, logs.worker_env(), count=config.max_restarts)
     if config.elastic:
         agent: LocalElasticAgent = ElasticAgent(
-            spec, logs, replacements=config.max_restarts, on_event=on_event, roll=roll,
+            spec, logs, replacements=config.max_restarts, on_event=on_event, roll=roll, spares=spares,
             hosts_endpoint=hosts_endpoint, on_hang=on_hang,
             watchdog=(Watchdog(config.hang_timeout_s, secret=logs.job_secret())
                       if config.hang_timeout_s is not None else None),
@@ -236,6 +241,8 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         close_rendezvous = False
         raise
     finally:
+        if spares is not None:
+            spares.close()
         if secret_check is not None:
             secret_check.stop()
         if roll is not None:

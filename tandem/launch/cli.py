@@ -141,6 +141,9 @@ def build_parser() -> _Parser:
              "loop over tandem.prepare(...) drops the step in flight and goes on with the "
              "survivors, and replacements (--max-restarts) "
              "join at a step boundary with the state of a live worker (TANDEM_ELASTIC=1)")
+    opt(g, "--no-spare", action="store_true",
+        help="with --elastic, start each replacement when a worker dies, not ahead as a spare "
+             "that has imported torch and waits")
     opt(g, "--monitor-interval", type=float, default=0.1, metavar="SECONDS",
         help="how often the agent checks the workers (default 0.1)")
     opt(g, "--hang-timeout", type=float, default=None, metavar="SECONDS",
@@ -196,7 +199,7 @@ def config_from_args(args: argparse.Namespace, *, cpus: int, gpus: int,
         rdzv_id=rdzv.run_id, rdzv_timeout_s=args.rdzv_timeout,
         rdzv_options=parse_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, hang_timeout_s=args.hang_timeout,
-        elastic=args.elastic, debug_collectives=args.debug_collectives,
+        elastic=args.elastic, spare=not args.no_spare, debug_collectives=args.debug_collectives,
         omp_num_threads=threads_per_worker(choice.nproc, cpus=cpus, environ=environ),
         output_ranks=None if args.ranks is None else parse_rank_list(args.ranks, flag="--ranks"),
         output_local_ranks=(None if args.local_ranks_filter is None else

@@ -60,6 +60,10 @@ class LaunchConfig:
     tandem.Trainer shrinks and goes on, and up to ``max_restarts`` replacements
     (new processes with the same command) join it; the workers get
     ``TANDEM_ELASTIC=1``."""
+    spare: bool = True
+    """Under ``elastic`` with replacements, keep a spare worker that has imported
+    torch and tandem, to become the next replacement (Note [spare workers] in
+    spare.py); False (``--no-spare``): each replacement starts when a worker dies."""
     debug_collectives: bool = False
     """The workers compare every collective before issuing it (``--debug-collectives``,
     ``TANDEM_DEBUG=collectives``): a mismatch raises on every rank at once."""

@@ -88,6 +88,7 @@ from tandem.launch.exit_notices import ExitNotices
 from tandem.launch.hang import stuck_ranks
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.node_roll import NodeRoll
+from tandem.launch.spare import Spares
 from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
 __all__ = ["ElasticAgent"]
@@ -114,7 +115,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def __init__(self, spec: Any, logs: WorkerLogs, *args: Any, replacements: int, on_event: Any = None,
                  roll: NodeRoll | None = None, hosts_endpoint: bool = False, watchdog: Watchdog | None = None,
-                 on_hang: Callable[[str], None] | None = None, **kwargs: Any) -> None:
+                 on_hang: Callable[[str], None] | None = None, spares: Spares | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(spec, logs, *args, **kwargs)
         self._logs = logs
         self._roll = roll
@@ -129,6 +131,7 @@ class ElasticAgent(LocalElasticAgent):
         self._watchdog = watchdog
         self._on_hang = on_hang or (lambda report: None)
         self._hung = False  # a hang with no worker to blame: the job fails
+        self._spares = spares
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         context = self._pcontext
@@ -258,15 +261,20 @@ class ElasticAgent(LocalElasticAgent):
         env[JOIN_ENV] = "1"
         stdout, stderr = (_beside(path, f"join{self._started}") for path in
                           (context.stdouts[local], context.stderrs[local]))
-        handler = get_subprocess_handler(entrypoint=context.entrypoint, args=context.args[local],
-                                         env=env, stdout=stdout, stderr=stderr, local_rank_id=local)
+        handler: Any = None
+        if self._spares is not None:  # Note [spare workers] in spare.py
+            handler = self._spares.take(context.args[local], {**os.environ, **env}, stdout, stderr, local)
+        how = "the spare" if handler is not None else "a new process"
+        if handler is None:
+            handler = get_subprocess_handler(entrypoint=context.entrypoint, args=context.args[local],
+                                             env=env, stdout=stdout, stderr=stderr, local_rank_id=local)
         context.subprocess_handlers[local] = handler
         worker_group.workers[local].id = handler.proc.pid
         if stdout and stderr:  # its output on the console too, under the rank it replaces
             self._logs.replaced(local, Path(stdout), Path(stderr))
         where = f"on the console, and in {stdout}" if stdout else "on the console"
         self._on_event(f"elastic: started replacement {self._started} (pid "
-                       f"{handler.proc.pid}) for local rank {local}; it joins at the next step "
+                       f"{handler.proc.pid}, {how}) for local rank {local}; it joins at the next step "
                        f"boundary or the regroup under way ({self._replacements_left} replacement(s) "
                        f"left); its output: {where}")
 

@@ -112,6 +112,10 @@ class WorkerLogs(LogsSpecs):
         if self._on_replacement is not None:
             self._on_replacement(dataclasses.replace(old, stdout=stdout, stderr=stderr), attempt.world_size)
 
+    def worker_env(self) -> dict[str, str]:
+        """What every worker's environment adds to the launcher's."""
+        return dict(self._worker_env)
+
     def add_worker_env(self, env: Mapping[str, str]) -> None:
         """Give every worker started from now on ``env`` too."""
         self._worker_env.update(env)

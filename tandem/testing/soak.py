@@ -20,11 +20,25 @@ What is measured, from the job's events (its docstring):
   its own first forward; the rest of the wall time, from the first forward to
   the last commit, was lost to failures;
 - sample efficiency: samples in committed steps / the samples the full world
-  would have trained in the same wall time at its undisturbed pace (the median
-  time between commits at full size): a step at world 3 of 4 trains 3/4 of a
-  full step's samples, which time alone does not count;
+  would have trained in the same wall time at its undisturbed pace: a step at
+  world 3 of 4 trains 3/4 of a full step's samples, which time alone does not
+  count. The undisturbed pace is the mean time between commits before the
+  first failure, from ``SETTLE_S`` into the training (whose first steps warm
+  up). A mean, not a median: the job's saves and jitter are its pace, not a
+  failure's cost (the median at full size, used before 2026-11-29, left them
+  out and so counted them as lost);
 - how long after a kill the members saw it (the world change's ``seen_at``),
-  and how long admitting a replacement stopped them.
+  and how long admitting a replacement stopped them;
+- where the samples not trained went (:attr:`SoakResult.lost_s`), as the
+  time the full world would have needed to train them, split so that the
+  parts add up to what the sample efficiency misses: time with no step under
+  way (a loss: seeing it, the step in flight and the regroup; an admission),
+  steps at a smaller world (a step of 3 of 4 ranks misses a quarter of a full
+  step's samples), and steps slower than the undisturbed one (a replacement
+  starting beside the workers takes their cores);
+- a replacement's start: from its process's birth to its Trainer built,
+  ready to ask to join (imports, the model), and from then to its first batch
+  (waiting for the members' next step boundary, and the admission).
 
 What is checked, each a line in :attr:`SoakResult.problems` when it fails:
 the job exits 0; every worker that died was SIGKILLed (none crashed); every
@@ -90,6 +104,9 @@ class SoakPlan:
     """Replacements the launcher may start (default: one per failure, and two spare)."""
     hidden: int = 256
     """The width of the job's MLP: what a step costs."""
+    spare: bool = True
+    """A spare worker becomes each replacement (Note [spare workers] in
+    tandem/launch/spare.py); False: ``--no-spare``."""
 
 
 @dataclass
@@ -113,10 +130,21 @@ class SoakResult:
     """The median time between commits in the same world."""
     full_step_s: float = 0.0
     """The median time between commits in the same world at its full size (``workers``)."""
+    pace_s: float = 0.0
+    """The undisturbed step: the mean time between commits before the first
+    failure (Note [soak]); the job's saves and its own jitter count."""
     samples: int = 0
     """Samples in the committed steps."""
     full_batch: int = 0
     """Samples a step of the full world trains (``workers`` x ``batch``)."""
+    lost_s: dict[str, float] = field(default_factory=dict)
+    """The samples not trained, as the time the full world would have needed
+    for them, by cause (Note [soak]); they add up to ``wall_s`` x (1 - sample
+    efficiency)."""
+    start_s: list[float] = field(default_factory=list)
+    """Each replacement's start: its process's birth to its Trainer built."""
+    join_s: list[float] = field(default_factory=list)
+    """Each admitted replacement's wait: its Trainer built to its first batch."""
     problems: list[str] = field(default_factory=list)
     output: str = ""
 
@@ -131,7 +159,7 @@ class SoakResult:
     @property
     def sample_efficiency(self) -> float:
         """Samples trained / what the full world trains in the wall time undisturbed (Note [soak])."""
-        return self.samples * self.full_step_s / max(self.wall_s * self.full_batch, 1e-9)
+        return self.samples * self.pace_s / max(self.wall_s * self.full_batch, 1e-9)
 
 
 def run_soak(plan: SoakPlan) -> SoakResult:
@@ -145,8 +173,8 @@ def run_soak(plan: SoakPlan) -> SoakResult:
            "SOAK_CHECKPOINT_EVERY": str(plan.checkpoint_every), "SOAK_WORKERS": str(plan.workers),
            "SOAK_HIDDEN": str(plan.hidden)}
     command = [sys.executable, "-m", "tandem", "run", "--nproc-per-node", str(plan.workers), "--elastic",
-               "--max-restarts", str(replacements), "--log-dir", str(out / "logs"), "-m",
-               "tandem.testing.soak_job"]
+               "--max-restarts", str(replacements), "--log-dir", str(out / "logs"),
+               *([] if plan.spare else ["--no-spare"]), "-m", "tandem.testing.soak_job"]
     result = SoakResult()
     with (out / "launcher.log").open("w") as log:
         launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -198,7 +226,7 @@ def _kill_now_and_then(launcher: subprocess.Popen, plan: SoakPlan, out: Path,
             time.sleep(0.05)
         if _trained_all(out):
             break
-        workers = _children(launcher.pid)
+        workers = _workers(launcher.pid, out)
         if not workers:
             continue
         pid = rng.choice(workers)
@@ -256,6 +284,21 @@ def _stop_soon(out: Path, every_s: float) -> None:
 
 def _trained_all(out: Path) -> bool:
     return any('"e": "done"' in p.read_text() for p in out.glob("events-*.jsonl"))
+
+
+def _workers(launcher: int, out: Path) -> list[int]:
+    """The launcher's live workers: its children but a spare still waiting (Note
+    [spare workers] in tandem/launch/spare.py: one that became a worker has
+    written its events), which is not yet part of the job."""
+    found = []
+    for pid in _children(launcher):
+        try:
+            spare = b"tandem/launch/spare.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if not spare or (out / f"events-{pid}.jsonl").exists():
+            found.append(pid)
+    return found
 
 
 def _children(pid: int) -> list[int]:
@@ -332,23 +375,25 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
         problems.append(f"steps committed: {len(commits)}, not 0..{result.steps - 1}")
         return
     worlds = {(e["gen"], e["step"]): e["world"] for e in events if e["e"] == "batch"}
-    intervals, full_intervals, committed = [], [], 0.0
+    intervals, full_intervals, spans = [], [], []
     for step in range(result.steps):
         c = commits[step]
         previous = commits.get(step - 1)
+        world = worlds.get((c["gen"], step), plan.workers)
         if previous is not None and previous["gen"] == c["gen"]:
             span = c["t"] - previous["t"]
             intervals.append(span)
-            if worlds.get((c["gen"], step)) == plan.workers:
+            if world == plan.workers:
                 full_intervals.append(span)
         else:
             span = c["t"] - starts.get((c["gen"], step), c["t"])
-        committed += span
+        spans.append((span, world))
     first = starts.get((commits[0]["gen"], 0), commits[0]["t"])
     result.wall_s = commits[result.steps - 1]["t"] - first
-    result.committed_s = committed
+    result.committed_s = sum(span for span, _ in spans)
     result.step_s = statistics.median(intervals) if intervals else 0.0
     result.full_step_s = statistics.median(full_intervals) if full_intervals else result.step_s
+    result.pace_s = _undisturbed_step(commits, worlds, plan.workers, result.kills) or result.full_step_s
     result.full_batch = plan.workers * plan.batch
     trained = {e["pid"]: e["t"] for e in reversed(events) if e["e"] == "batch"}  # a pid's first batch
     for at, pid in result.kills:
@@ -360,6 +405,8 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     admissions = [c for c in result.changes if c["joined"] and not c["lost_ranks"]]
     result.admit_s = [c["regroup_s"] for c in admissions]
     result.admit_connect_s = [c.get("connect_s", 0.0) for c in admissions]
+    result.lost_s = _lost(result, spans, plan.workers)
+    _replacements_start(result, events, first)
     batches = _committed_batches(events, commits, problems)
     if batches is None:
         return
@@ -367,6 +414,53 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     _check_each_sample_once(batches, plan, problems)
     _check_parameters(batches, plan, problems, commits)
     _check_checkpoint(plan, result.steps, problems)
+
+
+SETTLE_S = 1.0
+"""Seconds of training before the undisturbed pace is measured (Note [soak])."""
+
+
+def _undisturbed_step(commits: dict[int, dict[str, Any]], worlds: dict[tuple[int, int], int], full: int,
+                      kills: list[tuple[float, int]]) -> float | None:
+    """The mean time between commits before the first failure (Note [soak])."""
+    first = commits[0]["t"] + SETTLE_S
+    until = min((at for at, _ in kills), default=float("inf"))
+    spans = [commits[s]["t"] - commits[s - 1]["t"] for s in sorted(commits)
+             if s > 0 and commits[s - 1]["gen"] == commits[s]["gen"] == commits[0]["gen"]
+             and worlds.get((commits[s]["gen"], s)) == full and first <= commits[s - 1]["t"]
+             and commits[s]["t"] < until]
+    return statistics.fmean(spans) if spans else None
+
+
+def _lost(result: SoakResult, spans: list[tuple[float, int]], full: int) -> dict[str, float]:
+    """Where the samples not trained went (Note [soak]): the time the full world
+    would have needed for them, by cause. A committed step of span s at world
+    w trains what the full world trains in ``pace_s * w / full``; its
+    excess, ``s * (full - w) / full`` (the smaller world) plus
+    ``(s - pace_s) * w / full`` (a slower step), and the wall time in no
+    committed step add up to ``wall_s * (1 - sample_efficiency)``."""
+    step = result.pace_s
+    changes = [c for c in result.changes if c["step"] < result.steps]
+    admitted = sum(c["regroup_s"] for c in changes if c["joined"] and not c["lost_ranks"])
+    regroups = sum(c["regroup_s"] for c in changes if c["lost_ranks"])
+    stopped = result.wall_s - result.committed_s
+    return {"seeing a loss and the step in flight": stopped - admitted - regroups,
+            "regrouping after a loss": regroups,
+            "admitting a replacement": admitted,
+            "a smaller world": sum(s * (full - w) / full for s, w in spans),
+            "slower steps": sum((s - step) * w / full for s, w in spans)}
+
+
+def _replacements_start(result: SoakResult, events: list[dict[str, Any]], first: float) -> None:
+    """Each replacement's start and wait to be admitted (Note [soak])."""
+    born = {e["pid"]: e["born"] for e in events if e["e"] == "start" and e["t"] > first}
+    ready = {e["pid"]: e["t"] for e in events if e["e"] == "ready"}
+    trained = {e["pid"]: e["t"] for e in reversed(events) if e["e"] == "batch"}
+    for pid, at in born.items():
+        if pid in ready:
+            result.start_s.append(ready[pid] - at)
+            if pid in trained:
+                result.join_s.append(trained[pid] - ready[pid])
 
 
 def _committed_batches(events: list[dict[str, Any]], commits: dict[int, dict[str, Any]],

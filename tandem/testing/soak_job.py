@@ -11,7 +11,10 @@ each (a killed process may leave its last line cut; the reader skips it):
   step's first forward (``forward``) is timed too;
 - ``change``: a world change this process went through (its record), written
   at the next commit;
-- ``done``: the step count and the world changes this process went through.
+- ``done``: the step count and the world changes this process went through;
+- ``start``: when this process was born (``born``, from ``/proc``) and when
+  its imports were done; ``ready``: its Trainer built, about to train (for a
+  replacement: about to ask to join).
 
 It trains ``SOAK_STEPS`` steps, or, once the soak writes a step number into
 ``$SOAK_DIR/stop`` (atomically), up to that step: every rank reads the same.
@@ -122,6 +125,7 @@ def main() -> None:
     steps = int(os.environ["SOAK_STEPS"])
     full = int(os.environ.get("SOAK_WORKERS", "1"))
     events = Events(out)
+    events.write("start", born=_born())
     tandem.init()
     trainer: Trainer | None = None
 
@@ -265,6 +269,7 @@ def main() -> None:
     trainer._checkpoints.save = save_or_die  # type: ignore[method-assign]
 
     stop_when_told()
+    events.write("ready")
     trainer.fit()
     trainer.export(out / "final.pt")
     local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
@@ -272,6 +277,15 @@ def main() -> None:
     events.write("done", member=member(), rank=trainer.rank, world=trainer.world_size, step=trainer.state.step,
                  params=digest.hexdigest()[:16], changes=[c.record() for c in trainer.world_changes])
     tandem.shutdown()
+
+
+def _born() -> float:
+    """When this process started, wall-clock seconds (its start in ``/proc``)."""
+    stat = Path("/proc/self/stat").read_text()
+    ticks = int(stat[stat.rfind(")") + 2:].split()[19])
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

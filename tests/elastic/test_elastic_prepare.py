@@ -187,8 +187,10 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     **{f"replacement-{s}": ({1: 2}, {**JOIN, "epochs": 2, "strategy": s}) for s in ("zero2", "fsdp")},
     # Admitted through the first epoch's last step: after rank 1's death in step 2, the
     # 36 samples left take steps 2 to 10 at world 2 (4 a step).
-    **{f"replacement-at-epoch-end-{s}": ({1: 2}, {**JOIN, "join_at": 10, "epochs": 2, "strategy": s})
-       for s in ("zero2", "fsdp")},
+    # Or through the second epoch's first step (Note [an epoch's last step] in
+    # tandem/elastic/loop.py): issue 61's points of a world change, under each strategy.
+    **{f"replacement-at-epoch-{point}-{s}": ({1: 2}, {**JOIN, "join_at": at, "epochs": 2, "strategy": s})
+       for s in ("ddp", "zero2", "fsdp") for point, at in (("end", 10), ("start", 11))},
     # Rank 1 dies as it would send its copy of step 3 (mid-epoch) or of step 8 (an
     # epoch's last: 48 samples, 6 a step): the survivors go back a step.
     "step-back-zero2": ({1: 3}, {"in_refresh": True, "strategy": "zero2"}),
@@ -364,6 +366,29 @@ def test_own_sharded_loop_admits_a_replacement_at_an_epochs_end(scenarios: dict,
     # step: every rank waited for good. The regroup sends the new world's copies itself.
     schedule = _admitted_with_its_shard(scenarios, f"replacement-at-epoch-end-{strategy}")
     assert schedule == [3, 3] + [2] * 9   # j1 came after all of the first epoch; the second at world 3
+
+
+@pytest.mark.parametrize("point", ["end", "start"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_own_loop_admits_a_replacement_at_an_epochs_end_or_start(scenarios: dict, strategy: str, point: str) -> None:
+    # Held at the first epoch's last step (10) or the second's first (11): j1 is admitted
+    # through that step's decision, and the world of 3 goes on with the next. The three end
+    # equal, at one process on the committed global batches, every sample once an epoch.
+    tmp_path, live = _launched(scenarios, f"replacement-at-epoch-{point}-{strategy}")
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    held = 10 if point == "end" else 11
+    assert [(c["step"], c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
+        [(2, [1], [], 2), (held + 1, [], ["j1"], 3)]
+    batches = global_batches(tmp_path, {"1": 2})
+    # 2 steps of 3 ranks, the first epoch's 36 other samples at 2, then 3 ranks from step 12.
+    assert [len(b) for b in batches[:held + 1]] == [6, 6] + [4] * (held - 1), batches
+    assert all(len(b) == 6 for b in batches[held + 1:-1]), batches
+    assert all(r["steps"] == len(batches) for r in live)
+    for a, b in zip(live[0]["params"], reference_on(batches, sharded=strategy != "ddp")):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert _used_samples(tmp_path, {"1": 2}) == sorted(list(range(N)) * 2)
 
 
 def test_own_sharded_loop_goes_one_step_back_when_a_copy_was_lost(scenarios: dict) -> None:

@@ -11,7 +11,9 @@ processes) and killed by pid if it outlives the test.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -175,3 +177,15 @@ def _wait_gone(marker: str, seconds: float) -> list[int]:
 
 def lines_with(text: str, needle: str) -> list[str]:
     return [line for line in text.splitlines() if needle in line]
+
+
+def elastic_demo_steps(stdout: str) -> tuple[int, int]:
+    """tandem.examples.elastic's steps: those its run line gives, and those it must
+    give where the replacement was admitted (its "admitted j1 ... going on with
+    step K" line). 120 samples, 4 per rank a step: steps 1-2 at world 3, step 3
+    on at world 2, from step K at world 3 again, the last step's batch short."""
+    run = re.search(r"trained 1 epoch\(s\), (\d+) steps, over 3 -> 2 -> 3 rank\(s\)", stdout)
+    admitted = re.search(r"admitted j1 -> world \d -> 3 \(generation \d+\), going on with step (\d+)", stdout)
+    assert run and admitted, stdout
+    k = int(admitted.group(1))
+    return int(run.group(1)), (k - 1) + math.ceil((120 - 2 * 12 - (k - 3) * 8) / 12)
