@@ -43,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = ["MANY_NODES_NEED_A_SECRET", "SECRET_ENV", "SECRET_FILE_ENV", "ForgedValueError", "SignedStore",
-           "job_secret", "new_secret", "secret_for_workers", "signed", "signed_like"]
+           "job_secret", "new_secret", "secret_for_workers", "secret_mark", "signed", "signed_like"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,16 @@ SECRET_FILE_ENV = "TANDEM_JOB_SECRET_FILE"
 
 _MAC_BYTES = 32
 _SEP = b"|"
+
+
+def secret_mark(secret: bytes | None) -> str:
+    """The number a process shows for ``secret``: an HMAC of a fixed text, which
+    tells nothing of the secret; ``none`` without one (Note [another secret at
+    the rendezvous] in tandem/launch/secret_check.py, Note [a stranger asks to
+    join] in membership.py)."""
+    if secret is None:
+        return "none"
+    return hmac.new(secret, b"tandem: the mark of a job secret", hashlib.sha256).hexdigest()[:16]
 
 
 class ForgedValueError(RuntimeError):
@@ -111,6 +121,11 @@ class SignedStore(dist.Store):
     def where(self) -> str:
         """The store's address, as the log lines name it."""
         return self._where
+
+    @property
+    def mark(self) -> str:
+        """This store's secret's mark (:func:`secret_mark`)."""
+        return secret_mark(self._secret)
 
     def name(self, key: str) -> str:
         """The name ``key`` has in the store."""

@@ -54,12 +54,24 @@ other (NTP does).
 Under a job secret the membership's keys have secret names (Note [signed
 store] in job_secret.py), so a process without the secret that asks to join
 writes under the plain names (``joiners``, ``join/j<n>``), where no member
-looks for a request. The member that decides a step also reads the plain
-``joiners`` counter (one store call a step), and for each new ask logs a
-warning (on stderr too; the first member to see it, by a counter) and
-sets the plain ``refused/j<n>``: the process that asked learns at
-once that it was refused and why, instead of waiting out its timeout. It is
-never admitted, and nothing it wrote is read.
+looks for a request; one with another secret, under names no member reads. So
+a replacement under a secret also asks under the plain names, with its
+secret's mark (:func:`~tandem.comm.job_secret.secret_mark`: it tells nothing
+of the secret) as the request. The member that decides a step also reads the
+plain ``joiners`` counter (one store call a step), and for each new ask that
+is not marked with the job's own secret (whose replacement asks under the
+secret names too, and is admitted there) logs a warning (on stderr too; the
+first member to see it, by a counter) and sets the plain ``refused/j<n>`` to
+why: no secret, or another secret. The process that asked learns at once that
+it was refused and why ("this job's secret differs from yours"), instead of
+waiting out its timeout. It is never admitted, and nothing it wrote is read.
+
+The plain names are anyone's to write, so what is read there costs the
+members little whatever it holds: the counter is read, not added to (an
+``add`` to a value that is no number closes the connection of the one who
+adds), a value that is no number is skipped with one warning, and a counter
+that jumps by more than ``_ASKS_AT_ONCE`` is taken as junk: its asks are
+skipped, with one line that says how many.
 """
 
 from __future__ import annotations
@@ -87,6 +99,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "tandem/elastic"
 _REFUSED = "no job secret"
+_ANOTHER_SECRET = "another secret"
+_ASKS_AT_ONCE = 64  # Note [a stranger asks to join]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +216,8 @@ class Membership:
         self._thread: threading.Thread | None = None
         self._processes = PostedProcesses(store, lambda member: f"{PREFIX}/process/{member}")
         self._strangers_seen = 0  # asks to join without the secret, refused (Note [a stranger asks to join])
+        self._junk_said = False   # the plain counter held junk, and this member said so (once)
+        self._plain_ask: int | None = None  # a replacement's number under the plain names
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
@@ -234,6 +250,9 @@ class Membership:
         """
         number = store.add(f"{PREFIX}/joiners", 1)
         self = cls(store, f"j{number}", Generation(-1, ()), config, **kwargs)
+        if isinstance(store, SignedStore):  # asks under the plain names too: Note [a stranger asks to join]
+            self._plain_ask = store.inner.add(f"{PREFIX}/joiners", 1)
+            store.inner.set(f"{PREFIX}/join/j{self._plain_ask}", store.mark)
         self.start()
         self._check_something_to_join()
         return self
@@ -258,6 +277,9 @@ class Membership:
         """
         member, store, config = self.member, self.store, self.config
         store.set(f"{PREFIX}/join/{member}", "waiting")
+        plain_refusal = None
+        if isinstance(store, SignedStore) and self._plain_ask is not None:
+            plain_refusal = f"{PREFIX}/refused/j{self._plain_ask}"
         limit = timeout.total_seconds() if timeout is not None else config.regroup_timeout_s
         deadline = time.monotonic() + limit
         logger.info("elastic: %s asks to join", member)
@@ -278,6 +300,12 @@ class Membership:
                     f"elastic: replacement {member} was refused: the job has a job secret and this process "
                     f"has none; start it with the job's {SECRET_ENV} or {SECRET_FILE_ENV} (docs: Who can "
                     "join a job)")
+            if plain_refusal is not None and isinstance(store, SignedStore) and store.inner.check([plain_refusal]):
+                self.stop()
+                raise MembershipError(
+                    f"elastic: replacement {member} was refused: this job's secret differs from yours; start "
+                    f"every process of the job with the same {SECRET_ENV} or {SECRET_FILE_ENV} (made once "
+                    "with `tandem secret`, shared by a file each node can read; docs: Who can join a job)")
         self.stop()
         raise MembershipError(
             f"elastic: replacement {member} was not admitted within {limit:.0f} s; the job's members "
@@ -438,17 +466,55 @@ class Membership:
         """Tell each process that asked to join without the job secret that it is
         refused, and log it (Note [a stranger asks to join])."""
         plain = store.inner
-        count = int(plain.add(f"{PREFIX}/joiners", 0))
+        count = self._plain_count(plain, store.where)
+        if count - self._strangers_seen > _ASKS_AT_ONCE:
+            if not self._junk_said:  # once: a stranger may write it every step
+                self._junk_said = True
+                self._say(f"elastic: the plain counter of asks to join jumped from {self._strangers_seen} to "
+                          f"{count} (in {store.where}): not asks, junk written by a process without this job's "
+                          "secret; skipped, and any more such junk silently; the members go on")
+            self._strangers_seen = count
         for number in range(self._strangers_seen + 1, count + 1):
-            if plain.add(f"{PREFIX}/refusals/j{number}", 1) != 1:
-                continue  # another member refused it already
-            line = (f"elastic: refused a process that asked to join as j{number} without this job's secret "
-                    f"(in {store.where}); the members go on")
-            logger.warning("%s", line)
-            # A refusal is worth seeing without logging set up: on stderr, as the launcher shows it.
-            print(f"tandem: member {self.member}: {line}", file=sys.stderr, flush=True)
-            plain.set(f"{PREFIX}/refused/j{number}", _REFUSED)
+            key = f"{PREFIX}/join/j{number}"
+            if not plain.check([key]):
+                if count - number < 8:  # its request may be on its way: look again at the next step
+                    count = number - 1
+                    break
+                continue  # a number added and nothing asked: no one to tell
+            mark = plain.get(key).decode(errors="replace")
+            if mark == store.mark:
+                continue  # a replacement with this job's secret: it asks under the secret names too
+            won = plain.compare_set(f"{PREFIX}/refusals/j{number}", "", self.member)
+            if won != self.member.encode():
+                continue  # another member refused it already (or a stranger wrote there)
+            another = len(mark) == len(store.mark) and mark != "waiting"
+            self._say(f"elastic: refused a process that asked to join as j{number} "
+                      f"{'with another secret than this job' if another else 'without this job'}'s secret "
+                      f"(in {store.where}); the members go on")
+            plain.set(f"{PREFIX}/refused/j{number}", _ANOTHER_SECRET if another else _REFUSED)
         self._strangers_seen = max(self._strangers_seen, count)
+
+    def _plain_count(self, plain: dist.Store, where: str) -> int:
+        """The plain ``joiners`` counter, read without adding to it; junk there
+        is skipped with one warning (Note [a stranger asks to join])."""
+        key = f"{PREFIX}/joiners"
+        if not plain.check([key]):
+            return self._strangers_seen
+        text = plain.get(key).decode(errors="replace")
+        try:
+            return int(text)
+        except ValueError:
+            if not self._junk_said:
+                self._junk_said = True
+                self._say(f"elastic: the plain counter of asks to join holds {text[:40]!r}, not a number (in "
+                          f"{where}): junk written by a process without this job's secret; skipped, and any "
+                          "more such junk silently; the members go on")
+            return self._strangers_seen
+
+    def _say(self, line: str) -> None:
+        logger.warning("%s", line)
+        # Worth seeing without logging set up: on stderr, as the launcher shows it.
+        print(f"tandem: member {self.member}: {line}", file=sys.stderr, flush=True)
 
     def _admitted(self) -> set[str]:
         out: set[str] = set()

@@ -27,17 +27,16 @@ secret signs).
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import logging
 import threading
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from tandem.comm.job_secret import secret_mark
 from tandem.launch.flags import split_endpoint
 
-__all__ = ["SecretCheck", "secret_mark"]
+__all__ = ["SecretCheck"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +44,6 @@ _PREFIX = "tandem/secret-marks"
 _POLL_S = 1.0
 _CONNECT_S = 5.0
 _MAX_MARKS = 4096
-
-
-def secret_mark(secret: bytes | None) -> str:
-    """The number a node shows for ``secret`` (Note [another secret at the
-    rendezvous]); ``none`` without one."""
-    if secret is None:
-        return "none"
-    return hmac.new(secret, b"tandem: the mark of a job secret", hashlib.sha256).hexdigest()[:16]
 
 
 class SecretCheck:

@@ -194,6 +194,88 @@ def test_a_stranger_asking_to_join_a_job_with_a_secret_is_told_it_was_refused(
         m.stop()
 
 
+def _steps_while(alive: threading.Thread, m0: Membership, m1: Membership, seconds: float = 4.0) -> None:
+    """The members step (every step committed) while ``alive`` runs, for ``seconds`` at most."""
+    step, started = 0, time.monotonic()
+    while alive.is_alive() and time.monotonic() - started < seconds:
+        t1, out = _in_thread(m1.decide_step, step)
+        assert m0.decide_step(step) is Decision.COMMIT
+        t1.join(5)
+        assert out == [Decision.COMMIT]
+        step += 1
+
+
+def test_a_replacement_with_another_secret_is_told_the_secrets_differ(capfd: pytest.CaptureFixture) -> None:
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock, _store("signed"))
+    assert isinstance(store, SignedStore)
+    errors: list[Exception] = []
+
+    def other() -> None:  # tandem's own replacement, started with another secret
+        try:
+            Membership.joining(SignedStore(store.inner, b"another secret", "its store"), CONFIG, clock=clock)
+        except MembershipError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    started = time.monotonic()
+    _steps_while(t, m0, m1)
+    t.join(5)
+    assert len(errors) == 1 and "this job's secret differs from yours" in str(errors[0]), errors
+    assert "TANDEM_JOB_SECRET" in str(errors[0])
+    assert time.monotonic() - started < CONFIG.regroup_timeout_s  # told, not timed out
+    said = capfd.readouterr().err
+    assert said.count("refused a process that asked to join as j1 with another secret than this job's") == 1, said
+    assert m0.generation.members == m1.generation.members == ("0", "1")
+    # A replacement with the job's own secret asks under the plain names too, and is not refused there.
+    t, joined = _in_thread(lambda: Membership.joining(store, CONFIG, clock=clock))
+    deadline = time.monotonic() + 5
+    while not m0.waiting_joiners():
+        assert time.monotonic() < deadline, "the replacement never asked to join"
+        time.sleep(0.01)
+    # Its id is the job's j1 (the other drew its own j1 under its secret's names); plainly, j2.
+    assert store.inner.check([f"{PREFIX}/join/j2"]) and not store.inner.check([f"{PREFIX}/refused/j2"])
+    t1, out = _in_thread(m1.decide_step, 99)
+    assert m0.decide_step(99) is Decision.GROW
+    t1.join(5)
+    t1, out = _in_thread(m1.next_generation)
+    generation = m0.next_generation()
+    t1.join(5), t.join(5)
+    assert generation.members == ("0", "1", "j1") and joined[0].generation == generation
+    assert "refused" not in capfd.readouterr().err
+    for m in (m0, m1, joined[0]):
+        m.stop()
+
+
+@pytest.mark.parametrize("junk", ["not a number", "huge"])
+def test_junk_in_the_plain_counter_of_asks_costs_the_members_one_line(junk: str,
+                                                                      capfd: pytest.CaptureFixture) -> None:
+    # A stranger writes the plain counter every step: a word (an add to it would close the
+    # adder's connection), or a number 20,000 higher (each ask would be a store call).
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock, _store("signed"))
+    assert isinstance(store, SignedStore)
+    raw = store.inner
+    for step in range(5):
+        if junk == "huge":
+            raw.add(f"{PREFIX}/joiners", 20_000)
+        else:
+            raw.set(f"{PREFIX}/joiners", "not a number")
+        t1, out = _in_thread(m1.decide_step, step)
+        assert m0.decide_step(step) is Decision.COMMIT
+        t1.join(5)
+        assert out == [Decision.COMMIT]
+    said = capfd.readouterr().err
+    lines = [line for line in said.splitlines() if "plain counter of asks to join" in line]
+    # At most one line a member (both members live in this process), never one per ask or step.
+    assert 1 <= len(lines) <= 2, said
+    assert not [line for line in said.splitlines() if "refused a process" in line], said
+    assert m0.generation.members == m1.generation.members == ("0", "1")
+    for m in (m0, m1):
+        m.stop()
+
+
 def test_a_value_not_signed_with_the_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     raw = dist.HashStore()
     store = SignedStore(raw, SECRET, "the test's store")
