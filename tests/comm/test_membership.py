@@ -161,30 +161,38 @@ def test_a_stranger_asking_to_join_is_admitted_only_without_a_secret(kind: str) 
         m.stop()
 
 
+def _asks_while_they_step(store: dist.Store, m0: Membership, m1: Membership,
+                          clock: Clock) -> tuple[list[Exception], float]:
+    """A replacement on ``store`` asks to join while the two members step (every
+    step committed), for 4 s at most: the errors it raised, and when it started."""
+    errors: list[Exception] = []
+
+    def ask() -> None:
+        try:
+            Membership.joining(store, CONFIG, clock=clock)
+        except MembershipError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    step, started = 0, time.monotonic()
+    while t.is_alive() and time.monotonic() - started < 4.0:
+        t1, out = _in_thread(m1.decide_step, step)
+        assert m0.decide_step(step) is Decision.COMMIT
+        t1.join(5)
+        assert out == [Decision.COMMIT]
+        step += 1
+    t.join(5)
+    return errors, started
+
+
 def test_a_stranger_asking_to_join_a_job_with_a_secret_is_told_it_was_refused(
         caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     store, (m0, m1) = _members(2, clock, _store("signed"))
     assert isinstance(store, SignedStore)
-    errors: list[Exception] = []
-
-    def stranger() -> None:  # tandem's own replacement, run without the secret
-        try:
-            Membership.joining(store.inner, CONFIG, clock=clock)
-        except MembershipError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=stranger)
-    t.start()
-    with caplog.at_level("WARNING"):
-        step, started = 0, time.monotonic()
-        while t.is_alive() and time.monotonic() - started < 4.0:  # the members go on stepping
-            t1, out = _in_thread(m1.decide_step, step)
-            assert m0.decide_step(step) is Decision.COMMIT
-            t1.join(5)
-            assert out == [Decision.COMMIT]
-            step += 1
-        t.join(5)
+    with caplog.at_level("WARNING"):  # tandem's own replacement, run without the secret
+        errors, started = _asks_while_they_step(store.inner, m0, m1, clock)
     assert len(errors) == 1 and "replacement j1 was refused: the job has a job secret" in str(errors[0])
     assert "TANDEM_JOB_SECRET" in str(errors[0])
     assert time.monotonic() - started < CONFIG.regroup_timeout_s  # told, not timed out
@@ -194,34 +202,14 @@ def test_a_stranger_asking_to_join_a_job_with_a_secret_is_told_it_was_refused(
         m.stop()
 
 
-def _steps_while(alive: threading.Thread, m0: Membership, m1: Membership, seconds: float = 4.0) -> None:
-    """The members step (every step committed) while ``alive`` runs, for ``seconds`` at most."""
-    step, started = 0, time.monotonic()
-    while alive.is_alive() and time.monotonic() - started < seconds:
-        t1, out = _in_thread(m1.decide_step, step)
-        assert m0.decide_step(step) is Decision.COMMIT
-        t1.join(5)
-        assert out == [Decision.COMMIT]
-        step += 1
 
 
 def test_a_replacement_with_another_secret_is_told_the_secrets_differ(capfd: pytest.CaptureFixture) -> None:
     clock = Clock()
     store, (m0, m1) = _members(2, clock, _store("signed"))
     assert isinstance(store, SignedStore)
-    errors: list[Exception] = []
-
-    def other() -> None:  # tandem's own replacement, started with another secret
-        try:
-            Membership.joining(SignedStore(store.inner, b"another secret", "its store"), CONFIG, clock=clock)
-        except MembershipError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=other)
-    t.start()
-    started = time.monotonic()
-    _steps_while(t, m0, m1)
-    t.join(5)
+    # tandem's own replacement, started with another secret
+    errors, started = _asks_while_they_step(SignedStore(store.inner, b"another secret", "its store"), m0, m1, clock)
     assert len(errors) == 1 and "this job's secret differs from yours" in str(errors[0]), errors
     assert "TANDEM_JOB_SECRET" in str(errors[0])
     assert time.monotonic() - started < CONFIG.regroup_timeout_s  # told, not timed out
