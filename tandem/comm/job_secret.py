@@ -116,6 +116,7 @@ class SignedStore(dist.Store):
         self._secret = secret
         self._where = where
         self._names: dict[str, str] = {}
+        self._forged: set[str] = set()  # keys a forged value was read under (said once each)
 
     @property
     def where(self) -> str:
@@ -146,8 +147,11 @@ class SignedStore(dist.Store):
     def _open(self, key: str, signed_value: bytes) -> bytes:
         mac, sep, raw = bytes(signed_value).partition(_SEP)
         if not sep or len(mac) != 2 * _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, raw)):
-            logger.warning("tandem: refused a value under %r in %s: it is not signed with this job's secret "
-                           "(written by a process outside the job)", key, self._where)
+            if key not in self._forged:  # once a key: a stranger may write it as fast as it likes
+                self._forged.add(key)
+                logger.warning("tandem: refused a value under %r in %s: it is not signed with this job's secret "
+                               "(written by a process outside the job); more under this key are refused "
+                               "silently", key, self._where)
             raise ForgedValueError(f"the value under {key!r} in {self._where} is not signed with this job's "
                                    "secret: a process outside the job wrote it, and it was refused")
         return raw

@@ -66,8 +66,12 @@ why: no secret, or another secret. The process that asked learns at once that
 it was refused and why ("this job's secret differs from yours"), instead of
 waiting out its timeout. It is never admitted, and nothing it wrote is read.
 
-The plain names are anyone's to write, so what is read there costs the
-members little whatever it holds: the counter is read, not added to (an
+The plain names are anyone's to write, and a stranger who lists the store's
+keys can overwrite the secret names too (with junk: it cannot sign). A beat
+read as junk is skipped and the member's last good beat stands (never a
+member's crash; a member whose beats are all junk is dead once its last good
+one is stale), a refused value is logged once a key, and what is read under
+the plain names costs the members little whatever it holds: the counter is read, not added to (an
 ``add`` to a value that is no number closes the connection of the one who
 adds), a value that is no number is skipped with one warning, and a counter
 that jumps by more than ``_ASKS_AT_ONCE`` is taken as junk: its asks are
@@ -90,7 +94,7 @@ import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
-from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, SignedStore
+from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SignedStore
 from tandem.comm.process_id import PostedProcesses, ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
@@ -217,6 +221,7 @@ class Membership:
         self._processes = PostedProcesses(store, lambda member: f"{PREFIX}/process/{member}")
         self._strangers_seen = 0  # asks to join without the secret, refused (Note [a stranger asks to join])
         self._junk_said = False   # the plain counter held junk, and this member said so (once)
+        self._good_beats: dict[str, float] = {}  # each member's last beat read well
         self._plain_ask: int | None = None  # a replacement's number under the plain names
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
@@ -363,14 +368,29 @@ class Membership:
             if ended is not None:
                 out[m] = f"has died: {ended}"
                 continue
-            key = f"{PREFIX}/beat/{m}"
-            if not self.store.check([key]):
+            beat = self._beat_of(m)
+            if beat is None:
                 out[m] = NEVER_BEATEN
                 continue
-            age = now - float(self.store.get(key).decode())
+            age = now - beat
             if age > self.config.stale_after_s:
                 out[m] = f"stopped beating {age:.1f} s ago"
         return out
+
+    def _beat_of(self, member: str) -> float | None:
+        """``member``'s last beat (None: it never beat). A beat that is no number or
+        not signed with the job's secret (a stranger overwrote it) is skipped: the
+        last good one stands, so that junk neither kills this member nor keeps a
+        dead one alive (Note [a stranger asks to join])."""
+        key = f"{PREFIX}/beat/{member}"
+        if not self.store.check([key]):
+            return self._good_beats.get(member)
+        try:
+            beat = float(self.store.get(key).decode())
+        except (ForgedValueError, ValueError, UnicodeDecodeError):
+            return self._good_beats.setdefault(member, self._clock())  # never read well: from the first junk on
+        self._good_beats[member] = beat
+        return beat
 
     # ------------------------------------------------------------------ generations
     def latest(self) -> Generation | None:

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandem.comm.job_secret import ForgedValueError
 from tandem.comm.process_id import PostedProcesses, ProcessId
 from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
@@ -274,7 +275,10 @@ class PeerWatch:
         try:
             for r in ranks:
                 key = heartbeat_key(r)
-                out.append(self.store.get(key).decode() if self.store.check([key]) else None)
+                try:
+                    out.append(self.store.get(key).decode() if self.store.check([key]) else None)
+                except ForgedValueError:  # a stranger's junk: the beat seen last stands (Note [a stranger asks
+                    out.append(self._seen.get(r, (None, 0.0))[0])  # to join] in membership.py)
         except Exception as e:  # noqa: BLE001 - any store failure means the same thing here
             raise self._store_gone(e) from e
         return out

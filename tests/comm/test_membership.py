@@ -264,6 +264,27 @@ def test_junk_in_the_plain_counter_of_asks_costs_the_members_one_line(junk: str,
         m.stop()
 
 
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_a_beat_overwritten_with_junk_neither_kills_a_member_nor_keeps_a_dead_one(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    # A stranger who listed the store's keys writes junk over m1's beat before every look.
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock, _store(kind))
+    raw = store.inner if isinstance(store, SignedStore) else store
+    name = store.name(f"{PREFIX}/beat/1") if isinstance(store, SignedStore) else f"{PREFIX}/beat/1"
+    with caplog.at_level("WARNING"):
+        for _ in range(20):
+            raw.set(name, "junk")
+            assert m0.dead(["1"]) == {}  # alive: its last good beat is fresh
+        m1.stop()  # it dies; its beat stays junk
+        clock.now += 2 * CONFIG.stale_after_s
+        raw.set(name, "junk")
+        assert "1" in m0.dead(["1"]) and "stopped beating" in m0.dead(["1"])["1"]
+    if kind == "signed":  # once for the key, not once a look
+        assert caplog.text.count("refused a value under 'tandem/elastic/beat/1'") == 1, caplog.text
+    m0.stop()
+
+
 def test_a_value_not_signed_with_the_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     raw = dist.HashStore()
     store = SignedStore(raw, SECRET, "the test's store")
