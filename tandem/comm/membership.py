@@ -222,6 +222,7 @@ class Membership:
         self._strangers_seen = 0  # asks to join without the secret, refused (Note [a stranger asks to join])
         self._junk_said = False   # the plain counter held junk, and this member said so (once)
         self._good_beats: dict[str, float] = {}  # each member's last beat read well
+        self._joiners_seen = 0  # the counter of asks to join, as last read well
         self._plain_ask: int | None = None  # a replacement's number under the plain names
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
@@ -473,7 +474,7 @@ class Membership:
         """Replacements that asked to join, are alive, and no generation admitted yet."""
         if isinstance(self.store, SignedStore):
             self._refuse_strangers(self.store)
-        count = self.store.add(f"{PREFIX}/joiners", 0)
+        count = self._joiners()
         if count == 0:  # the common case, checked at every step: one store read
             return []
         asked = [f"j{n}" for n in range(1, count + 1) if self.store.check([f"{PREFIX}/join/j{n}"])]
@@ -513,6 +514,27 @@ class Membership:
                       f"(in {store.where}); the members go on")
             plain.set(f"{PREFIX}/refused/j{number}", _ANOTHER_SECRET if another else _REFUSED)
         self._strangers_seen = max(self._strangers_seen, count)
+
+    def _joiners(self) -> int:
+        """How many replacements asked to join: the counter read, not added to (an
+        add to a value that is no number, a stranger's junk, would close this
+        member's connection); junk there counts as no new ask, said once (Note
+        [a stranger asks to join])."""
+        store = self.store
+        raw, key = (store.inner, store.name(f"{PREFIX}/joiners")) if isinstance(store, SignedStore) else \
+            (store, f"{PREFIX}/joiners")
+        if not raw.check([key]):
+            return 0
+        text = raw.get(key).decode(errors="replace")
+        try:
+            self._joiners_seen = int(text)
+        except ValueError:
+            if not self._junk_said:
+                self._junk_said = True
+                self._say(f"elastic: the counter of asks to join holds {text[:40]!r}, not a number: junk written "
+                          "by a process outside the job; no new replacement is admitted while it lasts, the "
+                          "members go on")
+        return self._joiners_seen
 
     def _plain_count(self, plain: dist.Store, where: str) -> int:
         """The plain ``joiners`` counter, read without adding to it; junk there

@@ -236,11 +236,11 @@ def test_a_replacement_with_another_secret_is_told_the_secrets_differ(capfd: pyt
         m.stop()
 
 
-@pytest.mark.parametrize("junk", ["not a number", "huge"])
-def test_junk_in_the_plain_counter_of_asks_costs_the_members_one_line(junk: str,
-                                                                      capfd: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("junk", ["not a number", "huge", "over the secret name"])
+def test_junk_in_the_counter_of_asks_costs_the_members_one_line(junk: str, capfd: pytest.CaptureFixture) -> None:
     # A stranger writes the plain counter every step: a word (an add to it would close the
-    # adder's connection), or a number 20,000 higher (each ask would be a store call).
+    # adder's connection), or a number 20,000 higher (each ask would be a store call); or,
+    # having listed the store's keys, a word over the counter under its secret name.
     clock = Clock()
     store, (m0, m1) = _members(2, clock, _store("signed"))
     assert isinstance(store, SignedStore)
@@ -248,6 +248,8 @@ def test_junk_in_the_plain_counter_of_asks_costs_the_members_one_line(junk: str,
     for step in range(5):
         if junk == "huge":
             raw.add(f"{PREFIX}/joiners", 20_000)
+        elif junk == "over the secret name":
+            raw.set(store.name(f"{PREFIX}/joiners"), "not a number")
         else:
             raw.set(f"{PREFIX}/joiners", "not a number")
         t1, out = _in_thread(m1.decide_step, step)
@@ -255,7 +257,7 @@ def test_junk_in_the_plain_counter_of_asks_costs_the_members_one_line(junk: str,
         t1.join(5)
         assert out == [Decision.COMMIT]
     said = capfd.readouterr().err
-    lines = [line for line in said.splitlines() if "plain counter of asks to join" in line]
+    lines = [line for line in said.splitlines() if "counter of asks to join" in line]
     # At most one line a member (both members live in this process), never one per ask or step.
     assert 1 <= len(lines) <= 2, said
     assert not [line for line in said.splitlines() if "refused a process" in line], said
