@@ -21,7 +21,7 @@ every sample once per epoch, the last checkpoint loadable, no process left).
 After each run, a line splits what the sample efficiency misses into its parts
 (``SoakResult.lost_s``: seconds of full-world training per failure, and their
 share of the wall time) and gives a replacement's median start (birth to its
-Trainer built) and wait (to its first batch).
+Trainer built, from the kill it replaces) and wait (to its first batch).
 """
 
 from __future__ import annotations

@@ -22,23 +22,30 @@ What is measured, from the job's events (its docstring):
 - sample efficiency: samples in committed steps / the samples the full world
   would have trained in the same wall time at its undisturbed pace: a step at
   world 3 of 4 trains 3/4 of a full step's samples, which time alone does not
-  count. The undisturbed pace is the mean time between commits before the
-  first failure, from ``SETTLE_S`` into the training (whose first steps warm
-  up). A mean, not a median: the job's saves and jitter are its pace, not a
-  failure's cost (the median at full size, used before 2026-11-29, left them
-  out and so counted them as lost);
+  count. The undisturbed pace is the median, over windows of
+  ``PACE_WINDOW_S``, of the mean time between commits at full size in each,
+  of the windows with no kill and no world change in them or a second before:
+  a window's mean holds the job's saves and jitter (its pace, not a failure's
+  cost), and the median leaves out both the windows a failure's wake slowed
+  (counted as slower steps) and a run's odd start. (The median of single
+  steps, used before 2026-11-29, left out the saves and so counted them as
+  lost; the mean before the first failure, tried the same day, rested on a
+  few seconds and moved the result by up to 20 points between runs);
 - how long after a kill the members saw it (the world change's ``seen_at``),
   and how long admitting a replacement stopped them;
 - where the samples not trained went (:attr:`SoakResult.lost_s`), as the
   time the full world would have needed to train them, split so that the
   parts add up to what the sample efficiency misses: time with no step under
-  way (a loss: seeing it, the step in flight and the regroup; an admission),
+  way (a loss: seeing it and the step in flight, building the new group, the
+  state rebuilt for the new world: shards recovered from buddy copies, laid
+  out again, copies refreshed; an admission),
   steps at a smaller world (a step of 3 of 4 ranks misses a quarter of a full
   step's samples), and steps slower than the undisturbed one (a replacement
   starting beside the workers takes their cores);
-- a replacement's start: from its process's birth to its Trainer built,
-  ready to ask to join (imports, the model), and from then to its first batch
-  (waiting for the members' next step boundary, and the admission).
+- a replacement's start: from the kill it replaces to its Trainer built,
+  ready to ask to join (a new process's imports, or a spare taken; the model),
+  and from then to its first batch (waiting for the members' next step
+  boundary, and the admission).
 
 What is checked, each a line in :attr:`SoakResult.problems` when it fails:
 the job exits 0; every worker that died was SIGKILLed (none crashed); every
@@ -131,8 +138,8 @@ class SoakResult:
     full_step_s: float = 0.0
     """The median time between commits in the same world at its full size (``workers``)."""
     pace_s: float = 0.0
-    """The undisturbed step: the mean time between commits before the first
-    failure (Note [soak]); the job's saves and its own jitter count."""
+    """The undisturbed step (Note [soak]): the median over quiet windows of the
+    mean time between commits at full size; the job's saves and jitter count."""
     samples: int = 0
     """Samples in the committed steps."""
     full_batch: int = 0
@@ -142,7 +149,7 @@ class SoakResult:
     for them, by cause (Note [soak]); they add up to ``wall_s`` x (1 - sample
     efficiency)."""
     start_s: list[float] = field(default_factory=list)
-    """Each replacement's start: its process's birth to its Trainer built."""
+    """Each replacement's start: from the kill it replaces to its Trainer built."""
     join_s: list[float] = field(default_factory=list)
     """Each admitted replacement's wait: its Trainer built to its first batch."""
     problems: list[str] = field(default_factory=list)
@@ -393,7 +400,8 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     result.committed_s = sum(span for span, _ in spans)
     result.step_s = statistics.median(intervals) if intervals else 0.0
     result.full_step_s = statistics.median(full_intervals) if full_intervals else result.step_s
-    result.pace_s = _undisturbed_step(commits, worlds, plan.workers, result.kills) or result.full_step_s
+    result.pace_s = _undisturbed_step(commits, worlds, plan.workers, result.kills, result.changes) or \
+        result.full_step_s
     result.full_batch = plan.workers * plan.batch
     trained = {e["pid"]: e["t"] for e in reversed(events) if e["e"] == "batch"}  # a pid's first batch
     for at, pid in result.kills:
@@ -416,20 +424,26 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     _check_checkpoint(plan, result.steps, problems)
 
 
-SETTLE_S = 1.0
-"""Seconds of training before the undisturbed pace is measured (Note [soak])."""
+PACE_WINDOW_S = 2.0
+"""The windows the undisturbed pace is the median over (Note [soak])."""
 
 
 def _undisturbed_step(commits: dict[int, dict[str, Any]], worlds: dict[tuple[int, int], int], full: int,
-                      kills: list[tuple[float, int]]) -> float | None:
-    """The mean time between commits before the first failure (Note [soak])."""
-    first = commits[0]["t"] + SETTLE_S
-    until = min((at for at, _ in kills), default=float("inf"))
-    spans = [commits[s]["t"] - commits[s - 1]["t"] for s in sorted(commits)
-             if s > 0 and commits[s - 1]["gen"] == commits[s]["gen"] == commits[0]["gen"]
-             and worlds.get((commits[s]["gen"], s)) == full and first <= commits[s - 1]["t"]
-             and commits[s]["t"] < until]
-    return statistics.fmean(spans) if spans else None
+                      kills: list[tuple[float, int]], changes: list[dict[str, Any]]) -> float | None:
+    """The median over ``PACE_WINDOW_S`` windows of the mean time between commits
+    at full size, of the windows with no kill and no world change (Note [soak])."""
+    start = commits[0]["t"]
+    marks = [at for at, _ in kills] + [c["seen_at"] for c in changes]
+    spans: dict[int, list[float]] = {}
+    for s in sorted(commits):
+        previous, c = commits.get(s - 1), commits[s]
+        if previous is None or previous["gen"] != c["gen"] or worlds.get((c["gen"], s)) != full:
+            continue
+        spans.setdefault(int((c["t"] - start) // PACE_WINDOW_S), []).append(c["t"] - previous["t"])
+    quiet = [statistics.fmean(v) for w, v in spans.items()
+             if len(v) >= 2 and not any(start + w * PACE_WINDOW_S - 1.0 <= at < start + (w + 1) * PACE_WINDOW_S
+                                        for at in marks)]
+    return statistics.median(quiet) if quiet else None
 
 
 def _lost(result: SoakResult, spans: list[tuple[float, int]], full: int) -> dict[str, float]:
@@ -443,24 +457,32 @@ def _lost(result: SoakResult, spans: list[tuple[float, int]], full: int) -> dict
     changes = [c for c in result.changes if c["step"] < result.steps]
     admitted = sum(c["regroup_s"] for c in changes if c["joined"] and not c["lost_ranks"])
     regroups = sum(c["regroup_s"] for c in changes if c["lost_ranks"])
+    groups = sum(c.get("connect_s", 0.0) for c in changes if c["lost_ranks"])
     stopped = result.wall_s - result.committed_s
     return {"seeing a loss and the step in flight": stopped - admitted - regroups,
-            "regrouping after a loss": regroups,
+            "a new group after a loss": groups,
+            "the state rebuilt after a loss": regroups - groups,
             "admitting a replacement": admitted,
             "a smaller world": sum(s * (full - w) / full for s, w in spans),
             "slower steps": sum((s - step) * w / full for s, w in spans)}
 
 
 def _replacements_start(result: SoakResult, events: list[dict[str, Any]], first: float) -> None:
-    """Each replacement's start and wait to be admitted (Note [soak])."""
-    born = {e["pid"]: e["born"] for e in events if e["e"] == "start" and e["t"] > first}
+    """Each replacement's start, from the kill it replaces, and its wait to be
+    admitted (Note [soak]). A kill is paired with the first replacement whose
+    script started after it (a spare starts its script when it is taken)."""
+    started = sorted((e["t"], e["pid"]) for e in events if e["e"] == "start" and e["t"] > first)
     ready = {e["pid"]: e["t"] for e in events if e["e"] == "ready"}
     trained = {e["pid"]: e["t"] for e in reversed(events) if e["e"] == "batch"}
-    for pid, at in born.items():
-        if pid in ready:
-            result.start_s.append(ready[pid] - at)
-            if pid in trained:
-                result.join_s.append(trained[pid] - ready[pid])
+    for at, _ in sorted(result.kills):
+        later = [(t, pid) for t, pid in started if t > at and pid in ready]
+        if not later:
+            continue
+        started.remove(later[0])
+        pid = later[0][1]
+        result.start_s.append(ready[pid] - at)
+        if pid in trained:
+            result.join_s.append(trained[pid] - ready[pid])
 
 
 def _committed_batches(events: list[dict[str, Any]], commits: dict[int, dict[str, Any]],
