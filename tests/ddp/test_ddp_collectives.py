@@ -27,6 +27,13 @@ def _record(ddp: tandem.DistributedDataParallel) -> list[tuple[str, str, int]]:
     return events
 
 
+def _taken(events: list) -> list:
+    """The events so far, and none left."""
+    taken = list(events)
+    events.clear()
+    return taken
+
+
 def _step(ddp, x, y, *, backward=True) -> None:
     loss = nn.functional.mse_loss(ddp(x), y)
     if backward:
@@ -40,25 +47,26 @@ def _counts(rank: int, world_size: int) -> dict:
     x, y = torch.randn(4, IN), torch.randn(4, OUT)
     per_phase = {}
     _step(ddp, x, y)                                     # step 1 (buckets rebuilt after it)
-    per_phase["step1"] = list(events); events.clear()
+    per_phase["step1"] = _taken(events)
     _step(ddp, x, y)                                     # step 2: rebuild broadcast first
-    per_phase["step2"] = list(events); events.clear()
+    per_phase["step2"] = _taken(events)
     with ddp.no_sync():
         _step(ddp, x, y)
         _step(ddp, x, y)
-    per_phase["no_sync"] = list(events); events.clear()
+    per_phase["no_sync"] = _taken(events)
     _step(ddp, x, y)
-    per_phase["after_no_sync"] = list(events); events.clear()
+    per_phase["after_no_sync"] = _taken(events)
     with torch.no_grad():
         ddp(x)
-    per_phase["no_grad"] = list(events); events.clear()
+    per_phase["no_grad"] = _taken(events)
     return {"n_buckets": n_buckets, "n_buckets_now": len(ddp.reducer.buckets), **per_phase}
 
 
 def test_one_reduction_per_bucket_per_step_and_none_under_no_sync(two) -> None:
     for r in two["counts"]:
         assert r["n_buckets"] > 3
-        buckets = lambda ev: [e for e in ev if e[0] == "all_reduce" and e[1].startswith("bucket")]
+        def buckets(ev: list) -> list:
+            return [e for e in ev if e[0] == "all_reduce" and e[1].startswith("bucket")]
         assert [e[1] for e in buckets(r["step1"])] == [f"bucket {i}" for i in range(r["n_buckets"])]
         assert len(r["step1"]) == r["n_buckets"]
         # Step 2 starts with the one-time broadcast of rank 0's gradient arrival order.
@@ -156,15 +164,15 @@ def _buffers(rank: int, world_size: int) -> dict:
     x, y = torch.randn(4, IN) + rank, torch.randn(4, OUT)
     out = {}
     _step(ddp, x, y)
-    out["first"] = [e[:2] for e in events if e[0] == "broadcast"]; events.clear()
+    out["first"] = [e[:2] for e in _taken(events) if e[0] == "broadcast"]
     with ddp.no_sync():
         _step(ddp, x, y)
-        out["no_sync_first"] = [e[:2] for e in events if e[1] == "buffers"]; events.clear()
+        out["no_sync_first"] = [e[:2] for e in _taken(events) if e[1] == "buffers"]
         _step(ddp, x, y)
-        out["no_sync_second"] = [e[:2] for e in events if e[1] == "buffers"]; events.clear()
+        out["no_sync_second"] = [e[:2] for e in _taken(events) if e[1] == "buffers"]
     # The forward after an unsynchronised one does not broadcast buffers (as torch).
     _step(ddp, x, y)
-    out["after"] = [e[:2] for e in events if e[0] == "broadcast" and e[1] == "buffers"]; events.clear()
+    out["after"] = [e[:2] for e in _taken(events) if e[0] == "broadcast" and e[1] == "buffers"]
     _step(ddp, x, y)
     out["next"] = [e[:2] for e in events if e[0] == "broadcast" and e[1] == "buffers"]
     out["running_mean"] = model.bn.running_mean.clone()

@@ -259,7 +259,8 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
 
 def _run_build_cases(rank: int, ws: int, names: list[str]) -> dict[str, Any]:
     torch.manual_seed(0)  # the same model on every rank unless a case says otherwise
-    results: dict[str, Any] = {name: _outcome(lambda: BUILD_CASES[name](rank, ws)) for name in names}
+    results: dict[str, Any] = {name: _outcome(lambda name=name: BUILD_CASES[name](rank, ws))
+                                    for name in names}
     results["in_step"] = _ranks_in_step(rank, ws)
     return results
 

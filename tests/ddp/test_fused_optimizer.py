@@ -237,7 +237,7 @@ def _misuse(rank: int, world_size: int) -> dict[str, object]:
 
 
 def test_fused_step_misuse_fails_clearly_and_schedulers_stay_quiet() -> None:
-    for rank, out in enumerate(run_distributed(_misuse, 2, timeout=120)):
+    for out in run_distributed(_misuse, 2, timeout=120):
         assert out["twice"].startswith("RuntimeError: an optimizer (SGD) is already fused"), out["twice"]
         assert out["refuse again"].startswith("RuntimeError: this SGD is already fused"), out["refuse again"]
         assert out["stepped in backward"] and out["step is a no-op"], out

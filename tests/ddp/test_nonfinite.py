@@ -285,7 +285,7 @@ def test_raise_every_rank_raises_naming_rank_1_and_the_parameter(grid, config):
 
 def test_raise_names_every_offending_rank_and_each_ones_parameters(grid):
     world_size = len(grid)
-    for rank, r in enumerate(grid):
+    for r in grid:
         message = r["raise, several ranks"]["message"]
         for bad in range(1, world_size):
             assert f"rank {bad}: non-finite gradient in parameters '{NAMES[bad % len(NAMES)]}' " in message
@@ -344,7 +344,7 @@ def test_check_finite_changes_no_result_and_adds_no_collective(grid, config):
 
 @pytest.mark.parametrize("hook", [None, "allreduce"])
 def test_skip_under_join_agrees_and_names_the_parameters(grid, hook):
-    for rank, r in enumerate(grid):
+    for r in grid:
         reports = r["join"][hook]["reports"]
         assert [rep is not None for rep in reports] == [s == 1 for s in range(len(reports))]
         assert reports[1].before is None and reports[1].after == ("2.weight",)

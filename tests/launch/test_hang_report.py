@@ -207,7 +207,8 @@ def test_a_dump_read_halfway_is_waited_for_until_the_main_thread_is_in_it(tmp_pa
     attempt = _attempt(tmp_path, 0, 1)
     main = 0x7F707626DB80
     monitor = "Thread 0x00007f7051d666c0 (most recent call first):\n  File \"m.py\", line 1 in _run\n\n"
-    whole = monitor + f"Current thread 0x{main:016x} (most recent call first):\n  File \"train.py\", line 20 in forward\n"
+    whole = monitor + (f"Current thread 0x{main:016x} (most recent call first):\n"
+                       "  File \"train.py\", line 20 in forward\n")
     attempt.ranks[0].stacks.write_text(monitor)
     finish = threading.Timer(0.3, attempt.ranks[0].stacks.write_text, args=(whole,))
     finish.start()

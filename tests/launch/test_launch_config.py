@@ -207,8 +207,10 @@ def test_rank_prefix_and_lines():
 def test_the_console_leaves_cpp_backtraces_to_the_log():
     """Note [C++ backtraces] in tandem/launch/output.py: a warning's first line stays,
     its backtrace (and the empty line closing it) goes, also across two reads."""
-    warning = [b"[rank2]:[W1129 01:02:01.5 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=11): Broken pipe",
-               b"Exception raised from sendBytes at torch/csrc/distributed/c10d/Utils.hpp:758 (most recent call first):",
+    warning = [b"[rank2]:[W1129 01:02:01.5 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=11): "
+               b"Broken pipe",
+               b"Exception raised from sendBytes at torch/csrc/distributed/c10d/Utils.hpp:758 "
+               b"(most recent call first):",
                b"frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f in libc10.so)",
                b"<omitting python frames>"]
     rest = [b"frame #23: _start + 0x21 (0x55 in python)", b"", b"tandem: rank 2 is cut off", b"", b"frame #1 is text"]

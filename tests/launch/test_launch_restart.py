@@ -66,7 +66,7 @@ def test_a_script_failing_every_attempt_gets_exactly_k_plus_one(tmp_path):
                 str(path)], cwd=tmp_path, timeout=60)
     assert r.returncode == 1, r
     assert len(lines_with(r.stdout, "[rank 0] attempt")) == 3
-    assert [l.split("] ")[1] for l in lines_with(r.stdout, "[rank 1] attempt")] == [
+    assert [line.split("] ")[1] for line in lines_with(r.stdout, "[rank 1] attempt")] == [
         "attempt 0 of rank 1", "attempt 1 of rank 1", "attempt 2 of rank 1"]
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "attempt_0", "attempt_1", "attempt_2"]

@@ -353,7 +353,7 @@ def test_without_a_process_group_it_is_batchnorm() -> None:
     torch.manual_seed(0)
     ref, theirs = nn.BatchNorm2d(C, momentum=None), nn.SyncBatchNorm(C, momentum=None)
     ours = tandem.SyncBatchNorm(C, momentum=None)
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, C, 3, 3) * 2 + 1
         outs = [m(x) for m in (ref, theirs, ours)]
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -211,9 +211,9 @@ def test_interrupted_and_resumed_run_ends_equal_to_an_uninterrupted_one(runs):
         assert max_param_diff(second[rank]["params"], full[rank]["params"]) <= 1e-6
     resumed, uninterrupted = train_losses(second[0]["history"]), train_losses(full[0]["history"])
     assert [s for s, _ in resumed] == [s for s, _ in uninterrupted]
-    assert [l for _, l in resumed] == pytest.approx([l for _, l in uninterrupted], abs=1e-6)
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in uninterrupted], abs=1e-6)
     # metrics.jsonl holds the whole run's records, as one run would have written them.
-    lines = [json.loads(l) for l in (Path(parted) / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (Path(parted) / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in lines] == [(r["kind"], r["step"]) for r in full[0]["history"]]
 
 
@@ -289,7 +289,7 @@ def test_a_fully_sharded_run_resumes_exactly_at_any_world_size(sharded_runs):
     resumed = train_losses(sharded[0]["second"]["history"])
     uninterrupted = train_losses(sharded[0]["full"]["history"])
     assert [s for s, _ in resumed] == [s for s, _ in uninterrupted]
-    assert [l for _, l in resumed] == pytest.approx([l for _, l in uninterrupted], abs=1e-6)
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in uninterrupted], abs=1e-6)
     # The same sharded checkpoint resumed by one process without fully_shard.
     assert one["resumed"]["steps"] == 12
     assert max_param_diff(one["resumed"]["params"], one["full"]["params"]) <= 1e-6

@@ -296,7 +296,7 @@ def _rebound_and_kept(rank: int, world_size: int) -> dict:
         first = next(iter(model.parameters()))
         kept: list[torch.Tensor] = []
         # before DDP's own hook, which may launch the bucket and release .grad
-        handle = first.register_post_accumulate_grad_hook(lambda p: kept.append(p.grad))
+        handle = first.register_post_accumulate_grad_hook(lambda p, kept=kept: kept.append(p.grad))
         ddp = tandem.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, zero_stage=stage)
         opt = (ZeroOptimizer(ddp, torch.optim.Adam, lr=0.01) if stage
                else torch.optim.Adam(model.parameters(), lr=0.01))
