@@ -10,13 +10,16 @@ kills none). The other two see the death at once, drop the step in flight and
 go on at world 2; the launcher starts a replacement, which builds its model and
 Trainer, asks to join, and is admitted at a step boundary with the training
 state of a live worker (not from disk); the job ends at world 3. Rank 0 prints
-the run's line ("trained 1 epoch(s), 12 steps, over 3 -> 2 -> 3 rank(s)"), and
-each worker a digest of its parameters: the replicas are equal.
+the run's line ("trained 1 epoch(s), 11 steps, over 3 -> 2 -> 3 rank(s)" when
+the launcher's spare worker, which had imported torch already, became the
+replacement; 12 when it was admitted after step 7), and each worker a digest
+of its parameters: the replicas are equal.
 
-The epoch is short (120 samples, 30 steps of 4 per rank at world 3), so from
+The epoch is short (120 samples, 10 steps of 4 per rank at world 3), so from
 step 7 the members wait for the replacement to ask (``--hold-from 6``), which a
-new interpreter importing torch takes a few seconds to do: without that wait
-the epoch could end before it joins. The Trainer writes to ``tandem-elastic/``.
+new interpreter importing torch takes a few seconds to do (when no spare was
+ready): without that wait the epoch could end before it joins. The Trainer
+writes to ``tandem-elastic/``.
 """
 
 from __future__ import annotations
