@@ -516,42 +516,33 @@ class Membership:
         self._strangers_seen = max(self._strangers_seen, count)
 
     def _joiners(self) -> int:
-        """How many replacements asked to join: the counter read, not added to (an
-        add to a value that is no number, a stranger's junk, would close this
-        member's connection); junk there counts as no new ask, said once (Note
-        [a stranger asks to join])."""
+        """How many replacements asked to join (Note [a stranger asks to join])."""
         store = self.store
         raw, key = (store.inner, store.name(f"{PREFIX}/joiners")) if isinstance(store, SignedStore) else \
             (store, f"{PREFIX}/joiners")
-        if not raw.check([key]):
-            return 0
-        text = raw.get(key).decode(errors="replace")
-        try:
-            self._joiners_seen = int(text)
-        except ValueError:
-            if not self._junk_said:
-                self._junk_said = True
-                self._say(f"elastic: the counter of asks to join holds {text[:40]!r}, not a number: junk written "
-                          "by a process outside the job; no new replacement is admitted while it lasts, the "
-                          "members go on")
+        self._joiners_seen = self._count(raw, key, self._joiners_seen, "the counter of asks to join")
         return self._joiners_seen
 
     def _plain_count(self, plain: dist.Store, where: str) -> int:
-        """The plain ``joiners`` counter, read without adding to it; junk there
-        is skipped with one warning (Note [a stranger asks to join])."""
-        key = f"{PREFIX}/joiners"
-        if not plain.check([key]):
-            return self._strangers_seen
-        text = plain.get(key).decode(errors="replace")
+        """The plain ``joiners`` counter (Note [a stranger asks to join])."""
+        return self._count(plain, f"{PREFIX}/joiners", self._strangers_seen,
+                           f"the plain counter of asks to join (in {where})")
+
+    def _count(self, raw: dist.Store, key: str, last: int, what: str) -> int:
+        """The counter under ``key``, read, not added to (an add to a value that
+        is no number, a stranger's junk, would close this member's connection);
+        ``last`` when it is missing or junk, which is said once a member."""
+        if not raw.check([key]):
+            return last
+        text = raw.get(key).decode(errors="replace")
         try:
             return int(text)
         except ValueError:
             if not self._junk_said:
                 self._junk_said = True
-                self._say(f"elastic: the plain counter of asks to join holds {text[:40]!r}, not a number (in "
-                          f"{where}): junk written by a process without this job's secret; skipped, and any "
-                          "more such junk silently; the members go on")
-            return self._strangers_seen
+                self._say(f"elastic: {what} holds {text[:40]!r}, not a number: junk written by a process outside "
+                          "the job; skipped, and any more such junk silently; the members go on")
+            return last
 
     def _say(self, line: str) -> None:
         logger.warning("%s", line)
