@@ -56,6 +56,7 @@ from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.secret_check import SecretCheck
 from tandem.launch.signed_rendezvous import rendezvous_handler
 from tandem.launch.spare import Spares, python_target
+from tandem.launch.tunnel import TunnelError, Tunnels
 from tandem.launch.watchdog import HANG_EXITCODE, Watchdog
 
 __all__ = ["HANG_EXITCODE", "LaunchError", "SignalException", "quiet_torch_launch_logs",
@@ -174,29 +175,59 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         **options)
     logger.info("tandem.launch: %s", config.describe())
     timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
-    roll = (NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret())
+    tunnels = _tunnels(config, logs.job_secret(), on_event)
+    try:
+        return _launch(config, entrypoint, args, logs, params, options, timeout, tunnels, on_hang, on_event)
+    finally:
+        if tunnels is not None:
+            tunnels.close()
+
+
+def _tunnels(config: LaunchConfig, secret: bytes | None,
+             on_event: Callable[[str], None] | None) -> Tunnels | None:
+    """The node's TLS tunnels for a job of several nodes with a secret, unless
+    ``--open-stores`` (Note [stores behind TLS] in tunnel.py)."""
+    if config.max_nodes <= 1 or secret is None or config.open_stores:
+        return None
+    try:
+        return Tunnels(secret, on_refused=on_event or (lambda line: logger.warning("%s", line)))
+    except TunnelError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], logs: WorkerLogs,
+            params: RendezvousParameters, options: dict[str, Any], timeout: datetime.timedelta,
+            tunnels: Tunnels | None, on_hang: Callable[[str], None] | None,
+            on_event: Callable[[str], None] | None) -> RunResult:
+    roll = (NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret(),
+                     tunnels=tunnels)
             if config.elastic and config.max_nodes > 1 and config.rdzv_backend == "c10d" else None)
     hosts_endpoint = str(options.get("is_host", "")).lower() in ("1", "true", "yes", "y")
-    running = roll.running_job() if roll is not None and not hosts_endpoint else None
+    with _rendezvous_errors(config):
+        running = roll.running_job() if roll is not None and not hosts_endpoint else None
     handler: RendezvousHandler
     secret_check: SecretCheck | None = None
     if running is not None:  # Note [nodes of an elastic job] in node_roll.py
         if on_event is not None:
             on_event(f"elastic: a job {config.rdzv_id!r} is running (its workers' store at "
                      f"{running[0]}:{running[1]}); this node's workers join it")
+        if tunnels is not None:
+            with _rendezvous_errors(config):
+                running = tunnels.reach(*running, "the workers' store", timeout_s=timeout.total_seconds())
         handler = JoinRunningJob(*running, config.rdzv_id)
         logs.add_worker_env({JOIN_ENV: "1"})
     else:
         many_nodes = config.max_nodes > 1
         secret = logs.job_secret()
-        if many_nodes:  # Note [another secret at the rendezvous] in secret_check.py
+        if many_nodes and tunnels is None:  # Note [another secret at the rendezvous] in secret_check.py
             secret_check = SecretCheck(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret,
                                        nodes=config.max_nodes,
                                        on_other=on_event or (lambda line: logger.warning("%s", line)))
-        with _rendezvous_errors(config, secret_check):
-            handler = FreshWorkerStore(rendezvous_handler(params, secret=secret, many_nodes=many_nodes),
+        with _rendezvous_errors(config, secret_check, tunnels):
+            handler = FreshWorkerStore(rendezvous_handler(params, secret=secret, many_nodes=many_nodes,
+                                                          tunnels=tunnels),
                                        timeout=timeout, poll_waiting=many_nodes, many_nodes=many_nodes,
-                                       secret=secret)
+                                       secret=secret, tunnels=tunnels)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler,
         entrypoint=entrypoint, args=tuple(args),
@@ -221,14 +252,15 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
             exit_barrier_timeout=config.exit_barrier_timeout_s,
             watchdog=(Watchdog(config.hang_timeout_s, secret=logs.job_secret())
                       if config.hang_timeout_s is not None else None),
-            roll=(NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret())
+            roll=(NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret(),
+                           tunnels=tunnels)
                   if config.max_nodes > 1 and isinstance(handler, FreshWorkerStore) else None),
             hosts_endpoint=_may_host_endpoint(config, options))
     close_rendezvous = True
     if secret_check is not None:
         secret_check.start()
     try:
-        with _restored_signal_handlers(), _rendezvous_errors(config, secret_check):
+        with _restored_signal_handlers(), _rendezvous_errors(config, secret_check, tunnels):
             result = agent.run()
         # Workers cut off from the job's store (Note [cut off] in tandem/comm/cut_off.py):
         # the rendezvous store is likely out of reach too, and the job goes on elsewhere.
@@ -285,16 +317,20 @@ def _holds_endpoint(config: LaunchConfig) -> bool:
 
 
 @contextlib.contextmanager
-def _rendezvous_errors(config: LaunchConfig, secret_check: SecretCheck | None = None) -> Iterator[None]:
+def _rendezvous_errors(config: LaunchConfig, secret_check: SecretCheck | None = None,
+                       tunnels: Tunnels | None = None) -> Iterator[None]:
     """Turn the rendezvous' failures into a :class:`LaunchError` that says what to
     do; a node seen with another job secret is named first (Note [another
-    secret at the rendezvous] in secret_check.py)."""
+    secret at the rendezvous] in secret_check.py, Note [stores behind TLS] in
+    tunnel.py)."""
     where = f"{config.rdzv_backend} rendezvous at {config.rdzv_endpoint}"
     nodes = (f"{config.max_nodes} node(s)" if config.min_nodes == config.max_nodes
              else f"{config.min_nodes} node(s)")
 
     def secret_first() -> str:
         other = secret_check.other if secret_check is not None else None
+        if other is None and tunnels is not None:
+            other = tunnels.other_secret
         return f"{other}. Then: " if other else ""
 
     def timed_out() -> LaunchError:
@@ -305,6 +341,8 @@ def _rendezvous_errors(config: LaunchConfig, secret_check: SecretCheck | None = 
 
     try:
         yield
+    except TunnelError as e:  # Note [stores behind TLS] in tunnel.py: the secret differs, or no answer
+        raise LaunchError(str(e)) from e
     except RendezvousTimeoutError as e:
         raise timed_out() from e
     except RendezvousClosedError as e:

@@ -132,6 +132,9 @@ def build_parser() -> _Parser:
         help=f"fail if the nodes have not met within this (default {DEFAULT_RDZV_TIMEOUT_S:g})")
     opt(g, "--local-addr", default=None, metavar="HOST",
         help="this node's address as the others should see it")
+    opt(g, "--open-stores", action="store_true",
+        help="with several nodes, leave the job's stores open to the network as torchrun's are, "
+             "instead of behind TLS keyed by the job secret (which needs stunnel on every node)")
     g = p.add_argument_group("failures")
     opt(g, "--max-restarts", type=int, default=0, metavar="K",
         help="restart the whole group up to K times after a worker fails (default 0); with "
@@ -199,7 +202,8 @@ def config_from_args(args: argparse.Namespace, *, cpus: int, gpus: int,
         rdzv_id=rdzv.run_id, rdzv_timeout_s=args.rdzv_timeout,
         rdzv_options=parse_rdzv_conf(args.rdzv_conf), max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, hang_timeout_s=args.hang_timeout,
-        elastic=args.elastic, spare=not args.no_spare, debug_collectives=args.debug_collectives,
+        elastic=args.elastic, spare=not args.no_spare, open_stores=args.open_stores,
+        debug_collectives=args.debug_collectives,
         omp_num_threads=threads_per_worker(choice.nproc, cpus=cpus, environ=environ),
         output_ranks=None if args.ranks is None else parse_rank_list(args.ranks, flag="--ranks"),
         output_local_ranks=(None if args.local_ranks_filter is None else

@@ -64,6 +64,10 @@ class LaunchConfig:
     """Under ``elastic`` with replacements, keep a spare worker that has imported
     torch and tandem, to become the next replacement (Note [spare workers] in
     spare.py); False (``--no-spare``): each replacement starts when a worker dies."""
+    open_stores: bool = False
+    """A job of several nodes leaves its stores open to the network, as torchrun's
+    are (``--open-stores``), instead of behind TLS keyed by the job secret (Note
+    [stores behind TLS] in tunnel.py)."""
     debug_collectives: bool = False
     """The workers compare every collective before issuing it (``--debug-collectives``,
     ``TANDEM_DEBUG=collectives``): a mismatch raises on every rank at once."""

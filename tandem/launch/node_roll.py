@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from tandem._compat import rendezvous_info
 from tandem.comm.job_secret import SignedStore, signed_like
 from tandem.launch.flags import split_endpoint
+from tandem.launch.tunnel import SecretDiffersError, Tunnels
 
 __all__ = ["BEAT_S", "JoinRunningJob", "NodeRoll", "STALE_S"]
 
@@ -74,11 +75,15 @@ class NodeRoll:
         node_id: this node's id, unique in the job (default: its address or
             host name, and the launcher's pid).
         secret: the job secret, which signs the roll's keys and values.
+        tunnels: the launcher's TLS tunnels, through which the stores of other
+            nodes are reached (Note [stores behind TLS] in tunnel.py); None:
+            they are reached directly.
     """
 
     def __init__(self, endpoint: str, run_id: str, node_id: str | None = None, *,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, tunnels: Tunnels | None = None) -> None:
         self.endpoint = endpoint
+        self._tunnels = tunnels
         self._secret = secret  # the roll's keys are signed with it (Note [signed store] in job_secret.py)
         self.prefix = f"tandem/nodes/{run_id}"
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -89,11 +94,17 @@ class NodeRoll:
     # ------------------------------------------------------------------ the store
     def _connect(self, timeout_s: float = _CONNECT_S) -> dist.Store:
         if self._store is None:
-            host, port = split_endpoint(self.endpoint, "--rdzv-endpoint")
+            host, port = self._reach(*split_endpoint(self.endpoint, "--rdzv-endpoint"), "the rendezvous store",
+                                     timeout_s)
             client = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
             self._store = client if self._secret is None else SignedStore(
                 client, self._secret, f"the rendezvous store at {self.endpoint}")
         return self._store
+
+    def _reach(self, host: str, port: int, what: str, timeout_s: float) -> tuple[str, int]:
+        if self._tunnels is None:
+            return host, port
+        return self._tunnels.reach(host, port, what, timeout_s=timeout_s)
 
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
@@ -102,18 +113,26 @@ class NodeRoll:
     def running_job(self) -> tuple[str, int] | None:
         """The address of the running job's workers' store, when there is a
         running job whose store answers; None otherwise (then this node meets
-        the others in the rendezvous)."""
+        the others in the rendezvous).
+
+        Raises:
+            SecretDiffersError: the rendezvous store refused this node's TLS
+                handshake (Note [stores behind TLS] in tunnel.py).
+        """
         try:
             store = self._connect()
             if not store.check([self._key("workers")]):
                 return None
             address = store.get(self._key("workers")).decode()
+        except SecretDiffersError:
+            raise
         except Exception as e:  # noqa: BLE001 - no store yet: this node is among the first
             logger.debug("no running job at %s: %s", self.endpoint, e)
             return None
         host, port = split_endpoint(address, "the workers' store")
         try:
-            dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=_CONNECT_S))
+            dist.TCPStore(*self._reach(host, port, "the workers' store", _CONNECT_S), None, False,
+                          datetime.timedelta(seconds=_CONNECT_S))
         except Exception as e:  # noqa: BLE001 - its host is gone: a job that no longer runs
             logger.info("the running job's workers' store at %s does not answer (%s)", address, e)
             return None

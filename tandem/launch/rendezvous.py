@@ -18,7 +18,9 @@ thing: after each rendezvous node 0 starts a new ``TCPStore`` on a free port
 rendezvous store (signed under a job secret: Note [signed store] in
 job_secret.py), and every node hands that address to its workers. A job of
 one node keeps it on loopback (Note [a store on the job's address] in
-listening_store.py). The previous
+listening_store.py); with tunnels (Note [stores behind TLS] in tunnel.py) it
+listens on loopback and is served behind TLS at node 0's address, and the
+workers of every other node meet in it through their launcher's tunnel. The previous
 attempt's store is closed when the next one opens. Process management, the
 rendezvous itself and the agent's own store stay torch's.
 
@@ -47,6 +49,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from tandem._compat import rendezvous_info
 from tandem.comm.job_secret import SignedStore
 from tandem.comm.listening_store import listening_store
+from tandem.launch.tunnel import Tunnels
 
 __all__ = ["FreshWorkerStore"]
 
@@ -63,8 +66,10 @@ class FreshWorkerStore(RendezvousHandler):
     workers (see Note [one store per attempt])."""
 
     def __init__(self, inner: RendezvousHandler, *, timeout: datetime.timedelta,
-                 poll_waiting: bool = False, many_nodes: bool = True, secret: bytes | None = None) -> None:
+                 poll_waiting: bool = False, many_nodes: bool = True, secret: bytes | None = None,
+                 tunnels: Tunnels | None = None) -> None:
         self._inner = inner
+        self._tunnels = tunnels
         self._many_nodes = many_nodes
         self._secret = secret
         self._waiting = _WaitingNodes(inner) if poll_waiting else None
@@ -72,9 +77,12 @@ class FreshWorkerStore(RendezvousHandler):
         self._server: dist.TCPStore | None = None
         self._attempt = 0
         self.hosted: tuple[str, int] | None = None
-        """The workers' store's address while this node hosts it (its round's rank 0)."""
+        """The workers' store's address, as other nodes are told it, while this node
+        hosts it (its round's rank 0)."""
         self.workers_store: tuple[str, int] | None = None
-        """The address of the store this attempt's workers meet in (on every node)."""
+        """The address this node's processes reach the store this attempt's workers
+        meet in at (with tunnels, on 127.0.0.1)."""
+        self._public: tuple[str, int] | None = None  # the workers' store as the nodes are told it
 
     def get_backend(self) -> str:
         return self._inner.get_backend()
@@ -100,15 +108,24 @@ class FreshWorkerStore(RendezvousHandler):
         # Note [a store on the job's address] in tandem/comm/listening_store.py
         addr = bootstrap.master_addr if self._many_nodes else _LOOPBACK
         store = info.store if self._secret is None else SignedStore(info.store, self._secret, "the rendezvous store")
+        if self._tunnels is not None and self._public is not None:
+            self._tunnels.drop(*self._public)  # the previous attempt's tunnel
         if info.rank == 0:
             self._server = None  # close the previous attempt's store before opening the next
-            self._server = listening_store(addr, 0, timeout=self._timeout, many_nodes=self._many_nodes)
-            store.set(key, str(self._server.port))
-            self.hosted = (addr, self._server.port)
+            if self._tunnels is None:
+                self._server = listening_store(addr, 0, timeout=self._timeout, many_nodes=self._many_nodes)
+                public = self._server.port
+            else:
+                self._server = listening_store(_LOOPBACK, 0, timeout=self._timeout)
+                public = self._tunnels.serve(addr, 0, self._server.port, "the workers' store")
+            store.set(key, str(public))
+            self.hosted = (addr, public)
         port = int(store.get(key).decode())
-        self.workers_store = (addr, port)
+        self._public = (addr, port)
+        self.workers_store = self._public if self._tunnels is None else self._tunnels.reach(
+            addr, port, "the workers' store", timeout_s=self._timeout.total_seconds())
         logger.debug("attempt %d: workers meet in a fresh store at %s:%d", self._attempt, addr, port)
-        return rendezvous_info(info.store, info.rank, info.world_size, addr, port)
+        return rendezvous_info(info.store, info.rank, info.world_size, *self.workers_store)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()
@@ -125,6 +142,8 @@ class FreshWorkerStore(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        if self._tunnels is not None and self._public is not None:
+            self._tunnels.drop(*self._public)
         self._server = None
         self.hosted = None
         self.stop_polling()

@@ -20,6 +20,10 @@ builds it with its own pieces and changes nothing else:
   checked before torch decodes it; a value that fails is refused, and the
   rendezvous reports it as a failed store call.
 
+With tunnels (a job of several nodes: Note [stores behind TLS] in
+tunnel.py) the store listens on 127.0.0.1 of its host, which serves it on the
+endpoint behind TLS, and every other node reaches it through its own tunnel.
+
 The static rendezvous (``--master-port``) keeps no pickle; its store is
 listened for in the same way. torch's agent's own keys in the round's store
 (rank assignment, the exit barrier) are JSON and counters: a stranger there
@@ -41,6 +45,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from tandem._compat import matches_machine_hostname, preset_static_store, share_listening_store
 from tandem.comm.job_secret import SignedStore
 from tandem.comm.listening_store import listening_store
+from tandem.launch.tunnel import Tunnels, free_port
 
 __all__ = ["rendezvous_handler"]
 
@@ -50,18 +55,26 @@ _STATIC_TIMEOUT_S = 600  # torch's static rendezvous' default store timeout
 
 
 def rendezvous_handler(params: RendezvousParameters, *, secret: bytes | None,
-                       many_nodes: bool) -> RendezvousHandler:
+                       many_nodes: bool, tunnels: Tunnels | None = None) -> RendezvousHandler:
     """torch's handler for ``params``, with its store listening on the
-    endpoint's address and, under ``secret``, its state signed (Note [the
-    rendezvous' state]); ``many_nodes``: nodes other than this one may take part."""
+    endpoint's address (or behind ``tunnels``' TLS) and, under ``secret``, its
+    state signed (Note [the rendezvous' state]); ``many_nodes``: nodes other
+    than this one may take part."""
     if params.backend == "static":
         handler = get_rendezvous_handler(params)
+        host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+        store_timeout = datetime.timedelta(seconds=int(params.config.get("timeout", _STATIC_TIMEOUT_S)))
         if int(params.config["rank"]) == 0:
-            host, port = parse_rendezvous_endpoint(params.endpoint, -1)
-            store_timeout = datetime.timedelta(seconds=int(params.config.get("timeout", _STATIC_TIMEOUT_S)))
+            if tunnels is not None:  # served first: the store waits for every node's client
+                host, port = _LOOPBACK, free_port(_LOOPBACK)
+                tunnels.serve(*parse_rendezvous_endpoint(params.endpoint, -1), port, "the rendezvous store")
             preset_static_store(handler, listening_store(host, port, timeout=store_timeout,
                                                          world_size=params.max_nodes, wait_for_workers=True,
                                                          multi_tenant=True, many_nodes=many_nodes))
+        elif tunnels is not None:
+            local = tunnels.reach(host, port, "the rendezvous store", timeout_s=store_timeout.total_seconds())
+            preset_static_store(handler, dist.TCPStore(*local, params.max_nodes, False, store_timeout,
+                                                       multi_tenant=True))
         return handler
     if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
         return get_rendezvous_handler(params)
@@ -69,30 +82,39 @@ def rendezvous_handler(params: RendezvousParameters, *, secret: bytes | None,
     if read_timeout <= 0:
         raise ValueError(f"read_timeout={read_timeout} must be a positive number of seconds")
     timeout = datetime.timedelta(seconds=read_timeout)
-    store = _c10d_store(params, timeout=timeout, many_nodes=many_nodes)
+    store = _c10d_store(params, timeout=timeout, many_nodes=many_nodes, tunnels=tunnels)
     state_store: dist.Store = store
     if secret is not None:
         state_store = SignedStore(store, secret, f"the rendezvous store at {params.endpoint}")
     handler = create_handler(store, C10dRendezvousBackend(state_store, params.run_id), params)
+    # tandem gives the workers a store of its own (Note [one store per attempt] in rendezvous.py)
     share_listening_store(handler, lambda addr, port: listening_store(
-        addr if many_nodes else _LOOPBACK, port, timeout=timeout, multi_tenant=True, many_nodes=many_nodes))
+        addr if many_nodes and tunnels is None else _LOOPBACK, port, timeout=timeout, multi_tenant=True,
+        many_nodes=many_nodes))
     return handler
 
 
-def _c10d_store(params: RendezvousParameters, *, timeout: datetime.timedelta, many_nodes: bool) -> dist.TCPStore:
+def _c10d_store(params: RendezvousParameters, *, timeout: datetime.timedelta, many_nodes: bool,
+                tunnels: Tunnels | None) -> dist.TCPStore:
     """The c10d rendezvous' store as torch makes it (the host by ``is_host`` or
     by host name; a would-be host that finds the port taken connects to it),
-    hosted by :func:`listening_store`."""
+    hosted by :func:`listening_store`, behind ``tunnels`` when given."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=_C10D_PORT)
     said = params.get_as_bool("is_host")
     is_host = said if said is not None else matches_machine_hostname(host)
     if is_host:
         try:
-            return listening_store(host, port, timeout=timeout, multi_tenant=True, many_nodes=many_nodes)
+            if tunnels is None:
+                return listening_store(host, port, timeout=timeout, multi_tenant=True, many_nodes=many_nodes)
+            hosted = listening_store(_LOOPBACK, 0, timeout=timeout, multi_tenant=True)
+            tunnels.serve(host, port, hosted.port, "the rendezvous store")
+            return hosted
         except (OSError, RuntimeError, ValueError) as e:
             if said is not None:
                 raise RendezvousConnectionError(
                     f"this node was told to host the rendezvous store at {host}:{port} and cannot: {e}") from e
+    if tunnels is not None:
+        host, port = tunnels.reach(host, port, "the rendezvous store", timeout_s=timeout.total_seconds())
     try:
         return dist.TCPStore(host, port, None, False, timeout)
     except (RuntimeError, ValueError, TimeoutError) as e:

@@ -279,44 +279,45 @@ def test_a_hung_rank_on_another_node_is_named_by_the_hang_report(tmp_path: Path)
 STRANGER = str(Path(__file__).parent / "_stranger.py")
 
 
-def test_a_stranger_on_a_third_node_is_refused_and_the_job_ends_as_without_it(tmp_path: Path) -> None:
-    # Note [signed store] and Note [a store on the job's address]: node 2, on the same
-    # bridge and without the job secret, knows every port the job listens on.
+def test_a_stranger_on_a_third_node_opens_no_session_and_the_job_ends_as_without_it(tmp_path: Path) -> None:
+    # Note [stores behind TLS] in tandem/launch/tunnel.py: node 2, on the same bridge,
+    # knows every port the job listens on; for 20 s it tries to open a session with a
+    # store at each (to list, read, overwrite, add and join) and sends bytes to each.
+    # Meanwhile a node started with another secret asks to join.
     marker = tmp_path / "the-stranger-ran-code"
     env = {**ELASTIC, "HOLD_FROM": "2:1.5"}  # about 15 s of training left for the stranger
     with Cluster(3) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], env) for n in (0, 1)]
         _await(lambda: _trained_step(tmp_path, 3), "step 3")
         listening = {n: listening_ports(cluster.pids(n)) for n in (0, 1)}
-        ports = [(address, port, "store" if pid == nodes[n].proc.pid else "listener")
-                 for n in (0, 1) for pid, found in listening[n].items() for address, port in found]
-        stranger = cluster.run(2, [sys.executable, STRANGER, json.dumps(ports), str(marker), "faults"],
-                               with_secret=False, capture_output=True, text=True, timeout=60)
+        ports = sorted({(address, port) for n in (0, 1) for found in listening[n].values()
+                        for address, port in found if address == cluster.address(n)})
+        stranger = cluster.popen(2, [sys.executable, STRANGER, json.dumps(ports), str(marker), "faults", "20"],
+                                 with_secret=False, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        (tmp_path / "wrong").mkdir()
+        started = time.monotonic()
+        wrong = Node(cluster, 2, tmp_path / "wrong", ["1:2", "--elastic"], {**env, "TANDEM_JOB_SECRET": "another"})
+        wrong_code, wrong_out = wrong.finish(timeout=60)
+        told_at = wrong.first("this job's secret differs from yours")
         outs = [node.finish() for node in nodes]
-    # Where the job listens: each node's own address, never every interface.
+        told = json.loads(stranger.communicate(timeout=60)[0].strip().splitlines()[-1])
+    # Where the job listens: each node's own address and loopback, never every interface.
     for n in (0, 1):
-        found = [address for sockets in listening[n].values() for address, _ in sockets]
-        assert found and set(found) == {cluster.address(n)}, (n, listening[n])
-    assert sum(kind == "store" for *_, kind in ports) >= 2, ports  # the rendezvous store, the workers' store
-    assert stranger.returncode == 0, stranger.stderr[-4000:]
-    told = json.loads(stranger.stdout.strip().splitlines()[-1])
-    stores = [f"{address}:{port}" for address, port, kind in ports if kind == "store"]
-    # (c) its bytes reached every store's port, and every listener still open (gloo closes its own)
-    for address, port, kind in ports:
-        what = told["raw"][f"{address}:{port}"]
-        assert what == "sent" or (kind == "listener" and "Connection refused" in what), (address, port, what)
-    # (a) asked to join at every store: the workers' store tells it it was refused, the others never answer
-    refused = [where for where, what in told["join"].items() if "was refused: the job has a job secret" in what]
-    assert len(refused) == 1 and sorted(told["join"]) == sorted(stores), told["join"]
-    assert not any(what == "admitted" for what in told["join"].values()), told["join"]
-    # (b) written while the job ran, at every store
-    assert all(what == "written" for what in told["forged"].values()), told["forged"]
-    # (b) nothing it wrote was unpickled; the members logged the refusal and trained on
+        found = {address for sockets in listening[n].values() for address, _ in sockets}
+        assert found <= {cluster.address(n), "127.0.0.1"} and cluster.address(n) in found, (n, listening[n])
+    stores = [f"{cluster.address(0)}:29400"]  # the rendezvous store's, at least, and the workers' store's
+    assert len(ports) >= 3 and all(where in told["told"] for where in stores), (ports, told)
+    # No session opened at any port, in any round.
+    assert told["rounds"] >= 2 and len(told["told"]) == len(ports), told
+    assert not any(what == "opened" for what in told["told"].values()), told
     assert not marker.exists()
+    # The node with another secret is told so at once, and the job's host logs it in one line.
+    assert wrong_code != 0 and told_at is not None and told_at - started < 10, wrong_out[-3000:]
     for code, out in outs:
         assert code == 0, out[-4000:]
-    assert sum(out.count("refused a process that asked to join as j1 without this job's secret")
-               for _, out in outs) == 1, [out[-3000:] for _, out in outs]
+    stranger_lines = [[line for line in out.splitlines() if cluster.address(2) in line] for _, out in outs]
+    assert sum("its job secret differs from this job's" in line for lines in stranger_lines for line in lines) == 1
+    assert all(len(lines) <= 3 for lines in stranger_lines), stranger_lines
     done = _done(tmp_path)
     assert all(d["changes"] == [] for d in done), done[0]["changes"]  # the world never changed
     assert _used_samples(tmp_path, cutoff=N) == _check_result(done, 4) == list(range(N))

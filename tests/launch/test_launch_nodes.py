@@ -120,14 +120,40 @@ def test_a_node_lost_just_after_training_is_not_waited_for(tmp_path, form):
 
 @pytest.mark.parametrize("form", ["node-rank", "endpoint"])
 def test_nodes_with_different_secrets_are_told_so(tmp_path, form):
-    """Note [another secret at the rendezvous] in tandem/launch/secret_check.py:
-    each node names the other's secret at once, while it waits, and in its
-    error when the rendezvous gives up; nothing trains."""
+    """Note [stores behind TLS] in tandem/launch/tunnel.py: the node that
+    reaches the other's rendezvous store is told at once that its secret
+    differs; the host logs one line and names it in its error when the
+    rendezvous gives up; nothing trains."""
     path = script(tmp_path, "world.py", WORLD)
     port = free_port()
     nodes = _node_flags(form, port, "two-secrets")
     jobs = [Job(TANDEM + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-timeout", "8"] + flags + [str(path)],
                 cwd=tmp_path, env=clean_env(TANDEM_JOB_SECRET=new_secret())) for flags in nodes]
+    runs = [job.finish(90) for job in jobs]
+    for r in runs:
+        assert r.returncode == 1 and "WORLD" not in r.stdout, r
+    told = [r for r in runs if "tandem run: error: this job's secret differs from yours: the rendezvous store at "
+            f"127.0.0.1:{port} refused this node's TLS handshake" in r.stderr]
+    assert len(told) == 1 and told[0].seconds < 10, runs
+    host = runs[1 - runs.index(told[0])]
+    assert host.stderr.count("refused a connection from 127.0.0.1 to the rendezvous store: its job secret "
+                             "differs from this job's") == 1, host
+    last = host.stderr.strip().splitlines()[-1]
+    assert last.startswith("tandem run: error: a node at 127.0.0.1 with another job secret was refused at the "
+                           "rendezvous store. Then: "), host
+
+
+@pytest.mark.parametrize("form", ["node-rank", "endpoint"])
+def test_nodes_with_different_secrets_and_open_stores_are_told_so(tmp_path, form):
+    """Note [another secret at the rendezvous] in tandem/launch/secret_check.py
+    (``--open-stores``): each node names the other's secret at once, while it
+    waits, and in its error when the rendezvous gives up; nothing trains."""
+    path = script(tmp_path, "world.py", WORLD)
+    port = free_port()
+    nodes = _node_flags(form, port, "two-secrets")
+    jobs = [Job(TANDEM + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-timeout", "8", "--open-stores"]
+                + flags + [str(path)], cwd=tmp_path, env=clean_env(TANDEM_JOB_SECRET=new_secret()))
+            for flags in nodes]
     runs = [job.finish(90) for job in jobs]
     for r in runs:
         assert r.returncode == 1 and "WORLD" not in r.stdout, r
