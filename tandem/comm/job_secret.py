@@ -22,8 +22,13 @@ line), the membership's keys go through a :class:`SignedStore`:
 * counters (``add``) cannot carry a MAC; their names are secret, and the
   values they number are signed.
 
-What a secret does not protect: the traffic is not encrypted, a member with
-the secret is trusted, and the tensors of collectives are not authenticated.
+What signing does not protect: whoever reaches the store can still list its
+keys, overwrite torch's own (unsigned) keys, and replay a value it saw under
+the same key; so a job of several nodes also keeps its stores behind TLS keyed
+by the same secret (Note [stores behind TLS] in tandem/launch/tunnel.py), and
+signing is the guard within that, and the only one under ``--open-stores``. A
+member with the secret is trusted, and the tensors of collectives are not
+authenticated.
 Without a secret (a job started by torchrun, or by hand without
 ``TANDEM_JOB_SECRET``) the store is used as it is.
 """

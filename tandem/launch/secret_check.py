@@ -2,7 +2,9 @@
 :class:`SecretCheck`.
 
 # Note [another secret at the rendezvous]
-Under a job secret every key a node reads in the rendezvous store has a name
+(With ``--open-stores`` only: behind TLS a node with another secret cannot
+open a session with the store at all, and its tunnel tells it so: Note
+[stores behind TLS] in tunnel.py.) Under a job secret every key a node reads in the rendezvous store has a name
 made from the secret (Note [signed store] in tandem/comm/job_secret.py). Two
 nodes started with different secrets read different keys: neither sees the
 other, each waits for the nodes it cannot see, and the one that gives up
