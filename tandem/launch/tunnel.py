@@ -199,7 +199,11 @@ class _Stunnel:
         end answered: ``ok``, ``secret`` (the handshake was refused),
         ``unreachable`` (no TCP connection) or ``closed``; ``timeout`` when the
         log said nothing within ``timeout_s``."""
-        with socket.create_connection(self.accept, timeout=timeout_s) as s:
+        try:
+            s = socket.create_connection(self.accept, timeout=timeout_s)
+        except OSError:  # the tunnel took it and already closed it (its far end refused at once)
+            return "closed"
+        with s:
             port = str(s.getsockname()[1])
             deadline = time.monotonic() + timeout_s
             with self._changed:
