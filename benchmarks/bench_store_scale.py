@@ -179,6 +179,12 @@ class WatchedMembership(Membership):
                  *, clock: Callable[[], float] = time.time) -> None:
         super().__init__(store, member, generation, config, clock=clock)
         self.named_dead: list[tuple[float, str]] = []
+        # Over a TCPStore, Membership beats and judges through a connection of its own
+        # (own_tcp_client: Store.clone); the counting wrapper hides it, so it is made here.
+        counting = cast(CountingStore, store)
+        beats = CountingStore(counting.store.clone(), counting.recorder)
+        beats.beats = counting.beats  # the member's beats, as the benchmark reads them
+        self._beat_store = cast(dist.Store, beats)
 
     def dead(self, members: Sequence[str]) -> dict[str, str]:
         start = time.monotonic()

@@ -106,7 +106,7 @@ def job_secret(environ: dict[str, str] | os._Environ[str] | None = None) -> byte
 class SignedStore(dist.Store):
     """``store`` with its keys named and its values signed with ``secret`` (Note
     [signed store]). Takes the calls tandem's membership makes: ``set``,
-    ``get``, ``check``, ``add``, ``compare_set``, ``wait``, ``delete_key``.
+    ``get``, ``multi_get``, ``check``, ``add``, ``compare_set``, ``wait``, ``delete_key``.
 
     Args:
         store: the store the values live in.
@@ -179,6 +179,9 @@ class SignedStore(dist.Store):
         current = self._raw.compare_set(self.name(key), self._sign(key, expected) if expected_raw else b"",
                                         self._sign(key, desired))
         return self._open(key, current) if current else b""
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # type: ignore[override]
+        return [self._open(k, v) for k, v in zip(keys, self.inner.multi_get([self.name(k) for k in keys]))]
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
         names = [self.name(k) for k in keys]

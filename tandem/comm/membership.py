@@ -28,6 +28,8 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``gen/<g>/arrived/...``   ``.../<what>/<id>``: the member is about to build a group
                           over ``g``'s members (Note [arrivals])
 ``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
+``gen/<g>/verdict``       who is dead, as the generation's judge saw it at a time
+                          (Note [judge once] in judge.py)
 ========================  ==========================================================
 
 Why a step needs a decision: a dead peer can fail a ring all-reduce on one rank
@@ -93,8 +95,9 @@ from enum import Enum
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
-from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
 from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SignedStore
+from tandem.comm.judge import Judge
+from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
 from tandem.comm.process_id import PostedProcesses, ProcessId
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
@@ -233,6 +236,7 @@ class Membership:
         own = own_tcp_client(raw)
         beats = own[0] if own is not None else raw
         self._beat_store = store.over(beats) if isinstance(store, SignedStore) else beats
+        self._judge: Judge | None = None  # this member's seat in judging its generation (Note [judge once])
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -341,6 +345,8 @@ class Membership:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._judge is not None:
+            self._judge.stop()
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.beat_s):
@@ -377,6 +383,47 @@ class Membership:
             if age > self.config.stale_after_s:
                 out[m] = f"stopped beating {age:.1f} s ago"
         return out
+
+    def judged(self, members: Sequence[str]) -> dict[str, str]:
+        """:meth:`dead` over ``members`` in a few store operations, however many
+        they are (Note [judge once] in judge.py): every beat in one read; the
+        process of a member whose beat is two beats old asked whether it has
+        ended."""
+        others = [m for m in members if m != self.member]
+        keys = [f"{PREFIX}/beat/{m}" for m in others]
+        store = self._beat_store  # a connection of its own, beside the waits' (Note [cut off] in cut_off.py)
+        if not others or not store.check(keys):
+            return self.dead(others)  # one has never beaten (rare: a generation's first beats)
+        try:
+            values = _multi_get(store, keys)
+        except ForgedValueError:
+            return self.dead(others)  # junk under one of them: read each (Note [a stranger asks to join])
+        now = self._clock()
+        out: dict[str, str] = {}
+        for m, value in zip(others, values):
+            try:
+                beat = self._good_beats[m] = float(bytes(value).decode())
+            except (ValueError, UnicodeDecodeError):
+                beat = self._good_beats.setdefault(m, now)
+            age = now - beat
+            if age > self.config.stale_after_s:
+                out[m] = f"stopped beating {age:.1f} s ago"
+            elif age > 2 * self.config.beat_s:
+                ended = self._processes.ended(m)
+                if ended is not None:
+                    out[m] = f"has died: {ended}"
+        return out
+
+    def _judge_of(self, generation: Generation) -> Judge:
+        """This member's seat in judging ``generation`` (Note [judge once] in judge.py)."""
+        key = f"{PREFIX}/gen/{generation.number}/verdict"
+        if self._judge is None or self._judge.key != key:
+            if self._judge is not None:
+                self._judge.stop()
+            self._judge = Judge(self._beat_store, key, self.member, generation.rank_of(self.member),
+                                beat_s=self.config.beat_s, stale_after_s=self.config.stale_after_s,
+                                clock=self._clock, sweep=lambda: self.judged(generation.members))
+        return self._judge
 
     def _beat_of(self, member: str) -> float | None:
         """``member``'s last beat (None: it never beat). A beat that is no number or
@@ -579,6 +626,7 @@ class Membership:
     def _await_decision(self, base: str) -> Decision:
         key = f"{base}/decision"
         others = [m for m in self.generation.members if m != self.member]
+        judge = self._judge_of(self.generation)
         slice_ = datetime.timedelta(seconds=self.config.beat_s)
         while True:
             try:
@@ -587,7 +635,14 @@ class Membership:
             except RuntimeError as e:
                 if "timeout" not in str(e).lower():
                     raise
-            lost = self.dead(others)
+            # Note [judge once] in judge.py: one read a slice, not a sweep of every member
+            verdict = judge.read()
+            if verdict is not None:
+                lost = {m: why for m, why in verdict.dead.items() if m in others}
+            elif judge.waited_long():
+                lost = self.dead(others)  # no judge has judged for a while: judge for itself
+            else:
+                continue
             if lost:
                 logger.warning("elastic: %s", ", ".join(f"member {m} {why}" for m, why in lost.items()))
                 won = self.store.compare_set(key, "", Decision.ABORT.value)
@@ -656,3 +711,17 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+def _multi_get(store: dist.Store, keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` (which exist) in one round trip where the store
+    can (TCPStore, and a SignedStore over one), else one by one."""
+    multi = getattr(store, "multi_get", None)
+    if multi is None:
+        return [store.get(k) for k in keys]
+    try:
+        return list(multi(keys))
+    except (NotImplementedError, RuntimeError) as e:
+        if "not implemented" not in str(e).lower():
+            raise
+        return [store.get(k) for k in keys]

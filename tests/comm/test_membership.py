@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tandem.comm.job_secret import ForgedValueError, SignedStore, job_secret, secret_for_workers
+from tandem.comm.judge import DEPUTIES, Verdict
 from tandem.comm.membership import PREFIX, Decision, ElasticConfig, Membership, MembershipError
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
@@ -363,3 +364,49 @@ def test_a_collectives_watch_judges_by_the_elastic_configs_window() -> None:
     assert patient.observe([0, 1]) == {1: "stopped beating 10.0 s ago"}
     with pytest.raises(ValueError, match="at least four beats"):
         Liveness(beat_s=0.5, stale_after_s=1.0)
+
+
+class Watched(Membership):
+    """A member that counts its own sweeps of every other member (Note [judge once])."""
+
+    sweeps = 0
+
+    def dead(self, members):
+        if len(members) > 1:
+            self.sweeps += 1
+        return super().dead(members)
+
+
+JUDGED = ElasticConfig(beat_s=0.01, stale_after_s=30.0, regroup_timeout_s=5.0)  # no fallback within a test
+
+
+@pytest.mark.parametrize(("kind", "lost"), [("plain", "7"), ("signed", "7"), ("plain", "0")])
+def test_one_member_judges_for_all_and_a_deputy_when_it_is_gone(kind: str, lost: str) -> None:
+    # Note [judge once] in judge.py: the members waiting on a decision read one verdict a
+    # slice; none but the judge (rank 0) or, with it gone, a deputy sweeps the others.
+    clock = Clock()
+    store = _store(kind)
+    members = [Watched.founding(store, r, 8, JUDGED, clock=clock) for r in range(8)]
+    members[int(lost)].stop()  # dies: its beat stays at 1000
+    clock.now += 2 * JUDGED.stale_after_s
+    live = [m for m in members if m.member != lost]
+    for m in live:
+        m._beat()
+    threads = [_in_thread(m.decide_step, 0) for m in live]
+    for t, out in threads:
+        t.join(10)
+        assert out == [Decision.ABORT]
+    verdict = Verdict.decode(store.get(f"{PREFIX}/gen/0/verdict"))
+    assert verdict is not None and verdict.dead == {lost: f"stopped beating {2 * JUDGED.stale_after_s:.1f} s ago"}
+    assert verdict.by == ("0" if lost != "0" else "1")  # the judge, or its first deputy
+    readers = [m for m in live if int(m.member) >= DEPUTIES]
+    assert len(readers) >= 4 and [m.sweeps for m in readers] == [0] * len(readers)
+    for m in live:
+        m.stop()
+
+
+def test_junk_under_the_verdict_is_no_verdict() -> None:
+    for junk in (b"\xff", b"[]", b'{"at": "x", "by": 1, "dead": {}}', b'{"at": 1}'):
+        assert Verdict.decode(junk) is None
+    verdict = Verdict(5.0, "0", {"3": "has died"})
+    assert Verdict.decode(verdict.encode().encode()) == verdict
