@@ -52,6 +52,11 @@ at once, without watching it for a while first; the hosts of a job must
 therefore keep their clocks within a fraction of ``stale_after_s`` of each
 other (NTP does).
 
+Who judges: while the members wait on a step's decision, one of them judges
+for all and the others read its verdict, one key a slice (Note [judge once]
+in judge.py); a regroup and an arrival judge the few members they wait for
+themselves.
+
 # Note [a stranger asks to join]
 Under a job secret the membership's keys have secret names (Note [signed
 store] in job_secret.py), so a process without the secret that asks to join
