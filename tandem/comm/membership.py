@@ -400,17 +400,13 @@ class Membership:
         if not others or not store.check(keys):
             return self.dead(others)  # one has never beaten (rare: a generation's first beats)
         try:
-            values = _multi_get(store, keys)
+            values = store.multi_get(keys)
         except ForgedValueError:
             return self.dead(others)  # junk under one of them: read each (Note [a stranger asks to join])
         now = self._clock()
         out: dict[str, str] = {}
         for m, value in zip(others, values):
-            try:
-                beat = self._good_beats[m] = float(bytes(value).decode())
-            except (ValueError, UnicodeDecodeError):
-                beat = self._good_beats.setdefault(m, now)
-            age = now - beat
+            age = now - self._good_beat(m, value)
             if age > self.config.stale_after_s:
                 out[m] = f"stopped beating {age:.1f} s ago"
             elif age > 2 * self.config.beat_s:
@@ -439,10 +435,18 @@ class Membership:
         if not self.store.check([key]):
             return self._good_beats.get(member)
         try:
-            beat = float(self.store.get(key).decode())
-        except (ForgedValueError, ValueError, UnicodeDecodeError):
-            return self._good_beats.setdefault(member, self._clock())  # never read well: from the first junk on
-        self._good_beats[member] = beat
+            value = self.store.get(key)
+        except ForgedValueError:
+            value = b""
+        return self._good_beat(member, value)
+
+    def _good_beat(self, member: str, value: bytes) -> float:
+        """The beat ``value`` read under ``member``'s key, or, when it is junk, the
+        member's last good one (never read well: from the first junk on)."""
+        try:
+            beat = self._good_beats[member] = float(bytes(value).decode())
+        except (ValueError, UnicodeDecodeError):
+            return self._good_beats.setdefault(member, self._clock())
         return beat
 
     # ------------------------------------------------------------------ generations
@@ -717,16 +721,3 @@ class Membership:
         self.generation = chosen
         return chosen
 
-
-def _multi_get(store: dist.Store, keys: list[str]) -> list[bytes]:
-    """The values of ``keys`` (which exist) in one round trip where the store
-    can (TCPStore, and a SignedStore over one), else one by one."""
-    multi = getattr(store, "multi_get", None)
-    if multi is None:
-        return [store.get(k) for k in keys]
-    try:
-        return list(multi(keys))
-    except (NotImplementedError, RuntimeError) as e:
-        if "not implemented" not in str(e).lower():
-            raise
-        return [store.get(k) for k in keys]

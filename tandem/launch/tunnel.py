@@ -121,9 +121,8 @@ class _Stunnel:
         self.accept = accept
         self.connect = connect
         self._on_refused = on_refused
-        self._peers: dict[str, str] = {}            # connection id -> the peer's address
-        self._outcomes: dict[str, str] = {}         # a client connection's local port -> outcome
-        self._conn_port: dict[str, str] = {}        # connection id -> the local port it came from
+        self._conns: dict[str, tuple[str, str]] = {}  # an open connection's id -> its peer's address and port
+        self._outcomes: dict[str, str] = {}  # a client tunnel's connection, by its local port -> how it went
         self._changed = threading.Condition()
         config = workdir / f"{name}.conf"
         lines = ["foreground = yes", "pid =", "syslog = no", "debug = 6",
@@ -144,19 +143,23 @@ class _Stunnel:
         self._reader.start()
 
     def _ready(self, name: str) -> None:
-        """Read the log until the service accepts connections; raise with the log's end if it exits first."""
+        """Read the log until the service accepts connections; raise with the log's
+        errors if it exits first, or says nothing of it within :data:`_START_S`."""
         assert self._proc.stdout is not None
-        deadline = time.monotonic() + _START_S
-        for line in self._proc.stdout:
-            if "LOG3" in line:
-                self._tail.append(line.rstrip())
-            if "Accepting new connections" in line:
-                return
-            if time.monotonic() > deadline:
-                break
+        silent = threading.Timer(_START_S, self._proc.kill)  # the log ends: never a wait for a line that never comes
+        silent.start()
+        try:
+            for line in self._proc.stdout:
+                if "LOG3" in line:
+                    self._tail.append(line.rstrip())
+                if "Accepting new connections" in line:
+                    return
+        finally:
+            silent.cancel()
         self.close()
         raise TunnelError(f"the TLS tunnel for {name} could not listen on {_host_port(*self.accept)}: "
-                          + " / ".join(t.split(": ", 1)[-1] for t in self._tail[-3:]))
+                          + (" / ".join(t.split(": ", 1)[-1] for t in self._tail[-3:])
+                             or f"stunnel said nothing of it within {_START_S:g} s"))
 
     # ------------------------------------------------------------------ the log
     def _read(self) -> None:
@@ -169,26 +172,24 @@ class _Stunnel:
     def _event(self, conn: str, text: str) -> None:
         accepted = _ACCEPTED.search(text)
         if accepted is not None:
-            self._peers[conn] = accepted.group(1)
-            self._conn_port[conn] = accepted.group(2)
+            self._conns[conn] = (accepted.group(1), accepted.group(2))
+            return
+        closed = text.startswith("Connection") and ("reset" in text or "closed" in text)
+        peer, port = (self._conns.pop if closed else self._conns.get)(conn, ("an unknown address", ""))
+        if self._on_refused is not None:  # a server tunnel: it says whom it refused
+            if text.startswith("SSL_accept:"):
+                self._on_refused(peer, "binder does not verify" in text)
             return
         outcome = None
-        if text.startswith("TLS connected") or text.startswith("TLS accepted"):
+        if text.startswith("TLS connected"):
             outcome = "ok"
         elif text.startswith("SSL_connect:"):
             outcome = "secret"
-        elif text.startswith("SSL_accept:"):
-            if self._on_refused is not None:
-                self._on_refused(self._peers.get(conn, "an unknown address"), "binder does not verify" in text)
-            outcome = "refused"
         elif text.startswith("s_connect: connect ") or text.startswith("No more addresses to connect"):
             outcome = "unreachable"
-        elif text.startswith("Connection") and ("reset" in text or "closed" in text):
+        elif closed:
             outcome = "closed"
-        if outcome is None:
-            return
-        port = self._conn_port.get(conn)
-        if port is not None:
+        if outcome is not None and port:
             with self._changed:
                 self._outcomes.setdefault(port, outcome)
                 self._changed.notify_all()
