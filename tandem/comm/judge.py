@@ -1,33 +1,42 @@
 """One member judges who is dead, for every member: :class:`Judge`, :class:`Verdict`.
 
 # Note [judge once]
-A step's decision waits in slices (Note [elastic membership] in
-membership.py), and between slices a member looked at every other member's
-beat and process: two or three store operations per member, by every member,
+A step's decision waits (Note [elastic membership] in membership.py), and a
+member that waited used to look at every other member's beat and process
+between slices: two or three store operations per member, by every member,
 so N members waiting on a late decision put about 8N² operations a second on
 the store, which one core stops serving near N = 63 (BENCHMARKS.md "Past this
-machine"). So one member judges for all:
+machine"). So one member judges for all, and tells the others by deciding:
 
 * the generation's first member (its rank 0) is the judge. Once a beat it reads
-  every member's beat in one ``multi_get`` (a ``check`` first: the keys exist),
-  asks the process of a member whose beat is two beats old whether it has
-  ended (its kernel, or its launcher's exit notice: Note [deaths seen at once]
-  in process_id.py), and posts the verdict, with the time it was made, under
-  one key of the generation: ``gen/<g>/verdict``;
-* a member waiting on a decision reads that one key a slice (one operation),
-  and proposes ``abort`` when the verdict names another member dead;
-* the judge is not a single point: ranks 1 and 2 are its deputies. A deputy
-  judges while the verdict is older than ``stale_after_s`` plus a beat for
-  each place it stands behind the judge (so it takes over when the judge is
-  gone, and the judge's death is in its verdict); a member that sees no
-  verdict newer than ``stale_after_s`` plus :data:`DEPUTIES` beats judges for
-  itself, as before, until one comes.
+  every beat in one ``multi_get`` (a ``check`` first: the keys exist): the
+  beats of the nodes whose launchers beat for their workers (Note [deaths seen
+  at once] in process_id.py: a worker that ended is named in its node's beat at
+  once), and of the members that beat for themselves, whose process it asks
+  when the beat is two beats old. It posts the verdict, with the time it was
+  made, under one key of the generation, ``gen/<g>/verdict``, and when the
+  verdict names a member dead it proposes ``abort`` for the step its own member
+  is working on, which is the step the others wait on (no member starts a step
+  before the previous one is decided). Waiting members wait on the decision's
+  key, which the store answers when it is written: nothing is read a slice;
+* the judge is not a single point: the members at the middle and last ranks are
+  its deputies (spread, so that one node's loss, whose ranks are neighbours,
+  rarely takes all three). A deputy reads the verdict once a beat; when it is
+  two beats old it asks whether the seats before its own are dead (their
+  process ended: its launcher tells at once), and judges if they are, or if the
+  verdict is older than ``stale_after_s`` plus a beat for each seat before it
+  (the seats before went silent with their node);
+* a waiting member reads the verdict each time its wait times out (a slice of
+  up to 2 s) and proposes ``abort`` itself when it names another member dead
+  (the judge may not know the step yet); one that sees no verdict newer than
+  ``stale_after_s`` plus :data:`DEPUTIES` beats judges for itself, as before.
 
-The store's load per beat becomes a few operations for the judge and one per
-waiting member: linear in members, not quadratic. A death is in the verdict
-at the judge's next beat after its process's end is known (its launcher's
-notice) or after its beat is ``stale_after_s`` old, and every waiting member
-reads it within a slice.
+The store's load per beat is a few operations for the judge, one beat per node
+and, while a decision is late, one read per member and slice: linear in
+nodes, not quadratic in members. A death is in the verdict at the judge's next
+beat after its process's end is known (its launcher's notice) or after its
+beat is ``stale_after_s`` old, and in the decision every member waits on at
+once.
 """
 
 from __future__ import annotations
@@ -36,19 +45,25 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from tandem.comm.job_secret import ForgedValueError
 
-__all__ = ["DEPUTIES", "Judge", "Verdict"]
+__all__ = ["DEPUTIES", "Judge", "Verdict", "judging_ranks"]
 
 logger = logging.getLogger(__name__)
 
 DEPUTIES = 3
-"""The judge and its deputies: the generation's first members, in rank order."""
+"""How many members judge: the judge and its deputies (:func:`judging_ranks`)."""
+
+
+def judging_ranks(world_size: int) -> tuple[int, ...]:
+    """The ranks that judge a generation of ``world_size``, the judge first:
+    the first, the middle and the last (Note [judge once])."""
+    return tuple(dict.fromkeys((0, world_size // 2, world_size - 1)))[:DEPUTIES]
 
 
 @dataclass(frozen=True)
@@ -80,28 +95,35 @@ class Judge:
         store: the job's store.
         key: the generation's verdict key.
         member: this member's id.
-        seat: its rank in the generation: 0 judges, 1..DEPUTIES-1 are deputies,
-            the others only read.
+        before: the members in the seats before this one (the judge first): none
+            for the judge; None for a member that only reads.
         beat_s: how often the judge judges.
         stale_after_s: how old a verdict may be before a deputy takes over.
         clock: wall-clock time in seconds.
-        sweep: the judgement itself: every other member found dead, with why.
+        sweep: the judgement itself: those of the given members (all the
+            generation's when None) found dead, with why.
+        abort: proposes ``abort`` for the step this member works on (when it
+            knows it): called when a verdict names a death.
     """
 
-    def __init__(self, store: dist.Store, key: str, member: str, seat: int, *, beat_s: float,
-                 stale_after_s: float, clock: Callable[[], float], sweep: Callable[[], dict[str, str]]) -> None:
+    def __init__(self, store: dist.Store, key: str, member: str, before: tuple[str, ...] | None, *,
+                 beat_s: float, stale_after_s: float, clock: Callable[[], float],
+                 sweep: Callable[[Sequence[str] | None], dict[str, str]],
+                 abort: Callable[[], None]) -> None:
         self._store = store
         self.key = key
         self._member = member
-        self._seat = seat
+        self._before = before
         self._beat_s = beat_s
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._sweep = sweep
+        self._abort_step = abort
+        self._said: set[str] = set()  # the deaths this judge logged
         self._since = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if seat < DEPUTIES:
+        if before is not None:
             self._thread = threading.Thread(target=self._run, name=f"tandem-judge-{member}", daemon=True)
             self._thread.start()
 
@@ -126,19 +148,43 @@ class Judge:
         except ForgedValueError:
             return None
 
+    def _judging(self) -> bool:
+        """Whether this seat judges now: the judge always; a deputy when the
+        seats before it are gone (Note [judge once])."""
+        if not self._before:
+            return True
+        latest = self._latest()
+        if latest is None or latest.by == self._member:
+            return True
+        age = self._clock() - latest.at
+        if age <= 2 * self._beat_s:
+            return False  # judged a moment ago
+        if age > self._stale_after_s + len(self._before) * self._beat_s:
+            return True  # the seats before went silent
+        return len(self._sweep(self._before)) == len(self._before)  # late: their processes may have ended
+
     def _run(self) -> None:
         while not self._stop.wait(self._beat_s):
             try:
-                if self._seat > 0:
-                    latest = self._latest()
-                    if latest is not None and latest.by != self._member and \
-                            self._clock() - latest.at <= self._stale_after_s + self._seat * self._beat_s:
-                        continue  # the judge (or a deputy before this one) is judging
-                verdict = Verdict(self._clock(), self._member, self._sweep())
+                if not self._judging():
+                    continue
+                verdict = Verdict(self._clock(), self._member, self._sweep(None))
                 self._store.set(self.key, verdict.encode())
+                if verdict.dead:
+                    self._abort(verdict)
             except Exception as e:  # noqa: BLE001 - the store is gone: the job is ending
                 logger.debug("elastic: the judge %s stops: %s", self._member, e)
                 return
+
+    def _abort(self, verdict: Verdict) -> None:
+        """Propose ``abort`` for the step this member works on: the members that
+        wait on its decision learn of the death when it is written."""
+        new = {m: why for m, why in verdict.dead.items() if m not in self._said}
+        if new:
+            self._said.update(new)
+            logger.warning("elastic: %s (judged by %s)", ", ".join(f"member {m} {why}" for m, why in new.items()),
+                           self._member)
+        self._abort_step()
 
     def stop(self) -> None:
         self._stop.set()

@@ -15,7 +15,11 @@ is the founding world. Keys, under ``tandem/elastic/``:
 
 ========================  ==========================================================
 ``beat/<id>``             the member's heartbeat: the wall-clock time of its last
-                          beat, written every ``beat_s`` by a daemon thread
+                          beat, written every ``beat_s`` by a daemon thread; a
+                          member whose launcher beats for its node has none
+``node_of/<id>``          ``<node> <pid>``: the member's launcher beats for it under
+                          ``tandem/node/<node>`` (Note [deaths seen at once] in
+                          process_id.py), naming its pid there when it ends
 ``gen/<g>/members``       the generation's members (JSON), written once, by
                           ``compare_set``: the first proposal wins, every rank reads it
 ``latest``                the newest generation number
@@ -52,10 +56,13 @@ at once, without watching it for a while first; the hosts of a job must
 therefore keep their clocks within a fraction of ``stale_after_s`` of each
 other (NTP does).
 
-Who judges: while the members wait on a step's decision, one of them judges
-for all and the others read its verdict, one key a slice (Note [judge once]
-in judge.py); a regroup and an arrival judge the few members they wait for
-themselves.
+Who beats: under ``tandem run --elastic`` the launcher beats for its node's
+members and names one that ended in its beat at once (Note [deaths seen at
+once] in process_id.py); a member started otherwise beats for itself.
+
+Who judges: one member judges for all, and writes ``abort`` into the decision
+the others wait on when it finds a death (Note [judge once] in judge.py); a
+regroup and an arrival judge the few members they wait for themselves.
 
 # Note [a stranger asks to join]
 Under a job secret the membership's keys have secret names (Note [signed
@@ -90,20 +97,22 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
 from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SignedStore
-from tandem.comm.judge import Judge
+from tandem.comm.judge import Judge, judging_ranks
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
-from tandem.comm.process_id import PostedProcesses, ProcessId
+from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
 
@@ -113,6 +122,7 @@ PREFIX = "tandem/elastic"
 _REFUSED = "no job secret"
 _ANOTHER_SECRET = "another secret"
 _ASKS_AT_ONCE = 64  # Note [a stranger asks to join]
+_DECISION_SLICE_S = 2.0  # the longest wait on a decision between looks at the verdict (Note [judge once])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,12 +225,15 @@ class Membership:
         generation: the generation it is a member of.
         config: timings and limits.
         clock: wall-clock time in seconds (a test passes its own).
+        node: the node whose launcher beats for this member (``TANDEM_NODE``,
+            set by ``tandem run --elastic``); None: it beats for itself.
     """
 
     def __init__(self, store: dist.Store, member: str, generation: Generation, config: ElasticConfig,
-                 *, clock: Callable[[], float] = time.time) -> None:
+                 *, clock: Callable[[], float] = time.time, node: str | None = None) -> None:
         self.store = store
         self.member = member
+        self.node = node
         self.generation = generation
         self.config = config
         self._clock = clock
@@ -230,6 +243,9 @@ class Membership:
         self._strangers_seen = 0  # asks to join without the secret, refused (Note [a stranger asks to join])
         self._junk_said = False   # the plain counter held junk, and this member said so (once)
         self._good_beats: dict[str, float] = {}  # each member's last beat read well
+        self._good_nodes: dict[str, NodeBeat] = {}  # each node's last beat read well
+        self._nodes: dict[str, tuple[str, int] | None] = {}  # member -> (its node, its pid), None: beats itself
+        self._step: int | None = None  # the step this member works on, once it knows (Note [judge once])
         self._joiners_seen = 0  # the counter of asks to join, as last read well
         self._plain_ask: int | None = None  # a replacement's number under the plain names
         # The beats go through a connection of their own where the store is a TCP one:
@@ -246,16 +262,16 @@ class Membership:
     # ------------------------------------------------------------------ construction
     @classmethod
     def founding(cls, store: dist.Store, rank: int, world_size: int, config: ElasticConfig,
-                 **kwargs: Callable[[], float]) -> Membership:
+                 **kwargs: Any) -> Membership:
         """Rank ``rank`` of the job's first world: generation 0 is ``"0".."W-1"``."""
         generation = Generation(0, tuple(str(r) for r in range(world_size)))
-        self = cls(store, str(rank), generation, config, **kwargs)
+        self = cls(store, str(rank), generation, config, **{"node": launcher_node(), **kwargs})
         self.start()
         self._propose(generation)
         return self
 
     @classmethod
-    def replacement(cls, store: dist.Store, config: ElasticConfig, **kwargs: Callable[[], float]) -> Membership:
+    def replacement(cls, store: dist.Store, config: ElasticConfig, **kwargs: Any) -> Membership:
         """A replacement that has not asked to join yet: its id (``j<n>``) drawn,
         its heartbeat started. It asks with :meth:`ask_to_join` once it has built
         what it trains (Note [a replacement builds first] in elastic_group.py).
@@ -264,7 +280,7 @@ class Membership:
             NothingToJoin: every member of the job's latest generation is gone.
         """
         number = store.add(f"{PREFIX}/joiners", 1)
-        self = cls(store, f"j{number}", Generation(-1, ()), config, **kwargs)
+        self = cls(store, f"j{number}", Generation(-1, ()), config, **{"node": launcher_node(), **kwargs})
         if isinstance(store, SignedStore):  # asks under the plain names too: Note [a stranger asks to join]
             self._plain_ask = store.inner.add(f"{PREFIX}/joiners", 1)
             store.inner.set(f"{PREFIX}/join/j{self._plain_ask}", store.mark)
@@ -274,7 +290,7 @@ class Membership:
 
     @classmethod
     def joining(cls, store: dist.Store, config: ElasticConfig, *,
-                timeout: datetime.timedelta | None = None, **kwargs: Callable[[], float]) -> Membership:
+                timeout: datetime.timedelta | None = None, **kwargs: Any) -> Membership:
         """A replacement that asks to join at once and waits until a generation
         admits it: :meth:`replacement`, then :meth:`ask_to_join`."""
         self = cls.replacement(store, config, **kwargs)
@@ -340,7 +356,13 @@ class Membership:
 
     # ------------------------------------------------------------------ heartbeat
     def start(self) -> None:
+        """Post this member's process and start its heartbeat: its own, unless its
+        node's launcher beats for it (its beat is in the store already)."""
         self._post_process()
+        if self.node is not None and self._beat_store.check([node_beat_key(self.node)]):
+            self.store.set(f"{PREFIX}/node_of/{self.member}", f"{self.node} {os.getpid()}")
+            return
+        self.node = None
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"tandem-elastic-beat-{self.member}",
                                         daemon=True)
@@ -350,8 +372,7 @@ class Membership:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._judge is not None:
-            self._judge.stop()
+        self._stop_judging()
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.beat_s):
@@ -376,7 +397,7 @@ class Membership:
         for m in members:
             if m == self.member:
                 continue
-            ended = self._processes.ended(m)
+            ended = self._ended_on_node(m) or self._processes.ended(m)
             if ended is not None:
                 out[m] = f"has died: {ended}"
                 continue
@@ -386,27 +407,37 @@ class Membership:
                 continue
             age = now - beat
             if age > self.config.stale_after_s:
-                out[m] = f"stopped beating {age:.1f} s ago"
+                out[m] = _stopped(age, self._nodes_of([m])[m])
         return out
 
     def judged(self, members: Sequence[str]) -> dict[str, str]:
         """:meth:`dead` over ``members`` in a few store operations, however many
-        they are (Note [judge once] in judge.py): every beat in one read; the
-        process of a member whose beat is two beats old asked whether it has
-        ended."""
+        they are (Note [judge once] in judge.py): every beat (a node's, for the
+        members its launcher beats for) in one read; the process of a member
+        that beats for itself asked whether it has ended when its beat is two
+        beats old."""
         others = [m for m in members if m != self.member]
-        keys = [f"{PREFIX}/beat/{m}" for m in others]
+        nodes = self._nodes_of(others)
+        keys = list(dict.fromkeys(_beat_key(m, nodes[m]) for m in others))
         store = self._beat_store  # a connection of its own, beside the waits' (Note [cut off] in cut_off.py)
         if not others or not store.check(keys):
             return self.dead(others)  # one has never beaten (rare: a generation's first beats)
         try:
-            values = store.multi_get(keys)
+            values = dict(zip(keys, store.multi_get(keys)))
         except ForgedValueError:
             return self.dead(others)  # junk under one of them: read each (Note [a stranger asks to join])
         now = self._clock()
         out: dict[str, str] = {}
-        for m, value in zip(others, values):
-            age = now - self._good_beat(m, value)
+        for m in others:
+            where = nodes[m]
+            if where is not None:
+                beat = self._good_node(where[0], values[_beat_key(m, where)])
+                if where[1] in beat.ended:
+                    out[m] = f"has died: {beat.ended[where[1]]}"
+                elif now - beat.at > self.config.stale_after_s:
+                    out[m] = _stopped(now - beat.at, where)
+                continue
+            age = now - self._good_beat(m, values[_beat_key(m, None)])
             if age > self.config.stale_after_s:
                 out[m] = f"stopped beating {age:.1f} s ago"
             elif age > 2 * self.config.beat_s:
@@ -419,26 +450,86 @@ class Membership:
         """This member's seat in judging ``generation`` (Note [judge once] in judge.py)."""
         key = f"{PREFIX}/gen/{generation.number}/verdict"
         if self._judge is None or self._judge.key != key:
-            if self._judge is not None:
-                self._judge.stop()
-            self._judge = Judge(self._beat_store, key, self.member, generation.rank_of(self.member),
-                                beat_s=self.config.beat_s, stale_after_s=self.config.stale_after_s,
-                                clock=self._clock, sweep=lambda: self.judged(generation.members))
+            self._stop_judging()
+            seats = [generation.members[r] for r in judging_ranks(generation.world_size)]
+            before = tuple(seats[:seats.index(self.member)]) if self.member in seats else None
+            self._judge = Judge(self._beat_store, key, self.member, before, beat_s=self.config.beat_s,
+                                stale_after_s=self.config.stale_after_s, clock=self._clock,
+                                sweep=lambda members: self.judged(generation.members if members is None else members),
+                                abort=lambda: self._abort_working_step(generation))
         return self._judge
+
+    def _stop_judging(self) -> None:
+        if self._judge is not None:
+            self._judge.stop()
+            self._judge = None
+
+    def _abort_working_step(self, generation: Generation) -> None:
+        """The judge's side: propose ``abort`` for the step this member works on in
+        ``generation``, when it knows it (Note [judge once] in judge.py)."""
+        if self._step is not None and self.generation is generation:
+            key = f"{PREFIX}/gen/{generation.number}/step/{self._step}/decision"
+            self._beat_store.compare_set(key, "", Decision.ABORT.value)
+
+    def _nodes_of(self, members: Sequence[str]) -> dict[str, tuple[str, int] | None]:
+        """Each member's node and pid where its launcher beats for it, else None;
+        read once a member (one read for all that are new, where all posted)."""
+        new = [m for m in members if m not in self._nodes]
+        if new:
+            keys = [f"{PREFIX}/node_of/{m}" for m in new]
+            store = self._beat_store
+            values: list[bytes | None]
+            try:
+                values = list(store.multi_get(keys)) if store.check(keys) else \
+                    [store.get(k) if store.check([k]) else None for k in keys]
+            except ForgedValueError:
+                values = [None] * len(keys)  # junk under one: its member beats for itself, as read
+            for m, value in zip(new, values):
+                self._nodes[m] = _node_and_pid(value)
+        return {m: self._nodes[m] for m in members}
+
+    def _good_node(self, node: str, value: bytes) -> NodeBeat:
+        """The node beat ``value`` read under ``node``'s key, or, when it is junk,
+        the node's last good one (never read well: now, from the first junk on)."""
+        beat = NodeBeat.decode(value)
+        if beat is None:
+            return self._good_nodes.setdefault(node, NodeBeat(self._clock(), {}))
+        self._good_nodes[node] = beat
+        return beat
+
+    def _ended_on_node(self, member: str) -> str | None:
+        """How ``member`` ended, where its node's launcher beats for it and named it ended."""
+        where = self._nodes_of([member])[member]
+        if where is None:
+            return None
+        beat = self._node_beat(where[0])
+        return beat.ended.get(where[1]) if beat is not None else None
+
+    def _node_beat(self, node: str) -> NodeBeat | None:
+        value = self._value_of(node_beat_key(node))
+        return self._good_nodes.get(node) if value is None else self._good_node(node, value)
+
+    def _value_of(self, key: str) -> bytes | None:
+        """``key``'s value; None when it has none, and nothing (junk) when it is not
+        signed with the job's secret (Note [a stranger asks to join])."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return self.store.get(key)
+        except ForgedValueError:
+            return b""
 
     def _beat_of(self, member: str) -> float | None:
         """``member``'s last beat (None: it never beat). A beat that is no number or
         not signed with the job's secret (a stranger overwrote it) is skipped: the
         last good one stands, so that junk neither kills this member nor keeps a
         dead one alive (Note [a stranger asks to join])."""
-        key = f"{PREFIX}/beat/{member}"
-        if not self.store.check([key]):
-            return self._good_beats.get(member)
-        try:
-            value = self.store.get(key)
-        except ForgedValueError:
-            value = b""
-        return self._good_beat(member, value)
+        where = self._nodes_of([member])[member]
+        if where is not None:
+            beat = self._node_beat(where[0])
+            return beat.at if beat is not None else None
+        value = self._value_of(f"{PREFIX}/beat/{member}")
+        return self._good_beats.get(member) if value is None else self._good_beat(member, value)
 
     def _good_beat(self, member: str, value: bytes) -> float:
         """The beat ``value`` read under ``member``'s key, or, when it is junk, the
@@ -617,17 +708,23 @@ class Membership:
     def decide_step(self, step: int) -> Decision:
         """Count this member done with ``step``'s reduction and wait for the
         decision every member reads (Note [elastic membership])."""
+        self._step = step
+        self._judge_of(self.generation)
         base = f"{PREFIX}/gen/{self.generation.number}/step/{step}"
         done = self.store.add(f"{base}/done", 1)
         if done == self.generation.world_size:
             wanted = Decision.GROW if self.waiting_joiners() else Decision.COMMIT
             self.store.compare_set(f"{base}/decision", "", wanted.value)
-        return self._await_decision(base)
+        decision = self._await_decision(base)
+        if decision is not Decision.ABORT:
+            self._step = step + 1
+        return decision
 
     def abort_step(self, step: int) -> Decision:
         """Propose that ``step`` be dropped (this member saw a collective fail);
         returns the decision that stands, which is ``commit`` when every member
         had finished the step already."""
+        self._step = step
         base = f"{PREFIX}/gen/{self.generation.number}/step/{step}"
         won = self.store.compare_set(f"{base}/decision", "", Decision.ABORT.value)
         return Decision(won.decode())
@@ -636,7 +733,10 @@ class Membership:
         key = f"{base}/decision"
         others = [m for m in self.generation.members if m != self.member]
         judge = self._judge_of(self.generation)
-        slice_ = datetime.timedelta(seconds=self.config.beat_s)
+        # The judge writes the decision when it finds a death (Note [judge once] in judge.py): the
+        # slices only bound how late a member looks at the verdict itself.
+        slice_ = datetime.timedelta(seconds=max(self.config.beat_s,
+                                                min(_DECISION_SLICE_S, self.config.stale_after_s / 4)))
         while True:
             try:
                 self.store.wait([key], slice_)
@@ -687,6 +787,7 @@ class Membership:
         current = self.generation
         number = current.number + 1
         base = f"{PREFIX}/gen/{number}"
+        self._stop_judging()
         self.store.set(f"{base}/cand/{self.member}", "alive")
         deadline = time.monotonic() + self.config.regroup_timeout_s
         while True:
@@ -721,3 +822,21 @@ class Membership:
         self.generation = chosen
         return chosen
 
+
+def _node_and_pid(value: bytes | None) -> tuple[str, int] | None:
+    """``node_of/<id>``'s ``<node> <pid>``; None when missing or junk (the member beats for itself, as read)."""
+    try:
+        node, pid = bytes(value).decode().split() if value is not None else ("", "")
+        return (node, int(pid)) if node else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _beat_key(member: str, node: tuple[str, int] | None) -> str:
+    """Where ``member``'s beat is: its node's, or its own."""
+    return node_beat_key(node[0]) if node is not None else f"{PREFIX}/beat/{member}"
+
+
+def _stopped(age: float, node: tuple[str, int] | None) -> str:
+    """Why a member whose beat is ``age`` seconds old is dead."""
+    return f"stopped beating {age:.1f} s ago" + (" (its node's launcher did)" if node is not None else "")

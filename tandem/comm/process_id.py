@@ -24,6 +24,13 @@ exit status is in its ``/proc/<pid>/stat``, and the launcher has the code;
 a process already reaped on this kernel has left no status, and then its
 launcher's notice, when there is one, says more.
 
+Under ``tandem run --elastic`` the launcher also beats for its node
+(:class:`NodeBeat`, under :func:`node_beat_key`): the wall-clock time and the
+pids of its workers that have ended, rewritten at once when one ends. Its
+workers (``TANDEM_NODE`` names the node) do not beat themselves, so the store
+hears one beat per node, not one per rank, and whoever reads the node's beat
+learns of a worker's end from it (Note [judge once] in judge.py).
+
 Whoever judges a peer (a collective's wait: :class:`~tandem.comm.peers.PeerWatch`;
 an elastic member: :class:`~tandem.comm.membership.Membership`) asks these first
 and the heartbeat after, so a death is seen within a wait slice or a store poll,
@@ -34,6 +41,7 @@ its launcher, a link cut.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 from collections.abc import Callable
@@ -45,10 +53,13 @@ import torch.distributed as dist
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.job_secret import SignedStore, signed_like
 
-__all__ = ["PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key", "exit_words",
-           "write_exit_notice"]
+__all__ = ["NODE_ENV", "NodeBeat", "PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key",
+           "exit_words", "launcher_node", "node_beat_key", "write_exit_notice"]
 
 _NOTICES = "tandem/exited"
+_NODE_BEATS = "tandem/node"
+NODE_ENV = "TANDEM_NODE"
+"""Set by ``tandem run --elastic`` for its workers: the node whose launcher beats for them."""
 
 
 @functools.cache
@@ -168,6 +179,36 @@ def write_exit_notice(store: dist.Store, pid: int, what: str) -> None:
     kernel = _this_kernel()
     if kernel is not None:
         store.set(exit_notice_key(kernel, pid), what)
+
+
+def launcher_node() -> str | None:
+    """The node whose launcher beats for this process (``TANDEM_NODE``), or None."""
+    return os.environ.get(NODE_ENV) or None
+
+
+def node_beat_key(node: str) -> str:
+    return f"{_NODE_BEATS}/{node}"
+
+
+@dataclass(frozen=True)
+class NodeBeat:
+    """A node launcher's beat: when it beat (wall-clock seconds), and its workers
+    that have ended (pid -> how, in words)."""
+
+    at: float
+    ended: dict[int, str]
+
+    def encode(self) -> str:
+        return json.dumps({"at": self.at, "ended": {str(pid): what for pid, what in self.ended.items()}})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NodeBeat | None:
+        """The beat in ``raw``; None for junk (Note [a stranger asks to join] in membership.py)."""
+        try:
+            value = json.loads(bytes(raw).decode())
+            return cls(float(value["at"]), {int(pid): str(what) for pid, what in dict(value["ended"]).items()})
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            return None
 
 
 def below_prefixes(store: dist.Store) -> dist.Store:

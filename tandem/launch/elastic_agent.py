@@ -25,6 +25,10 @@ uses too), and nothing else:
   signals to it and stops it as it does the others. Its output goes to
   ``stdout.join<k>.log`` / ``stderr.join<k>.log`` beside the dead worker's logs.
 
+It beats for its node's workers in their store and names a worker that ended
+in the beat at once (:class:`~tandem.launch.node_reports.NodeReports`), so that
+the workers do not beat themselves and the store hears one beat per node.
+
 In a job of several nodes it also keeps this node on the job's roll (Note
 [nodes of an elastic job] in node_roll.py): it publishes the workers' store
 when this node hosts it, and its exit barrier waits only for nodes that are
@@ -83,8 +87,8 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.elastic_group import JOIN_ENV, NOTHING_TO_JOIN_EXITCODE
-from tandem.comm.process_id import exit_words
-from tandem.launch.exit_notices import ExitNotices
+from tandem.comm.process_id import NODE_ENV, exit_words
+from tandem.launch.node_reports import NodeReports
 from tandem.launch.hang import stuck_ranks
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.node_roll import NodeRoll
@@ -127,7 +131,11 @@ class ElasticAgent(LocalElasticAgent):
         self._dead: dict[int, int] = {}   # local rank -> exit code of a death already handled
         self._crashed: dict[int, int] = {}  # local rank -> exit code: Note [a crash after finishing]
         self._on_event = on_event or (lambda line: None)
-        self._notices = ExitNotices(logs.job_secret())
+        # This node's launcher beats for its workers and reports their exits (Note [deaths seen at
+        # once] in tandem/comm/process_id.py); its workers, which inherit this environment, read
+        # whose beat is theirs here.
+        self._reports = NodeReports.of_this_node(logs.job_secret())
+        os.environ[NODE_ENV] = self._reports.node
         self._watchdog = watchdog
         self._on_hang = on_hang or (lambda report: None)
         self._hung = False  # a hang with no worker to blame: the job fails
@@ -144,7 +152,7 @@ class ElasticAgent(LocalElasticAgent):
                 self._dead[local] = handlers[local].proc.pid
                 worker = worker_group.workers[local]
                 pid = handlers[local].proc.pid
-                self._notices.post(getattr(worker_group.spec.rdzv_handler, "workers_store", None), pid,
+                self._reports.post(getattr(worker_group.spec.rdzv_handler, "workers_store", None), pid,
                                    f"its process (pid {pid}) {exit_words(code)}, seen by its launcher")
                 if code == NOTHING_TO_JOIN_EXITCODE:
                     self._on_event(f"elastic: replacement pid {handlers[local].proc.pid} for local rank "
@@ -236,6 +244,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        self._reports.beat_in(getattr(worker_group.spec.rdzv_handler, "workers_store", None))
         if self._roll is None:
             return
         if not self._on_roll:

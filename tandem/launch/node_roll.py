@@ -246,6 +246,7 @@ class JoinRunningJob(RendezvousHandler):
         self._port = port
         self._run_id = run_id
         self._store = dist.HashStore()
+        self.workers_store = (host, port)
 
     def get_backend(self) -> str:
         return "tandem-join"

@@ -11,8 +11,10 @@ import pytest
 import torch.distributed as dist
 
 from tandem.comm.job_secret import ForgedValueError, SignedStore, job_secret, secret_for_workers
-from tandem.comm.judge import DEPUTIES, Verdict
+import tandem.comm.membership as membership_module
+from tandem.comm.judge import Verdict, judging_ranks
 from tandem.comm.membership import PREFIX, Decision, ElasticConfig, Membership, MembershipError
+from tandem.comm.process_id import NodeBeat, node_beat_key
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
 CONFIG = ElasticConfig(beat_s=0.01, stale_after_s=1.0, regroup_timeout_s=5.0)
@@ -382,8 +384,8 @@ JUDGED = ElasticConfig(beat_s=0.01, stale_after_s=30.0, regroup_timeout_s=5.0)  
 
 @pytest.mark.parametrize(("kind", "lost"), [("plain", "7"), ("signed", "7"), ("plain", "0")])
 def test_one_member_judges_for_all_and_a_deputy_when_it_is_gone(kind: str, lost: str) -> None:
-    # Note [judge once] in judge.py: the members waiting on a decision read one verdict a
-    # slice; none but the judge (rank 0) or, with it gone, a deputy sweeps the others.
+    # Note [judge once] in judge.py: none but the judge (rank 0) or, with it gone, a deputy
+    # (ranks 4 and 7 of 8) sweeps the others.
     clock = Clock()
     store = _store(kind)
     members = [Watched.founding(store, r, 8, JUDGED, clock=clock) for r in range(8)]
@@ -398,8 +400,9 @@ def test_one_member_judges_for_all_and_a_deputy_when_it_is_gone(kind: str, lost:
         assert out == [Decision.ABORT]
     verdict = Verdict.decode(store.get(f"{PREFIX}/gen/0/verdict"))
     assert verdict is not None and verdict.dead == {lost: f"stopped beating {2 * JUDGED.stale_after_s:.1f} s ago"}
-    assert verdict.by == ("0" if lost != "0" else "1")  # the judge, or its first deputy
-    readers = [m for m in live if int(m.member) >= DEPUTIES]
+    assert verdict.by == ("0" if lost != "0" else "4")  # the judge, or its first deputy
+    assert judging_ranks(8) == (0, 4, 7) and judging_ranks(2) == (0, 1) and judging_ranks(1) == (0,)
+    readers = [m for m in live if int(m.member) not in judging_ranks(8)]
     assert len(readers) >= 4 and [m.sweeps for m in readers] == [0] * len(readers)
     for m in live:
         m.stop()
@@ -410,3 +413,80 @@ def test_junk_under_the_verdict_is_no_verdict() -> None:
         assert Verdict.decode(junk) is None
     verdict = Verdict(5.0, "0", {"3": "has died"})
     assert Verdict.decode(verdict.encode().encode()) == verdict
+
+
+def _on_nodes(store: dist.Store, clock: Clock, n: int, per_node: int) -> list[Membership]:
+    """``n`` members whose launchers beat for them, ``per_node`` to a node (``node<k>``), each
+    with a pid of its own (they share this process's): Note [deaths seen at once]."""
+    for k in range(n // per_node):
+        store.set(node_beat_key(f"node{k}"), NodeBeat(clock(), {}).encode())
+    members = [Membership.founding(store, r, n, JUDGED, clock=clock, node=f"node{r // per_node}") for r in range(n)]
+    for r, m in enumerate(members):
+        assert m.node == f"node{r // per_node}" and not store.check([f"{PREFIX}/beat/{r}"])  # no beat of its own
+        store.set(f"{PREFIX}/node_of/{r}", f"node{r // per_node} {7000 + r}")
+    return members
+
+
+def _ended(store: dist.Store, clock: Clock, node: str, pid: int) -> None:
+    """What the node's launcher writes when its worker ``pid`` is killed."""
+    beat = NodeBeat(clock(), {pid: f"its process (pid {pid}) was killed by SIGKILL"})
+    store.set(node_beat_key(node), beat.encode())
+
+
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_the_judge_aborts_the_step_the_others_wait_on_and_a_deputy_takes_over_when_it_ends(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [judge once]: with decision waits of 60 s, the members learn of a death only from
+    # the decision the judge writes. The judge (rank 0) judges, then its process ends: its
+    # launcher names it in its node's beat, and the first deputy (rank 4, on another node)
+    # takes over at once, not after stale_after_s (30 s): it judges and aborts the step.
+    monkeypatch.setattr(membership_module, "_DECISION_SLICE_S", 60.0)
+    clock, store = Clock(), _store(kind)
+    members = _on_nodes(store, clock, 8, 4)
+    slow = members[3]  # never counts itself done: the step waits
+    threads = [_in_thread(m.decide_step, 0) for m in members if m is not slow]
+    deadline = time.monotonic() + 10
+    while not store.check([f"{PREFIX}/gen/0/verdict"]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert Verdict.decode(store.get(f"{PREFIX}/gen/0/verdict")) == Verdict(clock.now, "0", {})  # all alive
+    members[0].stop()  # the judge's process ends ...
+    clock.now += 5 * JUDGED.beat_s  # (its last verdict ages)
+    _ended(store, clock, "node0", 7000)  # ... and its launcher says so
+    for t, out in threads[1:]:
+        t.join(10)
+        assert out == [Decision.ABORT]
+    verdict = Verdict.decode(store.get(f"{PREFIX}/gen/0/verdict"))
+    assert verdict == Verdict(clock.now, "4", {"0": "has died: its process (pid 7000) was killed by SIGKILL"})
+    threads[0][0].join(10)  # the dead judge's own wait, a thread of this test
+    for m in members:
+        m.stop()
+
+
+def test_a_member_whose_node_stopped_beating_is_dead_and_junk_under_a_node_beat_is_skipped() -> None:
+    clock, store = Clock(), _store("signed")
+    members = _on_nodes(store, clock, 4, 2)
+    judge = members[0]
+    assert judge.judged(["1", "2", "3"]) == {}
+    store.inner.set(store.name(node_beat_key("node1")), b"junk")  # a stranger's write: not signed
+    store.set(node_beat_key("node0"), b"{not json")  # signed junk: no beat either
+    assert judge.judged(["1", "2", "3"]) == {} and judge.dead(["1", "2", "3"]) == {}
+    clock.now += JUDGED.stale_after_s + 1  # no beat of node1 since: its members are dead, node0's is junk
+    why = f"stopped beating {JUDGED.stale_after_s + 1:.1f} s ago (its node's launcher did)"
+    assert judge.judged(["1", "2", "3"]) == {"1": why, "2": why, "3": why}
+    store.set(node_beat_key("node0"), NodeBeat(clock.now, {}).encode())
+    _ended(store, clock, "node1", 7003)
+    # node1 beats again, naming its worker 7003 ended: member 3 is dead, member 2 alive
+    assert judge.dead(["1", "2", "3"]) == {"3": "has died: its process (pid 7003) was killed by SIGKILL"}
+    assert judge.judged(["1", "2", "3"]) == judge.dead(["1", "2", "3"])
+    for m in members:
+        m.stop()
+
+
+def test_a_member_whose_node_does_not_beat_beats_for_itself() -> None:
+    # A launcher that set TANDEM_NODE and never beat (no workers' store to beat in) leaves its
+    # workers beating as before, not dead.
+    clock, store = Clock(), _store()
+    m = Membership.founding(store, 0, 1, JUDGED, clock=clock, node="nowhere")
+    assert m.node is None and store.get(f"{PREFIX}/beat/0") == repr(clock.now).encode()
+    assert not store.check([f"{PREFIX}/node_of/0"])
+    m.stop()

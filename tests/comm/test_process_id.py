@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from tandem.comm.membership import ElasticConfig, Membership, PREFIX
 from tandem.comm.peers import PeerLostError, PeerWatch, heartbeat_key, last_beat, process_key
-from tandem.comm.process_id import ProcessId, exit_notice_key, exit_words
-from tandem.launch.exit_notices import ExitNotices
+from tandem.comm.process_id import NodeBeat, ProcessId, exit_notice_key, exit_words, node_beat_key
+from tandem.launch.node_reports import NodeReports
 
 pytestmark = pytest.mark.skipif(ProcessId.this_process() is None, reason="needs Linux's /proc")
 
@@ -96,17 +96,23 @@ def test_a_member_whose_launcher_posted_its_exit_is_dead_at_once() -> None:
             m.stop()
 
 
-def test_the_launcher_posts_an_exit_to_the_workers_store() -> None:
+def test_the_launcher_beats_for_its_node_and_posts_an_exit_to_the_workers_store() -> None:
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
-    notices = ExitNotices()
+    reports = NodeReports.of_this_node()
+    me = ProcessId.this_process()
+    assert me is not None and reports.node == f"{me.kernel}.{me.pid}"
     try:
-        notices.post(("127.0.0.1", server.port), 1234, "exited with -9, seen by its launcher")
-        me = ProcessId.this_process()
-        assert me is not None
+        reports.beat_in(("127.0.0.1", server.port))
+        server.wait([node_beat_key(reports.node)], datetime.timedelta(seconds=10))
+        first = NodeBeat.decode(server.get(node_beat_key(reports.node)))
+        assert first is not None and first.ended == {} and abs(first.at - time.time()) < 5
+        reports.post(("127.0.0.1", server.port), 1234, "exited with -9, seen by its launcher")
         server.wait([exit_notice_key(me.kernel, 1234)], datetime.timedelta(seconds=10))
         assert server.get(exit_notice_key(me.kernel, 1234)) == b"exited with -9, seen by its launcher"
+        beat = NodeBeat.decode(server.get(node_beat_key(reports.node)))  # written before the notice
+        assert beat is not None and beat.ended == {1234: "exited with -9, seen by its launcher"}
     finally:
-        notices.stop()
+        reports.stop()
 
 
 def test_a_reaped_process_is_worded_by_its_launchers_notice_when_there_is_one() -> None:
