@@ -154,9 +154,10 @@ class Judge:
         if not self._before:
             return True
         latest = self._latest()
-        if latest is None or latest.by == self._member:
+        if latest is not None and latest.by == self._member:
             return True
-        age = self._clock() - latest.at
+        # no verdict yet: as old as this seat
+        age = self._clock() - latest.at if latest is not None else time.monotonic() - self._since
         if age <= 2 * self._beat_s:
             return False  # judged a moment ago
         if age > self._stale_after_s + len(self._before) * self._beat_s:

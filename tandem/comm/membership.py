@@ -113,6 +113,7 @@ from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError
 from tandem.comm.judge import Judge, judging_ranks
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
+from tandem.comm.roll_call import RollCall
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
 
@@ -122,6 +123,7 @@ PREFIX = "tandem/elastic"
 _REFUSED = "no job secret"
 _ANOTHER_SECRET = "another secret"
 _ASKS_AT_ONCE = 64  # Note [a stranger asks to join]
+_ALL_ARRIVED = "all"  # a roll call's outcome when every member came (Note [a roll call] in roll_call.py)
 _DECISION_SLICE_S = 2.0  # the longest wait on a decision between looks at the verdict (Note [judge once])
 
 
@@ -571,10 +573,11 @@ class Membership:
         Building a generation's gloo group waits, in torch, until every member has
         connected, for the group's whole timeout: a replacement admitted and then
         killed before it connected, or a member killed between the agreement and
-        the group, left the others there for as long. So each member first marks
-        itself arrived in the store and waits for the others' marks, watching
-        the missing ones for death as a failed collective does; a dead one
-        fails the change with a PeerLostError, and the next change leaves it out.
+        the group, left the others there for as long. So each member first puts
+        itself on a roll call in the store (Note [a roll call] in roll_call.py)
+        and waits for its outcome: the last to arrive says all came; the judges
+        watch the missing ones for death, and a dead one fails the change with a
+        PeerLostError on every member, and the next change leaves it out.
         The same goes for a second group over the members (fully_shard's
         reduce-scatter group, built at the first forward in a new world:
         :func:`tandem.comm.elastic_group.new_world_group`).
@@ -588,30 +591,47 @@ class Membership:
             PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
             MembershipError: not every member arrived within ``regroup_timeout_s``.
         """
-        base = f"{PREFIX}/gen/{generation.number}/arrived/{what}"
-        self.store.set(f"{base}/{self.member}", "1")
-        deadline = time.monotonic() + self.config.regroup_timeout_s
-        missing = [m for m in generation.members if m != self.member]
+        roll = RollCall(self.store, f"{PREFIX}/gen/{generation.number}/arrived/{what}")
+        if roll.arrive(self.member) == generation.world_size:
+            roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in roll_call.py)
+        during = f"the arrival of generation {generation.number}'s members ({what})"
+        started = time.monotonic()
         while True:
-            missing = [m for m in missing if not self.store.check([f"{base}/{m}"])]
-            if not missing:
+            judging = self._reads_rolls(generation, started)
+            outcome = roll.outcome(self.config.beat_s if judging else self._slice_s())
+            if outcome == _ALL_ARRIVED:
                 return
-            lost = self.lost_among(generation, missing, f"the arrival of generation {generation.number}'s "
-                                   f"members ({what})")
-            if lost is not None:
-                raise lost
-            if time.monotonic() > deadline:
+            if outcome is not None:
+                lost = json.loads(outcome)
+                raise PeerLostError(generation.rank_of(self.member), {int(r): why for r, why in lost.items()}, during)
+            if judging:
+                arrived = set(roll.arrived())
+                missing = [m for m in generation.members if m not in arrived]
+                found = self.lost_among(generation, missing, during) if missing else None
+                if found is not None:
+                    roll.decide(json.dumps({str(r): why for r, why in found.lost.items()}))
+            if time.monotonic() - started > self.config.regroup_timeout_s:
                 raise MembershipError(
-                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for members "
-                    f"{missing} to build generation {generation.number}'s group; raise "
+                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for the members of "
+                    f"generation {generation.number} to arrive to build its {what}; raise "
                     "ElasticConfig.regroup_timeout_s if they are slow")
-            time.sleep(0.005)
+
+    def _reads_rolls(self, generation: Generation, since: float) -> bool:
+        """Whether this member reads a roll call of ``generation`` (Note [a roll call] in roll_call.py):
+        it judges, or the judges have not answered for longer than their window."""
+        seats = judging_ranks(generation.world_size)
+        return generation.rank_of(self.member) in seats or \
+            time.monotonic() - since > self.config.stale_after_s + len(seats) * self.config.beat_s
+
+    def _slice_s(self) -> float:
+        """How long a member waits on a key the judge writes before it looks for itself."""
+        return max(self.config.beat_s, min(_DECISION_SLICE_S, self.config.stale_after_s / 4))
 
     def lost_among(self, generation: Generation, members: Sequence[str], during: str) -> PeerLostError | None:
         """A PeerLostError naming those of ``members`` that are dead (their ranks in
         ``generation``), as if ``during`` had failed on them; None when none is
         (one that has not beaten yet is not: it may be starting)."""
-        dead = {m: why for m, why in self.dead(members).items() if why != NEVER_BEATEN}
+        dead = {m: why for m, why in self.judged(members).items() if why != NEVER_BEATEN}
         if not dead:
             return None
         return PeerLostError(generation.rank_of(self.member), {generation.rank_of(m): why for m, why in dead.items()},
@@ -735,8 +755,7 @@ class Membership:
         judge = self._judge_of(self.generation)
         # The judge writes the decision when it finds a death (Note [judge once] in judge.py): the
         # slices only bound how late a member looks at the verdict itself.
-        slice_ = datetime.timedelta(seconds=max(self.config.beat_s,
-                                                min(_DECISION_SLICE_S, self.config.stale_after_s / 4)))
+        slice_ = datetime.timedelta(seconds=self._slice_s())
         while True:
             try:
                 self.store.wait([key], slice_)
@@ -788,23 +807,35 @@ class Membership:
         number = current.number + 1
         base = f"{PREFIX}/gen/{number}"
         self._stop_judging()
-        self.store.set(f"{base}/cand/{self.member}", "alive")
-        deadline = time.monotonic() + self.config.regroup_timeout_s
+        self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in peers.py
+        roll = RollCall(self.store, f"{base}/regroup")  # Note [a roll call] in roll_call.py
+        roll.arrive(self.member)
+        started = time.monotonic()
         while True:
             if self.store.check([f"{base}/members"]):
                 chosen = self._read(number)
                 break
-            arrived = [m for m in current.members if self.store.check([f"{base}/cand/{m}"])]
+            if not self._reads_rolls(current, started):
+                try:
+                    self.store.wait([f"{base}/members"], datetime.timedelta(seconds=self._slice_s()))
+                except RuntimeError as e:
+                    if "timeout" not in str(e).lower():
+                        raise
+                continue
+            arrived = set(roll.arrived())
+            arrived_in_order = [m for m in current.members if m in arrived]
             missing = [m for m in current.members if m not in arrived]
-            lost = {**self.dead(missing), **{m: "known dead" for m in known_dead if m in missing}}
+            lost = {**(self.judged(missing) if missing else {}),
+                    **{m: "known dead" for m in known_dead if m in missing}}
             if len(lost) == len(missing):
                 joiners = [j for j in self.waiting_joiners() if j not in arrived]
                 # One that arrived (or asked to join) and died since is left out now, not
-                # found dead again by the generation's arrival barrier (a soak saw it).
-                gone = {m for m, why in self.dead(arrived + joiners).items() if why != NEVER_BEATEN}
-                chosen = self._propose(Generation(number, tuple(m for m in arrived + joiners if m not in gone)))
+                # found dead again by the generation's arrival barrier.
+                gone = {m for m, why in self.judged(arrived_in_order + joiners).items() if why != NEVER_BEATEN}
+                chosen = self._propose(Generation(number, tuple(m for m in arrived_in_order + joiners
+                                                                if m not in gone)))
                 break
-            if time.monotonic() > deadline:
+            if time.monotonic() - started > self.config.regroup_timeout_s:
                 raise MembershipError(
                     f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for "
                     f"members {sorted(set(missing) - set(lost))} of generation {current.number} to "
