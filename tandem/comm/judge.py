@@ -27,9 +27,10 @@ machine"). So one member judges for all, and tells the others by deciding:
   verdict is older than ``stale_after_s`` plus a beat for each seat before it
   (the seats before went silent with their node);
 * a waiting member reads the verdict each time its wait times out (a slice of
-  up to 2 s) and proposes ``abort`` itself when it names another member dead
-  (the judge may not know the step yet); one that sees no verdict newer than
-  ``stale_after_s`` plus :data:`DEPUTIES` beats judges for itself, as before.
+  half ``stale_after_s``, 5 s at most) and proposes ``abort`` itself when it
+  names another member dead (the judge may not know the step yet); one that
+  sees no verdict newer than ``stale_after_s`` plus :data:`DEPUTIES` beats
+  judges for itself, as before.
 
 The store's load per beat is a few operations for the judge, one beat per node
 and, while a decision is late, one read per member and slice: linear in

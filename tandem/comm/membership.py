@@ -95,6 +95,7 @@ skipped, with one line that says how many.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -124,7 +125,7 @@ _REFUSED = "no job secret"
 _ANOTHER_SECRET = "another secret"
 _ASKS_AT_ONCE = 64  # Note [a stranger asks to join]
 _ALL_ARRIVED = "all"  # a roll call's outcome when every member came (Note [a roll call] in roll_call.py)
-_DECISION_SLICE_S = 2.0  # the longest wait on a decision between looks at the verdict (Note [judge once])
+_DECISION_SLICE_S = 5.0  # the longest wait on a key the judge writes before a look of its own (Note [judge once])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +192,14 @@ class Generation:
         return len(self.members)
 
     def rank_of(self, member: str) -> int:
-        return self.members.index(member)
+        return self._ranks[member]
+
+    def has(self, member: str) -> bool:
+        return member in self._ranks
+
+    @functools.cached_property
+    def _ranks(self) -> dict[str, int]:
+        return {m: r for r, m in enumerate(self.members)}
 
     def joined_since(self, previous: Generation) -> tuple[str, ...]:
         return tuple(m for m in self.members if m not in previous.members)
@@ -625,7 +633,7 @@ class Membership:
 
     def _slice_s(self) -> float:
         """How long a member waits on a key the judge writes before it looks for itself."""
-        return max(self.config.beat_s, min(_DECISION_SLICE_S, self.config.stale_after_s / 4))
+        return max(self.config.beat_s, min(_DECISION_SLICE_S, self.config.stale_after_s / 2))
 
     def lost_among(self, generation: Generation, members: Sequence[str], during: str) -> PeerLostError | None:
         """A PeerLostError naming those of ``members`` that are dead (their ranks in
@@ -751,7 +759,6 @@ class Membership:
 
     def _await_decision(self, base: str) -> Decision:
         key = f"{base}/decision"
-        others = [m for m in self.generation.members if m != self.member]
         judge = self._judge_of(self.generation)
         # The judge writes the decision when it finds a death (Note [judge once] in judge.py): the
         # slices only bound how late a member looks at the verdict itself.
@@ -766,9 +773,10 @@ class Membership:
             # Note [judge once] in judge.py: one read a slice, not a sweep of every member
             verdict = judge.read()
             if verdict is not None:
-                lost = {m: why for m, why in verdict.dead.items() if m in others}
-            elif judge.waited_long():
-                lost = self.dead(others)  # no judge has judged for a while: judge for itself
+                lost = {m: why for m, why in verdict.dead.items()
+                        if m != self.member and self.generation.has(m)}
+            elif judge.waited_long():  # no judge has judged for a while: judge for itself, in one read
+                lost = self.judged(self.generation.members)
             else:
                 continue
             if lost:
