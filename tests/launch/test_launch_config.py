@@ -455,7 +455,7 @@ def test_an_elastic_job_counts_as_finished_only_the_workers_that_finished():
                                                       error_files={0: "e0", 1: "e1", 2: "e2"}),
                             _dead={}, _crashed={}, _on_event=lines.append, _replacements_left=0,
                             _finished=lambda local: False, _watchdog=None,
-                            _notices=SimpleNamespace(post=lambda *args: None))
+                            _reports=SimpleNamespace(post=lambda *args: None))
     agent._failures = lambda group, codes: ElasticAgent._failures(agent, group, codes)
     group = SimpleNamespace(workers=[SimpleNamespace(global_rank=r) for r in (3, 4, 5)],
                             spec=SimpleNamespace(rdzv_handler=None))
