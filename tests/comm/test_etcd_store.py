@@ -1,0 +1,339 @@
+"""EtcdStore (tandem/comm/etcd_store.py, Note [a store on etcd]) on real etcd
+members started by tests/comm/_etcd.py: the same answers as a ``TCPStore`` for
+a grid of calls, a gloo group and tandem's membership built on it, a member
+killed and then a majority lost (Note [failing over between etcd members]), and
+mutual TLS. One single-member cluster serves the module; the kills and TLS get
+clusters of their own."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _etcd import EtcdCluster, cryptography_missing, etcd_missing  # noqa: E402
+
+from tandem.comm.etcd_gateway import EtcdCertificateError, EtcdGateway, EtcdUnavailableError  # noqa: E402
+from tandem.comm.etcd_store import EtcdStore  # noqa: E402
+from tandem.comm.membership import Decision, ElasticConfig, Membership  # noqa: E402
+from tandem.testing import run_distributed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=etcd_missing() or "")
+
+TIMEOUT = datetime.timedelta(seconds=1)  # how long a get of a missing key waits, on both stores
+EVERY_BYTE = bytes(range(256))
+ODD_KEYS = ["a/b", "a?b", "???", "/leading/slash", "ünïcødé/✓", "sp ace", "k" * 300]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EtcdCluster]:
+    with EtcdCluster(1) as c:
+        yield c
+
+
+def _etcd_store(cluster: EtcdCluster, timeout: datetime.timedelta = TIMEOUT) -> EtcdStore:
+    return EtcdStore(cluster.endpoints, f"tests/{uuid.uuid4().hex}", timeout, cluster.tls)
+
+
+def _tcp_store(timeout: datetime.timedelta = TIMEOUT) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def raised(call: Callable[[], Any]) -> Any:
+    """``call()``'s value, or the type of what it raised."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - the type is the answer compared
+        return type(e)
+
+
+# ---------------------------------------------------------------------- (a) the same answers as TCPStore
+def test_tcpstore_compare_set_semantics() -> None:
+    """What EtcdStore copies, established on torch's own store."""
+    s = _tcp_store()
+    assert s.compare_set("missing", "", "v") == b"v" and s.get("missing") == b"v"      # missing, expecting "": set
+    assert s.compare_set("missing2", "x", "v") == b"x" and not s.check(["missing2"])    # missing, expecting x: x
+    s.set("k", "a")
+    assert s.compare_set("k", "a", "b") == b"b" and s.get("k") == b"b"                  # matching: set
+    assert s.compare_set("k", "z", "c") == b"b" and s.get("k") == b"b"                  # not matching: current
+    assert s.compare_set("k", "", "c") == b"b"                                          # present, expecting ""
+    s.set("empty", "")
+    assert s.compare_set("empty", "", "d") == b"d"                                      # b"" matches ""
+
+
+def _compare_set_missing_expecting_empty(s: dist.Store) -> list[Any]:
+    return [s.compare_set("k", "", "v"), s.get("k")]
+
+
+def _compare_set_missing_expecting_a_value(s: dist.Store) -> list[Any]:
+    return [s.compare_set("k", "x", "v"), s.check(["k"])]
+
+
+def _compare_set_matching(s: dist.Store) -> list[Any]:
+    s.set("k", "a")
+    return [s.compare_set("k", "a", "b"), s.get("k"), s.compare_set("k", "b", EVERY_BYTE), s.get("k")]
+
+
+def _compare_set_not_matching(s: dist.Store) -> list[Any]:
+    s.set("k", "a")
+    return [s.compare_set("k", "z", "b"), s.compare_set("k", "", "b"), s.get("k")]
+
+
+def _compare_set_on_an_empty_value(s: dist.Store) -> list[Any]:
+    s.set("k", "")
+    return [s.compare_set("k", "", "b"), s.get("k"), s.compare_set("k", "b", ""), s.get("k")]
+
+
+def _add_from_missing(s: dist.Store) -> list[Any]:
+    return [s.add("n", 3), s.add("n", -5), s.get("n"), s.add("zero", 0), s.check(["zero"]), s.get("zero")]
+
+
+def _add_to_a_set_count(s: dist.Store) -> list[Any]:
+    s.set("n", "41")
+    return [s.add("n", 1), s.get("n")]
+
+
+def _every_byte(s: dist.Store) -> list[Any]:
+    s.set("b", EVERY_BYTE)
+    s.set("u", "ünï ✓")
+    s.set("e", b"")
+    return [s.get("b"), s.get("u"), s.get("e"), s.multi_get(["e", "b"])]
+
+
+def _odd_keys(s: dist.Store) -> list[Any]:
+    for i, key in enumerate(ODD_KEYS):
+        s.set(key, f"value {i}")
+    return [[s.get(k) for k in ODD_KEYS], s.check(ODD_KEYS), s.multi_get(ODD_KEYS), s.check(["a", "a/", "???/"])]
+
+
+def _check_several(s: dist.Store) -> list[Any]:
+    out = [s.check(["a", "b"]), s.check([])]
+    s.set("a", "1")
+    out += [s.check(["a", "b"]), s.check(["a"])]
+    s.set("b", "2")
+    return out + [s.check(["a", "b"]), s.check(["b", "a", "a"])]
+
+
+def _wait_times_out(s: dist.Store) -> list[Any]:
+    s.set("there", "1")
+    return [raised(lambda: s.wait(["there", "missing"], datetime.timedelta(milliseconds=200))),
+            s.wait(["there"]), raised(lambda: s.wait(["missing"], datetime.timedelta(0))), s.wait([])]
+
+
+def _get_of_a_missing_key_times_out(s: dist.Store) -> list[Any]:
+    s.set("a", "1")
+    return [raised(lambda: s.get("missing")), raised(lambda: s.multi_get(["a", "missing"]))]
+
+
+def _multi_set_then_multi_get(s: dist.Store) -> list[Any]:
+    s.multi_set(["x", "y/z", "x"], [b"1", EVERY_BYTE, "3"])  # type: ignore[attr-defined]
+    return [s.multi_get(["x", "y/z"]), s.multi_get([])]
+
+
+def _delete_and_count(s: dist.Store) -> list[Any]:
+    s.set("a", "1")
+    s.set("b/c", "2")
+    s.add("n", 1)
+    return [s.num_keys(), s.delete_key("a"), s.delete_key("a"), s.check(["a"]), s.num_keys()]
+
+
+def _timeout_property(s: dist.Store) -> list[Any]:
+    before = s.timeout  # type: ignore[attr-defined]
+    s.set_timeout(datetime.timedelta(seconds=7))
+    return [before, s.timeout]  # type: ignore[attr-defined]
+
+
+GRID = [_compare_set_missing_expecting_empty, _compare_set_missing_expecting_a_value, _compare_set_matching,
+        _compare_set_not_matching, _compare_set_on_an_empty_value, _add_from_missing, _add_to_a_set_count,
+        _every_byte, _odd_keys, _check_several, _wait_times_out, _get_of_a_missing_key_times_out,
+        _multi_set_then_multi_get, _delete_and_count, _timeout_property]
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c.__name__.strip("_") for c in GRID])
+def test_the_same_answers_as_tcpstore(cluster: EtcdCluster, case: Callable[[dist.Store], list[Any]]) -> None:
+    expected = case(_tcp_store())
+    assert case(_etcd_store(cluster)) == expected
+
+
+def test_a_wait_times_out_as_tcpstores_does(cluster: EtcdCluster) -> None:
+    """The type, and the word the membership looks for in a wait slice's end."""
+    for store in (_tcp_store(), _etcd_store(cluster)):
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="wait timeout after 300ms"):
+            store.wait(["missing"], datetime.timedelta(milliseconds=300))
+        assert 0.3 <= time.monotonic() - started < 5.0
+
+
+def test_adds_of_several_threads_count_each_once(cluster: EtcdCluster) -> None:
+    store = _etcd_store(cluster)
+    seen: list[int] = []
+
+    def count() -> None:
+        seen.extend(store.add("n", 1) for _ in range(10))
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(seen) == list(range(1, 41)) and store.get("n") == b"40"
+
+
+def test_an_add_whose_answer_was_lost_is_applied_once(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [an add applied once]: etcd applies the first attempt, its answer is
+    lost, the gateway sends the same request again."""
+    import tandem.comm.etcd_gateway as gateway_module
+
+    store = _etcd_store(cluster)
+    store.add("n", 5)
+    real = EtcdGateway._post
+    lost: list[bytes] = []
+
+    def post_and_lose_the_answer(self: EtcdGateway, i: int, path: str, data: bytes, timeout_s: float) -> Any:
+        answer = real(self, i, path, data, timeout_s)
+        if path == "/v3/kv/txn" and b"request_put" in data and not lost:
+            lost.append(data)
+            raise gateway_module._NoAnswer("the answer was lost")
+        return answer
+
+    monkeypatch.setattr(EtcdGateway, "_post", post_and_lose_the_answer)
+    assert store.add("n", 2) == 7 and lost
+    assert store.get("n") == b"7"
+
+
+def test_a_wait_polls_gently(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [waiting by polling]: 10 ms growing to 100 ms between reads."""
+    store = _etcd_store(cluster)
+    real = EtcdGateway._post
+    posts: list[float] = []
+
+    def counted(self: EtcdGateway, *args: Any) -> Any:
+        posts.append(time.monotonic())
+        return real(self, *args)
+
+    monkeypatch.setattr(EtcdGateway, "_post", counted)
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["missing"], datetime.timedelta(seconds=1))
+    assert 2 <= len(posts) <= 20  # a busy poll would make hundreds
+
+
+# ---------------------------------------------------------------------- (b) a gloo group
+def _all_reduce_over_etcd(rank: int, world_size: int, endpoints: list[str], prefix: str) -> list[float]:
+    store = EtcdStore(endpoints, prefix, datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_a_gloo_group_bootstraps_on_etcd(cluster: EtcdCluster) -> None:
+    results = run_distributed(_all_reduce_over_etcd, 2, init_process_group=False, timeout=90,
+                              args=(cluster.endpoints, f"tests/{uuid.uuid4().hex}"))
+    assert results == [[3.0] * 4, [3.0] * 4]
+
+
+# ---------------------------------------------------------------------- (c) tandem's membership
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _in_threads(calls: list[Callable[[], Any]], timeout_s: float = 30.0) -> list[Any]:
+    out: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        out[i] = raised(calls[i])
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert len(out) == len(calls), f"{len(calls) - len(out)} of {len(calls)} calls did not return in {timeout_s} s"
+    return [out[i] for i in range(len(calls))]
+
+
+def test_membership_on_etcd_commits_then_aborts_when_a_member_stops(cluster: EtcdCluster) -> None:
+    config = ElasticConfig(beat_s=0.05, stale_after_s=1.0, regroup_timeout_s=20.0)
+    clock = Clock()
+    store = _etcd_store(cluster, datetime.timedelta(seconds=20))
+    members = _in_threads([lambda r=r: Membership.founding(store, r, 3, config, clock=clock) for r in range(3)])
+    assert all(isinstance(m, Membership) for m in members), members
+    try:
+        assert _in_threads([lambda m=m: m.decide_step(0) for m in members]) == [Decision.COMMIT] * 3
+        members[2].stop()  # its beat stays at 1000
+        clock.now += 2 * config.stale_after_s
+        members[0]._beat(), members[1]._beat()
+        assert _in_threads([lambda m=m: m.decide_step(1) for m in members[:2]]) == [Decision.ABORT] * 2
+    finally:
+        for m in members:
+            m.stop()
+
+
+# ---------------------------------------------------------------------- (d) a member killed, then a majority lost
+def _leader(cluster: EtcdCluster) -> int:
+    for i, endpoint in enumerate(cluster.endpoints):
+        request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as answer:
+                status = json.loads(answer.read())
+        except OSError:
+            continue
+        if status["header"]["member_id"] == status["leader"]:
+            return i
+    raise AssertionError("no member says it leads")
+
+
+def test_a_killed_member_is_failed_over_and_a_lost_majority_is_said() -> None:
+    with EtcdCluster(3) as cluster:
+        first = _leader(cluster)  # the store talks to the leader: its loss is the slow one (an election)
+        order = [first] + [i for i in range(3) if i != first]
+        store = EtcdStore([cluster.endpoints[i] for i in order], "tests/kill", datetime.timedelta(seconds=15))
+        store.set("k", "before")
+        assert store.add("n", 1) == 1
+        cluster.kill(order[0])
+        started = time.monotonic()
+        store.set("k", "after")
+        assert store.get("k") == b"after" and store.add("n", 1) == 2
+        assert time.monotonic() - started < 8.0
+
+        store.set_timeout(datetime.timedelta(seconds=3))
+        cluster.kill(order[1])
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailableError, match="lost its majority or is unreachable") as lost:
+            store.set("k", "no majority")
+        assert time.monotonic() - started < 3.0 + 4.0  # the timeout, one member's last try, a loaded host
+        assert all(endpoint in str(lost.value) for endpoint in cluster.endpoints)
+
+
+# ---------------------------------------------------------------------- (e) mutual TLS
+@pytest.mark.skipif(cryptography_missing() is not None, reason=cryptography_missing() or "")
+def test_tls_with_the_cluster_s_certificate_works_and_another_ca_s_is_refused_at_once() -> None:
+    with EtcdCluster(1, tls=True) as cluster:
+        store = _etcd_store(cluster, datetime.timedelta(seconds=10))
+        store.set("k", EVERY_BYTE)
+        assert store.get("k") == EVERY_BYTE and store.compare_set("c", "", "x") == b"x"
+
+        stranger = EtcdStore(cluster.endpoints, "tests/tls", datetime.timedelta(seconds=30), cluster.foreign_tls())
+        started = time.monotonic()
+        with pytest.raises(EtcdCertificateError, match="the etcd cluster refused this node's certificate") as refused:
+            stranger.get("k")
+        assert time.monotonic() - started < 5.0  # at once, not after the store's 30 s
+        assert cluster.endpoints[0] in str(refused.value) and "cluster's CA" in str(refused.value)
