@@ -605,14 +605,14 @@ class Membership:
         during = f"the arrival of generation {generation.number}'s members ({what})"
         started = time.monotonic()
         while True:
-            judging = self._reads_rolls(generation, started)
-            outcome = roll.outcome(self.config.beat_s if judging else self._slice_s())
+            period = self._roll_period(generation, started)
+            outcome = roll.outcome(period if period is not None else self._slice_s())
             if outcome == _ALL_ARRIVED:
                 return
             if outcome is not None:
                 lost = json.loads(outcome)
                 raise PeerLostError(generation.rank_of(self.member), {int(r): why for r, why in lost.items()}, during)
-            if judging:
+            if period is not None:
                 arrived = set(roll.arrived())
                 missing = [m for m in generation.members if m not in arrived]
                 found = self.lost_among(generation, missing, during) if missing else None
@@ -624,12 +624,16 @@ class Membership:
                     f"generation {generation.number} to arrive to build its {what}; raise "
                     "ElasticConfig.regroup_timeout_s if they are slow")
 
-    def _reads_rolls(self, generation: Generation, since: float) -> bool:
-        """Whether this member reads a roll call of ``generation`` (Note [a roll call] in roll_call.py):
-        it judges, or the judges have not answered for longer than their window."""
+    def _roll_period(self, generation: Generation, since: float) -> float | None:
+        """How often this member reads a roll call of ``generation`` (Note [a roll call] in
+        roll_call.py): often when it judges; once a slice when the judges have not answered for
+        longer than their window (every member may then read it: not often); None: it waits."""
         seats = judging_ranks(generation.world_size)
-        return generation.rank_of(self.member) in seats or \
-            time.monotonic() - since > self.config.stale_after_s + len(seats) * self.config.beat_s
+        if generation.rank_of(self.member) in seats:
+            return min(self.config.beat_s, 0.05)
+        if time.monotonic() - since > self.config.stale_after_s + len(seats) * self.config.beat_s:
+            return self._slice_s()
+        return None
 
     def _slice_s(self) -> float:
         """How long a member waits on a key the judge writes before it looks for itself."""
@@ -823,7 +827,8 @@ class Membership:
             if self.store.check([f"{base}/members"]):
                 chosen = self._read(number)
                 break
-            if not self._reads_rolls(current, started):
+            period = self._roll_period(current, started)
+            if period is None:
                 try:
                     self.store.wait([f"{base}/members"], datetime.timedelta(seconds=self._slice_s()))
                 except RuntimeError as e:
@@ -848,7 +853,7 @@ class Membership:
                     f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for "
                     f"members {sorted(set(missing) - set(lost))} of generation {current.number} to "
                     "arrive or be seen dead; raise ElasticConfig.regroup_timeout_s if they are slow")
-            time.sleep(min(self.config.beat_s, 0.05))
+            time.sleep(period)
         if self.member not in chosen.members:
             raise MembershipError(
                 f"elastic: member {self.member} is not in generation {number} ({list(chosen.members)}): "

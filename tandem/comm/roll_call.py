@@ -18,7 +18,8 @@ of ranks is millions of operations a second. So:
   stands);
 * every other member waits on that key, which the store answers when it is
   written; one that has waited longer than the judges' window reads the roll
-  itself (the judges are gone).
+  itself (the judges are gone), once a wait slice, not often: every member may
+  be doing the same.
 """
 
 from __future__ import annotations
