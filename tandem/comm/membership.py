@@ -114,7 +114,7 @@ from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError
 from tandem.comm.judge import Judge, judging_ranks
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
-from tandem.comm.roll_call import RollCall
+from tandem.comm.roll_call import RollCall, waited
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
 
@@ -449,7 +449,7 @@ class Membership:
                 continue
             age = now - self._good_beat(m, values[_beat_key(m, None)])
             if age > self.config.stale_after_s:
-                out[m] = f"stopped beating {age:.1f} s ago"
+                out[m] = _stopped(age, None)
             elif age > 2 * self.config.beat_s:
                 ended = self._processes.ended(m)
                 if ended is not None:
@@ -619,10 +619,11 @@ class Membership:
                 if found is not None:
                     roll.decide(json.dumps({str(r): why for r, why in found.lost.items()}))
             if time.monotonic() - started > self.config.regroup_timeout_s:
+                arrived = set(roll.arrived())
                 raise MembershipError(
-                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for the members of "
-                    f"generation {generation.number} to arrive to build its {what}; raise "
-                    "ElasticConfig.regroup_timeout_s if they are slow")
+                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for members "
+                    f"{[m for m in generation.members if m not in arrived]} to build generation "
+                    f"{generation.number}'s {what}; raise ElasticConfig.regroup_timeout_s if they are slow")
 
     def _roll_period(self, generation: Generation, since: float) -> float | None:
         """How often this member reads a roll call of ``generation`` (Note [a roll call] in
@@ -766,14 +767,10 @@ class Membership:
         judge = self._judge_of(self.generation)
         # The judge writes the decision when it finds a death (Note [judge once] in judge.py): the
         # slices only bound how late a member looks at the verdict itself.
-        slice_ = datetime.timedelta(seconds=self._slice_s())
+        slice_s = self._slice_s()
         while True:
-            try:
-                self.store.wait([key], slice_)
+            if waited(self.store, [key], slice_s):
                 return Decision(self.store.get(key).decode())
-            except RuntimeError as e:
-                if "timeout" not in str(e).lower():
-                    raise
             # Note [judge once] in judge.py: one read a slice, not a sweep of every member
             verdict = judge.read()
             if verdict is not None:
@@ -829,11 +826,7 @@ class Membership:
                 break
             period = self._roll_period(current, started)
             if period is None:
-                try:
-                    self.store.wait([f"{base}/members"], datetime.timedelta(seconds=self._slice_s()))
-                except RuntimeError as e:
-                    if "timeout" not in str(e).lower():
-                        raise
+                waited(self.store, [f"{base}/members"], self._slice_s())
                 continue
             arrived = set(roll.arrived())
             arrived_in_order = [m for m in current.members if m in arrived]

@@ -30,48 +30,73 @@ import torch.distributed as dist
 
 from tandem.comm.job_secret import ForgedValueError
 
-__all__ = ["RollCall"]
+__all__ = ["RollCall", "waited"]
+
+
+def waited(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``keys``: True once they are all set, False when the time is up."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return False
+    return True
 
 
 class RollCall:
-    """The arrivals under ``base`` in the job's ``store``, in the order they came."""
+    """The arrivals under ``base`` in the job's ``store``."""
 
     def __init__(self, store: dist.Store, base: str) -> None:
         self._store = store
         self._base = base
         self.outcome_key = f"{base}/outcome"
         self._seen: list[str] = []
+        self._next = 1  # the first number not looked at yet
+        self._unwritten: list[int] = []  # numbers drawn whose id was not there yet
 
     def arrive(self, member: str) -> int:
         """Put ``member`` on the roll; returns how many have arrived with it."""
         number = self._store.add(f"{self._base}/count", 1)
-        self._store.set(f"{self._base}/at/{number}", member)
+        self._store.set(self._at(number), member)
         return number
 
     def arrived(self) -> list[str]:
-        """Every member that has arrived (and whose arrival can be read), in order."""
+        """Every member that has arrived and whose id can be read. A number drawn
+        whose id is not written yet (its member is about to write it, or died
+        between the two calls) is looked at again next time, and hides no other."""
         count = self._store.add(f"{self._base}/count", 0)
-        keys = [f"{self._base}/at/{n}" for n in range(len(self._seen) + 1, count + 1)]
-        while keys and not self._store.check(keys):
-            keys.pop()  # the last arrivals drew their number and have not written their id yet
-        if keys:
-            try:
-                self._seen.extend(v.decode(errors="replace") for v in self._store.multi_get(keys))
-            except ForgedValueError:  # a stranger's junk under one: read each (Note [a stranger asks to join])
-                for key in keys:
-                    try:
-                        self._seen.append(self._store.get(key).decode(errors="replace"))
-                    except ForgedValueError:
-                        self._seen.append("")
+        numbers = [*self._unwritten, *range(self._next, count + 1)]
+        self._next = count + 1
+        keys = [self._at(n) for n in numbers]
+        if keys and self._store.check(keys):
+            self._unwritten = []
+            self._seen.extend(self._read(keys))
+        else:
+            self._unwritten = [n for n, key in zip(numbers, keys) if not self._store.check([key])]
+            self._seen.extend(self._read([self._at(n) for n in numbers if n not in self._unwritten]))
         return list(self._seen)
+
+    def _at(self, number: int) -> str:
+        return f"{self._base}/at/{number}"
+
+    def _read(self, keys: list[str]) -> list[str]:
+        if not keys:
+            return []
+        try:
+            return [v.decode(errors="replace") for v in self._store.multi_get(keys)]
+        except ForgedValueError:  # a stranger's junk under one: read each (Note [a stranger asks to join])
+            out = []
+            for key in keys:
+                try:
+                    out.append(self._store.get(key).decode(errors="replace"))
+                except ForgedValueError:
+                    out.append("")
+            return out
 
     def outcome(self, timeout_s: float) -> str | None:
         """The outcome, once one is written within ``timeout_s``; None until then."""
-        try:
-            self._store.wait([self.outcome_key], datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if "timeout" not in str(e).lower():
-                raise
+        if not waited(self._store, [self.outcome_key], timeout_s):
             return None
         return self._store.get(self.outcome_key).decode()
 
