@@ -71,6 +71,8 @@ from bench_store_scale import HOST, CountingStore, Recorder, client, cpu_seconds
 
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership  # noqa: E402
 from tandem.comm.process_id import node_beat_key  # noqa: E402
+from tandem.comm.store_address import StoreAddress, connect  # noqa: E402
+from tandem.launch.etcd_plane import EtcdControlPlane  # noqa: E402
 from tandem.launch.node_reports import NodeReports  # noqa: E402
 
 FAKE_PID = 1_000_000  # a rank's pid in its node's beat: FAKE_PID + rank
@@ -83,9 +85,9 @@ class CountedReports(NodeReports):
         super().__init__(node)
         self._recorder = recorder
 
-    def _store(self, address: tuple[str, int]) -> dist.Store:
+    def _store(self, address: StoreAddress) -> dist.Store:
         if self._client is None:
-            self._client = (address, cast(dist.Store, CountingStore(client(address[1]), self._recorder)))
+            self._client = (address, cast(dist.Store, CountingStore(_client(address), self._recorder)))
         return self._client[1]
 
 
@@ -103,22 +105,22 @@ class CountedMember(Membership):
 class Host:
     """Nodes ``nodes`` (their launchers and ranks) as threads of this process, driven over ``conn``."""
 
-    def __init__(self, conn: Connection, port: int, nodes: list[int], per_node: int, world_size: int,
+    def __init__(self, conn: Connection, address: StoreAddress, nodes: list[int], per_node: int, world_size: int,
                  config: ElasticConfig) -> None:
         self.conn = conn
-        self.port = port
+        self.address = address
         self.per_node = per_node
         self.recorder = Recorder()
         self._send_lock = threading.Lock()
         self.reports = {k: CountedReports(f"node{k}", self.recorder) for k in nodes}
         for r in self.reports.values():
-            r.beat_in((HOST, port))
-        beats = client(port)
+            r.beat_in(address)
+        beats = _client(address)
         beats.wait([node_beat_key(r.node) for r in self.reports.values()], datetime.timedelta(seconds=60))
         self.members: dict[str, CountedMember] = {}
         for k in nodes:
             for rank in range(k * per_node, (k + 1) * per_node):
-                store = cast(dist.Store, CountingStore(client(port), self.recorder))
+                store = cast(dist.Store, CountingStore(_client(address), self.recorder))
                 m = cast(CountedMember, CountedMember.founding(store, rank, world_size, config, node=f"node{k}"))
                 assert m.node == f"node{k}", "a rank beats for itself: its node's beat was not in the store"
                 m.store.set(f"{PREFIX}/node_of/{rank}", f"node{k} {FAKE_PID + rank}")
@@ -140,7 +142,7 @@ class Host:
                 member.stop()
                 node = self.reports[int(arg) // self.per_node]
                 at = time.time()
-                node.post((HOST, self.port), FAKE_PID + int(arg), f"its process (pid {FAKE_PID + int(arg)}) was "
+                node.post(self.address, FAKE_PID + int(arg), f"its process (pid {FAKE_PID + int(arg)}) was "
                           "killed by SIGKILL, seen by its launcher")
                 self.send("killed", at)
             elif command == "silence":
@@ -148,7 +150,7 @@ class Host:
                 node.stop()
                 for rank in [r for r in self.members if int(r) // self.per_node == arg]:
                     self.members.pop(rank).stop()
-                last = client(self.port).get(node_beat_key(node.node))
+                last = _client(self.address).get(node_beat_key(node.node))
                 self.send("silenced", json.loads(last)["at"])
             elif command == "records":
                 self.send("records", self.recorder.export())
@@ -198,10 +200,15 @@ class Host:
         self.send("next", out)
 
 
-def host(conn: Connection, port: int, nodes: list[int], per_node: int, world_size: int, beat_s: float,
+def _client(address: StoreAddress) -> dist.Store:
+    """A store client of the benchmark's store: a TCP store's, or an etcd cluster's."""
+    return client(address[1]) if isinstance(address, tuple) else connect(address, 60.0)
+
+
+def host(conn: Connection, address: StoreAddress, nodes: list[int], per_node: int, world_size: int, beat_s: float,
          stale_after_s: float) -> None:
     config = ElasticConfig(beat_s=beat_s, stale_after_s=stale_after_s, regroup_timeout_s=600.0)
-    h = Host(conn, port, nodes, per_node, world_size, config)
+    h = Host(conn, address, nodes, per_node, world_size, config)
     h.send("ready", len(h.members))
     h.serve()
 
@@ -211,11 +218,24 @@ class Job:
     def __init__(self, ctx: Any, n: int, args: argparse.Namespace) -> None:
         self.n, self.args = n, args
         self.per_node = args.per_node
-        parent, child = ctx.Pipe()
-        self.server = ctx.Process(target=serve_store, args=(child,), daemon=True)
-        self.server.start()
-        self._server_conn = parent
-        self.port: int = parent.recv()
+        self.planes: list[EtcdControlPlane] = []
+        self.address: StoreAddress
+        if args.store == "etcd":  # three members on this machine, as --rdzv-backend etcd starts them on three nodes
+            ports = _port_pairs(3)
+            endpoints = ",".join(f"{HOST}:{p}" for p in ports)
+            self.planes = [EtcdControlPlane(endpoints, "bench", b"the benchmark's job secret", member=str(i))
+                           for i in range(3)]
+            for plane in self.planes:
+                plane.start()
+            self.address = self.planes[0].address("workers/bench")
+            self.server_pids = [cast(Any, plane.member)._proc.pid for plane in self.planes]
+        else:
+            parent, child = ctx.Pipe()
+            self.server = ctx.Process(target=serve_store, args=(child,), daemon=True)
+            self.server.start()
+            self._server_conn = parent
+            self.address = (HOST, parent.recv())
+            self.server_pids = [cast(int, self.server.pid)]
         nodes = n // args.per_node
         hosts = min(args.hosts, nodes)
         self.hosts: list[Connection] = []
@@ -224,7 +244,7 @@ class Job:
         for h in range(hosts):
             mine = list(range(h * nodes // hosts, (h + 1) * nodes // hosts))
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=host, daemon=True, args=(child, self.port, mine, args.per_node, n, args.beat,
+            p = ctx.Process(target=host, daemon=True, args=(child, self.address, mine, args.per_node, n, args.beat,
                                                              args.stale_after))
             p.start()
             self.procs.append(p)
@@ -232,6 +252,10 @@ class Job:
             self.node_host.update({k: parent for k in mine})
         for conn in self.hosts:
             self.expect(conn, "ready", 600)
+
+    def server_cpu(self) -> float:
+        """CPU seconds of the store's server: the TCP store's process, or every etcd member's."""
+        return sum(cpu_seconds(pid) for pid in self.server_pids)
 
     def expect(self, conn: Connection, what: str, timeout_s: float) -> Any:
         if not conn.poll(timeout_s):
@@ -243,7 +267,7 @@ class Job:
 
     def window(self, name: str, seconds: float, t0: float, cpu0: float) -> dict[str, Any]:
         """Store operations and server CPU between monotonic ``t0`` and now."""
-        t1, cpu1 = time.monotonic(), cpu_seconds(cast(int, self.server.pid))
+        t1, cpu1 = time.monotonic(), self.server_cpu()
         ops = 0
         for conn in self.hosts:
             conn.send(("records", None))
@@ -262,7 +286,7 @@ class Job:
         for conn in self.hosts:
             conn.send(("step", (number, members, step, slow)))
         waiting = sum(self.expect(conn, "started", 120 + self.n / 10) for conn in self.hosts)
-        t0, cpu0 = time.monotonic(), cpu_seconds(cast(int, self.server.pid))
+        t0, cpu0 = time.monotonic(), self.server_cpu()
         time.sleep(self.args.pre_kill)
         load = self.window("waiting on a late decision", self.args.pre_kill, t0, cpu0)
         if kill is not None:
@@ -296,8 +320,12 @@ class Job:
             conn.send(("stop", None))
         for conn in self.hosts:
             self.expect(conn, "stopped", 60)
-        self._server_conn.send("stop")
-        for p in [*self.procs, self.server]:
+        if self.planes:
+            for plane in self.planes:
+                plane.close()
+        else:
+            self._server_conn.send("stop")
+        for p in [*self.procs, *([] if self.planes else [self.server])]:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
@@ -309,7 +337,7 @@ def run_size(ctx: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
     job = Job(ctx, n, args)
     out: dict[str, Any] = {"ranks": n, "nodes": n // args.per_node, "start_s": round(time.monotonic() - started, 1)}
     try:
-        t0, cpu0 = time.monotonic(), cpu_seconds(cast(int, job.server.pid))
+        t0, cpu0 = time.monotonic(), job.server_cpu()
         time.sleep(args.seconds)
         out["idle"] = job.window("idle: the nodes beat", args.seconds, t0, cpu0)
         members = [str(r) for r in range(n)]
@@ -334,6 +362,23 @@ def run_size(ctx: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
           f"server {100 * out['idle']['server_core_share']:.0f}% of a core; started in {out['start_s']:.0f} s",
           file=sys.stderr, flush=True)
     return out
+
+
+def _port_pairs(n: int) -> list[int]:
+    """``n`` free client ports on loopback, each with the next port free too (an etcd member's peer port)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind((HOST, port + 1))
+        except OSError:
+            continue
+        if not {port, port + 1} & {q for p in ports for q in (p, p + 1)}:
+            ports.append(port)
+    return ports
 
 
 def slow_reverse_lookups() -> float:
@@ -365,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pre-kill", type=float, default=4.0, help="seconds of waiting before each death")
     parser.add_argument("--beat", type=float, default=0.25, help="the members' beat_s (the judge's period)")
     parser.add_argument("--stale-after", type=float, default=10.0, help="the members' stale_after_s")
+    parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
+                        help="the control plane: one TCPStore (the default), or a 3-member etcd cluster over TLS "
+                             "(--rdzv-backend etcd's), all on this machine")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     lookup = slow_reverse_lookups()
@@ -373,9 +421,10 @@ def main(argv: list[str] | None = None) -> None:
               "will stall the store's server that long (see the run book)", file=sys.stderr, flush=True)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # Note [a timed-out wait's warnings] in bench_store_scale
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "tandem.comm.membership", "tandem.launch.node_reports"])
+    ctx.set_forkserver_preload(["torch.distributed", "tandem.comm.membership", "tandem.launch.node_reports",
+                                "tandem.comm.etcd_store"])
     results = [run_size(ctx, n, args) for n in args.ranks]
-    summary = {"argv": sys.argv[1:], "per_node": args.per_node, "beat_s": args.beat,
+    summary = {"argv": sys.argv[1:], "store": args.store, "per_node": args.per_node, "beat_s": args.beat,
                "stale_after_s": args.stale_after, "results": results}
     if args.json:
         with open(args.json, "w") as f:

@@ -33,6 +33,7 @@ from tandem.comm.exit import uninstall_clean_exit
 from tandem.comm.job_secret import MANY_NODES_NEED_A_SECRET, job_secret
 from tandem.comm.listening_store import listening_store
 from tandem.comm.monitor import stop_monitor
+from tandem.comm.store_address import EtcdAddress
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
 
@@ -170,7 +171,9 @@ def init(
         many_nodes = local_world_size < world_size
         if many_nodes and job_secret() is None:  # Note [signed store] in job_secret.py
             raise ValueError(f"rank {rank}: {MANY_NODES_NEED_A_SECRET}")
-        hosted = _hosted_store(url, rank, world_size, timeout_td, many_nodes=many_nodes)
+        etcd = EtcdAddress.from_env() if scheme in (None, "env") else None
+        hosted = (etcd.store(timeout_td) if etcd is not None   # Note [the workers' store on etcd]
+                  else _hosted_store(url, rank, world_size, timeout_td, many_nodes=many_nodes))
         with default_group_connections(backend) as connections:
             if hosted is None:
                 dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size,

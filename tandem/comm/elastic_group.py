@@ -5,6 +5,7 @@ group]); the rules of membership itself are in membership.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -24,6 +25,7 @@ from tandem.comm.device import bind_device, default_backend
 from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.process_id import below_prefixes
+from tandem.comm.store_address import EtcdAddress, etcd_client, store_ports
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 from tandem.comm.plain_data import all_gather_object
@@ -71,9 +73,7 @@ def default_group_connections(backend: str) -> Iterator[list[Connection]]:
     with opened_connections() as opened:
         yield connections
     if backend == "gloo" and dist.is_initialized():
-        store = job_store()
-        port = store.port if isinstance(store, dist.TCPStore) else None
-        connections.extend(c for c in opened if port not in c.ports)
+        connections.extend(c for c in opened if not set(c.ports) & store_ports(job_store()))
 
 
 def elastic_membership(config: ElasticConfig) -> Membership:
@@ -82,6 +82,7 @@ def elastic_membership(config: ElasticConfig) -> Membership:
     calls it). Its config becomes ``config``."""
     if not dist.is_initialized():
         raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
+    config = _window_on(config, job_store())
     monitor = current_monitor()
     monitor.set_liveness(config.liveness())  # every rank: Note [dead peers] in peers.py
     member = group_record.current()
@@ -96,6 +97,30 @@ def elastic_membership(config: ElasticConfig) -> Membership:
     if monitor.peers is not None:
         monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in peers.py
     return elastic
+
+
+# Note [a window longer than a failover]
+# On an etcd cluster (Note [the workers' store on etcd] in store_address.py) a
+# member's loss costs the store a pause: when the leader goes, the others elect
+# another (one to two seconds), and a request held by the lost member waits out
+# its attempt (two seconds) before it goes to the next (Note [failing over
+# between etcd members] in etcd_gateway.py). No beat lands meanwhile, anyone's,
+# so a liveness window shorter than that pause would count every member dead at
+# once. The window is at least MIN_STALE_ON_ETCD_S there; a shorter one asked
+# for is raised to it, and the log says so once.
+
+MIN_STALE_ON_ETCD_S = 6.0
+"""The shortest liveness window of an elastic job on etcd (Note [a window longer than a failover])."""
+
+
+def _window_on(config: ElasticConfig, store: dist.Store) -> ElasticConfig:
+    if etcd_client(store) is None or config.stale_after_s >= MIN_STALE_ON_ETCD_S:
+        return config
+    if dist.get_rank() == 0:
+        logger.warning("tandem: elastic: stale_after_s=%g is shorter than an etcd failover may take; the job's "
+                       "store is on etcd, so members count as gone after %g s of silence (Note [a window longer "
+                       "than a failover])", config.stale_after_s, MIN_STALE_ON_ETCD_S)
+    return dataclasses.replace(config, stale_after_s=MIN_STALE_ON_ETCD_S)
 
 
 def enter_generation(membership: Membership, generation: Generation, *,
@@ -215,10 +240,14 @@ def join_elastic(backend: str | None, init_method: str | None, timeout_td: datet
     """:func:`tandem.comm.init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
     running job in its store, and stand in a world of one until it asks to join
     (Note [a replacement builds first])."""
-    url = init_method or "env://"
-    world_size = int(os.environ.get("WORLD_SIZE", "2"))
-    # Rendezvous as a client: the store exists; rank 0 would try to host it.
-    store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
+    etcd = EtcdAddress.from_env()  # Note [the workers' store on etcd] in store_address.py
+    if etcd is not None and init_method in (None, "env://"):
+        store: dist.Store = etcd.store(timeout_td)
+    else:
+        url = init_method or "env://"
+        world_size = int(os.environ.get("WORLD_SIZE", "2"))
+        # Rendezvous as a client: the store exists; rank 0 would try to host it.
+        store, _, _ = next(dist.rendezvous(url, rank=1, world_size=max(world_size, 2), timeout=timeout_td))
     try:
         membership = Membership.replacement(signed(below_prefixes(store)), ElasticConfig())
     except NothingToJoin as e:

@@ -50,6 +50,7 @@ from tandem.comm.cut_off import CutOffWatch, connection_closed, cut_off_after, l
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.comm.job_secret import signed, signed_like
 from tandem.comm.ledger import Ledger
+from tandem.comm.store_address import etcd_client
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key, last_beat
 
@@ -101,7 +102,8 @@ class Monitor:
         self._landed = time.monotonic()   # when the last beat reached the store
         # Note [cut off] in cut_off.py: the beats have a connection of their own, and a
         # rank whose beats stop landing on a TCP store stops.
-        own = own_tcp_client(raw) if self.peers is not None and raw is not None else None
+        own = ((own_tcp_client(raw) or etcd_client(raw))
+               if self.peers is not None and raw is not None else None)
         self._beat_store = signed_like(store, own[0]) if own is not None and store is not None else store
         self._cut_off = (CutOffWatch(rank=rank, where=own[1], landed=lambda: self._landed,
                                      after_s=lambda: cut_off_after(self.liveness.stale_after_s))
@@ -110,7 +112,7 @@ class Monitor:
         self._posted: tuple[tuple[int, int, int] | None, float] = (None, 0.0)
         # Note [a hang on another node] in tandem/launch/watchdog.py: progress posted in the
         # store (below its prefixes), for the launchers of other nodes.
-        posting = (own_tcp_client(raw, below_prefixes=True)
+        posting = ((own_tcp_client(raw, below_prefixes=True) or etcd_client(raw, below_prefixes=True))
                    if progress_file and self.peers is not None and raw is not None else None)
         self._progress_store = signed_like(store, posting[0]) if posting is not None and store is not None else None
         self._p2p_waiters: dict[tuple[int, str, int], Waiter] = {}

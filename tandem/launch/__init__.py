@@ -12,6 +12,8 @@ start raises :class:`LaunchError`, and a spawned process that fails
 #   rules from flags to it (workers per node, rendezvous, threads).
 # - :mod:`~tandem.launch.command`: what each worker runs.
 # - :mod:`~tandem.launch.rendezvous`: a fresh store for each attempt's workers.
+# - :mod:`~tandem.launch.etcd_plane`: ``--rdzv-backend etcd``: every store on an etcd
+#   cluster the nodes run, so that no node's loss ends the job.
 # - :mod:`~tandem.launch.agent`: torch's ``LocalElasticAgent``, built and run.
 # - :mod:`~tandem.launch.logs` and :mod:`~tandem.launch.output`: the workers' log
 #   files, and their lines on the console with rank prefixes.

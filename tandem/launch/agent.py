@@ -46,11 +46,14 @@ from torch.distributed.elastic.rendezvous import (
 from tandem._compat import matches_machine_hostname
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
 from tandem.comm.elastic_group import JOIN_ENV
+from tandem.comm.job_secret import MANY_NODES_NEED_A_SECRET
+from tandem.comm.store_address import EtcdAddress, describe
 from tandem.launch.config import LaunchConfig
 from tandem.launch.elastic_agent import ElasticAgent
 from tandem.launch.flags import split_endpoint
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of
+from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.node_roll import JoinRunningJob, NodeRoll
 from tandem.launch.rendezvous import FreshWorkerStore
 from tandem.launch.secret_check import SecretCheck
@@ -175,12 +178,42 @@ def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         **options)
     logger.info("tandem.launch: %s", config.describe())
     timeout = datetime.timedelta(seconds=config.rdzv_timeout_s)
-    tunnels = _tunnels(config, logs.job_secret(), on_event)
+    plane = _control_plane(config, logs.job_secret(), options)
+    tunnels = _tunnels(config, logs.job_secret(), on_event) if plane is None else None
+    finished = False
     try:
-        return _launch(config, entrypoint, args, logs, params, options, timeout, tunnels, on_hang, on_event)
+        result = _launch(config, entrypoint, args, logs, params, options, timeout, tunnels, on_hang, on_event,
+                         plane)
+        finished = True
+        return result
     finally:
         if tunnels is not None:
             tunnels.close()
+        if plane is not None:
+            plane.close(linger=finished)
+
+
+def _control_plane(config: LaunchConfig, secret: bytes | None,
+                   options: dict[str, Any]) -> EtcdControlPlane | None:
+    """The job's stores on etcd, with this node's member started, for
+    ``--rdzv-backend etcd`` (Note [a replicated control plane] in etcd_plane.py)."""
+    if config.rdzv_backend != "etcd":
+        return None
+    if secret is None:
+        raise LaunchError("--rdzv-backend etcd needs the job secret, from which every node makes its TLS "
+                          f"certificates: {MANY_NODES_NEED_A_SECRET}")
+    member = options.pop("etcd_member", None)
+    try:
+        plane = EtcdControlPlane(config.rdzv_endpoint, config.rdzv_id, secret, local_addr=config.local_addr,
+                                 member=None if member is None else str(member))
+    except (ValueError, RuntimeError) as e:
+        raise LaunchError(str(e)) from None
+    try:
+        plane.start()
+    except RuntimeError as e:
+        plane.close()
+        raise LaunchError(str(e)) from None
+    return plane
 
 
 def _tunnels(config: LaunchConfig, secret: bytes | None,
@@ -198,11 +231,12 @@ def _tunnels(config: LaunchConfig, secret: bytes | None,
 def _launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], logs: WorkerLogs,
             params: RendezvousParameters, options: dict[str, Any], timeout: datetime.timedelta,
             tunnels: Tunnels | None, on_hang: Callable[[str], None] | None,
-            on_event: Callable[[str], None] | None) -> RunResult:
+            on_event: Callable[[str], None] | None, plane: EtcdControlPlane | None) -> RunResult:
     roll = (NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret(),
-                     tunnels=tunnels)
-            if config.elastic and config.max_nodes > 1 and config.rdzv_backend == "c10d" else None)
-    hosts_endpoint = str(options.get("is_host", "")).lower() in ("1", "true", "yes", "y")
+                     tunnels=tunnels, plane=plane)
+            if config.elastic and config.max_nodes > 1 and config.rdzv_backend in ("c10d", "etcd") else None)
+    hosts_endpoint = (plane.member is not None if plane is not None
+                      else str(options.get("is_host", "")).lower() in ("1", "true", "yes", "y"))
     with _rendezvous_errors(config):
         running = roll.running_job() if roll is not None and not hosts_endpoint else None
     handler: RendezvousHandler
@@ -210,24 +244,26 @@ def _launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], logs: Wo
     if running is not None:  # Note [nodes of an elastic job] in node_roll.py
         if on_event is not None:
             on_event(f"elastic: a job {config.rdzv_id!r} is running (its workers' store at "
-                     f"{running[0]}:{running[1]}); this node's workers join it")
-        if tunnels is not None:
+                     f"{describe(running)}); this node's workers join it")
+        if tunnels is not None and not isinstance(running, EtcdAddress):
             with _rendezvous_errors(config):
                 running = tunnels.reach(*running, "the workers' store", timeout_s=timeout.total_seconds())
-        handler = JoinRunningJob(*running, config.rdzv_id)
-        logs.add_worker_env({JOIN_ENV: "1"})
+        handler = JoinRunningJob(running, config.rdzv_id)
+        logs.add_worker_env({JOIN_ENV: "1", **(running.env() if isinstance(running, EtcdAddress) else {})})
     else:
         many_nodes = config.max_nodes > 1
         secret = logs.job_secret()
-        if many_nodes and tunnels is None:  # Note [another secret at the rendezvous] in secret_check.py
+        # Note [another secret at the rendezvous] in secret_check.py; on etcd, TLS refuses another secret
+        if many_nodes and tunnels is None and plane is None:
             secret_check = SecretCheck(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret,
                                        nodes=config.max_nodes,
                                        on_other=on_event or (lambda line: logger.warning("%s", line)))
         with _rendezvous_errors(config, secret_check, tunnels):
             handler = FreshWorkerStore(rendezvous_handler(params, secret=secret, many_nodes=many_nodes,
-                                                          tunnels=tunnels),
+                                                          tunnels=tunnels, plane=plane),
                                        timeout=timeout, poll_waiting=many_nodes, many_nodes=many_nodes,
-                                       secret=secret, tunnels=tunnels)
+                                       secret=secret, tunnels=tunnels, plane=plane,
+                                       give_workers=logs.add_worker_env)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, rdzv_handler=handler,
         entrypoint=entrypoint, args=tuple(args),
@@ -253,9 +289,9 @@ def _launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], logs: Wo
             watchdog=(Watchdog(config.hang_timeout_s, secret=logs.job_secret())
                       if config.hang_timeout_s is not None else None),
             roll=(NodeRoll(config.rdzv_endpoint, config.rdzv_id, _node_id(config), secret=logs.job_secret(),
-                           tunnels=tunnels)
+                           tunnels=tunnels, plane=plane)
                   if config.max_nodes > 1 and isinstance(handler, FreshWorkerStore) else None),
-            hosts_endpoint=_may_host_endpoint(config, options))
+            hosts_endpoint=(plane.member is not None if plane is not None else _may_host_endpoint(config, options)))
     close_rendezvous = True
     if secret_check is not None:
         secret_check.start()

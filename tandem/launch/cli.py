@@ -122,7 +122,8 @@ def build_parser() -> _Parser:
     opt(g, "--standalone", action="store_true",
         help="a one-node job with its rendezvous on a free local port")
     opt(g, "--rdzv-backend", default=None, metavar="NAME",
-        help="c10d (the default with --rdzv-endpoint) or static")
+        help="c10d (the default with --rdzv-endpoint), static, or etcd (every store on an etcd cluster "
+             "that the nodes named in --rdzv-endpoint A:P,B:P,C:P run: no node's loss ends the job)")
     opt(g, "--rdzv-endpoint", default=None, metavar="HOST:PORT",
         help="where the nodes meet; the same on every node, node ranks are assigned on arrival")
     opt(g, "--rdzv-id", default=None, metavar="ID", help="job id, the same on every node")
@@ -228,7 +229,7 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     # Note [signed store] in tandem/comm/job_secret.py: in the environment, never on a command line
     worker_env.update(secret_for_workers(config.max_nodes))
     if config.max_nodes > 1:  # Note [the address a node gives] in machine.py
-        rendezvous = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
+        rendezvous = split_endpoint(config.first_endpoint, "--rdzv-endpoint")
         worker_env.update(socket_interface_env(config.local_addr, rendezvous))
     else:  # Note [a store on the job's address] in tandem/comm/listening_store.py
         worker_env.update(loopback_interface_env())
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.max_nodes > 1:  # several nodes must share one secret: refused before anything starts
             secret_for_workers(config.max_nodes)
             # Note [the address a node gives] in machine.py: known before the rendezvous, never a loopback name
-            rendezvous = split_endpoint(config.rdzv_endpoint, "--rdzv-endpoint")
+            rendezvous = split_endpoint(config.first_endpoint, "--rdzv-endpoint")
             config = dataclasses.replace(config, local_addr=node_address(config.local_addr, rendezvous))
     except ValueError as e:
         _say(sys.stderr, f"error: {e}")

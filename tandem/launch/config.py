@@ -126,6 +126,11 @@ class LaunchConfig:
                    "1 with a rendezvous on a free local port")
 
     @property
+    def first_endpoint(self) -> str:
+        """``--rdzv-endpoint``'s first ``host:port`` (etcd's takes one per member)."""
+        return self.rdzv_endpoint.split(",")[0].strip()
+
+    @property
     def worker_env(self) -> dict[str, str]:
         """Variables the launcher adds to each worker's environment, on top of
         torchrun's (RANK, WORLD_SIZE, ...) which the elastic agent sets."""

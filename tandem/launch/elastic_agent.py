@@ -252,7 +252,7 @@ class ElasticAgent(LocalElasticAgent):
             self._on_roll = True
         hosted = getattr(worker_group.spec.rdzv_handler, "hosted", None)
         if hosted is not None:
-            self._roll.publish(*hosted)
+            self._roll.publish(hosted)
 
     def _exit_barrier(self) -> None:
         if self._roll is None:

@@ -11,17 +11,18 @@ pid), with the worker's exit notice beside it.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from tandem.comm.job_secret import SignedStore
+from tandem.comm.store_address import StoreAddress, connect, describe
 from tandem.comm.process_id import NodeBeat, ProcessId, node_beat_key, write_exit_notice
 
 __all__ = ["NODE_BEAT_S", "NodeReports"]
@@ -32,8 +33,23 @@ _CONNECT_S = 5.0
 NODE_BEAT_S = 0.25
 """How often a node's launcher beats for its workers (the members' default ``beat_s``)."""
 
-_Address = tuple[str, int]
-_Ended = tuple[_Address, int, str]  # a worker ended: the store to tell, its pid, how
+_Address = StoreAddress
+
+
+@dataclass(frozen=True)
+class _NewStore:
+    """Beat in the store at ``address`` from now on (None: beat where it beats)."""
+
+    address: _Address | None
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """A worker ended: the store to tell, its pid, how."""
+
+    address: _Address
+    pid: int
+    what: str
 
 
 class NodeReports:
@@ -48,7 +64,7 @@ class NodeReports:
         self.node = node
         self._secret = secret
         # a new attempt's store to beat in, a worker that ended, or the end
-        self._queue: queue.SimpleQueue[_Address | _Ended | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_NewStore | _Ended | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client: tuple[_Address, dist.Store] | None = None
         self._address: _Address | None = None  # the store beaten in
@@ -64,14 +80,14 @@ class NodeReports:
         """Beat in the workers' store at ``store_address`` from now on (a new attempt's)."""
         if store_address is not None:
             self._start()
-            self._queue.put(store_address)
+            self._queue.put(_NewStore(store_address))
 
     def post(self, store_address: _Address | None, pid: int, what: str) -> None:
         """Tell the workers meeting in the store at ``store_address`` that ``pid`` ended (``what``)."""
         if store_address is None:
             return
         self._start()
-        self._queue.put((store_address, pid, what))
+        self._queue.put(_Ended(store_address, pid, what))
 
     def stop(self) -> None:
         """Let the reports under way be written, for a moment at most."""
@@ -88,24 +104,23 @@ class NodeReports:
     def _run(self) -> None:
         next_beat = time.monotonic()
         while True:
-            item: _Address | _Ended | None | tuple[()]
+            item: _NewStore | _Ended | None
             try:
                 item = self._queue.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
-                item = ()  # time to beat
+                item = _NewStore(None)  # time to beat
             if item is None:
                 return
-            if len(item) == 3:  # a worker ended
-                address, pid, what = item
-                if address != self._address:
-                    self._address, self._ended = address, {}
-                self._ended[pid] = what
-            elif len(item) == 2:  # a new attempt's store
-                self._address, self._ended = item, {}
+            if isinstance(item, _Ended):  # a worker ended
+                if item.address != self._address:
+                    self._address, self._ended = item.address, {}
+                self._ended[item.pid] = item.what
+            elif item.address is not None:  # a new attempt's store
+                self._address, self._ended = item.address, {}
             if self._address is not None:  # the beat first: it is what the members read
                 self._write(_set, node_beat_key(self.node), NodeBeat(time.time(), dict(self._ended)).encode())
-            if len(item) == 3:
-                self._write(write_exit_notice, item[1], item[2])
+            if isinstance(item, _Ended):
+                self._write(write_exit_notice, item.pid, item.what)
             next_beat = time.monotonic() + NODE_BEAT_S
 
     def _write(self, call: Callable[..., None], *args: object) -> None:
@@ -115,15 +130,14 @@ class NodeReports:
         try:
             call(self._store(address), *args)
         except Exception as e:  # noqa: BLE001 - the workers' heartbeat window still sees the death
-            logger.debug("could not report to the workers' store at %s:%d: %s", *address, e)
+            logger.debug("could not report to the workers' store at %s: %s", describe(address), e)
             self._client = None
 
     def _store(self, address: _Address) -> dist.Store:
         if self._client is None or self._client[0] != address:
-            store = dist.TCPStore(address[0], address[1], is_master=False,
-                                  timeout=datetime.timedelta(seconds=_CONNECT_S), wait_for_workers=False)
+            store = connect(address, _CONNECT_S)
             self._client = (address, store if self._secret is None
-                            else SignedStore(store, self._secret, f"the workers' store at {address[0]}:{address[1]}"))
+                            else SignedStore(store, self._secret, f"the workers' store at {describe(address)}"))
         return self._client[1]
 
 

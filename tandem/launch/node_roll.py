@@ -52,6 +52,8 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 
 from tandem._compat import rendezvous_info
 from tandem.comm.job_secret import SignedStore, signed_like
+from tandem.comm.store_address import EtcdAddress, StoreAddress
+from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.flags import split_endpoint
 from tandem.launch.tunnel import SecretDiffersError, Tunnels
 
@@ -64,6 +66,7 @@ BEAT_S = 0.5
 STALE_S = 5.0
 """A node whose launcher has not beaten for this long is gone."""
 _CONNECT_S = 5.0
+_ETCD = "etcd:"  # a workers' store on the job's etcd cluster, by its prefix
 
 
 class NodeRoll:
@@ -81,9 +84,11 @@ class NodeRoll:
     """
 
     def __init__(self, endpoint: str, run_id: str, node_id: str | None = None, *,
-                 secret: bytes | None = None, tunnels: Tunnels | None = None) -> None:
+                 secret: bytes | None = None, tunnels: Tunnels | None = None,
+                 plane: EtcdControlPlane | None = None) -> None:
         self.endpoint = endpoint
         self._tunnels = tunnels
+        self._plane = plane
         self._secret = secret  # the roll's keys are signed with it (Note [signed store] in job_secret.py)
         self.prefix = f"tandem/nodes/{run_id}"
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -93,6 +98,8 @@ class NodeRoll:
 
     # ------------------------------------------------------------------ the store
     def _connect(self, timeout_s: float = _CONNECT_S) -> dist.Store:
+        if self._store is None and self._plane is not None:  # Note [a replicated control plane]
+            self._store = self._plane.store("nodes", datetime.timedelta(seconds=timeout_s))
         if self._store is None:
             host, port = self._reach(*split_endpoint(self.endpoint, "--rdzv-endpoint"), "the rendezvous store",
                                      timeout_s)
@@ -110,7 +117,7 @@ class NodeRoll:
         return "/".join((self.prefix, *parts))
 
     # ------------------------------------------------------------------ a running job
-    def running_job(self) -> tuple[str, int] | None:
+    def running_job(self) -> StoreAddress | None:
         """The address of the running job's workers' store, when there is a
         running job whose store answers; None otherwise (then this node meets
         the others in the rendezvous).
@@ -129,6 +136,9 @@ class NodeRoll:
         except Exception as e:  # noqa: BLE001 - no store yet: this node is among the first
             logger.debug("no running job at %s: %s", self.endpoint, e)
             return None
+        if address.startswith(_ETCD):  # on the job's etcd cluster, which has just answered
+            assert self._plane is not None, "a job on etcd is joined with --rdzv-backend etcd"
+            return self._plane.at(address[len(_ETCD):])
         host, port = split_endpoint(address, "the workers' store")
         try:
             dist.TCPStore(*self._reach(host, port, "the workers' store", _CONNECT_S), None, False,
@@ -138,9 +148,10 @@ class NodeRoll:
             return None
         return host, port
 
-    def publish(self, host: str, port: int) -> None:
-        """This node hosts the workers' store at ``host:port``."""
-        self._connect().set(self._key("workers"), f"{host}:{port}")
+    def publish(self, address: StoreAddress) -> None:
+        """This node hosts (or, on etcd, named) the workers' store at ``address``."""
+        text = _ETCD + address.prefix if isinstance(address, EtcdAddress) else f"{address[0]}:{address[1]}"
+        self._connect().set(self._key("workers"), text)
 
     # ------------------------------------------------------------------ beats
     def start(self) -> None:
@@ -239,14 +250,15 @@ class NodeRoll:
 class JoinRunningJob(RendezvousHandler):
     """The "rendezvous" of a node that joins a running elastic job: no meeting;
     this node is a group of its own whose workers meet the job in its workers'
-    store at ``host:port`` (Note [nodes of an elastic job])."""
+    store at ``address`` (Note [nodes of an elastic job]); on etcd, the launcher
+    hands the workers the address itself (Note [the workers' store on etcd] in
+    tandem/comm/store_address.py)."""
 
-    def __init__(self, host: str, port: int, run_id: str) -> None:
-        self._host = host
-        self._port = port
+    def __init__(self, address: StoreAddress, run_id: str) -> None:
+        self._host, self._port = ("127.0.0.1", 0) if isinstance(address, EtcdAddress) else address
         self._run_id = run_id
         self._store = dist.HashStore()
-        self.workers_store = (host, port)
+        self.workers_store = address
 
     def get_backend(self) -> str:
         return "tandem-join"

@@ -42,6 +42,8 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import uuid
+from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -49,6 +51,8 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from tandem._compat import rendezvous_info
 from tandem.comm.job_secret import SignedStore
 from tandem.comm.listening_store import listening_store
+from tandem.comm.store_address import StoreAddress
+from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.tunnel import Tunnels
 
 __all__ = ["FreshWorkerStore"]
@@ -67,8 +71,11 @@ class FreshWorkerStore(RendezvousHandler):
 
     def __init__(self, inner: RendezvousHandler, *, timeout: datetime.timedelta,
                  poll_waiting: bool = False, many_nodes: bool = True, secret: bytes | None = None,
-                 tunnels: Tunnels | None = None) -> None:
+                 tunnels: Tunnels | None = None, plane: EtcdControlPlane | None = None,
+                 give_workers: Callable[[Mapping[str, str]], None] | None = None) -> None:
         self._inner = inner
+        self._plane = plane
+        self._give_workers = give_workers
         self._tunnels = tunnels
         self._many_nodes = many_nodes
         self._secret = secret
@@ -76,10 +83,10 @@ class FreshWorkerStore(RendezvousHandler):
         self._timeout = timeout
         self._server: dist.TCPStore | None = None
         self._attempt = 0
-        self.hosted: tuple[str, int] | None = None
+        self.hosted: StoreAddress | None = None
         """The workers' store's address, as other nodes are told it, while this node
-        hosts it (its round's rank 0)."""
-        self.workers_store: tuple[str, int] | None = None
+        hosts it (its round's rank 0; on etcd, the node that named it)."""
+        self.workers_store: StoreAddress | None = None
         """The address this node's processes reach the store this attempt's workers
         meet in at (with tunnels, on 127.0.0.1)."""
         self._public: tuple[str, int] | None = None  # the workers' store as the nodes are told it
@@ -108,6 +115,8 @@ class FreshWorkerStore(RendezvousHandler):
         # Note [a store on the job's address] in tandem/comm/listening_store.py
         addr = bootstrap.master_addr if self._many_nodes else _LOOPBACK
         store = info.store if self._secret is None else SignedStore(info.store, self._secret, "the rendezvous store")
+        if self._plane is not None:
+            return self._on_etcd(info, store, key)
         if self._tunnels is not None and self._public is not None:
             self._tunnels.drop(*self._public)  # the previous attempt's tunnel
         if info.rank == 0:
@@ -126,6 +135,23 @@ class FreshWorkerStore(RendezvousHandler):
             addr, port, "the workers' store", timeout_s=self._timeout.total_seconds())
         logger.debug("attempt %d: workers meet in a fresh store at %s:%d", self._attempt, addr, port)
         return rendezvous_info(info.store, info.rank, info.world_size, *self.workers_store)
+
+    def _on_etcd(self, info: RendezvousInfo, store: dist.Store, key: str) -> RendezvousInfo:
+        """The attempt's workers meet under a fresh prefix of the job's etcd
+        cluster, which the round's rank 0 names (Note [the workers' store on
+        etcd] in tandem/comm/store_address.py)."""
+        assert self._plane is not None
+        if info.rank == 0:
+            store.set(key, uuid.uuid4().hex)
+        address = self._plane.address(f"workers/{store.get(key).decode()}")
+        self.hosted = address if info.rank == 0 else None
+        self.workers_store = address
+        if self._give_workers is not None:
+            self._give_workers(address.env())
+        logger.debug("attempt %d: workers meet at %s", self._attempt, address)
+        bootstrap = info.bootstrap_store_info
+        assert bootstrap is not None
+        return rendezvous_info(info.store, info.rank, info.world_size, bootstrap.master_addr, bootstrap.master_port)
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()

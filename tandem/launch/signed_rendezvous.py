@@ -45,6 +45,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from tandem._compat import matches_machine_hostname, preset_static_store, share_listening_store
 from tandem.comm.job_secret import SignedStore
 from tandem.comm.listening_store import listening_store
+from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.tunnel import Tunnels, free_port
 
 __all__ = ["rendezvous_handler"]
@@ -55,11 +56,23 @@ _STATIC_TIMEOUT_S = 600  # torch's static rendezvous' default store timeout
 
 
 def rendezvous_handler(params: RendezvousParameters, *, secret: bytes | None,
-                       many_nodes: bool, tunnels: Tunnels | None = None) -> RendezvousHandler:
+                       many_nodes: bool, tunnels: Tunnels | None = None,
+                       plane: EtcdControlPlane | None = None) -> RendezvousHandler:
     """torch's handler for ``params``, with its store listening on the
     endpoint's address (or behind ``tunnels``' TLS) and, under ``secret``, its
     state signed (Note [the rendezvous' state]); ``many_nodes``: nodes other
-    than this one may take part."""
+    than this one may take part. With ``plane``, torch's c10d handler keeps
+    its state and its rounds' stores on the job's etcd cluster (Note [a
+    replicated control plane] in etcd_plane.py): TLS with client certificates
+    keeps strangers out, so nothing is signed."""
+    if plane is not None:
+        timeout = datetime.timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60))
+        on_etcd = plane.store("rdzv", timeout)
+        etcd_handler = create_handler(on_etcd, C10dRendezvousBackend(on_etcd, params.run_id), params)
+        # The store torch would share with the workers: unused (they meet on etcd), kept off the network.
+        share_listening_store(etcd_handler, lambda addr, port: listening_store(
+            _LOOPBACK, port, timeout=timeout, multi_tenant=True, many_nodes=False))
+        return etcd_handler
     if params.backend == "static":
         handler = get_rendezvous_handler(params)
         host, port = parse_rendezvous_endpoint(params.endpoint, -1)

@@ -73,7 +73,6 @@ its workers are stopped (:meth:`Watchdog.let_other_nodes_report`).
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -84,10 +83,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from tandem.comm.job_secret import SignedStore
 from tandem.comm.monitor import progress_key
+from tandem.comm.store_address import StoreAddress, connect, describe
 from tandem.launch.hang import format_hang_report
 from tandem.launch.logs import Attempt
 
@@ -167,7 +165,7 @@ class Watchdog:
         return {rank: _read_json(logs.progress) for rank, logs in attempt.ranks.items()}
 
     def report(self, attempt: Attempt, pids: Mapping[int, int], stalled_s: float,
-               store_address: tuple[str, int] | None = None) -> str:
+               store_address: StoreAddress | None = None) -> str:
         """Ask the workers for their stacks, then build the report text; with
         ``store_address`` (the workers' store), with the ranks of other nodes
         too (Note [a hang on another node])."""
@@ -190,7 +188,7 @@ class Watchdog:
             try:
                 snapshots.update(_posted_progress(store_address, others, self._secret))
             except Exception as e:  # noqa: BLE001 - the store is gone: report this node's ranks
-                where = f"{store_address[0]}:{store_address[1]}"
+                where = describe(store_address)
                 note = f"\n  (the ranks of other nodes could not be read from the workers' store at {where}: {e})"
         text = format_hang_report(snapshots, stacks, now=time.time(), stalled_s=stalled_s,
                                   timeout_s=self.timeout_s, library_paths=_library_paths(),
@@ -198,11 +196,11 @@ class Watchdog:
         return text + note
 
 
-def _posted_progress(address: tuple[str, int], ranks: list[int],
+def _posted_progress(address: StoreAddress, ranks: list[int],
                      secret: bytes | None) -> dict[int, dict[str, Any] | None]:
     """The progress ``ranks`` posted in the workers' store (Note [a hang on another node])."""
-    client = dist.TCPStore(address[0], address[1], None, False, datetime.timedelta(seconds=5))
-    where = f"the workers' store at {address[0]}:{address[1]}"
+    client = connect(address, 5.0)
+    where = f"the workers' store at {describe(address)}"
     store = client if secret is None else SignedStore(client, secret, where)
     out: dict[int, dict[str, Any] | None] = {}
     for rank in ranks:

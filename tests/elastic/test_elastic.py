@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 from tandem.comm.membership import ElasticConfig
 from tandem.testing import run_distributed, start_concurrently
 from tandem.testing.harness import still_running
+from tandem.testing.replay import world_sizes
 
 N, BATCH, FEATURES = 48, 2, 6
 TIMEOUT = 120.0
@@ -399,15 +400,7 @@ def reference_on(batches: list[list[int]], *, sharded: bool = True) -> list[torc
 
 def _schedule(changes: list[dict], start_world: int = 3) -> list[int]:
     """World size per step: ``start_world`` until each change's step, then its new size."""
-    worlds = []
-    world, consumed = start_world, 0
-    pending = sorted(changes, key=lambda c: (c["step"], c["generation"]))
-    while consumed < N:
-        while pending and pending[0]["step"] == len(worlds):
-            world = pending.pop(0)["world_size"]
-        worlds.append(world)
-        consumed += world * BATCH
-    return worlds
+    return world_sizes(changes, start_world=start_world, samples=N, batch=BATCH)
 
 
 def _used_samples(out: Path, died_at: dict[str, int]) -> list[int]:

@@ -27,13 +27,10 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from tandem.comm.cut_off import cut_off_after
 from tandem.comm.peers import STALE_AFTER_S
@@ -41,106 +38,11 @@ from tandem.testing import Cluster, cluster_unavailable
 from tandem.testing.ports import listening_ports
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _cluster_faults import BATCH, N, global_batches, reference  # noqa: E402
+from _cluster_faults import N  # noqa: E402
+from _cluster_nodes import Node, await_until, check_result, records, trained_step, used_samples  # noqa: E402
 
 REASON = cluster_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no cluster of namespaces here: {REASON}")
-
-JOB = str(Path(__file__).parent / "_cluster_faults.py")
-
-
-class Node:
-    """One ``tandem run`` on a node, its output collected (with the time of each line) as it comes."""
-
-    def __init__(self, cluster: Cluster, node: int, out: Path, flags: list[str], env: dict[str, str]) -> None:
-        argv = [sys.executable, "-m", "tandem", "run", "--nnodes", flags[0], "--nproc-per-node", "2",
-                "--rdzv-endpoint", f"{cluster.address(0)}:29400", "--rdzv-id", "faults",
-                "--local-addr", cluster.address(node), "--rdzv-timeout", "60", *flags[1:], JOB]
-        self.lines: list[tuple[float, str]] = []
-        self.proc = cluster.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "OUT": str(out), **env})
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line))
-
-    def finish(self, timeout: float = 180) -> tuple[int, str]:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return code, "".join(line for _, line in self.lines)
-
-    def first(self, text: str) -> float | None:
-        """When a line with ``text`` came (monotonic), or None."""
-        return next((t for t, line in self.lines if text in line), None)
-
-
-def _await(check: Callable[[], bool], what: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _trained_step(out: Path, step: int) -> bool:
-    return any(f'"step": {step},' in p.read_text() for p in out.glob("samples-*.jsonl"))
-
-
-def _done(out: Path) -> list[dict]:
-    return [torch.load(p) for p in sorted(out.glob("done-*.pt"))]
-
-
-def _finished_processes(out: Path) -> set[str]:
-    return {p.stem.split("-", 1)[1] for p in out.glob("done-*.pt")}
-
-
-def _used_samples(out: Path, cutoff: int) -> list[int]:
-    """Every sample index of a committed step: per process, the last record of
-    each step (a step dropped is redone under its number); a process that did
-    not finish committed only the steps before ``cutoff``."""
-    finished = _finished_processes(out)
-    used: list[int] = []
-    for path in out.glob("samples-*.jsonl"):
-        last: dict[int, list[int]] = {}
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            last[record["step"]] = record["idx"]
-        for step, idx in last.items():
-            if path.stem.split("-", 1)[1] not in finished and step >= cutoff:
-                continue
-            used += idx
-    return sorted(used)
-
-
-def _schedule(changes: list[dict], start_world: int = 4) -> list[int]:
-    """World size per step: ``start_world`` until each change's step, then its new size."""
-    worlds: list[int] = []
-    world, consumed = start_world, 0
-    pending = sorted(changes, key=lambda c: (c["step"], c["generation"]))
-    while consumed < N:
-        while pending and pending[0]["step"] == len(worlds):
-            world = pending.pop(0)["world_size"]
-        worlds.append(world)
-        consumed += world * BATCH
-    return worlds
-
-
-def _check_result(done: list[dict], world: int) -> list[int]:
-    """Every finished rank ends at the same parameters, those of one process on
-    the global batches of the world sizes the run went through; returns the
-    samples of those batches."""
-    assert len(done) == world and {d["world_size"] for d in done} == {world}, done
-    changes = done[0]["changes"]
-    for d in done[1:]:
-        for a, b in zip(done[0]["params"], d["params"]):
-            assert torch.equal(a, b), "the replicas differ"
-    for a, b in zip(done[0]["params"], reference(_schedule(changes))):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    return sorted(i for batch in global_batches(_schedule(changes)) for i in batch)
-
 
 ELASTIC = {"ELASTIC": "1", "HOLD_FROM": "0:0.1"}
 
@@ -154,7 +56,7 @@ def test_a_worker_dies_on_node_1_and_the_job_restarts_on_both_nodes(tmp_path: Pa
         assert "after 1 restart(s)" in out, out[-4000:]
     resumed = [line for _, out in outs for line in out.splitlines() if "resumed from" in line]
     assert resumed and "step 4)" in resumed[0], resumed     # the checkpoint of step 4, on both nodes
-    assert _used_samples(tmp_path, cutoff=4) == _check_result(_done(tmp_path), 4) == list(range(N))
+    assert used_samples(tmp_path, cutoff=4) == check_result(records(tmp_path), 4) == list(range(N))
     assert cluster.leftovers() == []
 
 
@@ -162,10 +64,10 @@ def test_elastic_a_node_lost_then_back_rejoins_with_live_state(tmp_path: Path) -
     env = {**ELASTIC, "HOLD_FOR_JOIN": "10"}
     with Cluster(2) as cluster:
         first = [Node(cluster, n, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], env) for n in (0, 1)]
-        _await(lambda: _trained_step(tmp_path, 4), "step 4")
+        await_until(lambda: trained_step(tmp_path, 4), "step 4")
         cluster.kill(1)
         assert first[1].proc.wait(timeout=10) == -9
-        _await(lambda: first[0].first("elastic: lost") is not None, "the shrink", timeout=30)
+        await_until(lambda: first[0].first("elastic: lost") is not None, "the shrink", timeout=30)
         again = Node(cluster, 1, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], env)
         (code0, out0), (code1, out1) = first[0].finish(), again.finish()
     assert code0 == 0, out0[-4000:]
@@ -174,32 +76,32 @@ def test_elastic_a_node_lost_then_back_rejoins_with_live_state(tmp_path: Path) -
     # Node 1's two replacements are admitted, together or one after the other.
     admitted = {j for found in re.findall(r"admitted (j\d+(?:, j\d+)*)", out0) for j in found.split(", ")}
     assert len(admitted) == 2, out0[-4000:]
-    shrink = next(c for c in _done(tmp_path)[0]["changes"] if c["lost_ranks"])
-    assert _used_samples(tmp_path, cutoff=shrink["step"]) == _check_result(_done(tmp_path), 4) == list(range(N))
+    shrink = next(c for c in records(tmp_path)[0]["changes"] if c["lost_ranks"])
+    assert used_samples(tmp_path, cutoff=shrink["step"]) == check_result(records(tmp_path), 4) == list(range(N))
     assert cluster.leftovers() == []
 
 
 def test_elastic_a_cut_link_stops_the_side_without_the_store(tmp_path: Path) -> None:
     with Cluster(2) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
-        _await(lambda: _trained_step(tmp_path, 4), "step 4")
+        await_until(lambda: trained_step(tmp_path, 4), "step 4")
         cluster.cut(1)
         cut_at = time.monotonic()
         code1, out1 = nodes[1].finish(timeout=60)          # node 1 stops while its link is still cut
         stopped = nodes[1].first("is cut off from the job's store")
-        records = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl")}
+        written = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl")}
         cluster.restore(1)
         code0, out0 = nodes[0].finish()
-        after = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl") if p in records}
+        after = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl") if p in written}
     assert code1 != 0 and "exit code 75 (cut off from the job's store)" in out1, out1[-4000:]
     assert stopped is not None and stopped - cut_at < 8.0, out1[-4000:]   # the window: 2 x 2 s, and load
     assert code0 == 0, out0[-4000:]
     # Node 1's processes wrote nothing once the link was back: one side trained on.
-    for path, text in records.items():
+    for path, text in written.items():
         if path.name.startswith("samples-1-"):
             assert after[path] == text
-    shrink = next(c for c in _done(tmp_path)[0]["changes"] if c["lost_ranks"])
-    assert _used_samples(tmp_path, cutoff=shrink["step"]) == _check_result(_done(tmp_path), 2) == list(range(N))
+    shrink = next(c for c in records(tmp_path)[0]["changes"] if c["lost_ranks"])
+    assert used_samples(tmp_path, cutoff=shrink["step"]) == check_result(records(tmp_path), 2) == list(range(N))
     assert cluster.leftovers() == []
 
 
@@ -210,7 +112,7 @@ def test_the_store_host_lost_stops_every_other_rank_and_the_job_resumes(tmp_path
     if uninterrupted."""
     with Cluster(2) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
-        _await(lambda: _trained_step(tmp_path, 6), "step 6")
+        await_until(lambda: trained_step(tmp_path, 6), "step 6")
         cluster.kill(0)
         lost_at = time.monotonic()
         code1, out1 = nodes[1].finish(timeout=60)
@@ -228,7 +130,7 @@ def test_the_store_host_lost_stops_every_other_rank_and_the_job_resumes(tmp_path
     assert resumed, out0[-3000:]
     step = int(resumed[0].split("step ")[-1].rstrip(")"))
     assert step >= 4, resumed
-    assert _used_samples(tmp_path, cutoff=step) == _check_result(_done(tmp_path), 4) == list(range(N))
+    assert used_samples(tmp_path, cutoff=step) == check_result(records(tmp_path), 4) == list(range(N))
     assert cluster.leftovers() == []
 
 
@@ -242,7 +144,7 @@ def test_the_store_lost_stops_the_other_node_at_once_with_one_line_of_cause(tmp_
     naming that cause."""
     with Cluster(2) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["2"], {"HOLD_FROM": "0:0.1"}) for n in (0, 1)]
-        _await(lambda: _trained_step(tmp_path, 6), "step 6")
+        await_until(lambda: trained_step(tmp_path, 6), "step 6")
         os.kill(nodes[0].proc.pid, signal.SIGKILL)   # `ip netns exec` ran the launcher in its own process
         lost_at = time.monotonic()
         code1, out1 = nodes[1].finish(timeout=60)
@@ -288,7 +190,7 @@ def test_a_stranger_on_a_third_node_opens_no_session_and_the_job_ends_as_without
     env = {**ELASTIC, "HOLD_FROM": "2:1.5"}  # about 15 s of training left for the stranger
     with Cluster(3) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], env) for n in (0, 1)]
-        _await(lambda: _trained_step(tmp_path, 3), "step 3")
+        await_until(lambda: trained_step(tmp_path, 3), "step 3")
         listening = {n: listening_ports(cluster.pids(n)) for n in (0, 1)}
         ports = sorted({(address, port) for n in (0, 1) for found in listening[n].values()
                         for address, port in found if address == cluster.address(n)})
@@ -318,7 +220,7 @@ def test_a_stranger_on_a_third_node_opens_no_session_and_the_job_ends_as_without
     stranger_lines = [[line for line in out.splitlines() if cluster.address(2) in line] for _, out in outs]
     assert sum("its job secret differs from this job's" in line for lines in stranger_lines for line in lines) == 1
     assert all(len(lines) <= 3 for lines in stranger_lines), stranger_lines
-    done = _done(tmp_path)
+    done = records(tmp_path)
     assert all(d["changes"] == [] for d in done), done[0]["changes"]  # the world never changed
-    assert _used_samples(tmp_path, cutoff=N) == _check_result(done, 4) == list(range(N))
+    assert used_samples(tmp_path, cutoff=N) == check_result(done, 4) == list(range(N))
     assert cluster.leftovers() == []
