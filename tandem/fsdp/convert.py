@@ -34,7 +34,8 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
     Raises:
         ValueError: the conversion left the unit's parameters in several dtypes.
     """
-    locals_ = [dtensor_local(m.sharded) for m in unit.managed]
+    # Those that gather themselves keep the local tensor _apply made (Note [tensor-subclass gathers] in unit_gather.py).
+    locals_ = [dtensor_local(m.sharded) for m in unit.params.flat]
     if not locals_:
         return
     if len({t.is_meta for t in locals_}) > 1:
@@ -45,7 +46,7 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
         return
     dtypes = {t.dtype for t in locals_}
     if len(dtypes) > 1:
-        listing = ", ".join(f"{m.fqn}: {t.dtype}" for m, t in zip(unit.managed, locals_))
+        listing = ", ".join(f"{m.fqn}: {t.dtype}" for m, t in zip(unit.params.flat, locals_))
         raise ValueError(f"fully_shard unit '{unit.name}': a conversion left its parameters with mixed "
                          f"dtypes ({listing}); one collective gathers a unit, so its parameters need one "
                          "dtype: convert them all (model.to(dtype))")
@@ -59,7 +60,7 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
         unit.params.shard_flat = (unit.params.new_shard_buffer() if device == unit.config.shard_device
                                   else torch.zeros(unit.shard_flat.shape, dtype=dtype, device=device))
     with torch.no_grad():
-        for m, t in zip(unit.managed, locals_):
+        for m, t in zip(unit.params.flat, locals_):
             view = unit.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
             if t.data_ptr() != view.data_ptr() or t.device != view.device:
                 view.copy_(t)

@@ -107,9 +107,7 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
             if key not in group_comms:
                 group_comms[key] = _subgroup(ranks, k, unit.comm.rank)
             unit.group_comm = group_comms[key]
-        for m in unit.managed:
-            if m.requires_grad:
-                m.unsharded.register_post_accumulate_grad_hook(functools.partial(schedule.on_grad, unit))
+        unit.params.watch_grads(functools.partial(schedule.on_grad, unit))
     logger.info("fully_shard: root with %d units, %d parameters, %d elements, world %d",
                 len(units), sum(len(u.managed) for u in units), sum(u.layout.numel for u in units),
                 root.comm.size)

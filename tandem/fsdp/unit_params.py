@@ -1,10 +1,13 @@
 """A fully_shard unit's parameters in both forms: the shard buffer and the
 unsharded buffer (Note [unit buffers] in layout.py), each parameter's sharded
 DTensor and unsharded view (:class:`ManagedParam`), which form is registered on
-the modules, the dtypes, and a new layout for a new world."""
+the modules, the dtypes, and a new layout for a new world. A parameter whose
+tensor subclass gathers itself is sharded as a chunk of that subclass, outside
+the buffers (Note [tensor-subclass gathers] in unit_gather.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +21,19 @@ from tandem.fsdp.tensor_parallel import TensorParallelParam
 from tandem.fsdp.unit_state import ManagedParam, UnitConfig
 from tandem.fsdp.unit_walk import ParamEntry
 
-__all__ = ["UnitParams"]
+__all__ = ["UnitParams", "contiguous_strides", "gathers_itself"]
+
+
+def gathers_itself(param: torch.Tensor) -> bool:
+    """``param`` (the local shard of a DTensor) defines torch's FSDP2 all-gather
+    extension, or half of it (Note [tensor-subclass gathers] in unit_gather.py)."""
+    t = _own_tensor(param)
+    return hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather")
+
+
+def _own_tensor(param: torch.Tensor) -> torch.Tensor:
+    DTensor, _, _ = dtensor_api()
+    return dtensor_local(param) if isinstance(param, DTensor) else param
 
 
 class UnitParams:
@@ -41,8 +56,12 @@ class UnitParams:
         self.param_dtype = config.param_dtype or self.orig_dtype
         self.reduce_dtype = config.reduce_dtype or self.param_dtype
         tp = tp if tp is not None else [None] * len(params)
+        # Note [tensor-subclass gathers] in unit_gather.py: those parameters come last.
+        params, tp, shard_dims, self.num_flat = _subclass_params_last(name, params, tp, shard_dims, config)
         shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
         self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank, shard_dims)
+        self.flat_specs = self.layout.params[:self.num_flat]
+        self.grad_hook: Callable[[torch.Tensor], None] | None = None  # set by watch_grads
         # Note [meta init] in api.py: a unit of meta parameters gets its memory in to_empty.
         meta = bool(params) and all(p.is_meta for _, _, p in params) and all(t is None for t in tp)
         self.shard_flat = self.new_shard_buffer(meta)
@@ -58,14 +77,32 @@ class UnitParams:
     # ------------------------------------------------------------------ buffers
     def new_shard_buffer(self, meta: bool = False) -> torch.Tensor:
         device = torch.device("meta") if meta else self.config.shard_device
-        buf = torch.zeros(self.layout.shard_numel, dtype=self.orig_dtype, device=device)
+        buf = torch.zeros(self.flat_numel, dtype=self.orig_dtype, device=device)
         if self.config.pin_memory and torch.cuda.is_available() and not meta:
             buf = buf.pin_memory()
         return buf
 
     def _new_unsharded_buffer(self, meta: bool = False) -> torch.Tensor:
         device = torch.device("meta") if meta else self.config.device
-        return torch.empty(self.layout.unsharded_numel, dtype=self.param_dtype, device=device)
+        return torch.empty(self.layout.world_size * self.flat_numel, dtype=self.param_dtype, device=device)
+
+    @property
+    def flat_numel(self) -> int:
+        """Elements of the shard buffer: the padded chunks of the parameters
+        gathered through it (all but those of Note [tensor-subclass gathers] in
+        unit_gather.py, which follow them in the layout)."""
+        return sum(p.chunk_numel for p in self.flat_specs)
+
+    @property
+    def flat(self) -> list[ManagedParam]:
+        """The parameters that are views of the unit's buffers."""
+        return self.managed[:self.num_flat]
+
+    @property
+    def subclass_params(self) -> list[ManagedParam]:
+        """The parameters whose tensor subclass gathers itself (Note
+        [tensor-subclass gathers] in unit_gather.py)."""
+        return self.managed[self.num_flat:]
 
     @property
     def on_meta(self) -> bool:
@@ -78,7 +115,7 @@ class UnitParams:
         world = self.layout.world_size
         return [self.blocks(self.unsharded_flat.narrow(0, p.unsharded_offset, p.numel), p) if p.shard_dim
                 else self.unsharded_flat.narrow(0, p.unsharded_offset, world * p.chunk_numel).view(world, -1)
-                for p in self.layout.params]
+                for p in self.flat_specs]
 
     def alloc_unsharded(self) -> None:
         storage = self.unsharded_flat.untyped_storage()
@@ -95,7 +132,7 @@ class UnitParams:
         leaving the meta device, which has never run (no hooks hold them)."""
         leaving_meta = self.unsharded_flat.is_meta
         self.unsharded_flat = self._new_unsharded_buffer()
-        for m in self.managed:
+        for m in self.flat:
             view = self.unsharded_flat.narrow(0, m.spec.unsharded_offset, m.spec.numel).view(m.spec.shape)
             if leaving_meta:
                 m.unsharded = nn.Parameter(view, requires_grad=m.requires_grad)
@@ -107,6 +144,8 @@ class UnitParams:
     # ------------------------------------------------------------------ parameters
     def _manage(self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
                 spec: ParamShard, tp: TensorParallelParam | None) -> ManagedParam:
+        if gathers_itself(param):
+            return self._manage_subclass(fqn, owners, param, spec)
         local = self.shard_flat.narrow(0, spec.shard_offset, spec.local_numel).view(spec.local_shape)
         DTensor, _, _ = dtensor_api()
         # An absorbed tiny unit's shard is a DTensor over this mesh, or over the
@@ -132,6 +171,59 @@ class UnitParams:
         unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
         return ManagedParam(fqn, owners, spec, sharded, unsharded, param.requires_grad, tp)
 
+    def _manage_subclass(self, fqn: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
+                         spec: ParamShard) -> ManagedParam:
+        """A parameter whose subclass gathers itself (Note [tensor-subclass gathers]
+        in unit_gather.py), sharded as torch's FSDP2 shards it: this rank's
+        ``torch.chunk`` of the subclass, copied into a zero chunk of the padded
+        size made by the subclass's ``new_zeros``, and narrowed back to its rows;
+        so the subclass must support ``chunk``, ``new_zeros``, ``narrow`` and
+        ``copy_``. Its unsharded form is made by its first gather."""
+        DTensor, _, _ = dtensor_api()
+        if isinstance(param, DTensor):  # an absorbed tiny unit's (Note [tiny units] in api.py): this rank's chunk
+            return self._unmade(fqn, owners, spec, param)
+        data = param.detach()
+        try:
+            with torch.no_grad():
+                chunks = torch.chunk(data, self.layout.world_size, dim=0)
+                padded = data.new_zeros((spec.chunk_rows, *spec.shape[1:]))
+                if spec.local_rows:
+                    padded.narrow(0, 0, spec.local_rows).copy_(chunks[self.layout.rank])
+                if padded.device != self.config.shard_device:
+                    padded = padded.to(self.config.shard_device)
+                local = padded.narrow(0, 0, spec.local_rows)
+        except Exception as e:
+            raise TypeError(
+                f"rank {self.layout.rank}: fully_shard unit '{self.name}': parameter '{fqn}' is a "
+                f"{type(param).__name__} with fsdp_pre_all_gather, which fully_shard shards as torch's FSDP2 "
+                f"does, with torch.chunk on dim 0, new_zeros, narrow and copy_; the subclass failed "
+                f"there ({type(e).__name__}: {e}): implement those ops in its __torch_dispatch__") from e
+        return self._unmade(fqn, owners, spec, nn.Parameter(self.to_dtensor(local, spec),
+                                                            requires_grad=param.requires_grad))
+
+    def _unmade(self, fqn: str, owners: list[tuple[nn.Module, str]], spec: ParamShard,
+                sharded: nn.Parameter) -> ManagedParam:
+        """A parameter gathering itself, whose unsharded form its first gather makes
+        (an empty placeholder until then)."""
+        placeholder = nn.Parameter(torch.empty(0, device=self.config.device), requires_grad=sharded.requires_grad)
+        return ManagedParam(fqn, owners, spec, sharded, placeholder, sharded.requires_grad)
+
+    def set_unsharded(self, m: ManagedParam, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the unsharded form of ``m`` (its first gather: Note
+        [tensor-subclass gathers] in unit_gather.py), watched as :meth:`watch_grads` asked."""
+        m.unsharded = nn.Parameter(tensor, requires_grad=m.requires_grad)
+        if m.requires_grad and self.grad_hook is not None:
+            m.unsharded.register_post_accumulate_grad_hook(self.grad_hook)
+
+    def watch_grads(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook`` when a gradient has accumulated into a trainable
+        unsharded parameter, also into those a first gather makes later."""
+        self.grad_hook = hook
+        made = [m for m in self.subclass_params if m.unsharded.numel()]  # not the placeholder of _unmade
+        for m in self.flat + made:
+            if m.requires_grad:
+                m.unsharded.register_post_accumulate_grad_hook(hook)
+
     def to_dtensor(self, local: torch.Tensor, spec: ParamShard,
                    tp: TensorParallelParam | None = None) -> torch.Tensor:
         """``local`` (this rank's rows of the parameter ``spec``) as a Shard(0)
@@ -145,7 +237,7 @@ class UnitParams:
             placements = (Replicate(), Shard(spec.shard_dim))
         with torch.no_grad():
             return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape,
-                                      stride=_contiguous_strides(shape))
+                                      stride=contiguous_strides(shape))
 
     def blocks(self, full: torch.Tensor, spec: ParamShard) -> torch.Tensor:
         """The rank-major view ``(world, *local_shape)`` of a parameter (or its
@@ -165,9 +257,15 @@ class UnitParams:
         """Lay the shards out again for a new world (Note [regrouped units] in
         regroup.py): every rank's shard buffer is empty, to be filled from the
         old layout's owners; the parameter objects stay, over the new buffers."""
+        if self.subclass_params:
+            raise NotImplementedError(
+                f"fully_shard unit '{self.name}': its parameters {[m.fqn for m in self.subclass_params]} gather "
+                "themselves (fsdp_pre_all_gather), and a unit laid out again over a new group holds only "
+                "plain parameters: restart the job from a checkpoint instead")
         self.mesh = mesh
         self.layout = plan_unit([m.spec.shape for m in self.managed], comm.size, comm.rank,
                                 [m.spec.shard_dim for m in self.managed])
+        self.flat_specs = self.layout.params
         self.shard_flat = self.new_shard_buffer()
         self.unsharded_flat = self._new_unsharded_buffer()
         for m, spec in zip(self.managed, self.layout.params):
@@ -185,6 +283,38 @@ class UnitParams:
         self.register(unsharded=False)
 
 
+def _subclass_params_last(name: str, params: list[ParamEntry], tp: list[TensorParallelParam | None],
+                          shard_dims: list[int] | None, config: UnitConfig
+                          ) -> tuple[list[ParamEntry], list[TensorParallelParam | None], list[int] | None, int]:
+    """The unit's parameters, those that gather themselves moved last (in their
+    order), with their tensor-parallel layouts and shard dims; and how many do
+    not. Each moved one must be a plain dim-0 sharded parameter of a unit
+    without a quantized policy (Note [tensor-subclass gathers] in unit_gather.py)."""
+    dims = list(shard_dims) if shard_dims is not None else [0] * len(params)
+    own = [gathers_itself(p) for _, _, p in params]
+    if not any(own):
+        return params, tp, shard_dims, len(params)
+    for (fqn, _, p), mine, t, d in zip(params, own, tp, dims):
+        if not mine:
+            continue
+        own_tensor = _own_tensor(p)
+        if not (hasattr(own_tensor, "fsdp_pre_all_gather") and hasattr(own_tensor, "fsdp_post_all_gather")):
+            raise TypeError(f"fully_shard unit '{name}': parameter '{fqn}' ({type(own_tensor).__name__}) defines "
+                            "only one "
+                            "of fsdp_pre_all_gather and fsdp_post_all_gather; define both (torch's FSDP2 "
+                            "requires the pair)")
+        what = ("is a DTensor (tensor parallel)" if t is not None else f"is sharded on dim {d}" if d else
+                "is in a unit with a QuantizedCommPolicy" if config.comm_policy is not None else
+                "is on the meta device" if p.is_meta else "")
+        if what:
+            raise NotImplementedError(f"fully_shard unit '{name}': parameter '{fqn}' gathers itself "
+                                      f"(fsdp_pre_all_gather) and {what}; fully_shard gathers such a parameter "
+                                      "only as a plain tensor subclass sharded on dim 0, on a real device")
+    order = [i for i, mine in enumerate(own) if not mine] + [i for i, mine in enumerate(own) if mine]
+    return ([params[i] for i in order], [tp[i] for i in order],
+            None if shard_dims is None else [dims[i] for i in order], own.count(False))
+
+
 def _uniform_dtype(name: str, params: list[ParamEntry]) -> torch.dtype:
     dtypes = {p.dtype for _, _, p in params}
     if not dtypes:
@@ -197,7 +327,7 @@ def _uniform_dtype(name: str, params: list[ParamEntry]) -> torch.dtype:
     return dtypes.pop()
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)
