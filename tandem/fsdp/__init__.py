@@ -11,7 +11,8 @@ module (:class:`FSDPModule`); loading a full state dict into a sharded model
 # parameters a call takes (unit_walk.py), a call's arguments checked and resolved
 # (arguments.py: meshes for FSDP and HSDP, lists of modules, shard dims), one unit
 # at run time (unit.py, composed of its buffers and parameters in unit_params.py,
-# its gather and release in unit_gather.py and its gradients' reduction in
+# its gather and release in unit_gather.py, with that of parameters whose
+# tensor subclass gathers itself, and its gradients' reduction in
 # unit_reduce.py; their plain types in unit_state.py: a unit's gather reads in
 # unit.py, unit_gather.py and unit_params.py), the forward hooks and the root's
 # lazy init (hooks.py), the order of a root's units in an iteration

@@ -14,13 +14,16 @@ queue at the end of backward, in the same order as every other rank.
 
 # Note [unit completion]
 A unit's backward is over, so it can reshard and reduce, when either every one
-of its trainable parameters has accumulated a gradient (post-accumulate-grad
+of its parameters is trainable and has accumulated a gradient (post-accumulate-grad
 hooks), or the gradient of the inputs of each of its forward calls in this
 iteration has been computed (an autograd function on those inputs, as torch's
 FSDP2 does): the second covers units with parameters this step did not use,
 which would otherwise wait for the end of backward. The engine runs a
 parameter's AccumulateGrad before any node created earlier in forward, so by
-then every gradient the unit will get is in. A call whose inputs need no
+then every gradient the unit will get is in. A frozen parameter has no such
+hook, and a node created before the trainable ones' may still read it (the
+frozen base weight of a LoRA linear, for its input's gradient), so a unit with
+one completes only by its inputs, or at the end of backward. A call whose inputs need no
 gradient (the root's token ids) has no such node: such a unit completes by its
 gradients, or at the end of backward.
 

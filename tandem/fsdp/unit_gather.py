@@ -90,9 +90,7 @@ class UnitGather:
         self._expect(ShardState.SHARDED, ShardState.GROUP_SHARDED)
         p = self.params
         tag = f"unit {p.name}"
-        if self.subclasses is not None:  # Note [tensor-subclass gathers]
-            if self.state is ShardState.GROUP_SHARDED:
-                self.subclasses.refuse_group_shard()
+        if self.subclasses is not None:  # Note [tensor-subclass gathers]; never GROUP_SHARDED (reshard refuses it)
             self.pending_subclasses = self.subclasses.launch(comm, tag)
         if not p.flat_numel:  # a unit without plain parameters (a root over sharded blocks)
             self.pending = PendingGather(Work(None), p.unsharded_flat, p.shard_flat, direct=True)

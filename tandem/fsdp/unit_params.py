@@ -61,6 +61,9 @@ class UnitParams:
         shapes = [t.local_shape if t is not None else tuple(p.shape) for (_, _, p), t in zip(params, tp)]
         self.layout: UnitLayout = plan_unit(shapes, comm.size, comm.rank, shard_dims)
         self.flat_specs = self.layout.params[:self.num_flat]
+        # Elements of the shard buffer: the padded chunks of the parameters gathered
+        # through it (all but those of Note [tensor-subclass gathers] in unit_gather.py).
+        self.flat_numel = sum(p.chunk_numel for p in self.flat_specs)
         self.grad_hook: Callable[[torch.Tensor], None] | None = None  # set by watch_grads
         # Note [meta init] in api.py: a unit of meta parameters gets its memory in to_empty.
         meta = bool(params) and all(p.is_meta for _, _, p in params) and all(t is None for t in tp)
@@ -85,13 +88,6 @@ class UnitParams:
     def _new_unsharded_buffer(self, meta: bool = False) -> torch.Tensor:
         device = torch.device("meta") if meta else self.config.device
         return torch.empty(self.layout.world_size * self.flat_numel, dtype=self.param_dtype, device=device)
-
-    @property
-    def flat_numel(self) -> int:
-        """Elements of the shard buffer: the padded chunks of the parameters
-        gathered through it (all but those of Note [tensor-subclass gathers] in
-        unit_gather.py, which follow them in the layout)."""
-        return sum(p.chunk_numel for p in self.flat_specs)
 
     @property
     def flat(self) -> list[ManagedParam]:
@@ -266,6 +262,7 @@ class UnitParams:
         self.layout = plan_unit([m.spec.shape for m in self.managed], comm.size, comm.rank,
                                 [m.spec.shard_dim for m in self.managed])
         self.flat_specs = self.layout.params
+        self.flat_numel = self.layout.shard_numel
         self.shard_flat = self.new_shard_buffer()
         self.unsharded_flat = self._new_unsharded_buffer()
         for m, spec in zip(self.managed, self.layout.params):

@@ -122,9 +122,10 @@ class UnitReduce:
         self._block = 0 if policy is None else policy.block
 
     def grad_ready(self) -> bool:
-        """Count one arrived gradient; True when all trainable ones have."""
+        """Count one arrived gradient; True when all have, in a unit without
+        frozen parameters (Note [unit completion] in schedule.py)."""
         self.num_ready += 1
-        return self.num_ready == self.params.num_trainable
+        return self.num_ready == self.params.num_trainable == len(self.params.managed)
 
     def mark_ready(self) -> None:
         """This backward is over for the unit: queue its reduction (once per backward)."""
