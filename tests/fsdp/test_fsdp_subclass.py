@@ -7,10 +7,13 @@ script.
 The subclasses are defined here, on CPU: :class:`RowScaledTensor` sends its
 shard as bfloat16 values plus one float32 scale per row (two tensors and a
 metadata object), :class:`LegacyRowScaledTensor` the same through the 1-argument
-``fsdp_pre_all_gather(mesh)``, and :class:`PaddingBF16Tensor` (torch's test's
+``fsdp_pre_all_gather(mesh)``, :class:`PaddingBF16Tensor` (torch's test's
 ``BFloat16AllGatherTensor``) one bfloat16 tensor that pads itself on a rank
-holding fewer rows. One spawned group of 2 gloo ranks trains every case with
-both implementations and returns losses, shards, the extension's calls and the
+holding fewer rows, and :class:`PairTensor` (torch's test's ``TwoTensor``) whose
+unsharded parameter is itself a subclass over the gathered outputs. One spawned
+group of 2 gloo ranks trains every case (``reshard_after_forward`` True and
+False, ``param_dtype=bfloat16``, ``CPUOffloadPolicy``) with both
+implementations and returns losses, shards, the extension's calls and the
 ledger's bytes; the tests compare them.
 """
 
@@ -25,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from tandem.testing import raised_by, run_distributed
 
@@ -148,9 +152,65 @@ class HalfDefinedTensor(_Wrapper):
         raise AssertionError("not reached")
 
 
+class PairTensor(torch.Tensor):
+    """torch's test's ``TwoTensor`` with its extension: two plain tensors ``a``
+    and ``b``, every op run on each; both are gathered, and the unsharded
+    parameter is a ``PairTensor`` over the gathered outputs themselves, so a
+    later gather's ``out=`` finds its data already there."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, a: torch.Tensor, b: torch.Tensor) -> Any:
+        return torch.Tensor._make_wrapper_subclass(cls, a.shape, a.stride(), a.storage_offset(), dtype=a.dtype,
+                                                   device=a.device, requires_grad=a.requires_grad)
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        a, b = (lambda x: x.a), (lambda x: x.b)
+        out_a = func(*pytree.tree_map_only(cls, a, args), **pytree.tree_map_only(cls, a, kwargs))
+        out_b = func(*pytree.tree_map_only(cls, b, args), **pytree.tree_map_only(cls, b, kwargs))
+        leaves_a, spec = pytree.tree_flatten(out_a)
+        leaves_b = pytree.tree_leaves(out_b)
+        out = pytree.tree_unflatten([cls(x, y) if isinstance(x, torch.Tensor) else x
+                                     for x, y in zip(leaves_a, leaves_b)], spec)
+        return return_and_correct_aliasing(func, args, kwargs, out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["a", "b"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> torch.Tensor:
+        return PairTensor(inner["a"], inner["b"])
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        CALLS["pre"] = CALLS.get("pre", 0) + 1
+        return (self.a, self.b), None
+
+    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
+                             *, out: torch.Tensor | None = None) -> Any:
+        a, b = outputs
+        if out is not None:
+            CALLS["post_out"] = CALLS.get("post_out", 0) + 1
+            assert isinstance(out, PairTensor) and a.dtype == param_dtype
+            assert a.untyped_storage().data_ptr() == out.a.untyped_storage().data_ptr()
+            assert b.untyped_storage().data_ptr() == out.b.untyped_storage().data_ptr()
+            return None
+        CALLS["post_new"] = CALLS.get("post_new", 0) + 1
+        return PairTensor(a, b), (a, b)
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a plain tensor (a DTensor's local shard)."""
     t = t.to_local() if hasattr(t, "to_local") else t
+    if isinstance(t, PairTensor):
+        return t.a
     return t._data if isinstance(t, _Wrapper) else t
 
 
@@ -166,17 +226,21 @@ class MLP(nn.Module):
         return self.out_proj(torch.relu(self.in_proj(x)))
 
 
-def _model(cls: type[_Wrapper], dim: int, hidden: int) -> nn.Sequential:
+def _model(cls: type[torch.Tensor], dim: int, hidden: int) -> nn.Sequential:
     """Three MLPs whose weights are ``cls`` parameters (biases plain)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[MLP(dim, hidden) for _ in range(3)])
     for mlp in model:
         for lin in (mlp.in_proj, mlp.out_proj):
-            lin.weight = nn.Parameter(cls(lin.weight.detach().clone()))
+            w = lin.weight.detach()
+            lin.weight = nn.Parameter(PairTensor(w.clone(), w.clone()) if cls is PairTensor else cls(w.clone()))
     return model
 
 
 def _shard(model: nn.Module, impl: str, **kwargs: Any) -> None:
+    if kwargs.get("offload_policy") == "cpu":  # CASES names it; the policy is made in the rank
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard as shard
     else:
@@ -187,7 +251,7 @@ def _shard(model: nn.Module, impl: str, **kwargs: Any) -> None:
     shard(model, **kwargs)
 
 
-def _train(rank: int, impl: str, cls: type[_Wrapper], dim: int = 8, hidden: int = 16, **kwargs: Any) -> dict:
+def _train(rank: int, impl: str, cls: type[torch.Tensor], dim: int = 8, hidden: int = 16, **kwargs: Any) -> dict:
     """Train ``STEPS`` steps; this rank's losses, shards, the extension's calls
     and (tandem) the bytes each unit's gathers sent in the last step."""
     from tandem.comm.monitor import current_monitor
@@ -206,7 +270,7 @@ def _train(rank: int, impl: str, cls: type[_Wrapper], dim: int = 8, hidden: int 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
-        losses.append(loss.detach())
+        losses.append(plain(loss.detach()))
     sent = [(e.op, e.tag, e.nbytes) for e in ledger.entries() if e.seq > first and e.op == "all_gather_into"]
     return {"losses": torch.stack(losses), "shards": {n: plain(p).clone() for n, p in model.named_parameters()},
             "types": {n: type(p.to_local()).__name__ for n, p in model.named_parameters()},
@@ -221,19 +285,35 @@ def _refusals(rank: int) -> dict:
         _shard(model, "tandem")
         model(torch.randn(2, 8))
 
+    def group_shard() -> None:
+        # reshard_after_forward=k needs 1 < k < world, more than 2 ranks: the
+        # post-forward reshard it makes is called here over the whole group.
+        from tandem.fsdp.unit import unit_of
+
+        model = _model(RowScaledTensor, 8, 16)
+        _shard(model, "tandem")
+        model(torch.randn(2, 8))
+        unit = unit_of(model[0])
+        assert unit is not None
+        unit.unshard()
+        unit.group_comm = unit.comm
+        unit.reshard(keep_group_shard=True)
+
     def half_defined() -> None:
         lin = nn.Linear(4, 4)
         lin.weight = nn.Parameter(HalfDefinedTensor(lin.weight.detach().clone()))
         fully_shard(lin)
 
-    return raised_by({"failing_pre": failing_pre, "half_defined": half_defined})
+    return raised_by({"failing_pre": failing_pre, "group_shard": group_shard, "half_defined": half_defined})
 
 
-CASES: dict[str, tuple[type[_Wrapper], dict]] = {
+CASES: dict[str, tuple[type[torch.Tensor], dict]] = {
     "reshard": (RowScaledTensor, {"reshard_after_forward": True}),
     "keep": (RowScaledTensor, {"reshard_after_forward": False}),
     "legacy": (LegacyRowScaledTensor, {"reshard_after_forward": True}),
     "uneven": (PaddingBF16Tensor, {"dim": 3, "hidden": 9, "reshard_after_forward": True}),
+    "pair": (PairTensor, {"reshard_after_forward": True}),
+    "offload": (RowScaledTensor, {"offload_policy": "cpu"}),
 }
 
 
@@ -309,5 +389,8 @@ def test_a_failing_hook_names_the_parameter_the_rank_and_the_fix() -> None:
         assert f"rank {rank}:" in message and "unit '0'" in message and "'in_proj.weight'" in message
         assert "fsdp_pre_all_gather" in message and "no scale for this tensor" in message
         assert "Fix the subclass" in message
+        kind, message = refusals["group_shard"]
+        assert kind == "NotImplementedError" and f"rank {rank}:" in message and "'in_proj.weight'" in message
+        assert "reshard_after_forward=True or False" in message
         kind, message = refusals["half_defined"]
         assert kind == "TypeError" and "'weight'" in message and "define both" in message
