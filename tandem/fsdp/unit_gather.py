@@ -46,11 +46,15 @@ it is rebuilt, and fully_shard calls the pair exactly as FSDP2 does
   storage again, so that autograd's saved tensors and hooks stay valid; the
   metadata lives from one pre to its post.
 
-``reshard_after_forward=True`` frees the outputs and the returned tensors,
-``False`` keeps them; an integer (a smaller group's slice kept after forward)
-is refused, as FSDP2 refuses it for these parameters. The extension is found
-on the parameter when ``fully_shard`` is called, so a unit of plain
-parameters gathers exactly as before.
+Both calls run under ``torch.no_grad()``: FSDP2 runs its pre so, and its
+post in the caller's mode, where a post copying into ``out=`` (a leaf that
+requires grad) fails in forward (pytorch#154836). ``reshard_after_forward=True``
+frees the outputs and the returned tensors, ``False`` keeps them; an integer (a
+smaller group's slice kept after forward) is refused, as FSDP2 refuses it for
+these parameters. A custom all-gather (``set_custom_all_gather``) issues the
+plain gather only. The extension is found on the parameter when
+``fully_shard`` is called, so a unit of plain parameters gathers exactly as
+before.
 """
 
 from __future__ import annotations
