@@ -7,7 +7,8 @@ Every member of an etcd cluster answers every request: a follower forwards a
 write to the leader and asks the leader before it answers a read (reads are
 linearizable, etcd's default: a member cut off from the majority answers
 nothing rather than an old value). So the client keeps the members' addresses
-and sends each request to the member that answered last, and, when that one
+and sends each request to the member that answered last (at first, one drawn
+at random, so that many clients spread over the members), and, when that one
 does not answer, to the next, round the list:
 
 * a member that refuses the connection (its process is gone) is passed over at
@@ -38,10 +39,12 @@ that polls for a key never waits behind another thread's request.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
 import os
+import random
 import socket
 import ssl
 import threading
@@ -151,7 +154,9 @@ class EtcdGateway:
         self._addresses = [_endpoint(e) for e in self.endpoints]
         self.tls = tls
         self._context = tls.context() if tls is not None else None
-        self._preferred = 0  # the member that answered last (shared by the threads: a hint, races are harmless)
+        # The member that answered last (shared by the threads: a hint, races are harmless); clients start at
+        # a member of their own, so that a job's thousands of clients share the members' TLS and JSON work.
+        self._preferred = random.randrange(len(self.endpoints))
         self._local = threading.local()
         self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._open_lock = threading.Lock()
@@ -193,6 +198,44 @@ class EtcdGateway:
                 raise EtcdUnavailableError(self._unavailable(what, time.monotonic() - started, why))
             time.sleep(pause)
             pause = min(2 * pause, _MAX_PAUSE_S)
+
+    def watch(self, key: bytes, start_revision: int, until: float) -> bool:
+        """Wait until ``key`` is written at revision ``start_revision`` or later
+        (Note [waiting by watching] in etcd_store.py): True when an event came
+        (or etcd ended the watch, its history compacted), False at ``until``
+        (``time.monotonic()``) or when the member did not answer; either way the
+        caller reads again. One connection of its own, to the member that
+        answered last, closed when this returns."""
+        host, port = self._addresses[self._preferred]
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        connection = (http.client.HTTPSConnection(host, port, timeout=min(left, _ATTEMPT_S), context=self._context)
+                      if self._context is not None else
+                      http.client.HTTPConnection(host, port, timeout=min(left, _ATTEMPT_S)))
+        body = {"create_request": {"key": base64.b64encode(key).decode(), "start_revision": str(start_revision)}}
+        try:
+            connection.request("POST", "/v3/watch", body=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status != 200:
+                return False
+            while True:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                assert connection.sock is not None
+                connection.sock.settimeout(left)
+                line = response.readline()
+                if not line:
+                    return False
+                result = json.loads(line).get("result") or {}
+                if result.get("events") or result.get("canceled"):
+                    return True
+        except (OSError, ValueError, http.client.HTTPException):  # timed out, refused, lost: read again
+            return False
+        finally:
+            connection.close()
 
     def close(self) -> None:
         """Close every thread's connections (a later call opens new ones)."""

@@ -57,24 +57,40 @@ and returns the count the first attempt made. Receipts live on a lease (about
 three store timeouts, renewed well before a call could outlive it), and the
 next ``add`` deletes those of calls that returned, so few exist at any time.
 
-# Note [waiting by polling]
-``wait``, ``get`` and ``multi_get`` poll for their keys: a read, then a pause
-of 10 ms that grows by half each time to 100 ms. etcd's watch API would wake a
-waiter at once, but over the JSON gateway a watch is an HTTP response that
-streams for as long as the wait lasts: a connection held per waiting thread, a
-first read and a watch from its revision so that no write falls between, and,
-when its member dies, a second failover path that must resume at the right
-revision on another member. Polling reuses the requests and the failover every
-other operation has, costs a waiter at most ten reads a second (each one
-ReadIndex round at the leader), and sees a key at most 100 ms after it is
-written, and within a third of the time waited so far; tandem waits on the
-store at step boundaries and regroups, where that is small.
+# Note [adds that collide]
+etcd has no counter: an ``add`` reads the count and writes the next one if
+nobody wrote in between (a transaction that compares the key's revision). When
+many processes add to one key at once (every member arriving at a roll call,
+Note [a roll call] in roll_call.py), all but one find the key changed and try
+again, and if each tried again at once, N of them would make N² transactions.
+So a collision is followed by a pause drawn at random from a range that
+doubles with each collision (2 ms, 4 ms, ... up to 0.2 s): the tries spread
+out, and N adds cost about N log N transactions. An ``add`` of 0 to a key that exists (how a roll
+call's judges read its count, twenty times a second) only reads: as a write it
+would collide with every arrival under way, and the arrivals would starve.
+
+# Note [waiting by watching]
+``wait``, ``get`` and ``multi_get`` read their keys, and when one is missing
+read again 10, 15, 22 and 34 ms later: most waits of a job (a step's decision,
+a barrier's last arrival) end within those 80 ms. Past them, the waiter
+watches the first missing key from the revision its last read saw (etcd's
+watch API, a streaming ``POST /v3/watch`` on a connection of its own to the
+member that answered last): the member pushes the write when it comes, so a
+long wait costs the cluster nothing while it lasts, where polling ten times a
+second costs each waiter ten reads a second at the leader (at 64 waiters,
+a core of this machine). When the event comes, or after
+:data:`_WATCH_SLICE_S`, or when the member fails, the waiter reads every key
+again (failing over as every request does) and watches the next missing one:
+a watch is only the signal to read, so a lost event or a dead member delays a
+waiter by one slice at most, and never makes it return a key that is not
+there.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import random
 import threading
 import time
 import uuid
@@ -88,9 +104,13 @@ from tandem.comm.etcd_gateway import EtcdGateway, EtcdRequestError, EtcdTLS
 __all__ = ["EtcdStore"]
 
 _TXN_OPS = 64          # operations in one transaction (etcd's --max-txn-ops is 128 by default)
-_POLL_FIRST_S = 0.01   # Note [waiting by polling]
+_POLL_FIRST_S = 0.01   # Note [waiting by watching]
 _POLL_MAX_S = 0.1
+_POLLS = 4             # reads 10, 15, 22 and 34 ms apart (80 ms in all), then a watch
+_WATCH_SLICE_S = 5.0   # the longest one watch lasts before the keys are read again
 _SPENT_AT_ONCE = 8     # receipts an add deletes (Note [an add applied once])
+_COLLIDE_FIRST_S = 0.002  # Note [adds that collide]
+_COLLIDE_MAX_S = 0.2
 _LEASE_MARGIN_S = 60.0
 
 
@@ -271,8 +291,13 @@ class EtcdStore(dist.Store):
         """
         k, what = self._key(key), f"add to {key!r}"
         deadline = self._deadline()
+        if int(amount) == 0:  # a read of the count: a write would make the adds under way collide with it
+            held = self._read_kvs([key], deadline)[0]
+            if held is not None:
+                return self._count(key, held)
         receipt = self._receipts.new()
         current: _KV | None = None  # first guess: the key is new
+        collisions = 0
         while True:
             count = (self._count(key, current) if current is not None else 0) + int(amount)
             lease = self._receipts.lease(self._gateway, self._timeout_s(), deadline, what)
@@ -296,6 +321,10 @@ class EtcdStore(dist.Store):
                 self._receipts.spend(receipt)
                 return int(earlier.value)
             current = now
+            # Another add came first (Note [adds that collide]): try again after a pause drawn from a range
+            # that doubles with each collision.
+            collisions += 1
+            time.sleep(random.uniform(0, min(_COLLIDE_MAX_S, _COLLIDE_FIRST_S * 2 ** collisions)))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """``TCPStore``'s compare-and-set (Note [a store on etcd]): returns
@@ -347,7 +376,7 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         """Wait until every key of ``keys`` exists, up to ``timeout`` (default:
-        the store's), polling (Note [waiting by polling]).
+        the store's), reading, then watching (Note [waiting by watching]).
 
         Raises:
             torch.distributed.DistStoreError: a key did not appear in time.
@@ -387,27 +416,40 @@ class EtcdStore(dist.Store):
              what: str, deadline: float | None = None) -> dict[str, Any]:
         return self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure}, what, deadline)
 
+    def _read_kvs(self, keys: Sequence[str], deadline: float) -> list[_KV | None]:
+        """Each key's value and revision; None when missing."""
+        answer = self._txn([], [_range(self._key(k)) for k in keys], [], f"read of {len(keys)} keys", deadline)
+        return [_ranged(response) for response in answer.get("responses", [])]
+
     def _read(self, keys: Sequence[str], values: bool, deadline: float) -> list[bytes | None]:
         """Each key's value (``values``) or ``b""`` when it exists; None when missing."""
+        return self._read_at(keys, values, deadline)[0]
+
+    def _read_at(self, keys: Sequence[str], values: bool, deadline: float) -> tuple[list[bytes | None], int]:
+        """:meth:`_read`, and the store's revision it saw (the oldest, over several transactions)."""
         out: list[bytes | None] = []
+        revision = 0
         for start in range(0, len(keys), _TXN_OPS):
             chunk = keys[start:start + _TXN_OPS]
             ranges = [_range(self._key(k), count_only=not values) for k in chunk]
             answer = self._txn([], ranges, [], f"read of {len(keys)} keys", deadline)
+            seen = int(answer.get("header", {}).get("revision", 0))
+            revision = seen if revision == 0 else min(revision, seen)
             for response in answer.get("responses", []):
                 if values:
                     kv = _ranged(response)
                     out.append(None if kv is None else kv.value)
                 else:
                     out.append(b"" if _counted(response) else None)
-        return out
+        return out, revision
 
     def _wait_for(self, keys: Sequence[str], timeout: datetime.timedelta, values: bool) -> list[bytes]:
         started = time.monotonic()
         ends = started + timeout.total_seconds()
         pause = _POLL_FIRST_S
+        polls = 0
         while True:
-            found = self._read(keys, values, self._deadline())
+            found, revision = self._read_at(keys, values, self._deadline())
             if all(v is not None for v in found):
                 return [v for v in found if v is not None]
             left = ends - time.monotonic()
@@ -416,8 +458,13 @@ class EtcdStore(dist.Store):
                 raise dist.DistStoreError(
                     f"wait timeout after {round(timeout.total_seconds() * 1000)}ms, keys: {missing} (in the etcd "
                     f"store under {self.prefix!r} at {', '.join(self.endpoints)})")
-            time.sleep(min(pause, left))
-            pause = min(1.5 * pause, _POLL_MAX_S)
+            if polls < _POLLS or revision == 0:  # Note [waiting by watching]
+                time.sleep(min(pause, left))
+                pause = min(1.5 * pause, _POLL_MAX_S)
+                polls += 1
+                continue
+            first = next(k for k, v in zip(keys, found) if v is None)
+            self._gateway.watch(self._key(first), revision + 1, time.monotonic() + min(left, _WATCH_SLICE_S))
 
     def _count(self, key: str, kv: _KV) -> int:
         try:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _etcd import EtcdCluster, cryptography_missing, etcd_missing  # noqa: E402
 
 from tandem.comm.etcd_gateway import EtcdCertificateError, EtcdGateway, EtcdUnavailableError  # noqa: E402
+from tandem.comm import etcd_store  # noqa: E402
 from tandem.comm.etcd_store import EtcdStore  # noqa: E402
 from tandem.comm.membership import Decision, ElasticConfig, Membership  # noqa: E402
 from tandem.testing import run_distributed  # noqa: E402
@@ -214,20 +215,62 @@ def test_an_add_whose_answer_was_lost_is_applied_once(cluster: EtcdCluster, monk
     assert store.get("n") == b"7"
 
 
-def test_a_wait_polls_gently(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [waiting by polling]: 10 ms growing to 100 ms between reads."""
+def test_an_add_of_zero_to_a_count_only_reads_it(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [adds that collide]: reading a count writes nothing (a write would
+    collide with the adds under way); a missing key is still created at 0."""
     store = _etcd_store(cluster)
-    real = EtcdGateway._post
+    store.add("n", 3)
+    real = EtcdGateway.call
+    bodies: list[str] = []
+
+    def recorded(self: EtcdGateway, path: str, body: dict[str, Any], *args: Any) -> dict[str, Any]:
+        bodies.append(json.dumps(body))
+        return real(self, path, body, *args)
+
+    monkeypatch.setattr(EtcdGateway, "call", recorded)
+    assert store.add("n", 0) == 3
+    assert bodies and not any("request_put" in b for b in bodies), bodies
+    assert store.add("fresh", 0) == 0 and store.check(["fresh"])
+
+
+def test_a_wait_reads_a_few_times_then_watches(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [waiting by watching]: five reads, then a watch, which the write
+    wakes (its slice is longer than the wait, so nothing else could); a wait
+    that nothing ends reads once a slice."""
+    store = _etcd_store(cluster)
+    real_post, real_watch = EtcdGateway._post, EtcdGateway.watch
     posts: list[float] = []
+    watching = threading.Event()
 
     def counted(self: EtcdGateway, *args: Any) -> Any:
         posts.append(time.monotonic())
-        return real(self, *args)
+        return real_post(self, *args)
+
+    def watch(self: EtcdGateway, *args: Any) -> bool:
+        watching.set()
+        return real_watch(self, *args)
 
     monkeypatch.setattr(EtcdGateway, "_post", counted)
+    monkeypatch.setattr(EtcdGateway, "watch", watch)
+    monkeypatch.setattr(etcd_store, "_WATCH_SLICE_S", 600.0)
+    writer = EtcdStore(cluster.endpoints, store.prefix, datetime.timedelta(seconds=10), cluster.tls)
+
+    def write_once_watched() -> None:
+        assert watching.wait(timeout=20)
+        writer.set("late", "here")
+
+    thread = threading.Thread(target=write_once_watched)
+    thread.start()
+    try:
+        store.wait(["late"], datetime.timedelta(seconds=20))
+    finally:
+        thread.join()
+    assert len(posts) <= 8, len(posts)   # 5 reads, the watch, the read after it (and the writer's set)
+    posts.clear()
+    monkeypatch.setattr(etcd_store, "_WATCH_SLICE_S", 0.5)
     with pytest.raises(dist.DistStoreError):
         store.wait(["missing"], datetime.timedelta(seconds=1))
-    assert 2 <= len(posts) <= 20  # a busy poll would make hundreds
+    assert 2 <= len(posts) <= 9, len(posts)
 
 
 # ---------------------------------------------------------------------- (b) a gloo group
@@ -306,6 +349,7 @@ def test_a_killed_member_is_failed_over_and_a_lost_majority_is_said() -> None:
         first = _leader(cluster)  # the store talks to the leader: its loss is the slow one (an election)
         order = [first] + [i for i in range(3) if i != first]
         store = EtcdStore([cluster.endpoints[i] for i in order], "tests/kill", datetime.timedelta(seconds=15))
+        store._gateway._preferred = 0   # it would start at a member drawn at random: here, at the leader
         store.set("k", "before")
         assert store.add("n", 1) == 1
         cluster.kill(order[0])
