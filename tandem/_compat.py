@@ -1,4 +1,3 @@
-# Over 400 lines on purpose: the one place that touches private torch APIs, read whole when torch moves one.
 """The one place where tandem touches private torch APIs, each with why.
 
 Everything here exists in torch 2.4 and later; if a future torch moves one, this
@@ -586,8 +585,8 @@ def reset_group_names() -> None:
     died as it was built: Note [arrivals] in tandem/comm/membership.py) counted
     a group on the ranks that got as far as ``init_process_group``, and not on
     the ones that saw the death first: in the next generation their keys
-    differed and every member waited for the others' until the timeout (a soak
-    found it). The bookkeeping is torch's private ``_world`` (torch 2.4 to 2.13).
+    differed and every member waited for the others' until the timeout. The
+    bookkeeping is torch's private ``_world`` (torch 2.4 to 2.13).
     """
     from torch.distributed import distributed_c10d as c10d
 

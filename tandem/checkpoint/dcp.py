@@ -203,7 +203,7 @@ def _watched_dcp(what: str, group: dist.ProcessGroup | None, fn: Callable[..., A
     peers (Note [watched object collectives] in tandem/comm/watched_call.py): DCP
     gathers and scatters its plans with torch's own collectives, and a rank whose
     ring neighbour is alive but left for a regroup (it saw another rank die) would
-    otherwise wait in them until the group's timeout; a soak stalled 15 s so. A
+    otherwise wait in them until the group's timeout. A
     subgroup's (an HSDP replica's) is called as it is."""
     if group is not None:
         return fn(*args, **kwargs)

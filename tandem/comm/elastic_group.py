@@ -203,7 +203,7 @@ def new_world_group(what: str) -> dist.ProcessGroup:
         try:
             # Its sockets are cut with the default group's when a generation leaves it behind:
             # a wait left in it would otherwise end only as the process finalizes (Note
-            # [severing a forgotten group] in connections.py; a soak's replacement aborted so).
+            # [severing a forgotten group] in connections.py).
             with default_group_connections(str(dist.get_backend())) as connections:
                 group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
                                        timeout=_connect_timeout(membership))

@@ -77,8 +77,8 @@ watches the first missing key from the revision its last read saw (etcd's
 watch API, a streaming ``POST /v3/watch`` on a connection of its own to the
 member that answered last): the member pushes the write when it comes, so a
 long wait costs the cluster nothing while it lasts, where polling ten times a
-second costs each waiter ten reads a second at the leader (at 64 waiters,
-a core of this machine). When the event comes, or after
+second would cost each waiter ten reads a second at the leader (BENCHMARKS.md,
+the control plane on etcd). When the event comes, or after
 :data:`_WATCH_SLICE_S`, or when the member fails, the waiter reads every key
 again (failing over as every request does) and watches the next missing one:
 a watch is only the signal to read, so a lost event or a dead member delays a

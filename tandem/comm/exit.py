@@ -1,11 +1,11 @@
 """How a process of the job ends when its script raises: :func:`install_clean_exit`.
 
 # Note [exit on an uncaught exception]
-A script that raised with a collective in flight (a bucket's all-reduce
-launched in backward, say) used to end, depending on timing, with SIGABRT and
-"terminate called without an active exception" instead of exit code 1, and to
-wait for its peers before ending at all. The exception is not the cause; the
-interpreter's shutdown after it is:
+A script that raises with a collective in flight (a bucket's all-reduce
+launched in backward, say) would, left to the interpreter, end depending on
+timing with SIGABRT and "terminate called without an active exception" instead
+of exit code 1, and wait for its peers before ending at all. The exception is
+not the cause; the interpreter's shutdown after it is:
 
 1. ``Py_FinalizeEx`` clears the modules' globals, and with them drops the last
    reference to the default process group. ``~ProcessGroupGloo`` joins its

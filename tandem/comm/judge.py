@@ -1,12 +1,13 @@
 """One member judges who is dead, for every member: :class:`Judge`, :class:`Verdict`.
 
 # Note [judge once]
-A step's decision waits (Note [elastic membership] in membership.py), and a
-member that waited used to look at every other member's beat and process
-between slices: two or three store operations per member, by every member,
-so N members waiting on a late decision put about 8N² operations a second on
-the store, which one core stops serving near N = 63 (BENCHMARKS.md "Past this
-machine"). So one member judges for all, and tells the others by deciding:
+A step's decision waits (Note [elastic membership] in membership.py). If every
+waiting member looked at every other member's beat and process between
+slices, that would be two or three store operations per member, by every
+member: N members waiting on a late decision would put about 8N² operations a
+second on the store, which one core stops serving near N = 63 (BENCHMARKS.md
+"Past this machine"). So one member judges for all, and tells the others by
+deciding:
 
 * the generation's first member (its rank 0) is the judge. Once a beat it reads
   every beat in one ``multi_get`` (a ``check`` first: the keys exist): the

@@ -4,13 +4,13 @@
 In an elastic job a peer can leave a collective alive: it saw another member
 die and went to regroup (Note [elastic membership] in membership.py), so what
 this rank waits for from it never comes. Its heartbeat goes on, so the watch
-below would wait for gloo's timeout; a soak saw a ZeRO-2 rank, the only one
-whose parameter all-gather completed before a death, commit its step alone and
-wait 40 s in the buddy copies' receive from a peer that was waiting for it in
-the regroup. So the membership tells the watch which peers have asked for the
-next generation (``PeerWatch.departed``), and a peer seen so for a whole slice
-counts as gone, for this wait: a message it sent before it left arrives within
-the slice. The rank then regroups too.
+below would wait for gloo's timeout (a ZeRO-2 rank whose parameter all-gather
+completed before a death commits its step alone, then waits in the buddy
+copies' receive from a peer that waits for it in the regroup). So the
+membership tells the watch which peers have asked for the next generation
+(``PeerWatch.departed``), and a peer seen so for a whole slice counts as gone,
+for this wait: a message it sent before it left arrives within the slice. The
+rank then regroups too.
 
 # Note [dead peers]
 When a rank dies inside a collective, gloo tells only the ranks connected to it

@@ -5,9 +5,9 @@ told to all: :class:`RollCall`.
 A world change has two barriers in the store: the members of the generation
 that ends arrive to agree on the next one (``Membership.next_generation``), and
 the members of the next one arrive to build its group (Note [arrivals] in
-membership.py). Each member used to look for every other member's key until
-all were there or seen dead: N checks a poll by N members, which at thousands
-of ranks is millions of operations a second. So:
+membership.py). If each member looked for every other member's key until all
+were there or seen dead, that would be N checks a poll by N members: at
+thousands of ranks, millions of operations a second. So:
 
 * a member arrives with one ``add`` to a counter and one ``set`` of its id under
   the number it drew (``<base>/count``, ``<base>/at/<n>``);

@@ -9,8 +9,7 @@ than the group's. In an elastic job's rebuild that is a hang, not a slow
 error: a replacement receiving the state in ``all_gather_object`` waits on a
 member that is alive but has left the collective (it saw another member die
 and went to regroup), and the members wait in the regroup for the replacement
-to arrive or die; seen in a fully_shard soak, where both sides waited for the
-300 s regroup timeout. So the elastic paths run those calls through
+to arrive or die, both sides until the regroup's timeout. So the elastic paths run those calls through
 :func:`watched`: the call runs in a thread of its own, and this thread waits on
 it in slices as on any collective, so a peer that died is named within a slice
 (:class:`~tandem.comm.peers.PeerLostError`) and the rebuild fails over to the

@@ -68,10 +68,8 @@ exists beside the buckets, and nothing is copied in (the bucket is scaled in
 place at launch, ``Bucket.deferred``). A gradient that exists already (under
 ``no_sync``) or arrives before its bucket has memory is copied in as before.
 What backward holds at most is then the buckets from the first to the one
-after the bucket last launched, not the whole model's gradients twice; on the
-benchmark residual MLP (8.9M parameters, bench_deepspeed.py) the peak within a
-step fell from 182 to 141 MiB with this and Note [gloo's reduce-scatter] in
-tandem/comm/group.py (DeepSpeed's stage 2: 142). A ``.grad`` the user kept
+after the bucket last launched, not the whole model's gradients twice
+(BENCHMARKS.md has the peak it gives, against DeepSpeed's stage 2). A ``.grad`` the user kept
 past backward keeps its memory: the bucket then moves to new memory rather
 than free that one (``Bucket.give_back_memory``).
 """

@@ -13,7 +13,7 @@ each group the order is the same everywhere: gathers follow the units' forward
 and backward order, which all ranks share, and reduce-scatters follow
 :attr:`Schedule.reduce_order` (Note [reduce order] in schedule.py).
 
-# Note [torch.compile]
+# Note [fully_shard under torch.compile]
 Blocks may be compiled one by one, as torchtitan does with torch's FSDP2:
 ``torch.compile(block)`` before ``fully_shard`` (the compiled wrapper becomes
 the unit's module), or after it (``torch.compile(sharded)`` or
@@ -49,14 +49,14 @@ __all__ = ["lazy_init", "post_forward", "pre_forward"]
 logger = logging.getLogger(__name__)
 
 
-@not_traced  # Note [torch.compile]
+@not_traced  # Note [fully_shard under torch.compile]
 def pre_forward(unit: ShardedUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The forward pre-hook of a unit's module."""
     schedule = unit.schedule if unit.schedule is not None else lazy_init(unit, module)
     return schedule.pre_forward(unit, args, kwargs)
 
 
-@not_traced  # Note [torch.compile]
+@not_traced  # Note [fully_shard under torch.compile]
 def post_forward(unit: ShardedUnit, module: nn.Module, args: tuple, output: Any) -> Any:
     """The forward hook of a unit's module."""
     assert unit.schedule is not None

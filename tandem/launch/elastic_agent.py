@@ -55,8 +55,8 @@ no loss: the job fails with the report, as it does without ``--elastic``.
 # Note [a crash after finishing]
 A worker that dies while the others train is a loss: they go on without it. One
 that dies after it finished training (its process aborted in the interpreter's
-teardown, exit -6, seen in a Trainer ZeRO-2 job) is not: nobody went on without
-it, and counting it as a loss let the job end "finished" with exit 0. The agent
+teardown, exit -6) is not: nobody went on without it, and counting it as a loss
+would let the job end "finished" with exit 0. The agent
 tells them apart by the worker's last word: under ``--elastic`` every worker
 writes its progress file (:class:`tandem.launch.logs.WorkerLogs`), and a
 monitor that stops because its rank left on purpose (``tandem.shutdown()``, or

@@ -66,7 +66,7 @@ The nodes' watchdogs fire within about a check interval of each other (their
 ranks stopped together), and each then waits up to STACKS_WAIT_S for stacks. A
 node that stopped its workers as soon as its report was written would end the
 others' ranks (they see a peer die) before their watchdogs fired: their logs
-would hold a lost peer instead of the report (a CI run saw node 0's so). So in
+would hold a lost peer instead of the report. So in
 a job of several nodes, a node that reported waits OTHER_NODES_GRACE_S before
 its workers are stopped (:meth:`Watchdog.let_other_nodes_report`).
 """
