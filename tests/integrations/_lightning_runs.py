@@ -1,0 +1,171 @@
+"""The runs that tests/integrations/test_lightning.py compares, as one script that
+Lightning's own launcher runs once per process (``Trainer(devices=N)`` and
+``Fabric(devices=N)`` on CPU/gloo): the first Trainer starts the other ranks,
+which run this script from the top; the Trainers and Fabrics after it find the
+processes and the process group there and reuse them.
+
+    python _lightning_runs.py --world 2 --out DIR --fresh ddp,tandem_ddp      # each saves a checkpoint
+    python _lightning_runs.py --world 3 --out DIR --resume ddp,tandem_ddp     # each resumes from its world-2 one
+
+The model is Lightning's shipped demo, ``LightningTransformer`` (its ``Transformer``,
+a small vocabulary), on random tokens. Each run writes the losses of each rank to
+``DIR/{run}-w{world}-r{rank}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.demos import LightningTransformer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+import tandem.integrations.lightning  # noqa: F401  (registers "tandem_ddp", "tandem_fsdp")
+from tandem.integrations.lightning import TandemFSDPStrategy
+
+VOCAB, SEQ, BATCH, ACCUMULATE = 64, 12, 2, 2
+STEPS, MORE_STEPS = 30, 8  # optimizer steps of a fresh run; of a resumed one after the checkpoint's
+LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
+
+
+def tokens() -> TensorDataset:
+    data = torch.randint(0, VOCAB, (400, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+class LoggedTransformer(LightningTransformer):
+    """The demo on random tokens (no WikiText2 download), logging its loss through Lightning's logger."""
+
+    def prepare_data(self) -> None:
+        pass
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+class TorchShardedTransformer(LoggedTransformer):
+    """The demo as a ModelParallelStrategy user shards it: torch's fully_shard on each layer, then the root."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in [m for m in self.modules() if isinstance(m, tuple(LAYERS))]:
+            torch_fully_shard(layer, mesh=mesh)
+        torch_fully_shard(self, mesh=mesh)
+
+
+class Losses(Callback):
+    """Each training step's loss on this rank, and the classes that wrapped the model."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.wrapper = ""
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.wrapper = wrapper_name(trainer.strategy.model)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.values.append(float(outputs["loss"]))
+
+
+def wrapper_name(model: nn.Module) -> str:
+    """The wrapper's class, or under FSDP2 the class that fully_shard mixed into the model's."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in ("DistributedDataParallel", "FSDPModule"):
+            return f"{cls.__module__}.{cls.__name__}"
+    return type(model).__name__
+
+
+def write(out: Path, run: str, world: int, rank: int, losses: list[float], wrapper: str) -> None:
+    (out / f"{run}-w{world}-r{rank}.json").write_text(json.dumps({"losses": losses, "wrapper": wrapper}))
+
+
+def fit(run: str, strategy, module_class: type, args: argparse.Namespace, ckpt: Path | None) -> None:  # noqa: ANN001
+    seed_everything(42)
+    model = module_class(vocab_size=VOCAB)
+    losses = Losses()
+    steps = STEPS + MORE_STEPS if ckpt else STEPS
+    trainer = Trainer(accelerator="cpu", devices=args.world, strategy=strategy, max_steps=steps,
+                      accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, callbacks=[losses],
+                      logger=CSVLogger(args.out / "logs", name=run), log_every_n_steps=1, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(tokens(), batch_size=BATCH), ckpt_path=ckpt)
+    name = f"{run}-resumed" if ckpt else run
+    write(args.out, name, args.world, trainer.global_rank, losses.values, losses.wrapper)
+    if ckpt is None:
+        trainer.save_checkpoint(args.out / f"{run}-w{args.world}.ckpt")
+
+
+def fabric_loop(run: str, strategy, args: argparse.Namespace, resume: bool) -> None:  # noqa: ANN001
+    """The loop of Fabric's docs: gradient accumulation under no_backward_sync, clipping, save/load."""
+    fabric = Fabric(accelerator="cpu", devices=args.world, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(42)
+    module = LightningTransformer(vocab_size=VOCAB)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(tokens(), batch_size=BATCH))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        fabric.load(args.out / f"{run}-w{args.saved_world}.ckpt", state)
+    losses: list[float] = []
+    micro = 0
+    for inputs, target in loader:
+        is_accumulating = (micro + 1) % ACCUMULATE != 0
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            loss = nn.functional.nll_loss(model(inputs, target), target.view(-1))
+            fabric.backward(loss / ACCUMULATE)
+        losses.append(loss.item())
+        micro += 1
+        if not is_accumulating:
+            fabric.clip_gradients(model, optimizer, max_norm=0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] += 1
+            if state["step"] == (STEPS + MORE_STEPS if resume else STEPS):
+                break
+    write(args.out, f"{run}-resumed" if resume else run, args.world, fabric.global_rank, losses,
+          wrapper_name(model._forward_module))
+    if not resume:
+        fabric.save(args.out / f"{run}-w{args.world}.ckpt", state)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--fresh", default="", help="comma-separated runs from a fresh model, each saving a checkpoint")
+    parser.add_argument("--resume", default="", help="comma-separated runs resuming from their checkpoint")
+    parser.add_argument("--saved-world", type=int, default=2, help="the world size whose checkpoints --resume loads")
+    args = parser.parse_args()
+    trainer_runs = {
+        "ddp": (lambda: DDPStrategy(), LoggedTransformer),
+        "tandem_ddp": (lambda: "tandem_ddp", LoggedTransformer),
+        "fsdp": (lambda: ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1),
+                 TorchShardedTransformer),
+        "tandem_fsdp": (lambda: TandemFSDPStrategy(auto_wrap_policy=LAYERS), LoggedTransformer),
+    }
+    fabric_runs = {"fabric_ddp": lambda: FabricDDPStrategy(), "fabric_tandem_ddp": lambda: "tandem_ddp"}
+    for resume, runs in ((False, args.fresh), (True, args.resume)):
+        for run in filter(None, runs.split(",")):
+            if run in fabric_runs:
+                fabric_loop(run, fabric_runs[run](), args, resume=resume)
+            else:
+                strategy, module_class = trainer_runs[run]
+                ckpt = args.out / f"{run}-w{args.saved_world}.ckpt" if resume else None
+                fit(run, strategy(), module_class, args, ckpt)
+    print(f"rank {os.environ.get('LOCAL_RANK', '0')}: done")
+
+
+if __name__ == "__main__":
+    main()

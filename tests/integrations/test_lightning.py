@@ -1,0 +1,111 @@
+"""tandem's Lightning strategies (tandem/integrations/lightning/) against Lightning's own, on
+Lightning's demo Transformer under Lightning's launcher (CPU, gloo): the same losses on every
+rank over 30 optimizer steps (with gradient accumulation and clipping) at 2 and 3 processes,
+and a checkpoint saved on 2 processes resumed on 3 with the same losses as Lightning's own
+strategy resuming its own checkpoint. The runs are those of _lightning_runs.py: one launch per
+world size, each a grid of Trainer and Fabric runs in the same processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+torch = pytest.importorskip("torch")
+
+SCRIPT = Path(__file__).with_name("_lightning_runs.py")
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240.0
+FIRST = 4  # micro-batches (2 optimizer steps) before the reductions' rounding shows at 3 ranks
+DRIFT_3_RANKS = 0.06
+# Lightning chooses the cluster from these (Slurm, torchrun): the launcher must start the ranks itself.
+FOREIGN = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+           "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID")
+# (tandem's run, Lightning's run it must equal, the wrapper tandem's run must have used)
+PAIRS = [("tandem_ddp", "ddp", "tandem.ddp.module.DistributedDataParallel"),
+         ("fabric_tandem_ddp", "fabric_ddp", "tandem.ddp.module.DistributedDataParallel"),
+         ("tandem_fsdp", "fsdp", "tandem.fsdp.module.FSDPModule")]
+
+
+def launch(world: int, out: Path, *args: str) -> None:
+    """Run the script under Lightning's launcher; on timeout kill its whole process group
+    (the ranks the launcher started too)."""
+    env = {k: v for k, v in os.environ.items() if k not in FOREIGN}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--world", str(world), "--out", str(out), *args],
+                            cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"world {world}: no result in {TIMEOUT_S:.0f} s; output:\n{output[-6000:]}")
+    finally:
+        with_survivors = proc.poll() is None
+        if with_survivors:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"world {world} failed (exit {proc.returncode}):\n{output[-8000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lightning")
+    everything = ",".join(run for pair in PAIRS for run in pair[:2])
+    launch(2, out, "--fresh", everything)
+    launch(3, out, "--fresh", "tandem_ddp,ddp", "--resume", everything)
+    return out
+
+
+def read(out: Path, run: str, world: int) -> list[dict]:
+    return [json.loads((out / f"{run}-w{world}-r{rank}.json").read_text()) for rank in range(world)]
+
+
+def assert_same_losses(ours: list[float], theirs: list[float], world: int, label: str) -> None:
+    """Equal up to rounding over the first steps; over the whole run at 2 ranks too. At 3 ranks a
+    sum of 3 gradients rounds differently in tandem's reduction and in torch's (which divides by
+    3 before gloo's ring all-reduce): the first differences are of 1 ulp at the second step, and
+    the demo's SGD (lr 0.1) grows them to about 0.01-0.04 by step 30, the spread that Lightning's
+    own DDPStrategy and ModelParallelStrategy show against each other at 3 ranks (measured on
+    these runs: 0.017 fresh, 0.030 resumed)."""
+    a, b = torch.tensor(ours), torch.tensor(theirs)
+    assert a.shape == b.shape, f"{label}: {len(ours)} losses, Lightning's run {len(theirs)}"
+    torch.testing.assert_close(a[:FIRST], b[:FIRST], rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {m}")
+    atol = 1e-5 if world == 2 else DRIFT_3_RANKS
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("run, reference, wrapper", PAIRS, ids=[p[0] for p in PAIRS])
+def test_same_losses_at_2_ranks(runs: Path, run: str, reference: str, wrapper: str) -> None:
+    for rank, (ours, theirs) in enumerate(zip(read(runs, run, 2), read(runs, reference, 2))):
+        assert ours["wrapper"] == wrapper, f"rank {rank}: {run} trained {ours['wrapper']}"
+        assert theirs["wrapper"] != wrapper
+        assert len(ours["losses"]) == 60  # 30 optimizer steps of 2 micro-batches
+        assert_same_losses(ours["losses"], theirs["losses"], 2, f"{run} vs {reference}, rank {rank}")
+
+
+def test_ddp_same_losses_at_3_ranks(runs: Path) -> None:
+    for rank, (ours, theirs) in enumerate(zip(read(runs, "tandem_ddp", 3), read(runs, "ddp", 3))):
+        assert ours["wrapper"] == PAIRS[0][2]
+        assert len(ours["losses"]) == 60
+        assert_same_losses(ours["losses"], theirs["losses"], 3, f"tandem_ddp vs ddp at 3 ranks, rank {rank}")
+
+
+@pytest.mark.parametrize("run, reference, wrapper", PAIRS, ids=[p[0] for p in PAIRS])
+def test_resume_at_another_world_size(runs: Path, run: str, reference: str, wrapper: str) -> None:
+    """Saved at the end of the run on 2 processes, resumed on 3 up to step 38: as many steps as
+    Lightning's strategy resuming its own checkpoint takes (the step was restored: a fresh start
+    would take 38), from the same model (the first loss, before any reduction, is the same)."""
+    for rank, (ours, theirs) in enumerate(zip(read(runs, f"{run}-resumed", 3), read(runs, f"{reference}-resumed", 3))):
+        assert ours["wrapper"] == wrapper
+        assert 0 < len(ours["losses"]) <= 16, f"rank {rank}: {len(ours['losses'])} micro-batches after resuming"
+        assert_same_losses(ours["losses"], theirs["losses"], 3, f"{run} vs {reference} resumed, rank {rank}")
+    fresh = read(runs, "tandem_ddp", 3)[0]["losses"][0]
+    assert read(runs, "tandem_ddp-resumed", 3)[0]["losses"][0] != fresh, "the resumed run started from a fresh model"
