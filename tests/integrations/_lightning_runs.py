@@ -27,14 +27,15 @@ from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import tandem.integrations.lightning  # noqa: F401  (registers "tandem_ddp", "tandem_fsdp")
-from tandem.integrations.lightning import TandemFSDPStrategy
+from tandem.integrations.lightning import TandemDDPStrategy, TandemFSDPStrategy
 
-VOCAB, SEQ, BATCH, ACCUMULATE = 64, 12, 2, 2
-STEPS, MORE_STEPS = 30, 8  # optimizer steps of a fresh run; of a resumed one after the checkpoint's
+VOCAB, SEQ, BATCH, ACCUMULATE = 64, 8, 2, 2
+STEPS, MORE_STEPS = 30, 4  # optimizer steps of a fresh run; of a resumed one after the checkpoint's
 LAYERS = {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}
 
 
@@ -55,6 +56,23 @@ class LoggedTransformer(LightningTransformer):
         return loss
 
 
+class ManualTransformer(LoggedTransformer):
+    """The demo under manual optimization: the strategy arms the gradient sync in manual_backward."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size=vocab_size)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5)
+        optimizer.step()
+        return loss.detach()
+
+
 class TorchShardedTransformer(LoggedTransformer):
     """The demo as a ModelParallelStrategy user shards it: torch's fully_shard on each layer, then the root."""
 
@@ -71,9 +89,15 @@ class Losses(Callback):
     def __init__(self) -> None:
         self.values: list[float] = []
         self.wrapper = ""
+        self.options: dict[str, object] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        self.wrapper = wrapper_name(trainer.strategy.model)
+        model = trainer.strategy.model
+        self.wrapper = wrapper_name(model)
+        # what the strategy's options did to tandem's wrapper: (state, hook) of its registered hook
+        hook = getattr(model, "_comm_hook", None)
+        self.options = {"bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
+                        "comm_hook": hook[1].__name__ if hook else None}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.values.append(float(outputs["loss"]))
@@ -87,22 +111,29 @@ def wrapper_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def write(out: Path, run: str, world: int, rank: int, losses: list[float], wrapper: str) -> None:
-    (out / f"{run}-w{world}-r{rank}.json").write_text(json.dumps({"losses": losses, "wrapper": wrapper}))
+def write(out: Path, run: str, world: int, rank: int, record: dict) -> None:
+    (out / f"{run}-w{world}-r{rank}.json").write_text(json.dumps(record))
 
 
 def fit(run: str, strategy, module_class: type, args: argparse.Namespace, ckpt: Path | None) -> None:  # noqa: ANN001
+    """Trainer.fit for 30 optimizer steps with clipping (of 2 micro-batches under DDP and automatic
+    optimization), or from ``ckpt`` for 4 more."""
     seed_everything(42)
     model = module_class(vocab_size=VOCAB)
     losses = Losses()
     steps = STEPS + MORE_STEPS if ckpt else STEPS
+    automatic = module_class is not ManualTransformer
+    # Accumulation where the strategy takes part in it (DDP's no_sync); FSDP2 reduces every micro-batch.
+    accumulate = ACCUMULATE if automatic and "fsdp" not in run else 1
     trainer = Trainer(accelerator="cpu", devices=args.world, strategy=strategy, max_steps=steps,
-                      accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, callbacks=[losses],
+                      accumulate_grad_batches=accumulate,
+                      gradient_clip_val=0.5 if automatic else None, callbacks=[losses],
                       logger=CSVLogger(args.out / "logs", name=run), log_every_n_steps=1, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(tokens(), batch_size=BATCH), ckpt_path=ckpt)
     name = f"{run}-resumed" if ckpt else run
-    write(args.out, name, args.world, trainer.global_rank, losses.values, losses.wrapper)
+    write(args.out, name, args.world, trainer.global_rank,
+          {"losses": losses.values, "wrapper": losses.wrapper, **losses.options})
     if ckpt is None:
         trainer.save_checkpoint(args.out / f"{run}-w{args.world}.ckpt")
 
@@ -134,8 +165,8 @@ def fabric_loop(run: str, strategy, args: argparse.Namespace, resume: bool) -> N
             state["step"] += 1
             if state["step"] == (STEPS + MORE_STEPS if resume else STEPS):
                 break
-    write(args.out, f"{run}-resumed" if resume else run, args.world, fabric.global_rank, losses,
-          wrapper_name(model._forward_module))
+    write(args.out, f"{run}-resumed" if resume else run, args.world, fabric.global_rank,
+          {"losses": losses, "wrapper": wrapper_name(model._forward_module)})
     if not resume:
         fabric.save(args.out / f"{run}-w{args.world}.ckpt", state)
 
@@ -151,6 +182,11 @@ def main() -> None:
     trainer_runs = {
         "ddp": (lambda: DDPStrategy(), LoggedTransformer),
         "tandem_ddp": (lambda: "tandem_ddp", LoggedTransformer),
+        # torch's own all-reduce hook through Lightning's ddp_comm_hook, and a bucket size for the wrapper
+        "tandem_ddp_hook": (lambda: TandemDDPStrategy(ddp_comm_hook=default_hooks.allreduce_hook, bucket_cap_mb=1),
+                            LoggedTransformer),
+        "ddp_manual": (lambda: DDPStrategy(), ManualTransformer),
+        "tandem_ddp_manual": (lambda: "tandem_ddp", ManualTransformer),
         "fsdp": (lambda: ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1),
                  TorchShardedTransformer),
         "tandem_fsdp": (lambda: TandemFSDPStrategy(auto_wrap_policy=LAYERS), LoggedTransformer),

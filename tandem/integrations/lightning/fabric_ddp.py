@@ -19,7 +19,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 
 from tandem.ddp import DistributedDataParallel
-from tandem.integrations.lightning.wrap import wrap_ddp
+from tandem.integrations.lightning.wrap import check_ddp_kwargs, wrap_ddp
 
 __all__ = ["TandemFabricDDPStrategy"]
 
@@ -37,6 +37,7 @@ class TandemFabricDDPStrategy(DDPStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        check_ddp_kwargs(self._ddp_kwargs)
         self._backward_sync_control = _TandemBackwardSyncControl()
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:  # type: ignore[override]

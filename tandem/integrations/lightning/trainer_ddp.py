@@ -31,7 +31,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from torch import Tensor, nn
 
 from tandem.ddp import DistributedDataParallel
-from tandem.integrations.lightning.wrap import wrap_ddp
+from tandem.integrations.lightning.wrap import check_ddp_kwargs, wrap_ddp
 
 __all__ = ["TandemDDPStrategy"]
 
@@ -51,6 +51,7 @@ class TandemDDPStrategy(DDPStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        check_ddp_kwargs(self._ddp_kwargs)
         self._forward_redirection = _TandemForwardRedirection()
 
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:  # type: ignore[override]

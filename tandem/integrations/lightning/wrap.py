@@ -13,7 +13,19 @@ from torch import nn
 
 from tandem.ddp import DistributedDataParallel
 
-__all__ = ["wrap_ddp"]
+__all__ = ["check_ddp_kwargs", "wrap_ddp"]
+
+
+def check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse, when the strategy is built, the wrapper options that Lightning's loop cannot
+    honour: ZeRO stages need ``tandem.ZeroOptimizer`` to step and to clip (``param.grad``
+    then holds this rank's gradients only, and Lightning would step and clip them as they
+    are)."""
+    if ddp_kwargs.get("zero_stage"):
+        raise NotImplementedError(
+            f"zero_stage={ddp_kwargs['zero_stage']!r} is not supported by tandem's Lightning strategies: Lightning "
+            "steps and clips the optimizer of configure_optimizers, and under ZeRO only tandem.ZeroOptimizer may; "
+            "use tandem.DistributedDataParallel and tandem.ZeroOptimizer in your own loop, or TandemFSDPStrategy")
 
 
 def wrap_ddp(module: nn.Module, device_ids: list[int] | None, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
