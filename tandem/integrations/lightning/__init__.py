@@ -3,19 +3,19 @@
 and Lightning's own launcher.
 
 - :class:`TandemDDPStrategy` (``Trainer(strategy="tandem_ddp")``): Lightning's
-  ``DDPStrategy`` with ``tandem.DistributedDataParallel`` as the wrapper
-  (trainer_ddp.py); the DDP paths Lightning takes only for torch's class
-  (manual optimization, comm hooks, unwrapping at teardown) are routed to tandem's
-  (ddp_paths.py).
+  ``DDPStrategy`` with ``tandem.DistributedDataParallel`` as the wrapper; the DDP
+  paths Lightning takes only for torch's class (manual optimization, comm hooks,
+  unwrapping at teardown) taken for tandem's (trainer_ddp.py, building the
+  wrapper through wrap.py).
 - :class:`TandemFabricDDPStrategy` (``Fabric(strategy="tandem_ddp")``): the same
-  for Fabric (fabric_ddp.py).
+  for Fabric (fabric_ddp.py, wrap.py).
 - :class:`TandemFSDPStrategy` (``Trainer(strategy="tandem_fsdp")``): shards the
   LightningModule's layers with ``tandem.fully_shard`` and checkpoints sharded
   state with torch.distributed.checkpoint (trainer_fsdp.py).
 
 Importing this package registers the short names in Lightning's strategy
-registries (Lightning's documented way to name a strategy), so that the strings
-work once ``import tandem.integrations.lightning`` has run.
+registries, Lightning's documented way to name a strategy (registry.py), so that
+the strings work once ``import tandem.integrations.lightning`` has run.
 """
 
 from tandem.integrations.lightning.fabric_ddp import TandemFabricDDPStrategy

@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -42,8 +42,8 @@ class TandemFSDPStrategy(ModelParallelStrategy):
             Lightning's ``FSDPStrategy(auto_wrap_policy={Block})``. Empty: the whole
             module is one unit.
         reshard_after_forward: FSDP2's: free a unit's gathered parameters after its
-            forward (True), keep them for the backward (False), or reshard to a
-            smaller group (an int).
+            forward (True), keep them for the backward (False), reshard to a smaller
+            group (an int), or FSDP2's default (None: True but for the root unit).
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` (parameter and reduce dtypes).
         offload_policy: FSDP2's ``CPUOffloadPolicy``.
         save_distributed_checkpoint: True: each rank saves its shards (DCP, loads at
@@ -83,6 +83,8 @@ class TandemFSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__} shards with tandem.fully_shard (FSDP2's API); found modules "
                             "wrapped in torch's FSDP1 FullyShardedDataParallel: remove that wrapping")
         if not any(isinstance(m, (FSDPModule, TorchFSDPModule)) for m in self.model.modules()):
+            if not _has_meta_device_parameters_or_buffers(self.model):
+                self.model_to_device()  # shards are cut on the device they train on
             self._shard(self.model)
         _materialize_distributed_module(self.model, self.root_device)  # a model built on the meta device
         self.model = self.precision_plugin.convert_module(self.model)
