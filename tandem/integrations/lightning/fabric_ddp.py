@@ -40,6 +40,7 @@ class TandemFabricDDPStrategy(DDPStrategy):
         check_ddp_kwargs(self._ddp_kwargs)
         self._backward_sync_control = _TandemBackwardSyncControl()
 
+    # Fabric annotates the result as torch's class; tandem's is the drop-in for it.
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:  # type: ignore[override]
         return wrap_ddp(module, self._determine_ddp_device_ids(), self._ddp_kwargs)
 

@@ -54,6 +54,7 @@ class TandemDDPStrategy(DDPStrategy):
         check_ddp_kwargs(self._ddp_kwargs)
         self._forward_redirection = _TandemForwardRedirection()
 
+    # Lightning annotates the result as torch's class; tandem's is the drop-in for it.
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:  # type: ignore[override]
         """Wrap the LightningModule in tandem's DDP (Lightning calls this when fitting)."""
         return wrap_ddp(model, self.determine_ddp_device_ids(), self._ddp_kwargs)
@@ -62,6 +63,7 @@ class TandemDDPStrategy(DDPStrategy):
         if self._ddp_comm_hook is None and self._ddp_comm_wrapper is None:
             return
         assert isinstance(self.model, DistributedDataParallel)
+        # Lightning's helper (it applies ddp_comm_wrapper), typed for torch's class; it calls register_comm_hook.
         _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,  # type: ignore[arg-type]
                                 ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
 
