@@ -47,7 +47,12 @@ class Node:
             self.lines.append((time.monotonic(), line))
 
     def finish(self, timeout: float = 180) -> tuple[int, str]:
-        code = self.proc.wait(timeout=timeout)
+        """Its exit status and output; a launcher still running after ``timeout`` fails the test with its output."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"this node's tandem run still ran after {timeout:g} s; its output:\n"
+                                 + "".join(line for _, line in self.lines)[-6000:]) from None
         self._reader.join(timeout=10)
         return code, "".join(line for _, line in self.lines)
 
