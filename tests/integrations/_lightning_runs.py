@@ -22,17 +22,19 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import tandem.integrations.lightning  # noqa: F401  (registers "tandem_ddp", "tandem_fsdp")
-from tandem.integrations.lightning import TandemDDPStrategy, TandemFSDPStrategy
+from tandem.integrations.lightning import TandemDDPStrategy, TandemFabricFSDPStrategy, TandemFSDPStrategy
 
 VOCAB, SEQ, BATCH, ACCUMULATE = 64, 8, 2, 2
 STEPS, MORE_STEPS = 30, 4  # optimizer steps of a fresh run; of a resumed one after the checkpoint's
@@ -73,14 +75,20 @@ class ManualTransformer(LoggedTransformer):
         return loss.detach()
 
 
+def torch_parallelize(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """As a ModelParallelStrategy user shards the demo: torch's fully_shard on each layer, then the root."""
+    mesh = device_mesh["data_parallel"]
+    for layer in [m for m in module.modules() if isinstance(m, tuple(LAYERS))]:
+        torch_fully_shard(layer, mesh=mesh)
+    torch_fully_shard(module, mesh=mesh)
+    return module
+
+
 class TorchShardedTransformer(LoggedTransformer):
-    """The demo as a ModelParallelStrategy user shards it: torch's fully_shard on each layer, then the root."""
+    """The demo sharded by torch's fully_shard in configure_model (the Trainer's ModelParallelStrategy)."""
 
     def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for layer in [m for m in self.modules() if isinstance(m, tuple(LAYERS))]:
-            torch_fully_shard(layer, mesh=mesh)
-        torch_fully_shard(self, mesh=mesh)
+        torch_parallelize(self, self.device_mesh)
 
 
 class Losses(Callback):
@@ -139,23 +147,34 @@ def fit(run: str, strategy, module_class: type, args: argparse.Namespace, ckpt: 
 
 
 def fabric_loop(run: str, strategy, args: argparse.Namespace, resume: bool) -> None:  # noqa: ANN001
-    """The loop of Fabric's docs: gradient accumulation under no_backward_sync, clipping, save/load."""
+    """The loop of Fabric's docs: gradient accumulation under no_backward_sync, clipping, save/load.
+    Under a sharding strategy the optimizer is made after the model is set up (sharding replaces
+    the parameters), as Fabric's docs do for FSDP."""
     fabric = Fabric(accelerator="cpu", devices=args.world, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(42)
     module = LightningTransformer(vocab_size=VOCAB)
-    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    if isinstance(fabric.strategy, FabricModelParallelStrategy):
+        model = fabric.setup_module(module)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    else:
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
     loader = fabric.setup_dataloaders(DataLoader(tokens(), batch_size=BATCH))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume:
         fabric.load(args.out / f"{run}-w{args.saved_world}.ckpt", state)
     losses: list[float] = []
+    # Whether the first backward under no_backward_sync left gradients in param.grad: DDP's no_sync
+    # does (local sums); FSDP2's does not (full gradients kept in the unit until the sync).
+    grads_in_no_sync = None
     micro = 0
     for inputs, target in loader:
         is_accumulating = (micro + 1) % ACCUMULATE != 0
         with fabric.no_backward_sync(model, enabled=is_accumulating):
             loss = nn.functional.nll_loss(model(inputs, target), target.view(-1))
             fabric.backward(loss / ACCUMULATE)
+        if micro == 0:
+            grads_in_no_sync = any(p.grad is not None for p in model.parameters())
         losses.append(loss.item())
         micro += 1
         if not is_accumulating:
@@ -166,7 +185,7 @@ def fabric_loop(run: str, strategy, args: argparse.Namespace, resume: bool) -> N
             if state["step"] == (STEPS + MORE_STEPS if resume else STEPS):
                 break
     write(args.out, f"{run}-resumed" if resume else run, args.world, fabric.global_rank,
-          {"losses": losses, "wrapper": wrapper_name(model._forward_module)})
+          {"losses": losses, "wrapper": wrapper_name(model._forward_module), "grads_in_no_sync": grads_in_no_sync})
     if not resume:
         fabric.save(args.out / f"{run}-w{args.world}.ckpt", state)
 
@@ -191,7 +210,13 @@ def main() -> None:
                  TorchShardedTransformer),
         "tandem_fsdp": (lambda: TandemFSDPStrategy(auto_wrap_policy=LAYERS), LoggedTransformer),
     }
-    fabric_runs = {"fabric_ddp": lambda: FabricDDPStrategy(), "fabric_tandem_ddp": lambda: "tandem_ddp"}
+    fabric_runs = {
+        "fabric_ddp": lambda: FabricDDPStrategy(),
+        "fabric_tandem_ddp": lambda: "tandem_ddp",
+        "fabric_fsdp": lambda: FabricModelParallelStrategy(torch_parallelize, data_parallel_size=args.world,
+                                                           tensor_parallel_size=1),
+        "fabric_tandem_fsdp": lambda: TandemFabricFSDPStrategy(auto_wrap_policy=LAYERS),
+    }
     for resume, runs in ((False, args.fresh), (True, args.resume)):
         for run in filter(None, runs.split(",")):
             if run in fabric_runs:

@@ -31,9 +31,11 @@ FOREIGN = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTE
            "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID")
 # (tandem's run, Lightning's run it must equal, the wrapper tandem's run must have used)
 DDP = "tandem.ddp.module.DistributedDataParallel"
+FSDP = "tandem.fsdp.module.FSDPModule"
 PAIRS = [("tandem_ddp", "ddp", DDP),
          ("fabric_tandem_ddp", "fabric_ddp", DDP),
-         ("tandem_fsdp", "fsdp", "tandem.fsdp.module.FSDPModule")]
+         ("tandem_fsdp", "fsdp", FSDP),
+         ("fabric_tandem_fsdp", "fabric_fsdp", FSDP)]
 
 
 def launch(world: int, out: Path, *args: str) -> None:
@@ -86,15 +88,25 @@ def assert_same_losses(ours: list[float], theirs: list[float], world: int, label
     torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m: f"{label}: {m}")
 
 
+def micro_batches(run: str) -> int:
+    """Of the 30 optimizer steps of a fresh run: 2 per step where the strategy takes part in the
+    accumulation (DDP's no_sync, Fabric's no_backward_sync), 1 under the Trainer's FSDP and manual
+    optimization."""
+    accumulates = run.startswith("fabric_") or ("ddp" in run and "manual" not in run)
+    return 30 * (2 if accumulates else 1)
+
+
 @pytest.mark.parametrize("run, reference, wrapper", PAIRS + [("tandem_ddp_manual", "ddp_manual", DDP)],
                          ids=[p[0] for p in PAIRS] + ["tandem_ddp_manual"])
 def test_same_losses_at_2_ranks(runs: Path, run: str, reference: str, wrapper: str) -> None:
-    """30 optimizer steps with clipping: under DDP of 2 micro-batches (gradient accumulation), or
-    under manual optimization (manual_backward, clip_gradients) of one."""
+    """30 optimizer steps with clipping: of 2 micro-batches (gradient accumulation) under DDP and
+    Fabric, of one under the Trainer's FSDP and manual optimization (manual_backward,
+    clip_gradients)."""
     for rank, (ours, theirs) in enumerate(zip(read(runs, run, 2), read(runs, reference, 2))):
         assert ours["wrapper"] == wrapper, f"rank {rank}: {run} trained {ours['wrapper']}"
         assert theirs["wrapper"] != wrapper
-        assert len(ours["losses"]) == (60 if "ddp" in run and "manual" not in run else 30)
+        assert len(ours["losses"]) == micro_batches(run)
+        assert ours.get("grads_in_no_sync") == theirs.get("grads_in_no_sync"), f"rank {rank}: {run}'s no_backward_sync"
         assert_same_losses(ours["losses"], theirs["losses"], 2, f"{run} vs {reference}, rank {rank}")
 
 
@@ -103,7 +115,7 @@ def test_ddp_same_losses_at_3_ranks(runs: Path) -> None:
     Lightning's ddp_comm_hook (registered on CPU too) and a bucket cap."""
     for rank, (ours, theirs) in enumerate(zip(read(runs, "tandem_ddp_hook", 3), read(runs, "ddp", 3))):
         assert (ours["wrapper"], ours["comm_hook"], ours["bucket_bytes_cap"]) == (DDP, "allreduce_hook", 2**20)
-        assert len(ours["losses"]) == 60
+        assert len(ours["losses"]) == micro_batches("tandem_ddp_hook")
         assert_same_losses(ours["losses"], theirs["losses"], 3, f"tandem_ddp_hook vs ddp at 3 ranks, rank {rank}")
 
 
@@ -130,15 +142,18 @@ def test_names_and_refusals() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from tandem.integrations.lightning import TandemDDPStrategy, TandemFabricDDPStrategy, TandemFSDPStrategy
+    from tandem.integrations.lightning import (TandemDDPStrategy, TandemFabricDDPStrategy,
+                                               TandemFabricFSDPStrategy, TandemFSDPStrategy)
 
     assert isinstance(StrategyRegistry.get("tandem_ddp"), TandemDDPStrategy)
     assert StrategyRegistry.get("tandem_ddp_spawn")._start_method == "spawn"
     assert isinstance(StrategyRegistry.get("tandem_fsdp"), TandemFSDPStrategy)
     assert isinstance(STRATEGY_REGISTRY.get("tandem_ddp"), TandemFabricDDPStrategy)
+    assert isinstance(STRATEGY_REGISTRY.get("tandem_fsdp"), TandemFabricFSDPStrategy)
     for strategy in (TandemDDPStrategy, TandemFabricDDPStrategy):
         with pytest.raises(NotImplementedError, match="zero_stage=1 is not supported"):
             strategy(zero_stage=1)
-    with pytest.raises(TypeError, match="auto_wrap_policy must be a set of nn.Module subclasses"):
-        TandemFSDPStrategy(auto_wrap_policy=lambda module, recurse, nonwrapped_numel: True)
-    assert TandemFSDPStrategy(auto_wrap_policy=torch.nn.Linear)._layer_classes == (torch.nn.Linear,)
+    for strategy in (TandemFSDPStrategy, TandemFabricFSDPStrategy):
+        with pytest.raises(TypeError, match="auto_wrap_policy must be a set of nn.Module subclasses"):
+            strategy(auto_wrap_policy=lambda module, recurse, nonwrapped_numel: True)
+        assert strategy(auto_wrap_policy=torch.nn.Linear)._sharding.layers == (torch.nn.Linear,)

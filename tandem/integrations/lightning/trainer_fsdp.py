@@ -25,10 +25,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import FullyShardedDataParallel
 
-from tandem.fsdp import FSDPModule, fully_shard
+from tandem.integrations.lightning.shard import LayerSharding, check_not_fsdp1, is_sharded
 
 __all__ = ["TandemFSDPStrategy"]
 
@@ -63,9 +61,9 @@ class TandemFSDPStrategy(ModelParallelStrategy):
                  **fully_shard_kwargs: Any) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._layer_classes = _layer_classes(auto_wrap_policy)
-        self._fully_shard_kwargs = {"reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy,
-                                    "offload_policy": offload_policy, **fully_shard_kwargs}
+        self._sharding = LayerSharding(auto_wrap_policy, {
+            "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy,
+            "offload_policy": offload_policy, **fully_shard_kwargs})
 
     def setup_environment(self) -> None:
         # Data parallel over every process: the mesh is (world, 1) where
@@ -79,13 +77,11 @@ class TandemFSDPStrategy(ModelParallelStrategy):
         ``configure_model`` did not shard."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError(f"{type(self).__name__} shards with tandem.fully_shard (FSDP2's API); found modules "
-                            "wrapped in torch's FSDP1 FullyShardedDataParallel: remove that wrapping")
-        if not any(isinstance(m, (FSDPModule, TorchFSDPModule)) for m in self.model.modules()):
+        check_not_fsdp1(self.model, type(self).__name__)
+        if not is_sharded(self.model):
             if not _has_meta_device_parameters_or_buffers(self.model):
                 self.model_to_device()  # shards are cut on the device they train on
-            self._shard(self.model)
+            self._sharding(self.model, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)  # a model built on the meta device
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -95,19 +91,3 @@ class TandemFSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _shard(self, model: nn.Module) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        # Deepest first: fully_shard takes the parameters that no earlier call took.
-        layers = [m for m in model.modules() if m is not model and isinstance(m, self._layer_classes)]
-        for layer in reversed(layers):
-            fully_shard(layer, mesh=mesh, **self._fully_shard_kwargs)
-        fully_shard(model, mesh=mesh, **self._fully_shard_kwargs)
-
-
-def _layer_classes(policy: Iterable[type[nn.Module]] | type[nn.Module]) -> tuple[type[nn.Module], ...]:
-    classes = (policy,) if isinstance(policy, type) else policy
-    if callable(classes) or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise TypeError(f"auto_wrap_policy must be a set of nn.Module subclasses (the layers to shard), got "
-                        f"{policy!r}; for a custom policy, shard in the LightningModule's configure_model")
-    return tuple(classes)
