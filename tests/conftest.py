@@ -15,7 +15,23 @@ import getpass
 import os
 import tempfile
 
+import pytest
+
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     family = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{family}")
+
+
+# Note [the quick subset]
+# The test files and tests listed in tests/slow.txt (the ones that take longest on the
+# 2-core machine) are marked `slow`: `pytest -m "not slow"` runs the rest, a
+# contributor's quick check (docs/development.md); CI runs everything.
+_SLOW = frozenset(line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow.txt"))
+                  if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::")[0] in _SLOW or item.nodeid.split("[")[0] in _SLOW:
+            item.add_marker(pytest.mark.slow)
