@@ -258,10 +258,10 @@ def _resume(rank: int, world_size: int, path: Path, zero: bool) -> dict[str, Any
 
 
 def _two_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    directory = Path(directory)
-    return {"save": _save_on_rank_0(rank, directory),
-            "adam": _resume(rank, world_size, directory / "adam.pt", zero=False),
-            "zero": _resume(rank, world_size, directory / "zero.pt", zero=True)}
+    root = Path(directory)
+    return {"save": _save_on_rank_0(rank, root),
+            "adam": _resume(rank, world_size, root / "adam.pt", zero=False),
+            "zero": _resume(rank, world_size, root / "zero.pt", zero=True)}
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +338,7 @@ def test_load_without_scheduler_state_into_a_scheduler_raises_and_loads_nothing(
     torch.manual_seed(0)
     model = _dropout_net()
     saved = TrainingState(model, torch.optim.Adam(model.parameters(), lr=0.1)).state_dict()
+    assert saved is not None  # one process: it is rank 0
     torch.manual_seed(1)
     other = _dropout_net()
     before = _params(other)

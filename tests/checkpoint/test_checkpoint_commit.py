@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -89,8 +89,9 @@ def _assert_gone(pids: list[int]) -> None:
 FAST_LIVENESS = Liveness(beat_s=0.25, stale_after_s=1.0)
 
 
-def _die() -> None:
+def _die() -> NoReturn:
     os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("SIGKILL did not end this process")
 
 
 def _wait_for(path: Path, timeout: float = 30.0) -> None:
@@ -135,10 +136,11 @@ def _zero_save_then_die(rank: int, world_size: int, root: str, kill: str) -> str
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{root}.reference.pt")
     partial = step_directory(root, KILLED)
     if kill == "between shard files" and rank == 1:
-        def die_once_rank_0_wrote() -> None:
+        def die_once_rank_0_wrote() -> NoReturn:
             _wait_for(partial / "zero-shard-0-of-2.pt")
             _die()
-        opt.sharded_state_dict = die_once_rank_0_wrote  # rank 1 dies before writing its shard
+        # rank 1 dies before writing its shard
+        opt.sharded_state_dict = die_once_rank_0_wrote  # type: ignore[method-assign]
     elif kill == "before the marker" and rank == 0:
         commit._write_marker = lambda *args: _die()  # every shard written and agreed on
     return _survivor_error(lambda: opt.save_sharded(root, step=KILLED))

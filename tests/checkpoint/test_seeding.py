@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,10 +47,10 @@ def _seeded(seed: int, **kwargs) -> tuple[int, dict[str, list[float]]]:
     return applied, _draws()
 
 
-def _ranks(rank: int, world_size: int, seed: int) -> dict[str, tuple]:
+def _ranks(rank: int, world_size: int, seed: int) -> dict[str, Any]:
     """Before the process group exists, the rank comes from ``RANK``; afterwards from
     the group, where this test numbers the ranks the other way round."""
-    out = {"env": _seeded(seed, per_rank=True)}
+    out: dict[str, Any] = {"env": _seeded(seed, per_rank=True)}
     group_rank = world_size - 1 - rank
     dist.init_process_group("gloo", init_method=f"file://{os.environ['TANDEM_TEST_STORE']}",
                             rank=group_rank, world_size=world_size)
@@ -103,7 +104,9 @@ def test_bad_seed_raises_value_error(seed: object) -> None:
 def test_capture_and_restore_round_trip() -> None:
     seed_everything(99)
     _draws()  # three Gaussians leave a cached one in Python's and numpy's state
-    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
+    numpy_state = np.random.get_state()
+    assert isinstance(numpy_state, tuple)  # the legacy form: (..., has_gauss, cached_gaussian)
+    assert random.getstate()[2] is not None and numpy_state[3] == 1
     state = capture_rng_state()
     expected = _draws()
 

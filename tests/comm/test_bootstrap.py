@@ -29,7 +29,7 @@ from tandem.comm.device import bind_device, default_backend
 from tandem.comm.exit import _CleanExitHook
 from tandem.comm.world import LaunchVars
 from tandem.ddp import DistributedDataParallel
-from tandem.testing import max_abs_diff, run_distributed
+from tandem.testing import grad_of, max_abs_diff, run_distributed
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT")
@@ -325,7 +325,7 @@ def _adopt_train_and_leave(rank: int, world_size: int) -> dict:
     info = init()
     again = [init(), init(backend="gloo"),
              init(init_method=f"file://{store}", rank=rank, world_size=world_size)]
-    errors = {}
+    errors: dict[str, str | None] = {}
     for name, kwargs in _contradictions(store, rank).items():
         try:
             init(**kwargs)
@@ -340,7 +340,7 @@ def _adopt_train_and_leave(rank: int, world_size: int) -> dict:
     half = x.shape[0] // world_size
     rows = slice(rank * half, (rank + 1) * half)
     nn.functional.mse_loss(ddp(x[rows]), y[rows]).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: grad_of(p).clone() for name, p in model.named_parameters()}
 
     shutdown()
     left_alone = dist.is_initialized()

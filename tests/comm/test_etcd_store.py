@@ -8,6 +8,7 @@ clusters of their own."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import sys
 import threading
@@ -16,7 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -36,6 +37,11 @@ pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=etcd_missing(
 
 TIMEOUT = datetime.timedelta(seconds=1)  # how long a get of a missing key waits, on both stores
 EVERY_BYTE = bytes(range(256))
+
+
+def _bytes(value: bytes) -> str:
+    """``value`` as torch's stubs type a store's values (str): a store takes bytes too."""
+    return cast(str, value)
 ODD_KEYS = ["a/b", "a?b", "???", "/leading/slash", "ünïcødé/✓", "sp ace", "k" * 300]
 
 
@@ -85,7 +91,7 @@ def _compare_set_missing_expecting_a_value(s: dist.Store) -> list[Any]:
 
 def _compare_set_matching(s: dist.Store) -> list[Any]:
     s.set("k", "a")
-    return [s.compare_set("k", "a", "b"), s.get("k"), s.compare_set("k", "b", EVERY_BYTE), s.get("k")]
+    return [s.compare_set("k", "a", "b"), s.get("k"), s.compare_set("k", "b", _bytes(EVERY_BYTE)), s.get("k")]
 
 
 def _compare_set_not_matching(s: dist.Store) -> list[Any]:
@@ -108,9 +114,9 @@ def _add_to_a_set_count(s: dist.Store) -> list[Any]:
 
 
 def _every_byte(s: dist.Store) -> list[Any]:
-    s.set("b", EVERY_BYTE)
+    s.set("b", _bytes(EVERY_BYTE))
     s.set("u", "ünï ✓")
-    s.set("e", b"")
+    s.set("e", _bytes(b""))
     return [s.get("b"), s.get("u"), s.get("e"), s.multi_get(["e", "b"])]
 
 
@@ -317,14 +323,15 @@ def test_membership_on_etcd_commits_then_aborts_when_a_member_stops(cluster: Etc
     config = ElasticConfig(beat_s=0.05, stale_after_s=1.0, regroup_timeout_s=20.0)
     clock = Clock()
     store = _etcd_store(cluster, datetime.timedelta(seconds=20))
-    members = _in_threads([lambda r=r: Membership.founding(store, r, 3, config, clock=clock) for r in range(3)])
+    members = _in_threads([functools.partial(Membership.founding, store, r, 3, config, clock=clock) for r in range(3)])
     assert all(isinstance(m, Membership) for m in members), members
     try:
-        assert _in_threads([lambda m=m: m.decide_step(0) for m in members]) == [Decision.COMMIT] * 3
+        assert _in_threads([functools.partial(m.decide_step, 0) for m in members]) == [Decision.COMMIT] * 3
         members[2].stop()  # its beat stays at 1000
         clock.now += 2 * config.stale_after_s
-        members[0]._beat(), members[1]._beat()
-        assert _in_threads([lambda m=m: m.decide_step(1) for m in members[:2]]) == [Decision.ABORT] * 2
+        members[0]._beat()
+        members[1]._beat()
+        assert _in_threads([functools.partial(m.decide_step, 1) for m in members[:2]]) == [Decision.ABORT] * 2
     finally:
         for m in members:
             m.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import cast
 
 import pytest
 import torch.distributed as dist
@@ -34,6 +35,11 @@ SECRET = b"a job secret for the tests"
 def _store(kind: str = "plain") -> dist.Store:
     """The job's store: as it is, or signed with a job secret (Note [signed store])."""
     return dist.HashStore() if kind == "plain" else SignedStore(dist.HashStore(), SECRET, "the test's store")
+
+
+def _set_bytes(store: dist.Store, key: str, value: bytes) -> None:
+    """Write ``value`` as it is: a store takes bytes, though torch's stubs type its values as str."""
+    store.set(key, cast(str, value))
 
 
 def _members(n: int, clock: Clock, store: dist.Store | None = None) -> tuple[dist.Store, list[Membership]]:
@@ -75,7 +81,8 @@ def test_a_member_seen_dead_aborts_the_step_and_is_left_out(kind: str) -> None:
     _, (m0, m1, m2) = _members(3, clock, _store(kind))
     m2.stop()  # m2 dies: its beat stays at 1000
     clock.now += 2 * CONFIG.stale_after_s
-    m0._beat(), m1._beat()
+    m0._beat()
+    m1._beat()
     t, out = _in_thread(m1.decide_step, 0)
     assert m0.decide_step(0) is Decision.ABORT
     t.join(5)
@@ -97,7 +104,8 @@ def test_a_member_that_arrived_and_died_since_is_left_out() -> None:
     store.set(f"{PREFIX}/gen/1/cand/2", "alive")
     m2.stop()
     clock.now += 2 * CONFIG.stale_after_s
-    m0._beat(), m1._beat()
+    m0._beat()
+    m1._beat()
     t, out = _in_thread(m1.next_generation)
     generation = m0.next_generation()
     t.join(5)
@@ -305,7 +313,7 @@ def test_a_value_not_signed_with_the_secret_is_refused_and_logged(caplog: pytest
     moved = raw.get(store.name("tandem/elastic/gen/1/members"))
     with caplog.at_level("WARNING"), pytest.raises(ForgedValueError, match="not signed with this job's secret"):
         store.get("tandem/elastic/latest")
-    raw.set(name, moved)
+    _set_bytes(raw, name, moved)
     with pytest.raises(ForgedValueError, match="'tandem/elastic/latest' in the test's store"):
         store.get("tandem/elastic/latest")
     assert "refused a value under 'tandem/elastic/latest' in the test's store" in caplog.text
@@ -388,7 +396,8 @@ def test_one_member_judges_for_all_and_a_deputy_when_it_is_gone(kind: str, lost:
     # (ranks 4 and 7 of 8) sweeps the others.
     clock = Clock()
     store = _store(kind)
-    members = [Watched.founding(store, r, 8, JUDGED, clock=clock) for r in range(8)]
+    # founding is typed to return a Membership; called on Watched it builds a Watched.
+    members = [cast(Watched, Watched.founding(store, r, 8, JUDGED, clock=clock)) for r in range(8)]
     members[int(lost)].stop()  # dies: its beat stays at 1000
     clock.now += 2 * JUDGED.stale_after_s
     live = [m for m in members if m.member != lost]
@@ -464,10 +473,11 @@ def test_the_judge_aborts_the_step_the_others_wait_on_and_a_deputy_takes_over_wh
 
 def test_a_member_whose_node_stopped_beating_is_dead_and_junk_under_a_node_beat_is_skipped() -> None:
     clock, store = Clock(), _store("signed")
+    assert isinstance(store, SignedStore)
     members = _on_nodes(store, clock, 4, 2)
     judge = members[0]
     assert judge.judged(["1", "2", "3"]) == {}
-    store.inner.set(store.name(node_beat_key("node1")), b"junk")  # a stranger's write: not signed
+    _set_bytes(store.inner, store.name(node_beat_key("node1")), b"junk")  # a stranger's write: not signed
     store.set(node_beat_key("node0"), b"{not json")  # signed junk: no beat either
     assert judge.judged(["1", "2", "3"]) == {} and judge.dead(["1", "2", "3"]) == {}
     clock.now += JUDGED.stale_after_s + 1  # no beat of node1 since: its members are dead, node0's is junk

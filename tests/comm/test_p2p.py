@@ -110,7 +110,9 @@ def _late_dead_and_foreign(rank: int, world_size: int) -> dict[str, object]:
     out: dict[str, object] = {}
     if rank == 0:   # a collective's late peer is waited for too, not taken for lost
         time.sleep(2.5)
-    out["collective"] = tandem.all_reduce_sum(torch.ones(2)).tolist()
+    total = tandem.all_reduce_sum(torch.ones(2))
+    assert isinstance(total, torch.Tensor)  # the sum of a tensor is a tensor
+    out["collective"] = total.tolist()
     dist.barrier()
     start = time.monotonic()
     if rank == 0:

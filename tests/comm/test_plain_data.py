@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import tandem
 from tandem.comm.group import GroupComm
 from tandem.comm.plain_data import RefusedObjectError, all_gather_object, broadcast_object_list
-from tandem.testing import Case, run_cases
+from tandem.testing import Case, CaseResults, run_cases
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -39,8 +40,8 @@ class Marker:
 
 _UNWAITED: list[object] = []
 
-PLAIN = {"step": 3, "name": "x", "none": None, "t": torch.arange(4.0), "nested": [(1, 2.5), {"k": True}],
-         "dtype": torch.bfloat16}
+PLAIN: dict[str, Any] = {"step": 3, "name": "x", "none": None, "t": torch.arange(4.0),
+                         "nested": [(1, 2.5), {"k": True}], "dtype": torch.bfloat16}
 
 
 def _refused(fn) -> str:
@@ -88,7 +89,7 @@ def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> tuple[dict, Path]:
+def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     marker = tmp_path_factory.mktemp("stranger") / "MARKER"
     m = str(marker)
     out = run_cases({"group_gather": Case(_group_gather, args=(m,)),

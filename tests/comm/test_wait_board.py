@@ -6,8 +6,10 @@ rank, a wait too young, a single reading)."""
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import pytest
+import torch.distributed as dist
 
 from tandem.comm.peers import Liveness, PeerLostError, PeerWatch, SliceEnded, wait_watching_peers
 from tandem.comm.wait_board import MISMATCH_AFTER_S, MismatchError, WaitBoard, WaitNote
@@ -25,6 +27,10 @@ class Store:
 
     def check(self, keys: list[str]) -> bool:
         return all(k in self.values for k in keys)
+
+    def as_c10d(self) -> dist.Store:
+        """This store where a c10d store is typed: it has the methods PeerWatch calls."""
+        return cast(dist.Store, self)
 
 
 OLD = time.time() - MISMATCH_AFTER_S - 1
@@ -91,7 +97,7 @@ def test_a_wait_that_fails_after_its_peer_judged_the_mismatch_and_left_names_the
     ago" in tests/comm/test_p2p.py)."""
     store = Store()
     WaitBoard(store, 0).post(WaitNote("tandem.recv of the header of a message from rank 1", (1,), OLD, header=True))
-    watch = PeerWatch(store, 1, Liveness(beat_s=0.01, stale_after_s=0.05))
+    watch = PeerWatch(store.as_c10d(), 1, Liveness(beat_s=0.01, stale_after_s=0.05))
     with pytest.raises(MismatchError) as raised:
         wait_watching_peers(_FailsAfterOneSlice(), watch, [0, 1],
                             lambda: "tandem.recv of the header of a message from rank 0", header=True)
@@ -100,6 +106,6 @@ def test_a_wait_that_fails_after_its_peer_judged_the_mismatch_and_left_names_the
     assert "Connection closed by peer" in str(raised.value.__cause__)
     # Without the peer's note the failure is a lost peer, as before.
     store = Store()
-    watch = PeerWatch(store, 1, Liveness(beat_s=0.01, stale_after_s=0.05))
+    watch = PeerWatch(store.as_c10d(), 1, Liveness(beat_s=0.01, stale_after_s=0.05))
     with pytest.raises(PeerLostError):
         wait_watching_peers(_FailsAfterOneSlice(), watch, [0, 1], lambda: "tandem.recv", header=True)

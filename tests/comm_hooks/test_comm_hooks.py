@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem import comm_hooks
+from tandem.comm.group import CollectiveEvent
 from tandem.comm_hooks.low_rank import orthogonalize_, plan_low_rank
 from tandem.testing import Case as Run
-from tandem.testing import CaseResults, max_abs_diff, run_cases, run_distributed
+from tandem.testing import CaseResults, grad_of, max_abs_diff, run_cases, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 BATCH = 4
@@ -33,7 +35,7 @@ BATCH = 4
 
 # ---------------------------------------------------------------------- one process
 def test_plan_low_rank_grid() -> None:
-    shapes = [(16, 8), (16,), (3, 4, 5), (2, 2), (), (0, 7), (64, 64)]
+    shapes: list[tuple[int, ...]] = [(16, 8), (16,), (3, 4, 5), (2, 2), (), (0, 7), (64, 64)]
     for rank in (1, 2, 4, 100):
         for rate in (0.5, 2.0, 8.0):
             plan = plan_low_rank(shapes, rank, rate)
@@ -49,7 +51,7 @@ def test_plan_low_rank_grid() -> None:
             assert (plan.p_numel, plan.q_numel) == (p, q)
             for i in plan.uncompressed:
                 shape = shapes[i]
-                if len(shape) >= 2 and math.prod(shape):
+                if len(shape) >= 2 and math.prod(shape) != 0:
                     n, m = shape[0], math.prod(shape[1:])
                     assert not (n + m) * min(n, m, rank) * rate < n * m
             assert plan.uncompressed_numel == sum(math.prod(shapes[i]) for i in plan.uncompressed)
@@ -98,6 +100,10 @@ class _FakeBucket:
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
+    def as_grad_bucket(self) -> dist.GradBucket:
+        """This bucket where a hook's is typed: it has the methods the hooks call."""
+        return cast(dist.GradBucket, self)
+
 
 def test_noop_when_decides_once_per_backward_at_bucket_zero() -> None:
     calls, answers = [], iter([True, False])
@@ -108,9 +114,9 @@ def test_noop_when_decides_once_per_backward_at_bucket_zero() -> None:
 
     hook = comm_hooks.noop_when(inner, lambda: next(answers))
     for i in range(3):  # skipped backward: inner never runs, buffers unchanged
-        assert hook(None, _FakeBucket(i)).wait().tolist() == [float(i)] * 3
+        assert hook(None, _FakeBucket(i).as_grad_bucket()).wait().tolist() == [float(i)] * 3
     for i in range(3):  # next backward: skip() said False
-        hook(None, _FakeBucket(i))
+        hook(None, _FakeBucket(i).as_grad_bucket())
     assert calls == [0, 1, 2]
     assert hook.__name__ == "noop_when(inner)" and not hook.tandem_single_collective
     assert comm_hooks.noop_when(comm_hooks.fp16_compress_hook, bool).tandem_single_collective
@@ -152,6 +158,17 @@ class Case:
         return f"{self.model}/micro{self.micro}/" + ",".join(f"{k}={v}" for k, v in sorted(self.ddp.items()))
 
 
+def _bytes_sent(ddp: nn.Module) -> int:
+    """What tandem's DDP ``ddp`` sent in its last synchronised backward."""
+    assert isinstance(ddp, tandem.DistributedDataParallel) and ddp.comm_stats is not None
+    return ddp.comm_stats.bytes
+
+
+def _event_bytes(e: CollectiveEvent) -> int:
+    assert e.dtype is not None  # a collective of tensors
+    return e.numel * e.dtype.itemsize
+
+
 def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
@@ -180,7 +197,7 @@ def _train(rank: int, case: Case, hook: str, wrapper: str = "tandem") -> dict:
             with ctx:
                 nn.functional.mse_loss(ddp(x, step), y).backward()
             if wrapper == "tandem" and (last or hook == "skip"):
-                sent.append(ddp.comm_stats.bytes)
+                sent.append(_bytes_sent(ddp))
         if step == case.steps - 1:
             grads = {f"grad:{n}": None if p.grad is None else p.grad.detach().clone()
                      for n, p in model.named_parameters()}
@@ -292,7 +309,7 @@ def _bf16_vs_reference(rank: int, world_size: int) -> float:
         x, y = _batch(step, 0, rank)
         replica.zero_grad()
         nn.functional.mse_loss(replica(x, step), y).backward()
-        local = torch.cat([p.grad.reshape(-1) for p in replica.parameters()])
+        local = torch.cat([grad_of(p).reshape(-1) for p in replica.parameters()])
         gathered = [torch.empty_like(local) for _ in range(world_size)]
         dist.all_gather(gathered, local)
         total = gathered[0].bfloat16()
@@ -301,7 +318,7 @@ def _bf16_vs_reference(rank: int, world_size: int) -> float:
         expected = (total / world_size).float()
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x, step), y).backward()
-        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        got = torch.cat([grad_of(p).reshape(-1) for p in model.parameters()])
         worst = max(worst, (got - expected).abs().max().item())
         opt.step()
     return worst
@@ -441,7 +458,7 @@ def _powersgd_at_scale(rank: int, world_size: int) -> dict:
         config = comm_hooks.PowerSGDConfig(**{"start_iter": 10, **kw})
         return comm_hooks.PowerSGDState(config), comm_hooks.powersgd_hook
 
-    out = {"plain": _regression_loss(rank, None),
+    out: dict[str, Any] = {"plain": _regression_loss(rank, None),
            "powersgd": _regression_loss(rank, psgd(matrix_rank=2)),
            "no_error_feedback": _regression_loss(rank, psgd(matrix_rank=2, error_feedback=False))}
 
@@ -452,14 +469,13 @@ def _powersgd_at_scale(rank: int, world_size: int) -> dict:
     ddp = tandem.DistributedDataParallel(big)
     ddp.register_comm_hook(*psgd(matrix_rank=4, start_iter=1))
     seen: list[int] = []
-    ddp.comm.observers.append(lambda e: seen.append(e.numel * e.dtype.itemsize)
-                              if e.tag.startswith("hook") else None)
+    ddp.comm.observers.append(lambda e: seen.append(_event_bytes(e)) if e.tag.startswith("hook") else None)
     x = torch.randn(2, width)
-    sent = []
+    sent: list[int] = []
     for _ in range(2):
         seen.clear()
         ddp(x).square().mean().backward()
-        sent.append(ddp.comm_stats.bytes)
+        sent.append(_bytes_sent(ddp))
         assert sum(seen) == sent[-1], (seen, sent)
     out["numel"] = sum(p.numel() for p in big.parameters())
     out["bytes"] = sent

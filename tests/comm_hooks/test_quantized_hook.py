@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from tandem.comm.group import CollectiveEvent
 from tandem.testing import run_distributed
 
 WORLD = 3
@@ -64,8 +65,15 @@ def _sums(rank: int, world_size: int, wrapper: str, bits: int, feedback: bool) -
     applied = -torch.cat([model.w.detach(), model.v.detach().view(-1)]).double() / LR
     residual = torch.zeros(n + 21)
     if feedback:
-        residual = torch.cat([state.residual(model.w), state.residual(model.v)])
+        w, v = state.residual(model.w), state.residual(model.v)
+        assert w is not None and v is not None  # kept since the first step
+        residual = torch.cat([w, v])
     return {"gap": applied - true_sum, "residual": residual}
+
+
+def _event_bytes(e: CollectiveEvent) -> int:
+    assert e.dtype is not None  # a collective of tensors
+    return e.numel * e.dtype.itemsize
 
 
 def _loss(rank: int, hook: str | None, steps: int = 200) -> tuple[float, list[tuple[int, float]]]:
@@ -86,12 +94,13 @@ def _loss(rank: int, hook: str | None, steps: int = 200) -> tuple[float, list[tu
     sent = []
     on_wire: list[float] = []  # what this rank sends, by the bandwidth-optimal algorithms
     ddp.comm.observers.append(lambda e: on_wire.append(
-        sent_bytes(e.op, e.numel * e.dtype.itemsize, ddp.comm.size)) if e.tag.startswith(("hook", "bucket")) else None)
+        sent_bytes(e.op, _event_bytes(e), ddp.comm.size)) if e.tag.startswith(("hook", "bucket")) else None)
     for _ in range(steps):
         idx = torch.randint(0, len(x), (32,), generator=g)
         opt.zero_grad(set_to_none=True)
         on_wire.clear()
         nn.functional.mse_loss(ddp(x[idx]), y[idx]).backward()
+        assert ddp.comm_stats is not None
         sent.append((ddp.comm_stats.bytes, sum(on_wire)))
         opt.step()
     with torch.no_grad():

@@ -224,8 +224,10 @@ def test_world_of_one_without_process_group() -> None:
     assert not dist.is_initialized()
     x = torch.tensor([1.0, 2.0], dtype=torch.float16)
     total = all_reduce_sum(x)
+    assert isinstance(total, torch.Tensor)
     assert torch.equal(total, x) and total is not x and total.dtype == torch.float16
-    assert all_reduce_mean(torch.tensor([1, 2])).tolist() == [1.0, 2.0]
+    mean = all_reduce_mean(torch.tensor([1, 2]))
+    assert isinstance(mean, torch.Tensor) and mean.tolist() == [1.0, 2.0]
     assert (all_reduce_sum(3), all_reduce_mean(3)) == (3, 3.0)
     assert weighted_mean(torch.tensor(6.0), 4) == 1.5
     running = RunningMean()
@@ -234,6 +236,7 @@ def test_world_of_one_without_process_group() -> None:
     assert running.compute() == pytest.approx(2.5)
     values = {"y": torch.arange(6).reshape(3, 2), "i": torch.arange(3)}
     gathered = gather_samples(values, 3)
+    assert isinstance(gathered, dict)
     assert gathered.keys() == values.keys() and all(torch.equal(gathered[k], values[k]) for k in values)
     with pytest.raises(ValueError, match="weights sum to 0.0 over 1 rank"):
         weighted_mean(1.0, 0)

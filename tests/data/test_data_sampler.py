@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from typing import cast
 
 import pytest
 import torch
+from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from tandem.data import DistributedSampler
@@ -40,6 +42,11 @@ def _global_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
+def _indices(n: int) -> Dataset[int]:
+    """``range(n)`` as torch's sampler types its dataset: it reads only the length."""
+    return cast(Dataset[int], range(n))
+
+
 @pytest.mark.parametrize("shuffle,drop_last", FLAGS)
 def test_equals_torch_sampler(shuffle: bool, drop_last: bool) -> None:
     for n, world, seed, epoch in itertools.product([0, *SIZES], WORLDS, [0, 7], [0, 1, 3]):
@@ -48,8 +55,8 @@ def test_equals_torch_sampler(shuffle: bool, drop_last: bool) -> None:
         for rank in range(world):
             ours = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle,
                                       seed=seed, drop_last=drop_last)
-            ref = TorchSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                               drop_last=drop_last)
+            ref: TorchSampler[int] = TorchSampler(_indices(n), num_replicas=world, rank=rank, shuffle=shuffle,
+                                                  seed=seed, drop_last=drop_last)
             ours.set_epoch(epoch)
             ref.set_epoch(epoch)
             case = f"n={n} world={world} rank={rank} seed={seed} epoch={epoch}"
@@ -201,7 +208,7 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="empty and drop_last=True"):
         DistributedSampler([], num_replicas=2, rank=0, drop_last=True)
     with pytest.raises(TypeError, match="has no __len__"):
-        DistributedSampler(iter(range(3)))
+        DistributedSampler(iter(range(3)))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="rank must be an int"):
         DistributedSampler(range(3), num_replicas=2, rank=0.5)  # type: ignore[arg-type]
     sampler = DistributedSampler(range(5), num_replicas=2, rank=1)

@@ -12,6 +12,7 @@ sizes are equal (every padded split).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 from collections import Counter
 
 import pytest
@@ -171,7 +172,7 @@ def test_a_dataloader_that_ends_early_is_reported() -> None:
 
 @pytest.mark.parametrize("field,value", [("start", -1), ("length", -2), ("world", 0), ("batch_size", 0)])
 def test_bad_split_is_refused(field: str, value: int) -> None:
-    kwargs = {"start": 0, "length": 4, "world": 2, "batch_size": 2, field: value}
+    kwargs: dict[str, Any] = {"start": 0, "length": 4, "world": 2, "batch_size": 2, field: value}
     with pytest.raises(ValueError, match=f"{field}={value}"):
         RestSplit(**kwargs)
 

@@ -48,7 +48,8 @@ def _model() -> nn.Module:
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return torch.optim.SGD([{"params": weights}, {"params": biases, "lr": 0.05}], lr=0.1, momentum=0.9)
+    groups: list[dict[str, Any]] = [{"params": weights}, {"params": biases, "lr": 0.05}]
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
 
 
 def _train_set() -> TensorDataset:
@@ -99,7 +100,7 @@ def _torch_hsdp(rank: int) -> list[torch.Tensor]:
     fully_shard(model, mesh=mesh)
     optimizer = _optimizer(model)
     data = _train_set()
-    sampler = DistributedSampler(data, shuffle=True, seed=SEED)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(data, shuffle=True, seed=SEED)
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=BATCH, sampler=sampler):

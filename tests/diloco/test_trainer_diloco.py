@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ STREAMING = dict(sync_every=4, fragments=2, overlap=1, mix=0.5)
 
 
 def _all(rank: int, world_size: int, tmp: str) -> dict:
-    out = {"ddp": _fit(rank, f"{tmp}/ddp", None, "sgd"),
+    out: dict[str, Any] = {"ddp": _fit(rank, f"{tmp}/ddp", None, "sgd"),
            "h1": _fit(rank, f"{tmp}/h1", dict(sync_every=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False), "sgd"),
            "whole": _fit(rank, f"{tmp}/whole", STREAMING, "adamw")}
     _fit(rank, f"{tmp}/parted", STREAMING, "adamw", max_steps=6)

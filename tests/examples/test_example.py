@@ -21,19 +21,19 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 DIGITS = ["-m", "tandem.examples.digits", "--no-progress"]
 
 
-def _start(argv: list[str], cwd: Path | None = None) -> subprocess.Popen:
+def _start(argv: list[str], cwd: Path | None = None) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 
 
-def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     try:
         out, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish within 240 s\n{out[-3000:]}{err[-4000:]}") from None
+        raise AssertionError(f"{proc.args!r} did not finish within 240 s\n{out[-3000:]}{err[-4000:]}") from None
     assert proc.returncode == 0, out[-3000:] + err[-4000:]
     assert "terminate called" not in err
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
-from tandem.testing import Case, run_cases, run_distributed
+from tandem.testing import Case, grad_of, run_cases, run_distributed
 from tandem.testing.models import TinyLM
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -188,7 +188,7 @@ def _divided_by_the_collective(rank: int, world_size: int) -> dict[str, Any]:
         out = ddp.module(tokens)
         reducer.arm(out, divisor=4)
         nn.functional.cross_entropy(out.float().reshape(-1, V), target.reshape(-1)).backward()
-        grads.append(max((p.grad - q.grad / 4).abs().max().item()
+        grads.append(max((grad_of(p) - grad_of(q) / 4).abs().max().item()
                          for p, q in zip(ddp.module.parameters(), plain.parameters())))
     reduction = reducer.group.reduction
     return {"diff": max(grads), "premul": isinstance(reduction, AllReduce) and reduction._premul is not None,
@@ -208,15 +208,19 @@ def _zero_vs_torch(rank: int, world_size: int, stage: int) -> float:
 def _fsdp_model(impl: str, bf16: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
+    import torch.distributed.fsdp as torch_fsdp
+
+    import tandem.fsdp as tandem_fsdp
+
+    # The two take the same arguments but for the mesh and the unit size.
+    fsdp: Any = torch_fsdp if impl == "torch" else tandem_fsdp
+    fully_shard = fsdp.fully_shard
     if impl == "torch":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh: Any = init_device_mesh("cuda", (torch.distributed.get_world_size(),))
-        kwargs: dict[str, Any] = {"mesh": mesh}
+        kwargs: dict[str, Any] = {"mesh": init_device_mesh("cuda", (torch.distributed.get_world_size(),))}
     else:
-        from tandem.fsdp import MixedPrecisionPolicy, fully_shard
         kwargs = {"min_unit_bytes": 0}
     if bf16:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _net()
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -432,7 +436,7 @@ def _gloo_cuda(rank: int, world_size: int, what: str) -> dict[str, Any]:
 def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full parameters of a sharded model, gathered on the CPU with c10d's
     all_gather_object (DTensor.full_tensor goes through functional collectives)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     out = {}
     for name, p in model.named_parameters():
@@ -441,7 +445,9 @@ def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         pieces: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(pieces, p.to_local().detach().float().cpu())
-        out[name] = torch.cat(pieces, dim=p.placements[0].dim)
+        placement = p.placements[0]
+        assert isinstance(placement, Shard)
+        out[name] = torch.cat(pieces, dim=placement.dim)
     return out
 
 

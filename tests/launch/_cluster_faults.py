@@ -46,7 +46,7 @@ class Indexed(Dataset):
         return self.x[i], (self.y[i], i)
 
 
-def make_model() -> nn.Module:
+def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 2))
 
@@ -129,7 +129,9 @@ def main() -> None:
                 if trainer.state.step == int(die_step):
                     os.kill(os.getpid(), signal.SIGKILL)
                 return grad
-            model[0].weight.register_hook(kill)
+            first = model[0]
+            assert isinstance(first, nn.Linear)
+            first.weight.register_hook(kill)
     optimizer = make_optimizer(model)
     elastic = ElasticConfig(beat_s=0.1, stale_after_s=2.0) if os.environ.get("ELASTIC") == "1" else None
     trainer = Trainer(model, optimizer, Indexed(), loss_fn,

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import html
 import os
 import random
@@ -160,13 +161,19 @@ def _batches(steps: int, world_size: int, per_rank: int) -> list[tuple[torch.Ten
              torch.randn(world_size * per_rank, 1, generator=g)) for _ in range(steps)]
 
 
+def _after_a_jitter(jitter: random.Random, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook that sleeps up to 2 ms, drawn from ``jitter``, and passes ``grad`` on."""
+    time.sleep(jitter.random() * 0.002)
+    return grad
+
+
 def _jittered(rank: int, world_size: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = _Deep()
     ddp = tdm.DistributedDataParallel(model, bucket_cap_mb=0.0005)  # 512 B: a bucket per parameter
     jitter = random.Random(100 + rank)
     for p in model.parameters():
-        p.register_hook(lambda g: (time.sleep(jitter.random() * 0.002), g)[1])
+        p.register_hook(functools.partial(_after_a_jitter, jitter))
     current_monitor().ledger.resize(100_000)
     start = current_monitor().ledger.issued
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -277,7 +284,7 @@ HANGS = """
 """
 
 
-def _done_lines(stdout: str) -> dict[int, str]:
+def _done_lines(stdout: str) -> dict[int, dict[str, str]]:
     out = {}
     for line in stdout.splitlines():
         if "] done rank=" in line:

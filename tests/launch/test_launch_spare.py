@@ -88,6 +88,7 @@ def test_a_spare_is_passed_over_until_ready_and_dies_with_its_launcher(tmp_path:
          "s = Spares(sys.executable, {}, count=1)\n"
          "print(s.pid, s.take(['-u', 'x.py'], {}, None, None, 0) is None, flush=True)\n"
          "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
     try:
         line = launcher.stdout.readline().split()
         spare, passed_over = int(line[0]), line[1]

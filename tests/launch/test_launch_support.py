@@ -125,7 +125,7 @@ class Job:
             self._kill()
             out, err = self.proc.communicate()
             leftovers = kill_leftovers(self.marker)
-            pytest.fail(f"{self.proc.args} did not finish within {timeout:.0f}s and was killed "
+            pytest.fail(f"{self.proc.args!r} did not finish within {timeout:.0f}s and was killed "
                         f"(and {len(leftovers)} leftover process(es))\n--- stdout\n{out[-3000:]}"
                         f"\n--- stderr\n{err[-5000:]}")
         seconds = (self._ended or time.monotonic()) - self.start

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import grad_of, run_distributed
 
 TOL = 1e-5
 C = 3
@@ -90,7 +90,7 @@ def _run_case(rank: int, case: Case) -> dict[str, float]:
     kwargs = dict(case.bn)
     ref = bn_cls(C, **{k: v for k, v in kwargs.items() if k != "bias"})
     if not kwargs.get("bias", True):
-        ref.bias = None   # torch < 2.5 has no ``bias`` argument
+        ref.register_parameter("bias", None)   # torch < 2.5 has no ``bias`` argument
     if ref.weight is not None:
         with torch.no_grad():
             ref.weight.uniform_(0.5, 1.5)
@@ -98,6 +98,7 @@ def _run_case(rank: int, case: Case) -> dict[str, float]:
         with torch.no_grad():
             ref.bias.uniform_(-1, 1)
     ours = tandem.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+    assert isinstance(ours, tandem.SyncBatchNorm)
     events: list[tuple[str, str, int]] = []
     ours.comm.observers.append(lambda e: events.append((e.op, e.tag, e.numel)))
     lo, hi = sum(case.sizes[:rank]), sum(case.sizes[: rank + 1])
@@ -117,7 +118,7 @@ def _run_case(rank: int, case: Case) -> dict[str, float]:
         (y_ref * dy).sum().backward()
         (y_ours * dy[lo:hi]).sum().backward()
         record("output", _diff(y_ref[lo:hi], y_ours))
-        record("input grad", _diff(x_ref.grad[lo:hi], x_ours.grad))
+        record("input grad", _diff(grad_of(x_ref)[lo:hi], x_ours.grad))
         record("weight grad", _diff(_grad(ref.weight), _summed(_grad(ours.weight))))
         record("bias grad", _diff(_grad(ref.bias), _summed(_grad(ours.bias))))
         if ours.bias is not None:
@@ -130,7 +131,8 @@ def _run_case(rank: int, case: Case) -> dict[str, float]:
                 ("all_reduce", "sync_batchnorm backward", 2 * C)] * case.steps
     record("collectives", 0.0 if events == expected else float("inf"))
     events.clear()
-    ref.eval(), ours.eval()
+    ref.eval()
+    ours.eval()
     x, _ = _global_batch(case, case.steps)
     with torch.no_grad():
         # Without running statistics, eval normalises with the batch's own, and
@@ -171,6 +173,7 @@ def _large_mean(rank: int, sizes: tuple[int, ...]) -> dict[str, float]:
     n = x.numel() // C
     mean_sq = (x * x).sum((0, 2)) / n
     textbook = (mean_sq - (x.sum((0, 2)) / n) ** 2) * (n / (n - 1))
+    assert ours.running_var is not None and ref.running_var is not None
     return {"tandem": (ours.running_var.double() - ref.running_var).abs().max().item(),
             "textbook": (textbook.double() - ref.running_var).abs().max().item()}
 
@@ -288,8 +291,8 @@ def _trained_resnet() -> ResNetLike:
     torch.manual_seed(0)
     model = ResNetLike()
     model(torch.randn(4, 3, 8, 8)).sum().backward()   # non-default running statistics
-    model.blocks[0].bn1.weight.requires_grad_(False)
-    model.blocks[1].shortcut.eval()
+    model.get_parameter("blocks.0.bn1.weight").requires_grad_(False)
+    model.get_submodule("blocks.1.shortcut").eval()
     return model
 
 
@@ -317,8 +320,8 @@ def test_convert_round_trips_a_resnet_state_dict() -> None:
         assert (layer.momentum, layer.eps, layer.affine, layer.track_running_stats, layer.training) == \
                (old.momentum, old.eps, old.affine, old.track_running_stats, old.training), name
         assert layer.process_group is None
-    assert not converted.blocks[0].bn1.weight.requires_grad
-    assert not converted.blocks[1].shortcut[1].training
+    assert not converted.get_parameter("blocks.0.bn1.weight").requires_grad
+    assert not converted.get_submodule("blocks.1.shortcut.1").training
     # The state_dict is unchanged, and loads both ways.
     new_state = converted.state_dict()
     assert list(new_state) == list(state)

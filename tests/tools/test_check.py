@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -231,8 +232,8 @@ def _api_cases() -> dict[str, dict]:
                 "max_diff": max(d for row in r.comparison.max_abs_diff for d in row)}
 
     def spec(model: str, data: str, strategies=("ddp",), steps=3, **kw):
-        args = dict(nproc=2, loss="auto", optimizer="sgd", lr=0.1, optimizer_kwargs=None, batch_size=None, seed=0,
-                    rtol=None, atol=None)
+        args: dict[str, Any] = dict(nproc=2, loss="auto", optimizer="sgd", lr=0.1, optimizer_kwargs=None,
+                                    batch_size=None, seed=0, rtol=None, atol=None)
         args.update(kw)
         return _make_spec(f"_check_models:{model}", f"_check_models:{data}", strategies=strategies, steps=steps,
                           **args)
@@ -247,7 +248,7 @@ def _api_cases() -> dict[str, dict]:
         spec("blocks_bf16", "regression", ("fsdp",), steps=2, mp_policy=MixedPrecisionPolicy(
             reduce_dtype=torch.float32)),
     ], nproc=2)
-    out = {f"mlp-{s}": plain(r) for s, r in mlp.items()}
+    out: dict[str, Any] = {f"mlp-{s}": plain(r) for s, r in mlp.items()}
     out["plain torch losses"] = _plain_torch_losses(steps=4)
     out["batchnorm"] = plain(bn["ddp"])
     out["dropout-per-rank-own-shards"] = plain(dropout["ddp"])

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -86,7 +88,7 @@ def test_local_shapes_follow_torchs_styles_and_chunking() -> None:
     # strings name the same styles; a nested dict and "" are resolved as torch does
     strings = {"emb": "rowwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
     assert tensor_parallel_shards(net, strings, 4) == tensor_parallel_shards(net, tp_plan(), 4)
-    nested = {"blocks": {"0": {"": ColwiseParallel()}} | {"1.up": "colwise"}}
+    nested: dict[str, Any] = {"blocks": {"0": {"": ColwiseParallel()}} | {"1.up": "colwise"}}
     with pytest.raises(ValueError, match="matches 'blocks.0', a Block: colwise parallelism shards only nn.Linear"):
         tensor_parallel_shards(net, nested, 2)
     nested = {"blocks": {"*": {"up": "colwise", "norm": SequenceParallel()}, "0.down": PrepareModuleInput()},
@@ -185,20 +187,25 @@ def _bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def _train(rank: int, mesh: object, wrapper: str, min_unit_bytes: int = 0) -> Held:
-    net = parallelize_module(model(), mesh["tp"], tp_plan())  # type: ignore[index]
+def _train(rank: int, mesh: DeviceMesh, wrapper: str, min_unit_bytes: int = 0) -> Held:
+    net = parallelize_module(model(), mesh["tp"], tp_plan())
     buckets = None
+    reducer = None
+    wrapped: nn.Module
     if wrapper == "ddp":
-        wrapped = tandem.DistributedDataParallel(net, device_mesh=mesh["dp"])  # type: ignore[index]
-        reducer = wrapped.reducer
+        ddp = tandem.DistributedDataParallel(net, device_mesh=mesh["dp"])
+        reducer = ddp.reducer
         assert reducer is not None
         buckets = reducer.plan
+        wrapped = ddp
     else:
-        for block in net.blocks:
-            tandem.fully_shard(block, mesh=mesh["dp"], min_unit_bytes=min_unit_bytes)  # type: ignore[index]
-        wrapped = tandem.fully_shard(net, mesh=mesh["dp"], min_unit_bytes=min_unit_bytes)  # type: ignore[index]
+        blocks = net.get_submodule("blocks")
+        assert isinstance(blocks, nn.ModuleList)
+        for block in blocks:
+            tandem.fully_shard(block, mesh=mesh["dp"], min_unit_bytes=min_unit_bytes)
+        wrapped = tandem.fully_shard(net, mesh=mesh["dp"], min_unit_bytes=min_unit_bytes)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    dp = mesh["dp"].get_local_rank()  # type: ignore[index]
+    dp = mesh["dp"].get_local_rank()
     for step in range(2):
         x, y = _sample(step, dp)
         opt.zero_grad(set_to_none=True)
@@ -209,6 +216,7 @@ def _train(rank: int, mesh: object, wrapper: str, min_unit_bytes: int = 0) -> He
     grads = _bytes([p.grad for p in net.parameters() if p.grad is not None], seen)
     units: tuple[tuple[str, int], ...] = ()
     if wrapper == "ddp":
+        assert reducer is not None
         grads += _bytes([*reducer.buffer.flat.values(), *reducer.buffer.solo.values()], seen)
     else:
         found = []

@@ -5,6 +5,7 @@ ZeRO-2 against the bytes two gloo ranks really hold after training steps."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -52,9 +53,9 @@ def test_unused_parameters_and_broadcast_buffers_are_warned_about() -> None:
     assert any("find_unused_parameters=True" in w and "unused.weight" in w for w in report.warnings)
 
     bn = make_model("batchnorm", 0)
-    before = bn.bn.running_mean.clone()
+    before = bn.get_buffer("bn.running_mean").clone()
     report = plan(bn, world_size=2, sample=torch.randn(6, 8))
-    assert torch.equal(bn.bn.running_mean, before)   # restored after the measured forward
+    assert torch.equal(bn.get_buffer("bn.running_mean"), before)   # restored after the measured forward
     assert [n for n, _ in report.buffers] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
     assert any("broadcast_buffers=False" in w for w in report.warnings)
     quiet = plan(bn, world_size=2, sample=torch.randn(6, 8), broadcast_buffers=False)
@@ -189,7 +190,8 @@ class _Big(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
-MODELS = {"big": (_Big, 1100), "encoder": (functools.partial(make_model, "encoder", 0), 8)}
+MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "big": (_Big, 1100), "encoder": (functools.partial(make_model, "encoder", 0), 8)}
 
 
 @dataclass

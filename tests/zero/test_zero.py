@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,8 +64,8 @@ def _param_groups(model: nn.Module, case: Case) -> list[dict]:
              "weight_decay": 0.0}]
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: int, world_size: int,
-           clip: callable, first_step: int = 0) -> None:
+def _train(model: tandem.DistributedDataParallel | TorchDDP, opt: torch.optim.Optimizer, case: Case, rank: int,
+           world_size: int, clip: Callable[[float], object] | None, first_step: int = 0) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if case.sched else None
     for step in range(first_step, case.steps):
         opt.zero_grad()
@@ -74,6 +75,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: int, 
                 x, y = _batch(step, m, rank, world_size)
                 nn.functional.mse_loss(model(x), y).backward()
         if case.clip is not None:
+            assert clip is not None
             clip(case.clip)
         opt.step()
         if sched is not None:
@@ -199,6 +201,7 @@ def _record(rank: int, world_size: int, stage: int, overlap: bool) -> dict:
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         per_step.append(list(events))
+    assert ddp.reducer is not None
     return {"events": per_step, "buckets": len(ddp.reducer.buckets)}
 
 
@@ -232,7 +235,7 @@ def _deferred_gather(rank: int, world_size: int) -> list[int]:
     nn.functional.mse_loss(ddp(x), y).backward()
     opt.step()
     counts = [opt.gathers_in_flight]
-    model.head(torch.zeros(1, 16))  # the head's forward waits for the head's bucket only
+    model.get_submodule("head")(torch.zeros(1, 16))  # the head's forward waits for the head's bucket only
     counts.append(opt.gathers_in_flight)
     ddp(x)
     counts.append(opt.gathers_in_flight)
@@ -258,6 +261,7 @@ def _holdings(rank: int, world_size: int) -> dict:
             opt.step()
         state = [t for s in opt.optim.state.values() for t in s.values() if t.dim()]
         reducer = ddp.reducer
+        assert reducer is not None
         param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         out[stage] = {
             "state_numel": sum(t.numel() for t in state),

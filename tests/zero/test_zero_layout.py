@@ -22,7 +22,7 @@ def test_shards_tile_every_bucket_and_every_parameter_once(seed: int) -> None:
               for i in range(rng.randint(1, 25))]
     plan = plan_buckets(params, list(reversed(range(len(params)))), [rng.choice([64, 512, 1 << 20])],
                         pad_to=world, last_bucket_extra=1)
-    covered = {i: [] for i in range(len(params))}
+    covered: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(params))}
     for spec in plan.buckets:
         shards = shard_bucket(spec, world)
         assert [s.rank for s in shards] == list(range(world))
