@@ -25,7 +25,7 @@ import functools
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -46,6 +46,11 @@ VOCAB, SEQ, BATCH = 64, 8, 2  # BATCH sequences per rank
 def gpt(dim: int, depth: int, heads: int = 2) -> TinyLM:
     torch.manual_seed(0)
     return TinyLM(VOCAB, dim, [GPTBlock(dim, heads) for _ in range(depth)])
+
+
+def _compile(module: nn.Module, **options: Any) -> nn.Module:
+    """torch.compile of a module: an OptimizedModule, which torch's stubs type as a callable."""
+    return cast(nn.Module, torch.compile(module, **options))
 
 
 # DDP: 3.2 MB of parameters, so that 1 MiB buckets (the smallest cap torch's
@@ -99,7 +104,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, *, steps: in
     for step in range(steps):
         for m in range(micro):
             sync = m == micro - 1
-            ctx = model.no_sync() if not sync and hasattr(model, "no_sync") else contextlib.nullcontext()
+            no_sync = getattr(model, "no_sync", None)  # a DDP, perhaps compiled
+            ctx = no_sync() if not sync and no_sync is not None else contextlib.nullcontext()
             with ctx:
                 loss = _loss(model, *_batch(step, m, rank)) / micro
                 if step == steps - 1 and sync and timeline is not None:
@@ -151,12 +157,12 @@ class DDPCase:
 
 def _ddp_case(rank: int, case: DDPCase) -> Outcome:
     model = case.model()
-    compiled = functools.partial(torch.compile, backend=case.backend)
+    compiled = functools.partial(_compile, backend=case.backend)
     kwargs = {"bucket_cap_mb": 1, **dict(case.ddp)}
     wrap = tandem.DistributedDataParallel if case.impl == "tandem" else nn.parallel.DistributedDataParallel
     ddp = wrap(compiled(model) if case.compile == "inner" else model, **kwargs)
     timeline: list[str] = []
-    if case.impl == "tandem":
+    if isinstance(ddp, tandem.DistributedDataParallel):
         ddp.comm.observers.append(lambda e: timeline.append(e.tag) if e.tag.startswith("bucket") else None)
     run = compiled(ddp) if case.compile == "outer" else ddp
     if dict(case.ddp).get("zero_stage"):
@@ -188,7 +194,7 @@ DDP_CASES = {
 def _compiled_autograd(rank: int) -> Outcome:
     """Compiled autograd traces the backward's hooks: refused, naming what to do."""
     model = SMALL_MODEL()
-    ddp = torch.compile(tandem.DistributedDataParallel(model), backend="aot_eager")
+    ddp = _compile(tandem.DistributedDataParallel(model), backend="aot_eager")
 
     def step() -> None:
         _loss(ddp, *_batch(0, 0, rank)).backward()
@@ -219,7 +225,7 @@ def _shard_case(rank: int, world_size: int, case: ShardCase) -> Outcome:
     else:
         shard = functools.partial(torch_fully_shard, mesh=mesh)
     # As torchtitan: fullgraph, so that a graph break inside a block is an error.
-    compiled = functools.partial(torch.compile, backend="aot_eager", fullgraph=True)
+    compiled = functools.partial(_compile, backend="aot_eager", fullgraph=True)
     if case.compile == "before":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = compiled(block)

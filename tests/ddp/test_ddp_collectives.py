@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import tandem
-from tandem.testing import Case, CaseResults, run_cases
+from tandem.testing import Case, CaseResults, grad_of, run_cases
 from tandem.testing.models import IN, OUT, make_model
 
 
@@ -42,7 +43,9 @@ def _step(ddp, x, y, *, backward=True) -> None:
 
 def _counts(rank: int, world_size: int) -> dict:
     ddp = tandem.DistributedDataParallel(make_model("mlp", seed=rank), bucket_cap_mb=0.00001)
-    n_buckets = len(ddp.reducer.buckets)
+    reducer = ddp.reducer
+    assert reducer is not None
+    n_buckets = len(reducer.buckets)
     events = _record(ddp)
     x, y = torch.randn(4, IN), torch.randn(4, OUT)
     per_phase = {}
@@ -59,7 +62,7 @@ def _counts(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         ddp(x)
     per_phase["no_grad"] = _taken(events)
-    return {"n_buckets": n_buckets, "n_buckets_now": len(ddp.reducer.buckets), **per_phase}
+    return {"n_buckets": n_buckets, "n_buckets_now": len(reducer.buckets), **per_phase}
 
 
 def test_one_reduction_per_bucket_per_step_and_none_under_no_sync(two) -> None:
@@ -139,7 +142,7 @@ def _order(rank: int, world_size: int, as_view: bool) -> dict:
         x, y = torch.randn(4, IN, generator=g), torch.randn(4, OUT, generator=g)
         ddp.zero_grad()
         _step(ddp, x, y)
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [grad_of(p).clone() for p in model.parameters()]
     return {"issued": issued, "arrival": arrival[:8], "grads": grads}
 
 
@@ -162,7 +165,7 @@ def _buffers(rank: int, world_size: int) -> dict:
     ddp = tandem.DistributedDataParallel(model)
     events = _record(ddp)
     x, y = torch.randn(4, IN) + rank, torch.randn(4, OUT)
-    out = {}
+    out: dict[str, Any] = {}
     _step(ddp, x, y)
     out["first"] = [e[:2] for e in _taken(events) if e[0] == "broadcast"]
     with ddp.no_sync():
@@ -175,7 +178,7 @@ def _buffers(rank: int, world_size: int) -> dict:
     out["after"] = [e[:2] for e in _taken(events) if e[0] == "broadcast" and e[1] == "buffers"]
     _step(ddp, x, y)
     out["next"] = [e[:2] for e in events if e[0] == "broadcast" and e[1] == "buffers"]
-    out["running_mean"] = model.bn.running_mean.clone()
+    out["running_mean"] = model.get_buffer("bn.running_mean").clone()
     return out
 
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import grad_of, run_distributed
 
 TOL = 1e-6
 GLOBAL_BATCH = 8
@@ -65,7 +65,7 @@ def _train(wrapped: nn.Module, params: list[nn.Parameter], rank: int, world: int
         opt.zero_grad()
         loss = _loss(wrapped, x, y, mode)
         loss.backward(create_graph=mode == "create_graph")
-        grads.append([p.grad.detach().clone() for p in params])
+        grads.append([grad_of(p).detach().clone() for p in params])
         opt.step()
     return {"grads": grads, "params": [p.detach().clone() for p in params]}
 

@@ -64,6 +64,7 @@ def _global_batch(step: int, micro: int, world_size: int) -> tuple[torch.Tensor,
 
 
 def _train(model: nn.Module, case: Case, batches) -> dict[str, torch.Tensor | None]:
+    opt: torch.optim.Optimizer
     if case.opt == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
@@ -73,10 +74,11 @@ def _train(model: nn.Module, case: Case, batches) -> dict[str, torch.Tensor | No
         for m in range(case.micro):
             x, y = batches(step, m)
             sync = m == case.micro - 1
-            ctx = contextlib.nullcontext()
+            ctx: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
             if case.sync_via == "attr":
+                assert isinstance(model, (tandem.DistributedDataParallel, TorchDDP))
                 model.require_backward_grad_sync = sync
-            elif not sync and hasattr(model, "no_sync"):
+            elif not sync and isinstance(model, (tandem.DistributedDataParallel, TorchDDP)):
                 ctx = model.no_sync()
             with ctx:
                 loss = nn.functional.mse_loss(model(x, step), y)
@@ -90,7 +92,7 @@ def _train(model: nn.Module, case: Case, batches) -> dict[str, torch.Tensor | No
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") else model
+    return model.module if isinstance(model, (tandem.DistributedDataParallel, TorchDDP)) else model
 
 
 def _run_case(rank: int, world_size: int, case: Case) -> dict[str, float]:
@@ -227,6 +229,7 @@ def _in_place(rank: int, world_size: int) -> list[tuple[int, bool, bool]]:
         for _ in range(2):  # the second step runs on the rebuilt plan
             ddp.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
+    assert ddp.reducer is not None
     return [(len(b.params), b.in_place, b.spec.extra > 0) for b in ddp.reducer.buckets]
 
 
@@ -250,7 +253,7 @@ def _solo_with_hook(rank: int, world_size: int) -> float:
         ddp = tandem.DistributedDataParallel(make_model("mlp", seed=rank))
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         ours = _train(ddp, case, lambda s, m: _batch(s, m, rank))
-        assert any(b.spec.solo for b in ddp.reducer.buckets)
+        assert ddp.reducer is not None and any(b.spec.solo for b in ddp.reducer.buckets)
     return max_abs_diff(ref, ours)
 
 

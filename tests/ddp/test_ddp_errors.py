@@ -12,6 +12,7 @@ module-scoped fixtures); each test then reads its own case's outcome on every ra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +60,7 @@ def _run(results: CaseResults, name: str) -> list[Any]:
 
 # ---------------------------------------------------------------- models
 
-def _mlp(hidden: int = 4, dtype: torch.dtype = torch.float32, extra_layer: bool = False) -> nn.Module:
+def _mlp(hidden: int = 4, dtype: torch.dtype = torch.float32, extra_layer: bool = False) -> nn.Sequential:
     layers = [nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2)]
     if extra_layer:
         layers.append(nn.Linear(2, 2))
@@ -67,6 +68,8 @@ def _mlp(hidden: int = 4, dtype: torch.dtype = torch.float32, extra_layer: bool 
 
 
 class _WithBuffer(nn.Module):
+    scale: torch.Tensor
+
     def __init__(self, buffer_len: int = 4) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
@@ -86,6 +89,7 @@ class _Gated(nn.Module):
     """
 
     CHAIN = ("w0", "w1", "w2")
+    gate: nn.Parameter
 
     def __init__(self, gate_index: int) -> None:
         super().__init__()
@@ -259,8 +263,7 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
 
 def _run_build_cases(rank: int, ws: int, names: list[str]) -> dict[str, Any]:
     torch.manual_seed(0)  # the same model on every rank unless a case says otherwise
-    results: dict[str, Any] = {name: _outcome(lambda name=name: BUILD_CASES[name](rank, ws))
-                                    for name in names}
+    results: dict[str, Any] = {name: _outcome(functools.partial(BUILD_CASES[name], rank, ws)) for name in names}
     results["in_step"] = _ranks_in_step(rank, ws)
     return results
 
@@ -416,10 +419,12 @@ def _missing_grad_case(rank: int, ws: int, gate_index: int, skip_on: list[int]) 
     """One step in which the gate gets no gradient on the ranks ``skip_on``."""
     model = _Gated(gate_index)
     ddp = DDP(model, bucket_cap_mb=TINY_CAP_MB)
-    plan = ddp.reducer.plan
+    reducer = ddp.reducer
+    assert reducer is not None
+    plan = reducer.plan
     out: dict[str, Any] = {
         "num_buckets": len(plan.buckets),
-        "gate_bucket": plan.bucket_of()[ddp.reducer.names.index("gate")][0],
+        "gate_bucket": plan.bucket_of()[reducer.names.index("gate")][0],
     }
     holder: dict[str, torch.Tensor] = {}
 

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import grad_of, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 TIMEOUT = 240
@@ -76,6 +76,9 @@ def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None], what: str)
             assert diff <= 1e-6, f"{what}: tensor {i} differs by {diff}"
 
 
+Wrapped = tandem.DistributedDataParallel | TorchDDP
+
+
 class Pair:
     """tandem's DDP and torch's DDP over identical models, stepped together."""
 
@@ -85,10 +88,10 @@ class Pair:
         self.opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in self.both]
 
     @property
-    def both(self) -> tuple[nn.Module, nn.Module]:
+    def both(self) -> tuple[Wrapped, Wrapped]:
         return self.ours, self.ref
 
-    def each(self, fn: Callable[[nn.Module, torch.optim.Optimizer], None]) -> None:
+    def each(self, fn: Callable[[Wrapped, torch.optim.Optimizer], None]) -> None:
         for m, o in zip(self.both, self.opts):
             fn(m, o)
 
@@ -101,6 +104,11 @@ class Pair:
 def _backward(m: nn.Module, step: int, rank: int, micro: int = 0) -> None:
     x, y = _batch(step, micro, rank)
     nn.functional.mse_loss(m(x, step), y).backward()
+
+
+def _backward_at(step: int, rank: int) -> Callable[[nn.Module, torch.optim.Optimizer], None]:
+    """What :meth:`Pair.each` runs for a step's backward."""
+    return lambda m, o: _backward(m, step, rank)
 
 
 def _bound_to_buckets(ddp: tandem.DistributedDataParallel) -> int:
@@ -116,7 +124,7 @@ def case_plain(rank: int, set_to_none: bool, model: str = "mlp") -> None:
     pair = Pair(model)
     for step in range(4):
         pair.each(lambda m, o: o.zero_grad(set_to_none=set_to_none))
-        pair.each(lambda m, o, step=step: _backward(m, step, rank))
+        pair.each(_backward_at(step, rank))
         pair.check(f"{model} set_to_none={set_to_none} step {step}")
         pair.each(lambda m, o: o.step())
     n = sum(1 for _ in pair.ours.parameters())
@@ -143,7 +151,7 @@ def case_kept_gradients(rank: int) -> None:
     values: list[list[torch.Tensor]] = []  # what they held then
     for step in range(4):
         pair.each(lambda m, o: o.zero_grad(set_to_none=True))
-        pair.each(lambda m, o, step=step: _backward(m, step, rank))
+        pair.each(_backward_at(step, rank))
         pair.check(f"kept gradients, step {step}")
         pair.each(lambda m, o: o.step())
         for k, (ts, vs) in enumerate(zip(kept, values)):  # a whole step later: unchanged
@@ -166,7 +174,7 @@ def case_user_assigned_grad(rank: int) -> None:
         for m, ts in zip(pair.both, given):
             for p, t in zip(m.parameters(), ts):
                 p.grad = t
-        pair.each(lambda m, o, step=step: _backward(m, step, rank))
+        pair.each(_backward_at(step, rank))
         pair.check(f"user-assigned .grad, step {step}")
         for m, ts in zip(pair.both, given):
             assert all(p.grad is t for p, t in zip(m.parameters(), ts)), "the user's tensor stays .grad"
@@ -195,7 +203,7 @@ def case_unused_keeps_grad(rank: int) -> None:
     pair = Pair("switching", find_unused_parameters=True)
     for step in range(4):  # never zeroed: gradients accumulate across steps
         before = [_grads(m) for m in pair.both]
-        pair.each(lambda m, o, step=step: _backward(m, step, rank))
+        pair.each(_backward_at(step, rank))
         pair.check(f"unused branch, step {step}")
         for m, old in zip(pair.both, before):
             unused = "b" if step % 2 == 0 else "a"
@@ -209,7 +217,7 @@ def case_unused_keeps_grad(rank: int) -> None:
         for m in pair.both:  # rank-dependent stale gradients: a reduction of them would show
             for n, p in m.module.named_parameters():
                 if n.startswith(used + "."):
-                    p.grad.mul_(rank + 1)
+                    grad_of(p).mul_(rank + 1)
 
 
 def case_second_gradient(rank: int, world_size: int) -> None:
@@ -238,7 +246,7 @@ def case_checkpoint_round_trip(rank: int) -> None:
     pair = Pair("mlp")
     for step in range(2):
         pair.each(lambda m, o: o.zero_grad(set_to_none=True))
-        pair.each(lambda m, o, step=step: _backward(m, step, rank))
+        pair.each(_backward_at(step, rank))
         pair.each(lambda m, o: o.step())
     buf = io.BytesIO()
     torch.save({"model": pair.ours.state_dict(), "opt": pair.opts[0].state_dict()}, buf)

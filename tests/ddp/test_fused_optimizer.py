@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -42,10 +43,12 @@ class Case:
     steps: int = 4
 
 
-def _optimizer(case: Case) -> tuple[type[torch.optim.Optimizer], dict]:
-    return {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
-            "adam": (torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.9)}),
-            "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05})}[case.opt]
+def _optimizer(case: Case) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    options: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+        "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+        "adam": (torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.9)}),
+        "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05})}
+    return options[case.opt]
 
 
 def _groups(model: nn.Module) -> list[dict]:
@@ -76,13 +79,19 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: int, 
             if not local:
                 x, y = _shard(x, rank, world_size), _shard(y, rank, world_size)
             sync = local or m == case.micro - 1
-            with contextlib.nullcontext() if sync else model.no_sync():
+            with contextlib.nullcontext() if sync else _ddp(model).no_sync():
                 nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         if sched is not None:
             sched.step()
         lrs.append(opt.param_groups[0]["lr"])
     return lrs
+
+
+def _ddp(model: nn.Module) -> tandem.DistributedDataParallel:
+    """``model``, which a run that does not sync every backward wraps in tandem's DDP."""
+    assert isinstance(model, tandem.DistributedDataParallel)
+    return model
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -102,14 +111,16 @@ def _run(case: Case, rank: int, world_size: int, fused: bool) -> dict:
     if fused:
         ddp.fuse_optimizer(opt)
     lrs = _train(ddp, opt, case, rank, world_size)
-    if case.stage:
+    if isinstance(opt, ZeroOptimizer):
         opt.finish_param_gather()
     out = {"params": _params(model), "lrs": lrs,
            "grads none": all(p.grad is None for p in model.parameters())}
-    if not case.stage:
+    if not isinstance(opt, ZeroOptimizer):
         out["state"] = {k: v for k, v in opt.state_dict()["state"].items()}
     else:  # consolidated from the shards, on every rank, per parameter
-        out["state"] = opt.state_dict(to=None)["state"]
+        state = opt.state_dict(to=None)
+        assert state is not None
+        out["state"] = state["state"]
     return out
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 import tandem
 from tandem import comm_hooks
-from tandem.testing import RankFailure, run_distributed, still_running
+from tandem.testing import RankFailure, as_dtensor, run_distributed, still_running
 from tandem.train.config import Precision
 from tandem.train.precision import ShardedGradients, scaler_for
 
@@ -54,7 +54,7 @@ STEP_ANYWAY = {"gradient_as_bucket_view", "fp16 hook", "zero2", "accumulation"}
 
 # ---------------------------------------------------------------- helpers
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     g = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
     with torch.no_grad():
@@ -116,7 +116,7 @@ def _ddp(model: nn.Module, config: dict[str, Any], check_finite: Any = None,
     return ddp, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
-def _backward(ddp: nn.Module, rank: int, step: int, accumulate: int, injector: _Injector | None,
+def _backward(ddp: tandem.DistributedDataParallel, rank: int, step: int, accumulate: int, injector: _Injector | None,
               scale_input: float = 1.0) -> None:
     """One (possibly accumulated) synchronised backward; the injector, when
     active at this step, acts on the first micro-batch only."""
@@ -212,7 +212,8 @@ def _join_case(rank: int, world_size: int, hook: str | None) -> dict[str, Any]:
 
 def _bad_arguments(rank: int, world_size: int) -> dict[str, str]:
     messages = {}
-    for name, value in (("unknown mode", "sometimes"), ("a number", 1)):
+    bad: list[tuple[str, Any]] = [("unknown mode", "sometimes"), ("a number", 1)]
+    for name, value in bad:
         try:
             tandem.DistributedDataParallel(_model(), check_finite=value)
         except ValueError as e:
@@ -363,7 +364,7 @@ def test_bad_arguments_name_the_value(grid):
 
 # ---------------------------------------------------------------- fp16 with sharded gradients
 
-def _shard_per_layer(model: nn.Module) -> None:
+def _shard_per_layer(model: nn.Sequential) -> None:
     """A fully_shard unit per Linear (uneven rows), then the root."""
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -378,6 +379,8 @@ def _fp16_sharded(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     parameter all-gathers of their step. Returns per step: skipped, the scale,
     the parameters."""
     model = _model()
+    optimizer: torch.optim.Optimizer
+    grad_shards: list[torch.Tensor] = []
     if kind == "fully_shard":
         _shard_per_layer(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -386,7 +389,9 @@ def _fp16_sharded(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     else:
         ddp = tandem.DistributedDataParallel(model, zero_stage=int(kind[-1]), bucket_cap_mb=TINY_CAP_MB)
         optimizer = tandem.ZeroOptimizer(ddp, torch.optim.SGD, lr=0.1)
-        target = ShardedGradients(optimizer, ddp.reducer.grad_shards)
+        assert ddp.reducer is not None
+        grad_shards = ddp.reducer.grad_shards
+        target = ShardedGradients(optimizer, grad_shards)
     scaler = scaler_for(Precision.FP16, torch.device("cpu"), sharded=True)
     skipped, scales, params = [], [], []
     for step in range(4):
@@ -395,9 +400,9 @@ def _fp16_sharded(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         scaler.scale(loss).backward()
         if step == 1 and rank == 1:
             if kind == "fully_shard":
-                model[2].weight.grad.to_local().view(-1)[0] = math.inf
+                as_dtensor(model.get_parameter("2.weight").grad).to_local().view(-1)[0] = math.inf
             else:
-                ddp.reducer.grad_shards[2].view(-1)[0] = math.inf
+                grad_shards[2].view(-1)[0] = math.inf
         scale = scaler.get_scale()
         scaler.step(target)
         scaler.update()
@@ -460,13 +465,14 @@ def _trainer_run(rank: int, world_size: int, output_dir: str, options: dict[str,
     x = torch.randn(64, 4, generator=g)
     data = torch.utils.data.TensorDataset(x, (x[:, :3] * 2).argmax(1))
     tandem.seed_everything(0)
-    model = nn.Sequential(nn.Linear(4, 8), _Poison(rank, 1, at), nn.Tanh(), nn.Linear(8, 3))
+    net = nn.Sequential(nn.Linear(4, 8), _Poison(rank, 1, at), nn.Tanh(), nn.Linear(8, 3))
+    model: nn.Module = net
     if kind.startswith("zero"):
-        model = tandem.DistributedDataParallel(model, zero_stage=int(kind[-1]), bucket_cap_mb=TINY_CAP_MB)
+        model = tandem.DistributedDataParallel(net, zero_stage=int(kind[-1]), bucket_cap_mb=TINY_CAP_MB)
         optimizer: Any = tandem.ZeroOptimizer(model, torch.optim.SGD, lr=0.1)
     else:
         if kind == "fully_shard":
-            _shard_per_layer(model)
+            _shard_per_layer(net)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = tandem.TrainerConfig(output_dir=output_dir, batch_size=8, log_every=1, plot=False,
                                   progress=False, shuffle=False, **options)

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import tandem
 from tandem.comm.group import GroupComm
-from tandem.testing import max_abs_diff, run_distributed
+from tandem.testing import as_dtensor, max_abs_diff, run_distributed
 from tandem.testing.models import IN, OUT, make_model
 
 TOL = 1e-6
@@ -292,7 +292,7 @@ def _side_by_side(rank: int, world_size: int) -> dict[str, Any]:
         _step(ours, opt, step, rank, dtype)
         _step(twin, twin_opt, step, rank, dtype)
     out["fully_shard twin vs original"] = max(
-        (a.full_tensor() - b.full_tensor()).abs().max().item()
+        (as_dtensor(a).full_tensor() - as_dtensor(b).full_tensor()).abs().max().item()
         for a, b in zip(ours.parameters(), twin.parameters()))
 
     # A ZeroOptimizer holds this rank's shard: loading another rank's pickle is refused.

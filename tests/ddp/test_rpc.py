@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -158,7 +159,8 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
     out = {}
     try:
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
-        for name, kwargs in {"zero": {"zero_stage": 1}, "fused": {}}.items():
+        options: dict[str, dict[str, Any]] = {"zero": {"zero_stage": 1}, "fused": {}}
+        for name, kwargs in options.items():
             torch.manual_seed(0)
             ddp = tandem.DistributedDataParallel(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2)), **kwargs)
             if name == "fused":
