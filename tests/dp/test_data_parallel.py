@@ -20,6 +20,7 @@ from torch import nn
 
 import tandem
 from tandem.dp import gather, replicate, scatter, scatter_kwargs
+from tandem.testing import grad_of
 
 TOL = 1e-6
 CPU3 = ["cpu", "cpu", "cpu"]
@@ -74,7 +75,7 @@ def _inputs(batch: int, seed: int = 0) -> tuple[tuple, dict]:
     def t(*shape):
         return torch.randn(batch, *shape, generator=g).requires_grad_()
 
-    args = (t(IN), (t(HID), t(HID)), [t(HID), t()], {"z": t(HID), "k": 7},
+    args: tuple[Any, ...] = (t(IN), (t(HID), t(HID)), [t(HID), t()], {"z": t(HID), "k": 7},
             Point(t(HID), t(HID)), Box(t(HID), t(HID), label="b"), 0.5, [])
     return args, {"mask": t(HID), "note": "hello"}
 
@@ -94,7 +95,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 def _loss(outputs: Any) -> torch.Tensor:
     g = torch.Generator().manual_seed(123)
-    return sum((t * torch.randn(t.shape, generator=g)).sum() for t in _tensors(outputs))
+    total = sum((t * torch.randn(t.shape, generator=g)).sum() for t in _tensors(outputs))
+    assert isinstance(total, torch.Tensor)  # the outputs hold a tensor
+    return total
 
 
 def _run(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -103,7 +106,7 @@ def _run(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     _loss(out).backward()
     inner = model.module if isinstance(model, tandem.DataParallel) else model
     return {"out": [t.detach().clone() for t in _tensors(out)],
-            "param_grads": {n: p.grad.clone() for n, p in inner.named_parameters()},
+            "param_grads": {n: grad_of(p).clone() for n, p in inner.named_parameters()},
             "input_grads": [t.grad.clone() for t in _tensors((args, kwargs)) if t.is_leaf and t.grad is not None]}
 
 
@@ -174,8 +177,8 @@ def test_split_along_another_dim() -> None:
     assert y2.shape == (OUT, 8) and (y1 - y2).abs().max() <= TOL
     y1.square().sum().backward()
     y2.square().sum().backward()
-    assert (x1.grad - x2.grad).abs().max() <= TOL
-    assert (plain.lin.weight.grad - ours.module.lin.weight.grad).abs().max() <= TOL
+    assert (grad_of(x1) - grad_of(x2)).abs().max() <= TOL
+    assert (grad_of(plain.lin.weight) - grad_of(ours.module.get_parameter("lin.weight"))).abs().max() <= TOL
 
 
 def test_training_through_the_original_parameters() -> None:
@@ -323,15 +326,24 @@ def test_gather_joins_nested_outputs() -> None:
         gather([{"a": torch.ones(1)}, {"b": torch.ones(1)}], cpu)
 
 
+def _tensor(module: nn.Module, path: str) -> torch.Tensor:
+    """The tensor at ``path`` ("head.weight") of ``module``: a parameter or buffer, or a replica's copy of one."""
+    owner, _, name = path.rpartition(".")
+    tensor = getattr(module.get_submodule(owner), name)
+    assert isinstance(tensor, torch.Tensor)
+    return tensor
+
+
 def test_replicas_share_parameters_and_copy_buffers() -> None:
     """See Note [replica sharing] in tandem/dp/replicate.py."""
     model = Nested()
     cpu = torch.device("cpu")
     r0, r1 = replicate(model, [cpu, cpu])
-    assert r0.head.weight is model.head.weight and r1.head.weight is model.head.weight
-    assert r1.back.weight is r1.head.weight                      # tying kept
+    head = _tensor(model, "head.weight")
+    assert _tensor(r0, "head.weight") is head and _tensor(r1, "head.weight") is head
+    assert _tensor(r1, "back.weight") is _tensor(r1, "head.weight")  # tying kept
     assert r0.offset is model.offset
-    assert r1.offset is not model.offset and torch.equal(r1.offset, model.offset)
+    assert r1.offset is not model.offset and torch.equal(_tensor(r1, "offset"), _tensor(model, "offset"))
     assert r0 is not model and r0.proj is not model.proj
     assert model._parameters is not r0._parameters and model._modules is not r0._modules
 
@@ -342,13 +354,14 @@ def test_replicas_on_another_device_get_differentiable_copies() -> None:
     model = Nested()
     cpu, meta = torch.device("cpu"), torch.device("meta")
     r0, r1, r2 = replicate(model, [cpu, meta, meta])
-    w0, w1, w2 = r0.head.weight, r1.head.weight, r2.head.weight
+    w0, w1, w2 = (_tensor(r, "head.weight") for r in (r0, r1, r2))
     assert w0 is model.head.weight
     assert w1.device == meta and w1.grad_fn is not None and w1 is w2   # one copy per device
-    assert r1.back.weight is w1                                        # tying kept
+    assert _tensor(r1, "back.weight") is w1                             # tying kept
     assert r1.offset.device == meta and r1.offset is not r2.offset     # buffers: one per replica
     detached = replicate(model, [cpu, meta], detach=True)[1]
-    assert detached.head.weight.device == meta and detached.head.weight.grad_fn is None
+    copy_of_head = _tensor(detached, "head.weight")
+    assert copy_of_head.device == meta and copy_of_head.grad_fn is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -363,4 +376,4 @@ def test_replicas_on_cuda_and_cpu() -> None:
     ref.square().sum().backward()
     out.square().sum().backward()
     for p, q in zip(plain.parameters(), dp.module.parameters()):
-        assert (p.grad - q.grad).abs().max() <= 1e-5
+        assert (grad_of(p) - grad_of(q)).abs().max() <= 1e-5

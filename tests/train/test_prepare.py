@@ -48,9 +48,10 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
     if kind == "sgd":
-        return torch.optim.SGD([{"params": weights}, {"params": biases, "lr": 0.05}], lr=0.1, momentum=0.9)
-    return torch.optim.AdamW([{"params": weights}, {"params": biases, "lr": 0.005}], lr=0.01,
-                             weight_decay=0.1)
+        groups: list[dict[str, Any]] = [{"params": weights}, {"params": biases, "lr": 0.05}]
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    groups = [{"params": weights}, {"params": biases, "lr": 0.005}]
+    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
 
 
 def _train_set() -> TensorDataset:
@@ -101,7 +102,7 @@ def _hand_written_ddp(kind: str, accumulate: int) -> dict[str, torch.Tensor]:
     ddp = tandem.DistributedDataParallel(model)
     optimizer = _optimizer(kind, model)
     data = _train_set()
-    sampler = TorchDistributedSampler(data, shuffle=True, seed=SEED)
+    sampler: TorchDistributedSampler[tuple[torch.Tensor, ...]] = TorchDistributedSampler(data, shuffle=True, seed=SEED)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
@@ -138,8 +139,8 @@ def _loader_checks(rank: int) -> list[dict[str, Any]]:
     out = prepare(_model(), None, *originals)
     results = []
     for (n, drop_last, shuffle), original, prepared in zip(cases, originals, out[2:]):
-        sampler = TorchDistributedSampler(original.dataset, num_replicas=WORLD, rank=rank, shuffle=shuffle,
-                                          seed=SEED)
+        sampler: TorchDistributedSampler[Any] = TorchDistributedSampler(
+            original.dataset, num_replicas=WORLD, rank=rank, shuffle=shuffle, seed=SEED)
         reference = DataLoader(original.dataset, batch_size=3, sampler=sampler, drop_last=drop_last)
         expected, got = [], []
         for epoch in range(3):
@@ -167,10 +168,13 @@ def _gather_checks(rank: int) -> dict[str, Any]:
         per_batch.append(gathered)
         local.append(index)
     whole = gather_for_metrics({"index": torch.cat(local)}, plain)
+    assert isinstance(whole, dict)
     epochs = []
     for _ in range(2):
         seen = torch.cat([index for index, _ in shuffled])
-        epochs.append(gather_for_metrics(seen, shuffled).tolist())
+        gathered_epoch = gather_for_metrics(seen, shuffled)
+        assert isinstance(gathered_epoch, torch.Tensor)
+        epochs.append(gathered_epoch.tolist())
     errors = []
     try:
         gather_for_metrics(torch.zeros(7), plain)  # more rows than the loader yielded
@@ -255,7 +259,7 @@ def test_loader_len_and_reshuffle_match_distributed_sampler(ranks: list[dict[str
             assert check["got"] == check["expected"], case
             assert check["again"] == check["expected"][1:], case
             _, _, shuffle = check["case"]
-            orders = [sum(epoch, []) for epoch in check["got"]]
+            orders: list[list[int]] = [sum(epoch, []) for epoch in check["got"]]
             assert (orders[0] != orders[1]) == shuffle, case  # reshuffled each epoch, only when shuffling
 
 

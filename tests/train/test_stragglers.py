@@ -12,6 +12,7 @@ import functools
 import io
 import re
 import time
+from typing import cast
 
 import pytest
 import torch
@@ -24,11 +25,23 @@ from tandem.train.stragglers import Slow, StepPhases, StragglerWatch, judge
 # ---------------------------------------------------------------------- the judgement
 
 
+def _about(x: float) -> float:
+    """``pytest.approx(x)``, equal to the floats near ``x``, where a Slow takes a float."""
+    return cast(float, pytest.approx(x))
+
+
+def _found(pattern: str, text: str) -> str:
+    """The first group of ``pattern``'s first match in ``text``."""
+    match = re.search(pattern, text)
+    assert match is not None, f"{pattern!r} not in {text[:200]!r}"
+    return match[1]
+
+
 def test_a_rank_slow_in_one_phase_is_named_with_that_phase() -> None:
     fast = (0.001, 0.010, 0.004, 0.002)
-    assert judge([fast, (0.031, 0.010, 0.0, 0.002)]) == [Slow(1, "data", pytest.approx(31.0))]
-    assert judge([fast, fast, (0.001, 0.040, 0.0, 0.002), fast]) == [Slow(2, "compute", pytest.approx(4.0))]
-    assert judge([(0.001, 0.010, 0.0, 0.030), fast, fast]) == [Slow(0, "optimizer", pytest.approx(15.0))]
+    assert judge([fast, (0.031, 0.010, 0.0, 0.002)]) == [Slow(1, "data", _about(31.0))]
+    assert judge([fast, fast, (0.001, 0.040, 0.0, 0.002), fast]) == [Slow(2, "compute", _about(4.0))]
+    assert judge([(0.001, 0.010, 0.0, 0.030), fast, fast]) == [Slow(0, "optimizer", _about(15.0))]
     assert Slow(2, "data", 3.14).describe() == "rank 2 slow: data 3.1x the median"
 
 
@@ -47,7 +60,7 @@ def test_nobody_is_named_for_noise_for_waiting_or_alone() -> None:
 
 def test_the_slowest_phase_of_a_rank_is_the_one_named() -> None:
     fast = (0.001, 0.010, 0.004, 0.002)
-    assert judge([fast, (0.005, 0.080, 0.0, 0.002)]) == [Slow(1, "compute", pytest.approx(8.0))]
+    assert judge([fast, (0.005, 0.080, 0.0, 0.002)]) == [Slow(1, "compute", _about(8.0))]
 
 
 class _Gathered:
@@ -71,12 +84,15 @@ def test_a_rank_is_named_after_confirm_windows_in_a_row_of_the_same_phase() -> N
     windows = [[fast, slow_data], [fast, slow_data], [fast, slow_compute], [fast, slow_compute],
                [fast, slow_compute], [fast, slow_compute], [fast, fast]]
     watch = StragglerWatch(_Gathered(windows), every=2, confirm=3, min_window_s=0.0)  # type: ignore[arg-type]
-    named = []
+    named: list[list[Slow] | None] = []
     for _ in range(2 * len(windows) + 1):
         named.append(watch.end_step(StepPhases(0.0, 0.0, 0.0, 0.0)))
     # Gathers start at every second step and are judged at the step after.
     assert named[0::2][0] is None and named[1::2] == [None] * len(windows)
-    said = [[s.describe() for s in n] for n in named[2::2]]
+    said = []
+    for n in named[2::2]:
+        assert n is not None
+        said.append([s.describe() for s in n])
     assert said == [[], [], [], [], ["rank 1 slow: compute 6.0x the median"],
                     ["rank 1 slow: compute 6.0x the median"], []]
 
@@ -225,7 +241,7 @@ def test_the_report_of_a_run_with_a_straggler_names_it_and_draws_its_phases(runs
     # all-reduce); rank 2's wait for its batch is long (30 ms asleep), the others' short.
     timeline = page[page.index("aria-label='timeline'"):]
     lanes = re.split(r">rank \d</text>", timeline[:timeline.index("</svg>")])[1:]
-    data_ms = [float(re.search(r"<title>data ([\d.]+) ms</title>", lane)[1]) for lane in lanes]
+    data_ms = [float(_found(r"<title>data ([\d.]+) ms</title>", lane)) for lane in lanes]
     assert len(lanes) == RANKS and data_ms[2] >= 25 and max(data_ms[:2]) < 10, data_ms
     for lane in lanes:
         assert "<title>forward and backward" in lane and "<title>optimizer" in lane

@@ -65,7 +65,7 @@ def _units(model: nn.Module) -> list[str]:
     return sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
 
 
-def _both(rank: int, world_size: int) -> dict[str, list[str]]:
+def _both(rank: int, world_size: int) -> dict[str, object]:
     import tandem
     from tandem.tools.check.api import _make_spec
     from tandem.tools.check.run import _wrap

@@ -46,11 +46,12 @@ def train(rank: int, world_size: int, output_dir: str, options: dict, init_seed:
     grad_sync: list[bool] = []  # a fully-sharded model's set_requires_gradient_sync calls
     model = make_model(dropout, init_seed)
     tandem.seed_everything(0, per_rank=True)
+    optimizer: torch.optim.Optimizer
     if zero_stage:  # the user wraps; the Trainer takes the model as it is
         model = tandem.DistributedDataParallel(model, zero_stage=zero_stage, bucket_cap_mb=0.0005)
         optimizer = tandem.ZeroOptimizer(model, torch.optim.Adam, lr=0.05)
     elif fully_sharded:  # the user shards, as above: a unit per Linear (uneven rows), then the root
-        for layer in model:
+        for layer in model.children():
             if isinstance(layer, nn.Linear):
                 tandem.fully_shard(layer, min_unit_bytes=0)
         tandem.fully_shard(model)
@@ -370,7 +371,7 @@ def train_records(history: list[dict]) -> list[dict]:
     return [r for r in history if r["kind"] == "train"]
 
 
-def _different_dirs(rank: int, world_size: int, base: str) -> str:
+def _different_dirs(rank: int, world_size: int, base: str) -> dict:
     return train(rank, world_size, f"{base}/rank{rank}", dict(epochs=1, batch_size=8))
 
 

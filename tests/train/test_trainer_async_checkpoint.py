@@ -161,7 +161,7 @@ def _killed_mid_write(rank: int, world_size: int, base: str, kind: str, victim: 
                 _wait_for(lambda: (directory / killed / f"__{1 - victim}_0.distcp").exists(), "the other's file")
                 die()
             return real_write(self, plan, planner)
-        dcp.FileSystemWriter.write_data = write_data
+        dcp.FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
     try:
         _train(rank, f"{base}/{kind}-killed", kind, async_checkpoint=True, holder=holder)
     except Exception as e:

@@ -118,21 +118,24 @@ def _train(rank: int, world_size: int, output_dir: str, kind: str, *, init_seed:
             return state_dict(*args, **kwargs)
 
         def watched_save(history: Any) -> Path:
-            optimizer.state_dict = counted_state_dict
+            optimizer.state_dict = counted_state_dict  # type: ignore[method-assign]
             with _Shapes() as mode:
                 path = save(history)
-            optimizer.state_dict = state_dict
+            optimizer.state_dict = state_dict  # type: ignore[method-assign]
             out["shapes"] |= mode.shapes
             return path
 
-        trainer._save = watched_save
+        trainer._save = watched_save  # type: ignore[method-assign]
     result = trainer.fit()
     module = getattr(trainer.model, "module", trainer.model)
     out.update(steps=result.steps, checkpoint=str(result.checkpoint),
                params={k: _full(v).detach().clone() for k, v in module.state_dict().items()},
                losses=[(r["step"], r["loss"]) for r in result.history if r["kind"] == "train"])
     if kind == "zero":  # the bucket layout's flat ranges of each parameter this rank owns
-        names = trainer.model.reducer.names
+        ddp = trainer.model
+        assert isinstance(ddp, tandem.DistributedDataParallel) and ddp.reducer is not None
+        assert isinstance(optimizer, tandem.ZeroOptimizer)
+        names = ddp.reducer.names
         out["owned"] = {}
         for run in optimizer.shards.runs:
             for p in run.pieces:
@@ -168,7 +171,7 @@ def _killed_between_files(rank: int, world_size: int, base: str, kind: str, vict
             while not (partial / other).exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
-        dcp.FileSystemWriter.write_data = die_once_the_other_wrote
+        dcp.FileSystemWriter.write_data = die_once_the_other_wrote  # type: ignore[method-assign]
     try:
         _train(rank, world_size, f"{base}/{kind}-parted", kind, max_steps=KILLED)
     except Exception as e:
