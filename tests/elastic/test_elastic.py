@@ -26,17 +26,18 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset
 
 from tandem.comm.membership import ElasticConfig
-from tandem.testing import run_distributed, start_concurrently
+from tandem.testing import as_dtensor, run_distributed, start_concurrently
 from tandem.testing.harness import still_running
+from tandem.testing.indexed import IndexedSamples
 from tandem.testing.replay import world_sizes
 
 N, BATCH, FEATURES = 48, 2, 6
@@ -44,22 +45,12 @@ TIMEOUT = 120.0
 CONFIG = ElasticConfig(beat_s=0.05, stale_after_s=1.0, regroup_timeout_s=30.0, connect_timeout_s=10.0)
 
 
-class Indexed(Dataset):
-    """Samples that carry their index in the target, so the test sees which were used."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(N, FEATURES, generator=g)
-        self.y = torch.randn(N, 2, generator=g)
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
-        return self.x[i], (self.y[i], i)
+def indexed() -> IndexedSamples:
+    """The scenarios' N samples, each carrying its index in the target."""
+    return IndexedSamples(N, FEATURES)
 
 
-def make_model() -> nn.Module:
+def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 2))
 
@@ -68,7 +59,7 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-ADAM = {"lr": 0.01}  # ZeRO runs: Adam, whose moments are what a lost shard would take away
+ADAM: dict[str, Any] = {"lr": 0.01}  # ZeRO runs: Adam, whose moments are what a lost shard would take away
 LOCAL_LR = 0.1  # local steps (LocalSGD): plain SGD, so that the reference is plain too
 
 
@@ -105,6 +96,12 @@ def _die_once_admitted(when: str = "admitted") -> None:
     run_module.ask_to_join = admitted_then_gone
 
 
+def _killed(*args: Any, **kwargs: Any) -> NoReturn:
+    """SIGKILL this process, in place of whatever it was about to call."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("SIGKILL did not end this process")
+
+
 def die_before_sending_copy(step: int) -> None:
     """Make this rank die as it would send its buddy copy of ``step`` (Note [one step
     back] in tandem/elastic/buddy.py), after it took the previous rank's: that rank
@@ -113,12 +110,34 @@ def die_before_sending_copy(step: int) -> None:
     from tandem.elastic.buddy import BuddyCopies
     send = BuddyCopies.refresh
 
-    def die(self: BuddyCopies, shard: Any, at: int, members: Any, me: int) -> None:
+    def die(self: BuddyCopies, shard: dict[str, Any], at: int, members: tuple[str, ...], me: int) -> None:
         if at == step:
             recv((me - 1) % len(members))
             os.kill(os.getpid(), signal.SIGKILL)
         send(self, shard, at, members, me)
-    BuddyCopies.refresh = die  # type: ignore[method-assign]
+    mock.patch.object(BuddyCopies, "refresh", die).start()  # for the rest of this process
+
+
+def join_or_found(rank: int, world_size: int, out: str, join_dies: str | None = None) -> bool:
+    """Start this process's part of the job: a founding rank of ``world_size``,
+    or a replacement (``TANDEM_ELASTIC_JOIN=1``), which asks to join once the
+    members have shrunk (they then hold a step until the request is there, so
+    that it joins through a step's decision) and, with ``join_dies``, dies once
+    admitted (:func:`_die_once_admitted`). Returns whether it is a replacement."""
+    import tandem
+
+    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
+    url = f"file://{os.environ['TANDEM_TEST_STORE']}"
+    if joining:
+        ready = Path(out) / "shrunk"
+        while not ready.exists():
+            time.sleep(0.02)
+        tandem.init("gloo", init_method=url)
+        if join_dies:
+            _die_once_admitted(join_dies)
+    else:
+        tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
+    return joining
 
 
 def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_dies: str | None,
@@ -135,22 +154,9 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     as the state is sent to the replacement (its shards have arrived), and
     ``group_dies`` as fully_shard builds its reduce-scatter group in a smaller
     world (at the first forward after a loss)."""
-    import tandem
     from tandem import Trainer, TrainerConfig
 
-    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
-    url = f"file://{os.environ['TANDEM_TEST_STORE']}"
-    if joining:
-        # Ask to join once the members have shrunk (they then hold step join_at
-        # until the request is there), so that it joins through a step's decision.
-        ready = Path(out) / "shrunk"
-        while not ready.exists():
-            time.sleep(0.02)
-        tandem.init("gloo", init_method=url)
-        if join_dies:
-            _die_once_admitted(join_dies)
-    else:
-        tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
+    joining = join_or_found(rank, world_size, out, join_dies)
     if rank == group_dies and not joining:
         import tandem.fsdp.hooks as hooks
         build = hooks.new_world_group
@@ -183,12 +189,12 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         send_copy = BuddyCopies.refresh
         left: list[bool] = []
 
-        def leave(self: BuddyCopies, shard: Any, at: int, members: Any, me: int) -> None:
+        def leave(self: BuddyCopies, shard: dict[str, Any], at: int, members: tuple[str, ...], me: int) -> None:
             if at == leaves_at and not left:
                 left.append(True)
                 raise PeerLostError(me, {}, "a test: rank 2 leaves for a regroup")
             send_copy(self, shard, at, members, me)
-        BuddyCopies.refresh = leave  # type: ignore[method-assign]
+        mock.patch.object(BuddyCopies, "refresh", leave).start()
     if ends_apart_at is not None and rank == 2 and not joining:
         # Rank 2 leaves for a regroup, alive, as it would send its copy of the epoch's last
         # step (the Trainer's buddy refresh): the others, logging nothing there, end the epoch and see it
@@ -205,10 +211,10 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         Trainer._refresh_buddy = leave_at_the_end  # type: ignore[method-assign]
     if rank == save_dies and not joining and fsdp:  # inside dcp.save, between its plan's collectives and its last
         from torch.distributed.checkpoint import FileSystemWriter
-        FileSystemWriter.write_data = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+        FileSystemWriter.write_data = _killed  # type: ignore[method-assign]
     if rank == save_dies and not joining and not fsdp:  # inside a whole-file save, before its collective
         import tandem.train.run_checkpoints as run_checkpoints
-        run_checkpoints.save_checkpoint = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+        run_checkpoints.save_checkpoint = _killed
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
     trainer: Trainer | None = None
@@ -241,7 +247,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         if fsdp:  # after the last unit's backward, before the first's
             model[0].register_forward_hook(lambda m, i, out: (out.register_hook(die), out)[1])
         else:
-            model[0].weight.register_hook(die)
+            model.get_parameter("0.weight").register_hook(die)
     wrapped: nn.Module = model
     if fsdp:
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), **ADAM)
@@ -269,14 +275,14 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         from tandem import DiLoCoConfig
         diloco = DiLoCoConfig.local_sgd(local_steps)
     two = ends_apart_at is not None  # two epochs, and no logging collective at the first one's end
-    trainer = Trainer(wrapped, optimizer, Indexed(), loss_fn,
+    trainer = Trainer(wrapped, optimizer, indexed(), loss_fn,
                       scheduler=make_scheduler(optimizer) if zero or fsdp else None,
                       config=TrainerConfig(batch_size=BATCH, epochs=2 if two else 1, elastic=CONFIG, progress=False,
                                            plot=False, log_every=100 if two else 1, output_dir=Path(out) / "run",
                                            resume=False, ddp_options={"bucket_cap_mb": 0.0001},
                                            checkpoint_every=checkpoint_every, diloco=diloco))
     result = trainer.fit()
-    params = [p.full_tensor() if fsdp else p for p in model.parameters()]  # fully_shard: a collective
+    params = [as_dtensor(p).full_tensor() if fsdp else p for p in model.parameters()]  # fully_shard: a collective
     return {"params": [p.detach().clone() for p in params],
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
@@ -304,23 +310,13 @@ def _reference(schedule: list[int], zero: bool = False) -> list[torch.Tensor]:
     with ``zero``, with Adam and the sharded runs' scheduler."""
     from tandem.data.sampler import _epoch_order
 
-    data = Indexed()
     order = _epoch_order(N, shuffle=True, seed=0, epoch=0)
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), **ADAM) if zero else make_optimizer(model)
-    scheduler = make_scheduler(opt) if zero else None
-    consumed = 0
+    batches, consumed = [], 0
     for world in schedule:  # the last global batch may be smaller than world * BATCH
-        idx = order[consumed:consumed + world * BATCH]
+        batches.append(order[consumed:consumed + world * BATCH])
         consumed = min(consumed + world * BATCH, N)
-        loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
     assert consumed == N
-    return [p.detach().clone() for p in model.parameters()]
+    return reference_on(batches, sharded=zero)
 
 
 def local_sgd_reference(out: Path, died_at: dict[str, int], sync_every: int, epochs: int) -> list[torch.Tensor]:
@@ -329,7 +325,7 @@ def local_sgd_reference(out: Path, died_at: dict[str, int], sync_every: int, epo
     share of the step's samples times the number of ranks), with plain SGD; every
     ``sync_every`` steps, at each epoch's end and where the processes change, the
     copies become their average."""
-    data = Indexed()
+    data = indexed()
     per_step: dict[int, dict[str, list[int]]] = {}
     for path in out.glob("samples-*.jsonl"):
         process = path.name.removeprefix("samples-").removesuffix(".jsonl")
@@ -385,7 +381,7 @@ def reference_on(batches: list[list[int]], *, sharded: bool = True) -> list[torc
     scheduler (``sharded``) or the DDP runs' optimizer: the reference where the
     rest of an epoch was split exactly (Note [exact split]), whose steps are not
     the order's next samples."""
-    data, model = Indexed(), make_model()
+    data, model = indexed(), make_model()
     opt = torch.optim.Adam(model.parameters(), **ADAM) if sharded else make_optimizer(model)
     scheduler = make_scheduler(opt) if sharded else None
     for idx in batches:

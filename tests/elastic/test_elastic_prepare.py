@@ -26,15 +26,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_elastic import (ADAM, BATCH, CONFIG, N, TIMEOUT, Indexed, _check_equal_replicas, _check_reference,
-                          _die_once_admitted, _launched, _reference, _schedule, _used_samples, die_before_sending_copy,
-                          LOCAL_LR, committed_steps, global_batches, launch_all, local_sgd_reference, make_model,
-                          make_optimizer, make_scheduler, reference_on)
+from test_elastic import (ADAM, BATCH, CONFIG, N, TIMEOUT, indexed, _check_equal_replicas, _check_reference,
+                          _launched, _reference, _schedule, _used_samples, die_before_sending_copy,
+                          LOCAL_LR, committed_steps, global_batches, join_or_found, launch_all, local_sgd_reference,
+                          make_model, make_optimizer, make_scheduler, reference_on)
 from torch.utils.data import DataLoader, TensorDataset
 
 from tandem.data.loader import DistributedLoader
 from tandem.data.sampler import DistributedSampler
-from tandem.testing import run_distributed
+from tandem.testing import as_dtensor, run_distributed
 from tandem.testing.harness import still_running
 
 
@@ -54,16 +54,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
     ``admitting_dies`` kills itself as the state is sent to the replacement."""
     import tandem
 
-    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
-    url = f"file://{os.environ['TANDEM_TEST_STORE']}"
-    if joining:
-        while not (Path(out) / "shrunk").exists():
-            time.sleep(0.02)
-        tandem.init("gloo", init_method=url)
-        if join_dies:
-            _die_once_admitted(join_dies)
-    else:
-        tandem.init("gloo", init_method=url, rank=rank, world_size=world_size)
+    joining = join_or_found(rank, world_size, out, join_dies)
     if rank == admitting_dies and not joining:
         from tandem.elastic.loop import ElasticLoop
         ElasticLoop._share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
@@ -73,7 +64,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
 
     module = make_model()
-    loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    loader = DataLoader(indexed(), batch_size=BATCH, shuffle=True)
     quantized = strategy == "fsdp-int8"  # fully_shard's int8 gathers and reduce-scatters
     strategy = "fsdp" if quantized else strategy
     sharded = strategy in ("zero2", "fsdp")
@@ -86,14 +77,14 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
         model, optimizer, train = tandem.prepare(
             module, torch.optim.SGD(module.parameters(), lr=LOCAL_LR), loader, elastic=CONFIG,
             diloco=DiLoCoConfig.local_sgd(int(strategy.removeprefix("diloco"))))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     elif sharded:  # a unit per Linear, and a root without parameters (fully_shard)
         model, optimizer, train = tandem.prepare(
             module, torch.optim.Adam(module.parameters(), **ADAM), loader, elastic=CONFIG, strategy=strategy,
             wrapper_kwargs=({"min_unit_bytes": 0, "comm_policy": _int8_policy() if quantized else None}
                             if strategy == "fsdp" else {"bucket_cap_mb": 0.0001}),
             shard_units=(torch.nn.Linear,) if strategy == "fsdp" else ())
-        scheduler: Any = make_scheduler(optimizer)  # its rate must go back with a step, and reach a replacement
+        scheduler = make_scheduler(optimizer)  # its rate must go back with a step, and reach a replacement
     else:
         model, optimizer, train = tandem.prepare(module, make_optimizer(module), loader, elastic=CONFIG,
                                                  wrapper_kwargs={"bucket_cap_mb": 0.0001})
@@ -115,10 +106,11 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
         if strategy == "fsdp":  # after the last unit's backward, before the first's
             module[0].register_forward_hook(lambda m, i, out: (out.register_hook(die), out)[1])
         else:
-            module[0].weight.register_hook(die)
+            module.get_parameter("0.weight").register_hook(die)
 
     def params() -> list[torch.Tensor]:  # fully_shard's: a collective
-        return [(p.full_tensor() if strategy == "fsdp" else p).detach().clone() for p in module.parameters()]
+        return [(as_dtensor(p).full_tensor() if strategy == "fsdp" else p).detach().clone()
+                for p in module.parameters()]
 
     abandoned, after_epoch = 0, []
     said = io.StringIO()  # what tandem prints on this rank's stderr while the loop runs
@@ -139,7 +131,11 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
                     scheduler.step()
                 optimizer.zero_grad()
             after_epoch.append(params())
-    synced_at = None if not strategy.startswith("diloco") else tandem.DiLoCo.of(optimizer).synced_at
+    synced_at = None
+    if strategy.startswith("diloco"):
+        diloco = tandem.DiLoCo.of(optimizer)
+        assert diloco is not None  # prepare built it
+        synced_at = diloco.synced_at
     from tandem.comm.monitor import current_monitor
     last_ops = sorted({(e.op, e.dtype) for e in current_monitor().ledger.entries()[-12:]})  # the last step's
     return {"params": params(), "after_epoch": after_epoch, "synced_at": synced_at, "hook_calls": hook_calls,
@@ -458,7 +454,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, str]:
     import tandem
 
     out: dict[str, str] = {}
-    loader = DataLoader(Indexed(), batch_size=BATCH)
+    loader = DataLoader(indexed(), batch_size=BATCH)
     with pytest.raises(ValueError) as e:
         tandem.prepare(make_model(), None, loader, elastic=True)
     out["no optimizer"] = str(e.value)
@@ -496,7 +492,7 @@ def test_own_loop_with_local_steps_h1_is_ddp_after_a_loss(scenarios: dict) -> No
     assert not changes[0]["stepped_back"]  # H=1: the last sync is the last step
     # DDP's reference: one process, plain SGD, on each committed step's global batch.
     model = make_model()
-    data = Indexed()
+    data = indexed()
     for idx in global_batches(tmp_path, {"1": 2}):
         loss = ((model(data.x[idx]) - data.y[idx]) ** 2).mean()
         grads = torch.autograd.grad(loss, list(model.parameters()))

@@ -18,15 +18,18 @@ one's mean loss stepped with the same optimizer.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from test_elastic import FEATURES, make_model, make_optimizer
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from tandem.testing import run_distributed
+from tandem.testing.indexed import IndexedSamples
 
 # (samples, world before, world after, samples consumed before the change, batch per rank)
 CASES = [
@@ -34,21 +37,6 @@ CASES = [
     (21, 2, 3, 8, 4),     # 13 left: a full global batch, then 1, 0, 0 (two ranks with an empty batch)
     (31, 3, 2, 12, 2),    # a shrink with 19 left: 4 full, then 2, 1
 ]
-
-
-class Indexed(Dataset):
-    """Samples that carry their index, so that the test counts which were trained."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(n, FEATURES, generator=g)
-        self.y = torch.randn(n, 2, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
-        return self.x[i], (self.y[i], i)
 
 
 def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, loader, batches, steps: int | None,
@@ -68,7 +56,7 @@ def _case(rank: int, n: int, before: int, after: int, consumed: int, batch: int)
     from tandem import DistributedDataParallel, DistributedSampler
     from tandem.data.loader import DistributedLoader
 
-    data = Indexed(n)
+    data = IndexedSamples(n, FEATURES)
     groups = {w: dist.new_group(list(range(w))) for w in (2,)}  # on every rank, in the same order
     group = {3: None, **groups}
 
@@ -79,7 +67,9 @@ def _case(rank: int, n: int, before: int, after: int, consumed: int, batch: int)
     module = make_model()
     optimizer = make_optimizer(module)
     trained: list[list[int]] = []
-    model = loader = batches = None
+    model: DistributedDataParallel | None = None
+    loader: DistributedLoader | None = None
+    batches: Iterator[Any] | None = None
     if rank < before:
         model = DistributedDataParallel(module, process_group=group[before], bucket_cap_mb=0.0001)
         loader = loader_for(before)
@@ -87,8 +77,9 @@ def _case(rank: int, n: int, before: int, after: int, consumed: int, batch: int)
         batches = iter(loader)
         _train_steps(model, optimizer, loader, batches, consumed // (before * batch), trained)
     # The change. A joining rank gets the state and the loader's position from rank 0.
-    box = [None]
+    box: list[Any] = [None]
     if rank == 0:
+        assert loader is not None  # rank 0 trained before the change
         box = [(module.state_dict(), optimizer.state_dict(), loader.position())]
     if after > before:
         dist.broadcast_object_list(box, src=0)
@@ -104,6 +95,7 @@ def _case(rank: int, n: int, before: int, after: int, consumed: int, batch: int)
         loader.on_weight = lambda w: setattr(model, "batch_weight", w)
         batches = iter(loader)
     else:  # a member: the same iteration goes on, over the new world
+        assert model is not None and loader is not None
         model.reset_process_group(group[after])
         loader.regroup(after, rank)
     _train_steps(model, optimizer, loader, batches, None, trained)
@@ -120,7 +112,7 @@ def _reference(n: int, before: int, after: int, consumed: int, batch: int,
     """One process, plain torch: global batches of before*batch until ``consumed``,
     then of after*batch. ``weighted=False``: the last batch as DDP's unweighted mean
     of the ranks' means would train it (to show that the comparison can fail)."""
-    data = Indexed(n)
+    data = IndexedSamples(n, FEATURES)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     model = make_model()
     optimizer = make_optimizer(model)
@@ -174,7 +166,7 @@ def _job_rank(rank: int, world_size: int, out: str, mode: str) -> dict:
     from pathlib import Path
 
     import tandem
-    from test_elastic import CONFIG
+    from test_elastic import CONFIG, join_or_found
 
     def hold_for_a_joiner(membership: object) -> None:
         """Hold this step until the replacement asks to join, so that it joins through its decision."""
@@ -183,11 +175,7 @@ def _job_rank(rank: int, world_size: int, out: str, mode: str) -> dict:
         while not membership.waiting_joiners() and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(0.05)
 
-    joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
-    while joining and not (Path(out) / "shrunk").exists():  # asks to join once the members shrank
-        time.sleep(0.02)
-    founder = {} if joining else {"rank": rank, "world_size": world_size}
-    tandem.init("gloo", init_method=f"file://{os.environ['TANDEM_TEST_STORE']}", **founder)
+    joining = join_or_found(rank, world_size, out)
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
     module = make_model()
@@ -201,7 +189,7 @@ def _job_rank(rank: int, world_size: int, out: str, mode: str) -> dict:
             if step_of() == JOB_DEATH:  # type: ignore[operator]
                 os.kill(os.getpid(), signal.SIGKILL)
             return grad
-        module[0].weight.register_hook(die)
+        module.get_parameter("0.weight").register_hook(die)
 
     if mode == "trainer":
         from tandem import Trainer, TrainerConfig
@@ -217,14 +205,14 @@ def _job_rank(rank: int, world_size: int, out: str, mode: str) -> dict:
 
         if not joining and rank == 1:
             die_at(lambda: trainer.state.step)  # type: ignore[union-attr]
-        trainer = Trainer(module, make_optimizer(module), Indexed(JOB_N), loss_fn,
+        trainer = Trainer(module, make_optimizer(module), IndexedSamples(JOB_N, FEATURES), loss_fn,
                           config=TrainerConfig(batch_size=JOB_BATCH, epochs=1, elastic=CONFIG, progress=False,
                                                plot=False, log_every=1, output_dir=Path(out) / "run",
                                                resume=False, ddp_options={"bucket_cap_mb": 0.0001}))
         trainer.fit()
         changes = [c.record() for c in trainer.world_changes]
     else:
-        loader = DataLoader(Indexed(JOB_N), batch_size=JOB_BATCH, shuffle=True)
+        loader = DataLoader(IndexedSamples(JOB_N, FEATURES), batch_size=JOB_BATCH, shuffle=True)
         model, optimizer, train = tandem.prepare(module, make_optimizer(module), loader, elastic=CONFIG,
                                                  wrapper_kwargs={"bucket_cap_mb": 0.0001})
         if not joining and rank == 1:
@@ -253,7 +241,7 @@ def _job(out, deaths, *, mode: str) -> list[dict]:
 
 def _job_reference(schedule: list[int]) -> list[torch.Tensor]:
     """One process, plain torch, on the global batches of ``schedule`` (world size per step)."""
-    data = Indexed(JOB_N)
+    data = IndexedSamples(JOB_N, FEATURES)
     order = torch.randperm(JOB_N, generator=torch.Generator().manual_seed(0)).tolist()
     model = make_model()
     optimizer = make_optimizer(model)

@@ -26,24 +26,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+
+from tandem.testing.indexed import IndexedSamples
 
 N, FEATURES, BATCH = 192, 8, 4
-
-
-class Indexed(Dataset):
-    """Samples that carry their index in the target."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(N, FEATURES, generator=g)
-        self.y = torch.randn(N, 2, generator=g)
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, tuple[torch.Tensor, int]]:
-        return self.x[i], (self.y[i], i)
 
 
 def make_model() -> nn.Sequential:
@@ -76,7 +62,7 @@ def global_batches(schedule: list[int]) -> list[list[int]]:
 
 def reference(schedule: list[int]) -> list[torch.Tensor]:
     """One process on the global batches of ``schedule`` (world size per step)."""
-    data = Indexed()
+    data = IndexedSamples(N, FEATURES)
     model = make_model()
     opt = make_optimizer(model)
     for idx in global_batches(schedule):
@@ -134,7 +120,7 @@ def main() -> None:
             first.weight.register_hook(kill)
     optimizer = make_optimizer(model)
     elastic = ElasticConfig(beat_s=0.1, stale_after_s=2.0) if os.environ.get("ELASTIC") == "1" else None
-    trainer = Trainer(model, optimizer, Indexed(), loss_fn,
+    trainer = Trainer(model, optimizer, IndexedSamples(N, FEATURES), loss_fn,
                       config=TrainerConfig(batch_size=BATCH, epochs=1, elastic=elastic, progress=False,
                                            plot=False, log_every=1, output_dir=out / "run",
                                            checkpoint_every=4, keep_checkpoints=2))
