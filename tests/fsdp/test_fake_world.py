@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.examples.gpt_model import GPT, GPTConfig
-from tandem.testing import fake_world
+from tandem.testing import as_dtensor, fake_world
 from tandem.testing.memory import PeakMemory
 from tandem.tools.plan import plan
 
@@ -80,7 +80,7 @@ def _sharded(impl: str, cfg: GPTConfig, world: int, device: str, variant: str = 
     model.to_empty(device="cpu" if variant == "offload" else device)
     with torch.no_grad():
         for p in model.parameters():
-            p.to_local().normal_(0.0, 0.02)
+            as_dtensor(p).to_local().normal_(0.0, 0.02)
     return model
 
 
@@ -108,7 +108,8 @@ def _stepper(model: nn.Module, cfg: GPTConfig, device: str) -> tuple[Callable[[]
 
 
 def _local_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {n: (tuple(p.to_local().shape), str(p.placements)) for n, p in model.named_parameters()}
+    return {n: (tuple(as_dtensor(p).to_local().shape), str(as_dtensor(p).placements))
+            for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,18 +144,18 @@ def test_step_leaves_gradients_and_state_as_fsdp2(device: str, world: int, varia
             logits = step()
             assert logits.dtype == torch.bfloat16 and logits.shape == (BATCH, TINY.block_size, TINY.vocab_size)
             if variant == "offload" and device == "cuda":  # so that each gather's copy in is asynchronous
-                unpinned = [n for n, p in model.named_parameters() if not p.to_local().is_pinned()]
+                unpinned = [n for n, p in model.named_parameters() if not as_dtensor(p).to_local().is_pinned()]
                 assert not unpinned, f"{impl}: offloaded shards not in pinned memory: {unpinned}"
             grads = {}
             for n, p in model.named_parameters():
                 assert p.grad is not None, f"{impl}: '{n}' has no gradient after the step"
-                g = p.grad.to_local()
+                g = as_dtensor(p.grad).to_local()
                 assert g.dtype == torch.float32 and g.device.type == shard_device.type, (impl, n, g.dtype, g.device)
                 grads[n] = tuple(g.shape)
                 # copied to the host asynchronously (Note [gradients to the host] in tandem/fsdp/unit_reduce.py)
                 if variant == "offload" and device == "cuda":
                     assert g.is_pinned(), f"{impl}: the offloaded gradient of '{n}' is not in pinned memory"
-            state = sum(t.to_local().numel() * t.element_size() for s in opt.state.values()
+            state = sum(as_dtensor(t).to_local().numel() * t.element_size() for s in opt.state.values()
                         for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
             found[impl] = grads, state
     assert found["tandem"][0] == found["torch"][0]

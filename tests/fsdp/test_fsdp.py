@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 
 from tandem.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, plan_unit
 from tandem.fsdp.unit_state import ShardState
-from tandem.testing import run_distributed
+from tandem.testing import as_dtensor, as_fsdp, run_distributed, sharded_unit
 
 D, V, SEQ, GLOBAL_BATCH = 20, 37, 5, 12   # odd sizes: shards of 3 ranks are uneven
 TOL = 1e-5
@@ -59,7 +61,7 @@ class Net(nn.Module):
 @dataclass(frozen=True)
 class Case:
     impl: str = "tandem"                # "tandem" or "torch"
-    reshard: bool | None = None         # reshard_after_forward for every unit (None: root keeps)
+    reshard: bool | int | None = None   # reshard_after_forward for every unit (None: root keeps)
     micro: int = 1                      # micro-batches per step, all but the last without sync
     bf16: bool = False                  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     offload: bool = False               # CPUOffloadPolicy (on CPU: shards stay where they are)
@@ -127,13 +129,18 @@ class Outcome:
     rs_before_last_gather: bool = False
 
 
+def fully_shard_of(impl: str, **tandem_only: Any) -> Callable[..., Any]:
+    """``impl``'s fully_shard ("tandem" or "torch"), with the arguments only
+    tandem's takes (``min_unit_bytes``) given to tandem's."""
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        return torch_fully_shard
+    return functools.partial(fully_shard, **tandem_only)
+
+
 def shard(model: Net, case: Case) -> None:
-    if case.impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        kwargs: dict = {}
-    else:
-        shard = fully_shard
-        kwargs = {"min_unit_bytes": case.min_unit_bytes}
+    wrap = fully_shard_of(case.impl, min_unit_bytes=case.min_unit_bytes)
+    kwargs: dict[str, Any] = {}
     if case.bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if case.reshard is not None:
@@ -141,8 +148,8 @@ def shard(model: Net, case: Case) -> None:
     if case.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for block in model.layers:
-        shard(block, **kwargs)
-    shard(model, **kwargs)
+        wrap(block, **kwargs)
+    wrap(model, **kwargs)
 
 
 def distributed(rank: int, world_size: int, case: Case) -> Outcome:
@@ -156,8 +163,8 @@ def distributed(rank: int, world_size: int, case: Case) -> Outcome:
     log: list[tuple[str, str, int]] = []
     step_holder = [0]
     if case.impl == "tandem" and len(units) > 1:
-        nxt = model.layers[1]._tandem_fsdp_unit
-        model.layers[0].fc1.register_forward_pre_hook(
+        nxt = sharded_unit(model.layers[1])
+        model.get_submodule("layers.0.fc1").register_forward_pre_hook(
             lambda *_: out.prefetched.append(nxt.state.name) if step_holder[0] == 1 else None)
     for step in range(case.steps):
         step_holder[0] = step
@@ -170,7 +177,7 @@ def distributed(rank: int, world_size: int, case: Case) -> Outcome:
             out.events = list(log)
             log.clear()
     out.params = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    out.param_bytes = _distinct_bytes(p.to_local() for p in model.parameters())
+    out.param_bytes = _distinct_bytes(as_dtensor(p).to_local() for p in model.parameters())
     out.optim_bytes = _distinct_bytes(v.to_local() if hasattr(v, "to_local") else v
                                       for s in opt.state.values() for k, v in s.items() if k != "step")
     out.units = len(units)
@@ -186,9 +193,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: i
     returns the global batch's mean loss."""
     n = GLOBAL_BATCH // world_size
     branch = rank % 2 if case.branchy else 0
-    total = 0
+    total: torch.Tensor | int = 0
     for m in range(case.micro):
-        model.set_requires_gradient_sync(m == case.micro - 1)
+        as_fsdp(model).set_requires_gradient_sync(m == case.micro - 1)
         tokens, target = _batch(step, m)
         loss = _loss(model, tokens[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n], branch)
         (loss / case.micro).backward()
@@ -196,6 +203,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, case: Case, rank: i
     torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
     opt.step()
     opt.zero_grad()
+    assert isinstance(total, torch.Tensor)
     dist.all_reduce(total)  # a tensor on the loss's device (CUDA for nccl)
     return total.item() / world_size
 

@@ -23,14 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from test_fsdp import Case, Net, local_training, max_diff, tandem_units, train_step
+from test_fsdp import Case, Net, fully_shard_of, local_training, max_diff, tandem_units, train_step
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from tandem.fsdp import fully_shard
 from tandem.fsdp.regroup import check_regroupable
-from tandem.testing import raised_by, run_distributed
+from tandem.testing import as_dtensor, as_fsdp, raised_by, run_distributed
 
 WORLD = 4
 TOL = 1e-5
@@ -84,11 +84,8 @@ def _build(h: Hsdp, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Net()
     mesh = _mesh(h.shape)
-    if h.impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        kwargs: dict = {}
-    else:
-        shard, kwargs = fully_shard, {"min_unit_bytes": h.min_unit_bytes}
+    shard = fully_shard_of(h.impl, min_unit_bytes=h.min_unit_bytes)
+    kwargs: dict[str, Any] = {}
     if h.reshard is not None:
         kwargs["reshard_after_forward"] = h.reshard
     if h.bf16:
@@ -119,7 +116,7 @@ def _train(rank: int, h: Hsdp) -> Outcome:
     case = h.case()
     units = tandem_units(model)
     out = Outcome([], {}, units=len(units))
-    out.placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
+    out.placements = {n: str(tuple(as_dtensor(p).placements)) for n, p in model.named_parameters()}
     log: list[tuple[str, str, int, str]] = []
     for step in range(case.steps):
         if step == 1:
@@ -145,7 +142,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, h: Hsdp, case: Case, ran
     n = GLOBAL_BATCH // WORLD
     total = torch.zeros(())
     for m in range(case.micro):
-        model.set_requires_all_reduce(m == case.micro - 1)
+        as_fsdp(model).set_requires_all_reduce(m == case.micro - 1)
         tokens, target = _batch(step, m)
         loss = _loss(model, tokens[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n], 0)
         (loss / case.micro).backward()
@@ -175,13 +172,13 @@ def _resume(rank: int, path: str, shape: tuple[int, ...]) -> tuple[list[float], 
     h = Hsdp(shape=shape)
     model, opt = _build(h, seed=123)   # another init: everything must come from the checkpoint
     model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     # Block.alt and Block.unused get no gradient, so AdamW saved no state for them.
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     case = h.case(STEPS)
     losses = [_step(model, opt, h, case, rank, step) for step in range(SAVED_STEPS, STEPS)]
-    placement = str(tuple(model.layers[0].fc1.weight.placements))
+    placement = str(tuple(as_dtensor(model.get_parameter("layers.0.fc1.weight")).placements))
     return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}, placement
 
 
@@ -259,8 +256,8 @@ def _held(rank: int) -> Held:
         if step == 0:   # the second step's gradients stay, as a step leaves them
             opt.zero_grad()
     held.units = [("" if u.name == "<root>" else u.name, u.layout.shard_numel) for u in units]   # named at forward
-    held.params = _distinct_bytes(p.to_local() for p in model.parameters())
-    held.grads = _distinct_bytes(p.grad.to_local() for p in model.parameters() if p.grad is not None)
+    held.params = _distinct_bytes(as_dtensor(p).to_local() for p in model.parameters())
+    held.grads = _distinct_bytes(as_dtensor(p.grad).to_local() for p in model.parameters() if p.grad is not None)
     held.optimizer = _distinct_bytes(v.to_local() for s in opt.state.values() for k, v in s.items() if k != "step")
     return held
 

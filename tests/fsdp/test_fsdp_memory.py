@@ -15,7 +15,7 @@ from test_fsdp import _distinct_bytes, tandem_units
 from torch import nn
 
 from tandem.fsdp import MixedPrecisionPolicy, fully_shard, plan_unit
-from tandem.testing import run_distributed
+from tandem.testing import as_dtensor, run_distributed
 from tandem.zero import FullyShardSpec, MemoryEstimate, estimate_memory, format_memory_table
 from tandem.zero.memory import StepActivity, stage3_peak
 
@@ -53,7 +53,7 @@ def test_stage3_bytes_follow_the_dim0_chunks(seed: int) -> None:
     rng = random.Random(seed)
     world = rng.randint(1, 4)
     model, unit_shapes = _random_model(rng)
-    names = [f"blocks.{i}" for i in range(len(unit_shapes) - 1)]
+    names = tuple(f"blocks.{i}" for i in range(len(unit_shapes) - 1))
     s3 = estimate_memory(model, world, fsdp=FullyShardSpec(units=names, min_unit_bytes=0))[3]
     assert [u.name for u in s3.units] == ["", *names]
     chunks = [[_ceil(s[0], world) * _numel(s[1:]) for s in shapes] for shapes in unit_shapes]
@@ -89,7 +89,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def test_frozen_parameters_are_sharded_but_have_no_state(world: int) -> None:
     model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
     model[0].requires_grad_(False)
-    s3 = estimate_memory(model, world, fsdp=FullyShardSpec(units=["0", "1"], min_unit_bytes=0))[3]
+    s3 = estimate_memory(model, world, fsdp=FullyShardSpec(units=("0", "1"), min_unit_bytes=0))[3]
     chunk = {name: _ceil(p.shape[0], world) * p[0].numel() for name, p in model.named_parameters()}
     assert s3.params == 4 * sum(chunk.values())
     assert s3.optimizer == 8 * (chunk["1.weight"] + chunk["1.bias"])
@@ -98,7 +98,7 @@ def test_frozen_parameters_are_sharded_but_have_no_state(world: int) -> None:
 
 def test_mixed_precision_sizes() -> None:
     model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 10))
-    units = ["0", "1"]
+    units = ("0", "1")
     fp32 = estimate_memory(model, 3, fsdp=FullyShardSpec(units=units, min_unit_bytes=0))[3]
     bf16 = estimate_memory(model, 3, fsdp=FullyShardSpec(units=units, min_unit_bytes=0, param_dtype=torch.bfloat16,
                                                          reduce_dtype=torch.float32))[3]
@@ -113,14 +113,14 @@ def test_mixed_precision_sizes() -> None:
 
 def test_cpu_offload_moves_the_steady_state_to_the_host() -> None:
     model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 10))
-    spec = functools.partial(FullyShardSpec, units=["0", "1"], min_unit_bytes=0, param_dtype=torch.bfloat16,
+    spec = functools.partial(FullyShardSpec, units=("0", "1"), min_unit_bytes=0, param_dtype=torch.bfloat16,
                              reduce_dtype=torch.float32)
     kept = estimate_memory(model, 3, fsdp=spec())[3]
     offloaded = estimate_memory(model, 3, fsdp=spec(cpu_offload=True))[3]
     assert offloaded.params == offloaded.grads == offloaded.optimizer == 0
     assert offloaded.host == kept.params + kept.grads + kept.optimizer and kept.host == 0
     assert offloaded.reducing == kept.reducing and offloaded.gathered == kept.gathered
-    fp32 = functools.partial(FullyShardSpec, units=["0", "1"], min_unit_bytes=0)
+    fp32 = functools.partial(FullyShardSpec, units=("0", "1"), min_unit_bytes=0)
     # the shard on the host is copied into the all-gather's output, as a cast is
     assert (estimate_memory(model, 3, fsdp=fp32(cpu_offload=True))[3].gathered
             == estimate_memory(model, 3, fsdp=fp32())[3].gathered)
@@ -156,7 +156,7 @@ def test_tiny_units_merge_into_the_enclosing_call() -> None:
     model = nn.Module()
     model.embed = nn.Linear(4, 64)                                        # 1280 bytes
     model.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64)) for _ in range(2))
-    names = ["embed", "blocks.0.0", "blocks.0", "blocks.1.0", "blocks.1"]
+    names = ("embed", "blocks.0.0", "blocks.0", "blocks.1.0", "blocks.1")
     spec = FullyShardSpec(units=names, min_unit_bytes=1024)
     units = estimate_memory(model, 2, fsdp=spec)[3].units
     # the norms (512 bytes) join their blocks; embed stays (nothing but the root encloses
@@ -171,7 +171,7 @@ def test_tiny_units_merge_into_the_enclosing_call() -> None:
 
 def test_keeping_units_after_forward_holds_them_all() -> None:
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
-    units = [str(i) for i in range(4)]
+    units = tuple(str(i) for i in range(4))
     kept = estimate_memory(model, 2, fsdp=FullyShardSpec(units=units, reshard_after_forward=False,
                                                          min_unit_bytes=0))[3]
     freed = estimate_memory(model, 2, fsdp=FullyShardSpec(units=units, min_unit_bytes=0))[3]
@@ -182,7 +182,7 @@ def test_keeping_units_after_forward_holds_them_all() -> None:
 
 def test_nested_units_count_their_enclosing_units() -> None:
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 8))
-    s3 = estimate_memory(model, 2, fsdp=FullyShardSpec(units=["0", "0.0", "0.1", "1"], min_unit_bytes=0))[3]
+    s3 = estimate_memory(model, 2, fsdp=FullyShardSpec(units=("0", "0.0", "0.1", "1"), min_unit_bytes=0))[3]
     assert [u.name for u in s3.units] == ["", "0", "0.0", "0.1", "1"] and s3.units[1].layout.numel == 0
     full = 2 * 4 * s3.units[2].layout.shard_numel
     assert s3.gathered == 2 * full  # "0" gathers nothing: one Linear and one gather at a time
@@ -201,7 +201,7 @@ def test_default_is_one_unit_and_the_table_names_it() -> None:
 def test_bad_specs_name_the_field_and_the_value() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"'layers.0'.*submodules of Sequential"):
-        estimate_memory(model, 2, fsdp=FullyShardSpec(units=["layers.0"]))
+        estimate_memory(model, 2, fsdp=FullyShardSpec(units=("layers.0",)))
     with pytest.raises(ValueError, match="FullyShardSpec.min_unit_bytes.*-1"):
         FullyShardSpec(min_unit_bytes=-1)
     with pytest.raises(ValueError, match="FullyShardSpec.param_dtype.*torch.int64"):
@@ -216,12 +216,12 @@ def test_what_fully_shard_rejects_is_rejected() -> None:
     tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     tied[1].weight = tied[0].weight
     with pytest.raises(ValueError, match=r"'1.weight'.*unit '0'"):
-        estimate_memory(tied, 2, fsdp=FullyShardSpec(units=["0", "1"], min_unit_bytes=0))
-    estimate_memory(tied, 2, fsdp=FullyShardSpec(units=[], min_unit_bytes=0))  # both in the root: fine
+        estimate_memory(tied, 2, fsdp=FullyShardSpec(units=("0", "1"), min_unit_bytes=0))
+    estimate_memory(tied, 2, fsdp=FullyShardSpec(units=(), min_unit_bytes=0))  # both in the root: fine
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     with pytest.raises(ValueError, match="mix parameter dtypes"):
         estimate_memory(mixed, 2)
-    estimate_memory(mixed, 2, fsdp=FullyShardSpec(units=["1"], min_unit_bytes=0))
+    estimate_memory(mixed, 2, fsdp=FullyShardSpec(units=("1",), min_unit_bytes=0))
 
 
 # ---------------------------------------------------------------------- measured
@@ -326,8 +326,8 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
             opt.zero_grad()
 
     out.units = [(u.name, u.layout.shard_numel) for u in units]
-    out.params = _distinct_bytes(p.to_local() for p in model.parameters())
-    out.grads = _distinct_bytes(p.grad.to_local() for p in model.parameters() if p.grad is not None)
+    out.params = _distinct_bytes(as_dtensor(p).to_local() for p in model.parameters())
+    out.grads = _distinct_bytes(as_dtensor(p.grad).to_local() for p in model.parameters() if p.grad is not None)
     out.optimizer = _distinct_bytes(v.to_local() if hasattr(v, "to_local") else v
                                    for s in opt.state.values() for k, v in s.items() if k != "step")
     out.optimizer_expected = 8 * sum(

@@ -49,8 +49,9 @@ def _init_weights(model: nn.Module) -> None:
 def _reset_parameters(model: nn.Module) -> None:
     """torchtitan's other habit: every module's own reset_parameters()."""
     for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+        reset = getattr(m, "reset_parameters", None)
+        if reset is not None:
+            reset()
 
 
 INITS: dict[str, Callable[[nn.Module], None]] = {"init_weights": _init_weights,

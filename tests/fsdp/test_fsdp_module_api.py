@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.fsdp import FSDPModule, fully_shard
-from tandem.testing import raised_by, run_distributed
+from tandem.testing import as_dtensor, as_fsdp, raised_by, run_distributed, sharded_unit
 
 WORLD, V, D = 2, 13, 8
 # An elastic job's: Note [regrouped units] in tandem/fsdp/regroup.py, Note [a broken step goes on] in
@@ -126,11 +126,11 @@ def _backward(model: Net, rank: int, step: int) -> None:
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {n: None if p.grad is None else as_dtensor(p.grad).full_tensor() for n, p in model.named_parameters()}
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {n: as_dtensor(p).full_tensor() for n, p in model.named_parameters()}
 
 
 def _train(model: Net, opt: Any, rank: int, steps: int = 3) -> dict[str, torch.Tensor]:
@@ -152,8 +152,8 @@ def _hook_sees(rank: int, impl: str, force_sum: bool) -> tuple[list[torch.Tensor
         seen.append(reduced.clone())
         reduced.mul_(2)
 
-    model.blocks[1].set_force_sum_reduction_for_comms(force_sum)
-    model.blocks[1].set_all_reduce_hook(hook)
+    as_fsdp(model.blocks[1]).set_force_sum_reduction_for_comms(force_sum)
+    as_fsdp(model.blocks[1]).set_all_reduce_hook(hook)
     _backward(model, rank, 0)
     return seen, _grads(model)
 
@@ -184,8 +184,8 @@ def _custom_comms(rank: int, impl: str) -> tuple[dict, int, int]:
     model, opt = _build(impl)
     gather, scatter = CountingAllGather(), CountingReduceScatter()
     for block in model.blocks:
-        block.set_custom_all_gather(gather)
-        block.set_custom_reduce_scatter(scatter)
+        as_fsdp(block).set_custom_all_gather(gather)
+        as_fsdp(block).set_custom_reduce_scatter(scatter)
     return _train(model, opt, rank), gather.calls, scatter.calls
 
 
@@ -194,10 +194,10 @@ def _unshard_in_backward(rank: int, impl: str, unshard: bool = False) -> tuple[d
     not gathered for it; returns the parameters and the embedding unit's
     all-gathers (tandem's; 0 for torch)."""
     model, opt = _build(impl)
-    model.embed.set_unshard_in_backward(unshard)
+    as_fsdp(model.embed).set_unshard_in_backward(unshard)
     gathers = 0
     if impl == "tandem":
-        unit = model.embed._tandem_fsdp_unit
+        unit = sharded_unit(model.embed)
 
         def count(event: Any) -> None:
             nonlocal gathers
@@ -208,7 +208,7 @@ def _unshard_in_backward(rank: int, impl: str, unshard: bool = False) -> tuple[d
 
 def _unused(rank: int, impl: str, zeros: bool) -> dict:
     model, _ = _build(impl)
-    model.set_reduce_scatter_unused_params(zeros)
+    as_fsdp(model).set_reduce_scatter_unused_params(zeros)
     _backward(model, rank, 0)
     return _grads(model)
 
@@ -217,8 +217,8 @@ def _max_in_flight(rank: int, k: int | None) -> tuple[dict, int]:
     """The most reductions in flight when one more launches."""
     model, opt = _build("tandem")
     if k is not None:
-        model.set_reduce_scatter_max_input_buffers(k)
-    units = [model._tandem_fsdp_unit, model.embed._tandem_fsdp_unit] + [b._tandem_fsdp_unit for b in model.blocks]
+        as_fsdp(model).set_reduce_scatter_max_input_buffers(k)
+    units = [sharded_unit(model), sharded_unit(model.embed)] + [sharded_unit(b) for b in model.blocks]
     most = 0
     for unit in units:
         launch = unit.launch_reduce
@@ -227,7 +227,7 @@ def _max_in_flight(rank: int, k: int | None) -> tuple[dict, int]:
             nonlocal most
             most = max(most, 1 + sum(u.reducing for u in units))
             launch()
-        unit.launch_reduce = counted
+        unit.launch_reduce = counted  # type: ignore[method-assign]
     # As over a slow link, no reduction is seen complete before it must be waited on:
     # otherwise how many are in flight depends on timing.
     cls = type(units[0])
@@ -250,7 +250,7 @@ def _recovers(rank: int, impl: str, where: str) -> dict:
         assert "injected" in str(e), e
     else:
         raise AssertionError("the injected error did not happen")
-    model.reset_iter_state()
+    as_fsdp(model).reset_iter_state()
     opt.zero_grad()
     return _train(model, opt, rank)
 
@@ -260,8 +260,8 @@ def _divide_by_one(rank: int, impl: str) -> dict:
     model, _ = _build(impl)
     for m in model.modules():
         if hasattr(m, "set_force_sum_reduction_for_comms"):   # tandem's FSDPModule or torch's
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+            as_fsdp(m).set_gradient_divide_factor(1.0)
+            as_fsdp(m).set_force_sum_reduction_for_comms(True)
     _backward(model, rank, 0)
     return _grads(model)
 
@@ -279,7 +279,7 @@ def _post_optim_event(rank: int) -> list[int]:
     event = FakeEvent()
     _backward(model, rank, 0)
     opt.step()
-    model.set_post_optim_event(event)
+    as_fsdp(model).set_post_optim_event(event)
     waits = [event.waits]
     _backward(model, rank, 1)
     waits.append(event.waits)
@@ -290,16 +290,22 @@ def _post_optim_event(rank: int) -> list[int]:
 
 def _refusals(rank: int) -> dict[str, tuple[str, str] | None]:
     model, _ = _build("tandem")
+    sharded = as_fsdp(model)
+
+    def reset_not_root() -> None:
+        _backward(model, rank, 0)
+        as_fsdp(model.blocks[0]).reset_iter_state()
+
     calls = {
-        "separate_group_off": lambda: model.set_separate_reduce_scatter_group(False),
-        "separate_group_on": lambda: model.set_separate_reduce_scatter_group(True),
-        "symm_mem": lambda: model.set_symm_mem_for_comm(),
-        "pg_allocator_on": lambda: model.set_allocate_memory_from_process_group_for_comm(True),
-        "pg_allocator_off": lambda: model.set_allocate_memory_from_process_group_for_comm(False),
-        "hook_stream": lambda: model.set_all_reduce_hook(lambda t: None, stream=object()),
-        "not_a_comm": lambda: model.set_custom_all_gather(object()),
-        "zero_buffers": lambda: model.set_reduce_scatter_max_input_buffers(0),
-        "reset_not_root": lambda: (_backward(model, rank, 0), model.blocks[0].reset_iter_state()),
+        "separate_group_off": lambda: sharded.set_separate_reduce_scatter_group(False),
+        "separate_group_on": lambda: sharded.set_separate_reduce_scatter_group(True),
+        "symm_mem": lambda: sharded.set_symm_mem_for_comm(),
+        "pg_allocator_on": lambda: sharded.set_allocate_memory_from_process_group_for_comm(True),
+        "pg_allocator_off": lambda: sharded.set_allocate_memory_from_process_group_for_comm(False),
+        "hook_stream": lambda: sharded.set_all_reduce_hook(lambda t: None, stream=object()),
+        "not_a_comm": lambda: sharded.set_custom_all_gather(object()),
+        "zero_buffers": lambda: sharded.set_reduce_scatter_max_input_buffers(0),
+        "reset_not_root": reset_not_root,
     }
     return raised_by(calls)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tandem.testing import run_distributed
+from tandem.testing import as_dtensor, run_distributed
 
 nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
                           reason="torchao (NF4Tensor) is not installed: pip install torchao")
@@ -65,13 +65,14 @@ def _train(rank: int, impl: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    weights = [layer.weight.to_local() for layer in model]
+    weights = [as_dtensor(layer.weight).to_local() for layer in model]
     payload = sum(t.numel() * t.element_size() for w in weights
                   for t in (w.quantized_scalers, w.quantization_factor, w.quantized_data))
     sent = [(e.tag, e.nbytes) for e in ledger.entries() if e.seq > first and e.op == "all_gather_into"]
     return {"losses": torch.stack(losses), "payload": payload, "gathers": sent,
             "bf16_bytes": sum(w.numel() * 2 for w in weights), "types": [type(w).__name__ for w in weights],
-            "adapters": {n: p.to_local().float().clone() for n, p in model.named_parameters() if p.requires_grad}}
+            "adapters": {n: as_dtensor(p).to_local().float().clone()
+                         for n, p in model.named_parameters() if p.requires_grad}}
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -35,8 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from tandem.testing import first_difference, max_abs_diff, run_distributed
+from test_fsdp import fully_shard_of
+from tandem.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from tandem.testing import as_dtensor, as_fsdp, first_difference, grad_of, max_abs_diff, run_distributed
 
 WORLD, V, D, BATCH, SEQ, STEPS = 4, 23, 16, 8, 8, 2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -119,11 +120,8 @@ def _build(impl: str, case: Case) -> tuple[Net, torch.optim.Optimizer]:
     mesh = _mesh("four" if case.mesh == "four" else "hsdp")
     if case.mesh == "pair":
         mesh = mesh["shard"]
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        kwargs: dict = {}
-    else:
-        shard, kwargs = fully_shard, {"min_unit_bytes": 0}
+    shard = fully_shard_of(impl, min_unit_bytes=0)
+    kwargs: dict[str, Any] = {}
     kwargs.update(mesh=mesh, reshard_after_forward=case.reshard,
                   mp_policy=MixedPrecisionPolicy(param_dtype=case.param, reduce_dtype=case.reduce))
     if case.offload:
@@ -149,12 +147,12 @@ def _micro_loss(model: Net, case: Case, tokens: torch.Tensor, target: torch.Tens
     hd = h.detach().requires_grad_()
     total = torch.zeros(())
     for i, (hc, yc) in enumerate(zip(hd.chunk(case.chunks, dim=1), target.chunk(case.chunks, dim=1))):
-        model.head.set_requires_gradient_sync(last and i == case.chunks - 1)
+        as_fsdp(model.head).set_requires_gradient_sync(last and i == case.chunks - 1)
         part = F.cross_entropy(model.head(hc).float().reshape(-1, V), yc.reshape(-1), reduction="sum")
         part = part / (target.numel() * case.micro)
         part.backward()
         total += part.detach()
-    model.head.set_requires_gradient_sync(last)
+    as_fsdp(model.head).set_requires_gradient_sync(last)
     h.backward(hd.grad)
     return total
 
@@ -168,9 +166,9 @@ def _train(rank: int, impl: str, case: Case) -> tuple[list[float], dict[str, tor
         for m in range(case.micro):
             last = m == case.micro - 1
             if case.partial:
-                model.set_requires_all_reduce(last)
+                as_fsdp(model).set_requires_all_reduce(last)
             elif not case.chunks:
-                model.set_requires_gradient_sync(last)
+                as_fsdp(model).set_requires_gradient_sync(last)
             else:
                 for unit_root in (model, *model.layers):
                     unit_root.set_requires_gradient_sync(last, recurse=False)
@@ -201,16 +199,12 @@ def _one_linear(rank: int) -> dict[str, torch.Tensor]:
         pair = _mesh("hsdp")["shard"]
         torch.manual_seed(0)
         lin = nn.Linear(64, 64, bias=False)
-        if impl == "torch":
-            from torch.distributed.fsdp import fully_shard as shard
-            kwargs: dict = {}
-        else:
-            shard, kwargs = fully_shard, {"min_unit_bytes": 0}
-        shard(lin, mesh=pair, mp_policy=MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32), **kwargs)
+        shard = fully_shard_of(impl, min_unit_bytes=0)
+        shard(lin, mesh=pair, mp_policy=MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32))
         for m in range(MICRO_LINEAR):
-            lin.set_requires_gradient_sync(m == MICRO_LINEAR - 1)
+            as_fsdp(lin).set_requires_gradient_sync(m == MICRO_LINEAR - 1)
             lin(_linear_data(rank, m)).float().pow(2).sum().backward()
-        out[impl] = lin.weight.grad.full_tensor()
+        out[impl] = as_dtensor(lin.weight.grad).full_tensor()
     return out
 
 
@@ -226,8 +220,8 @@ def _linear_references() -> dict[str, torch.Tensor]:
         for m in range(MICRO_LINEAR):
             lin.weight.grad = None
             lin(_linear_data(rank, m).to(BF16)).float().pow(2).sum().backward()
-            acc32 += lin.weight.grad.float()
-            acc16 += lin.weight.grad
+            acc32 += grad_of(lin.weight).float()
+            acc16 += grad_of(lin.weight)
         sums["fp32"].append(acc32)
         sums["bf16"].append(acc16.float())
     return {k: (v[0] + v[1]) / 2 for k, v in sums.items()}

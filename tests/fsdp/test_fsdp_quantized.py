@@ -33,7 +33,7 @@ import torch
 from test_fsdp import GLOBAL_BATCH, Case, Net, _batch, _loss, _optimizer, max_diff, train_step
 from torch import nn
 
-from tandem.testing import raised_by, run_distributed
+from tandem.testing import as_dtensor, raised_by, run_distributed
 
 WORLD = 3
 BLOCK = 256
@@ -213,7 +213,7 @@ def _reductions(rank: int, world_size: int) -> dict:
                         shard_placement_fn=lambda p, m=model: Shard(1) if p is m.d else None)
             a, b, d = _probe_grads(rank, bits, exact)
             model(a, None if rank == 1 else b, d).backward()   # rank 1 does not use b
-            out[(bits, exact)] = {k: None if p.grad is None else p.grad.full_tensor()
+            out[(bits, exact)] = {k: None if p.grad is None else as_dtensor(p.grad).full_tensor()
                                   for k, p in model.named_parameters()}
     return out
 

@@ -14,11 +14,12 @@ the module fixture ``runs``); each test reads its own.
 
 from __future__ import annotations
 
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_fsdp import Case, Net, distributed, local_training, max_diff, shard, tandem_units, train_step
+from test_fsdp import Block, Case, Net, distributed, local_training, max_diff, shard, tandem_units, train_step
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from tandem.fsdp import fully_shard, load_full_state_dict
 from tandem.fsdp.unit_state import ShardState
 from tandem.testing import Case as Run
-from tandem.testing import raised_by, run_cases, run_distributed
+from tandem.testing import as_fsdp, raised_by, run_cases, run_distributed, sharded_unit
 
 TOL = 1e-5
 STEPS = 4  # two on 2 ranks, two on 3
@@ -51,7 +52,7 @@ def _resume_and_finish(rank: int, world_size: int, path: str) -> tuple[list[floa
     shard(model, case)
     opt = _adamw(model)
     model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     # Block.alt and Block.unused never get a gradient here, so AdamW saved no state
     # for them, while the template made by get_state_dict has some: load partially.
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -131,23 +132,26 @@ def _explicit_control(rank: int, world_size: int) -> dict:
     model = Net()
     shard(model, Case())
     block = model.layers[0]
+    assert isinstance(block, Block)
+    sharded = as_fsdp(block)
     found: dict = {}
-    block.unshard()
+    sharded.unshard()
     found["unsharded_is_plain"] = not isinstance(block.fc1.weight, DTensor) and block.fc1.weight.shape == (60, 20)
-    block.reshard()
+    sharded.reshard()
     found["resharded_is_dtensor"] = isinstance(block.fc1.weight, DTensor)
-    handle = block.unshard(async_op=True)
+    handle = sharded.unshard(async_op=True)
+    assert handle is not None
     handle.wait()
-    found["async_unshard"] = block._tandem_fsdp_unit.state is ShardState.UNSHARDED
-    block.reshard()
+    found["async_unshard"] = sharded_unit(block).state is ShardState.UNSHARDED
+    sharded.reshard()
     # Explicit forward prefetch: layers.0 starts the gathers of layers.1 and layers.2.
-    block.set_modules_to_forward_prefetch([model.layers[1], model.layers[2]])
+    sharded.set_modules_to_forward_prefetch([as_fsdp(model.layers[1]), as_fsdp(model.layers[2])])
     states: list = []
     block.fc1.register_forward_pre_hook(
         lambda *_: states.append([u.state.name for u in tandem_units(model)]))
     # Keep parameters between the micro-batches of an accumulation: the second
     # forward needs no gather; the synchronising backward reshards all the same.
-    model.set_reshard_after_backward(False)
+    as_fsdp(model).set_reshard_after_backward(False)
     opt = _adamw(model)
     case = Case(steps=2, micro=2)
     found["losses"] = [train_step(model, opt, case, rank, world_size, step) for step in range(2)]
@@ -160,7 +164,7 @@ def _explicit_control(rank: int, world_size: int) -> dict:
     return found
 
 
-def _mlp() -> nn.Module:
+def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
@@ -182,7 +186,7 @@ def _all_used_accumulation(rank: int, world_size: int) -> tuple[dict, list]:
     states = []
     for step in range(3):
         for m in range(2):
-            model.set_requires_gradient_sync(m == 1)
+            as_fsdp(model).set_requires_gradient_sync(m == 1)
             x, y = _mlp_batch(step, m)
             (nn.functional.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]) / 2).backward()
             states += [u.reduce_state.name for u in tandem_units(model)]
@@ -202,7 +206,7 @@ def _errors(model: nn.Module, world_size: int) -> dict:
         "bad_reshard": lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=world_size + 1),
         "placement": lambda: fully_shard(nn.Linear(3, 2), shard_placement_fn=_dim1),  # 3 columns, 2 ranks
         "mixed_dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
-        "not_a_module": lambda: fully_shard("linear"),  # type: ignore[arg-type]
+        "not_a_module": lambda: fully_shard("linear"),  # type: ignore[type-var]
     })
 
 

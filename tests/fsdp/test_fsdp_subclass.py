@@ -30,7 +30,7 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from tandem.testing import raised_by, run_distributed
+from tandem.testing import as_dtensor, raised_by, run_distributed
 
 WORLD = 2
 STEPS = 4
@@ -273,7 +273,7 @@ def _train(rank: int, impl: str, cls: type[torch.Tensor], dim: int = 8, hidden: 
         losses.append(plain(loss.detach()))
     sent = [(e.op, e.tag, e.nbytes) for e in ledger.entries() if e.seq > first and e.op == "all_gather_into"]
     return {"losses": torch.stack(losses), "shards": {n: plain(p).clone() for n, p in model.named_parameters()},
-            "types": {n: type(p.to_local()).__name__ for n, p in model.named_parameters()},
+            "types": {n: type(as_dtensor(p).to_local()).__name__ for n, p in model.named_parameters()},
             "calls": dict(CALLS), "gathers": sent}
 
 

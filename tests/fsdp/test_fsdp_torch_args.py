@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from test_fsdp import fully_shard_of
 from tandem.fsdp import fully_shard
-from tandem.testing import raised_by, run_distributed
+from tandem.testing import as_dtensor, raised_by, run_distributed
 
 WORLD, V, D, E, H, BATCH, SEQ = 2, 19, 8, 3, 6, 8, 5
 TOL = 1e-5
@@ -102,15 +103,11 @@ CASES = {
 
 
 def _shard(model: Net, case: Case) -> None:
-    if case.impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        kwargs: dict = {}
-    else:
-        shard, kwargs = fully_shard, {"min_unit_bytes": 0}
-    shard(model.experts, shard_placement_fn=_placement if case.placement else None, **kwargs)
+    shard = fully_shard_of(case.impl, min_unit_bytes=0)
+    shard(model.experts, shard_placement_fn=_placement if case.placement else None)
     if case.group:
-        shard([model.norm, model.head], **kwargs)
-    shard(model, **kwargs)
+        shard([model.norm, model.head])
+    shard(model)
 
 
 def _build(case: Case, seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
@@ -152,7 +149,7 @@ def _train(rank: int, case: Case, steps: int = 3) -> tuple[list[float], dict[str
         losses.append(_step(model, opt, rank, WORLD, step))
         if step == 1 and group is not None:
             group.comm.observers.clear()
-    placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
+    placements = {n: str(tuple(as_dtensor(p).placements)) for n, p in model.named_parameters()}
     return losses, _full(model), placements, gathers.count(f"unit {group.name}") if group is not None else 0
 
 
@@ -170,11 +167,11 @@ def _checkpoint(rank: int, path: str) -> dict[str, tuple[list[float], dict[str, 
     for name, case in {"tandem_dim0": Case(), "torch_dim1": Case(impl="torch", placement=True)}.items():
         model, opt = _build(case, seed=7)   # another init: everything comes from the checkpoint
         model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         loss = _step(model, opt, rank, WORLD, 2)
-        out[name] = ([loss], _full(model), str(tuple(model.experts.w_in.placements)))
+        out[name] = ([loss], _full(model), str(tuple(as_dtensor(model.experts.w_in).placements)))
     return out
 
 
@@ -212,7 +209,7 @@ def _refusals(rank: int) -> dict[str, tuple[str, str] | None]:
                                            else None),  # 3 columns over 2 ranks
         "dim_out_of_range": lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(2)),
         "not_a_shard": lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: "dim 1"),
-        "not_modules": lambda: fully_shard([nn.Linear(2, 2), "head"]),  # type: ignore[list-item]
+        "not_modules": lambda: fully_shard([nn.Linear(2, 2), "head"]),  # type: ignore[type-var]
         "group_as_root": lambda: _group_root(),
         "dp_mesh_dims": lambda: fully_shard(nn.Linear(2, 2), dp_mesh_dims=("dp",)),
     }
@@ -221,7 +218,8 @@ def _refusals(rank: int) -> dict[str, tuple[str, str] | None]:
 
 def _group_root() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
-    fully_shard([a, b])
+    group: list[nn.Module] = [a, b]
+    fully_shard(group)
     b(a(torch.randn(1, 2)))
 
 

@@ -37,8 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.fsdp import MixedPrecisionPolicy, fully_shard
-from tandem.testing import first_difference, run_distributed
+from test_fsdp import fully_shard_of
+from tandem.fsdp import MixedPrecisionPolicy
+from tandem.testing import as_dtensor, as_fsdp, first_difference, run_distributed
 
 WORLD, STEPS, CHUNKS = 2, 20, 8
 VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 61, 32, 4, 2, 96, 2
@@ -132,13 +133,9 @@ class Transformer(nn.Module):
 def _build(impl: str, reduce_dtype: torch.dtype | None) -> tuple[Transformer, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Transformer()
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        extra: dict = {}
-    else:
-        # tandem would merge units this small into the root; torch keeps every unit it is given
-        shard, extra = fully_shard, {"min_unit_bytes": 0}
-    config = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype), **extra}
+    # tandem would merge units this small into the root; torch keeps every unit it is given
+    shard = fully_shard_of(impl, min_unit_bytes=0)
+    config = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)}
     shard(model.tok_embeddings, reshard_after_forward=True, **config)
     for i, block in model.layers.items():
         shard(block, reshard_after_forward=int(i) < LAYERS - 1, **config)
@@ -168,7 +165,7 @@ def _chunked_loss(model: Transformer, tokens: torch.Tensor, target: torch.Tensor
     hd = h.detach().requires_grad_()
     total = torch.zeros(())
     for i, (hc, yc) in enumerate(zip(hd.chunk(CHUNKS, dim=1), target.chunk(CHUNKS, dim=1))):
-        model.output.set_requires_gradient_sync(i == CHUNKS - 1)
+        as_fsdp(model.output).set_requires_gradient_sync(i == CHUNKS - 1)
         part = F.cross_entropy(model.head(hc).float().reshape(-1, VOCAB), yc.reshape(-1), reduction="sum")
         part = part / target.numel()
         part.backward()
@@ -189,7 +186,7 @@ def _train(rank: int, impl: str, reduce_dtype: torch.dtype | None) -> dict:
         opt.zero_grad()
         dist.all_reduce(loss)
         losses.append(loss.item() / WORLD)
-        norms.append(norm.full_tensor().item())   # a replicated DTensor: the global norm, on every rank
+        norms.append(as_dtensor(norm).full_tensor().item())   # a replicated DTensor: the global norm, on every rank
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return {"losses": losses, "norms": norms, "params": params}
 
