@@ -1,5 +1,5 @@
 """Comparing results: the largest difference between two named sets of tensors,
-and what each of several calls raised."""
+what each of several calls raised, and a message that says which comparison failed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["first_difference", "max_abs_diff", "raised_by"]
+__all__ = ["first_difference", "max_abs_diff", "prefixed", "raised_by"]
 
 
 def max_abs_diff(a: Mapping[str, torch.Tensor | None], b: Mapping[str, torch.Tensor | None]) -> float:
@@ -56,3 +56,9 @@ def raised_by(calls: Mapping[str, Callable[[], Any]]) -> dict[str, tuple[str, st
         except Exception as e:  # noqa: BLE001 - the caller inspects the type and message
             out[name] = (type(e).__name__, str(e))
     return out
+
+
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """A ``msg`` for ``torch.testing.assert_close``: ``prefix`` (which rank, which
+    parameter), then torch's own message."""
+    return lambda message: f"{prefix}: {message}"

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_fsdp import fully_shard_of
 from torch import nn
 
-from tandem.testing import as_dtensor, run_distributed
+from tandem.testing import as_dtensor, prefixed, run_distributed
 
 nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
                           reason="torchao (NF4Tensor) is not installed: pip install torchao")
@@ -43,16 +44,12 @@ def _train(rank: int, impl: str) -> dict:
     from tandem.comm.monitor import current_monitor
 
     torch.manual_seed(0)
-    model = nn.Sequential(*[QLoRALinear(DIM, RANK) for _ in range(3)])
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        kwargs: dict[str, Any] = {}
-    else:
-        from tandem.fsdp import fully_shard as shard
-        kwargs = {"min_unit_bytes": 0}
-    for layer in model:
-        shard(layer, **kwargs)
-    shard(model, **kwargs)
+    layers = [QLoRALinear(DIM, RANK) for _ in range(3)]
+    model = nn.Sequential(*layers)
+    shard = fully_shard_of(impl, min_unit_bytes=0)
+    for layer in layers:
+        shard(layer)
+    shard(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)
     ledger = current_monitor().ledger
@@ -65,7 +62,7 @@ def _train(rank: int, impl: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    weights = [as_dtensor(layer.weight).to_local() for layer in model]
+    weights: list[Any] = [as_dtensor(layer.weight).to_local() for layer in layers]  # torchao's NF4Tensors
     payload = sum(t.numel() * t.element_size() for w in weights
                   for t in (w.quantized_scalers, w.quantization_factor, w.quantized_data))
     sent = [(e.tag, e.nbytes) for e in ledger.entries() if e.seq > first and e.op == "all_gather_into"]
@@ -89,10 +86,10 @@ def test_qlora_trains_as_under_torchs_fsdp2() -> None:
         ours, torchs = result["tandem"], result["torch"]
         assert ours["types"] == torchs["types"] == ["NF4Tensor"] * 3  # the shards stay quantized
         torch.testing.assert_close(ours["losses"], torchs["losses"], atol=1e-4, rtol=1e-3,
-                                   msg=lambda m, rank=rank: f"rank {rank}: {m}")
+                                   msg=prefixed(f"rank {rank}"))
         for name, value in ours["adapters"].items():
             torch.testing.assert_close(value, torchs["adapters"][name], atol=1e-3, rtol=1e-2,
-                                       msg=lambda m, rank=rank, name=name: f"rank {rank}, {name}: {m}")
+                                       msg=prefixed(f"rank {rank}, {name}"))
         assert ours["losses"][-1] < ours["losses"][0]
 
 

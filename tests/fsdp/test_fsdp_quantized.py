@@ -30,10 +30,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_fsdp import GLOBAL_BATCH, Case, Net, _batch, _loss, _optimizer, max_diff, train_step
+from test_fsdp import GLOBAL_BATCH, Case, Net, _batch, _loss, _optimizer, fully_shard_of, max_diff, train_step
 from torch import nn
 
-from tandem.testing import as_dtensor, raised_by, run_distributed
+from tandem.fsdp import QuantizedCommPolicy
+from tandem.testing import as_dtensor, as_fsdp, raised_by, run_distributed, sharded_unit
 
 WORLD = 3
 BLOCK = 256
@@ -174,27 +175,27 @@ def _gathers(rank: int, world_size: int) -> dict:
         model = Gathered()
         fully_shard(model, mp_policy=mp, comm_policy=QuantizedCommPolicy(weight_bits=8, grad_bits=None),
                     shard_placement_fn=lambda p, m=model: Shard(1) if p is m.w2 else None)
-        model.unshard()
+        as_fsdp(model).unshard()
         out[name] = {k: v.detach().clone() for k, v in model.named_parameters()}
-        model.reshard()
+        as_fsdp(model).reshard()
     # Backward's gather gives forward's parameters: the input's gradient is ones @ W.
     torch.manual_seed(0)
-    model = Outer()
+    outer = Outer()
     policy = QuantizedCommPolicy(grad_bits=None)
-    fully_shard(model.inner, reshard_after_forward=True, comm_policy=policy, min_unit_bytes=0)
-    fully_shard(model, comm_policy=policy, min_unit_bytes=0)
-    gathers = _count_gathers(model.inner)
+    fully_shard(outer.inner, reshard_after_forward=True, comm_policy=policy, min_unit_bytes=0)
+    fully_shard(outer, comm_policy=policy, min_unit_bytes=0)
+    gathers = _count_gathers(outer.inner)
     x = torch.randn(6, 33, requires_grad=True)
-    model(x).sum().backward()
+    outer(x).sum().backward()
     torch.manual_seed(0)
     out["true_proj"] = Outer().inner.proj.weight.detach()
-    out["seen"], out["x_grad"], out["inner_gathers"] = model.inner.seen, x.grad, gathers
+    out["seen"], out["x_grad"], out["inner_gathers"] = outer.inner.seen, x.grad, gathers
     return out
 
 
 def _count_gathers(module: nn.Module) -> list[str]:
     """The ops of the unit's collectives, as they are issued (the list grows)."""
-    comm = module._tandem_fsdp_unit.comm
+    comm = sharded_unit(module).comm
     seen: list[str] = []
     comm.observers.append(lambda e: seen.append(e.op) if e.tag == "unit inner" else None)
     return seen
@@ -219,11 +220,7 @@ def _reductions(rank: int, world_size: int) -> dict:
 
 
 def _shard_net(model: Net, impl: str, **kwargs: object) -> None:
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-    else:
-        from tandem.fsdp import fully_shard as shard
-        kwargs["min_unit_bytes"] = 0
+    shard = fully_shard_of(impl, min_unit_bytes=0)
     for block in model.layers:
         shard(block, **kwargs)
     shard(model, **kwargs)
@@ -303,11 +300,11 @@ def _refusals(rank: int, world_size: int) -> dict:
 
     def custom_gather() -> None:
         model = fully_shard(nn.Linear(4, 4), comm_policy=QuantizedCommPolicy(grad_bits=None))
-        model.set_custom_all_gather(_FakeAllGather())
+        as_fsdp(model).set_custom_all_gather(_FakeAllGather())
 
     def custom_reduce() -> None:
         model = fully_shard(nn.Linear(4, 4), comm_policy=QuantizedCommPolicy(weight_bits=None))
-        model.set_custom_reduce_scatter(_FakeAllGather())
+        as_fsdp(model).set_custom_reduce_scatter(_FakeAllGather())
 
     def integers() -> None:
         module = nn.Module()
@@ -322,13 +319,13 @@ def _refusals(rank: int, world_size: int) -> dict:
         "block=3": lambda: QuantizedCommPolicy(block=3),
         "block=0": lambda: QuantizedCommPolicy(block=0),
         "positional": lambda: QuantizedCommPolicy(8, 4),  # type: ignore[misc]
-        "a string": lambda: fully_shard(nn.Linear(4, 4), comm_policy="int8"),
+        "a string": lambda: fully_shard(nn.Linear(4, 4), comm_policy="int8"),  # type: ignore[arg-type]
         "custom all-gather": custom_gather,
         "custom reduce-scatter": custom_reduce,
         "integer parameters": integers,
         # Allowed: the other side's custom collective, and a policy that quantizes nothing.
-        "custom all-gather, gradients only": lambda: fully_shard(
-            nn.Linear(4, 4), comm_policy=QuantizedCommPolicy(weight_bits=None)).set_custom_all_gather(
+        "custom all-gather, gradients only": lambda: as_fsdp(fully_shard(
+            nn.Linear(4, 4), comm_policy=QuantizedCommPolicy(weight_bits=None))).set_custom_all_gather(
                 _FakeAllGather()),
         "nothing quantized": lambda: QuantizedCommPolicy(weight_bits=None, grad_bits=None),
     })
@@ -551,7 +548,7 @@ def _four_ranks(rank: int, world_size: int) -> dict:
     }
 
 
-def _tensor_parallel(mesh: Any, policy: object) -> tuple[list[float], dict]:
+def _tensor_parallel(mesh: Any, policy: QuantizedCommPolicy | None) -> tuple[list[float], dict]:
     """test_tensor_parallel's transformer, Colwise/Rowwise over mesh["tp"] and fully
     sharded over mesh["dp"] of a 2 x 2 mesh: SGD on one batch, each dp rank its half."""
     from test_tensor_parallel import Net as ParallelNet

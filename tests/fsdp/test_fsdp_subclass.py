@@ -26,11 +26,12 @@ from typing import Any
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from test_fsdp import fully_shard_of
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from tandem.testing import as_dtensor, raised_by, run_distributed
+from tandem.testing import as_dtensor, prefixed, raised_by, run_distributed
 
 WORLD = 2
 STEPS = 4
@@ -50,8 +51,8 @@ class _Wrapper(torch.Tensor):
     def __init__(self, data: torch.Tensor) -> None:
         self._data = data
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    @classmethod  # torch's stubs declare Tensor.__torch_dispatch__ a plain function, not a classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         out = func(*pytree.tree_map_only(cls, lambda x: x._data, args),
                    **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}))
         return pytree.tree_map_only(torch.Tensor, cls, out)
@@ -63,7 +64,7 @@ class _Wrapper(torch.Tensor):
     def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> torch.Tensor:
         return inner["_data"]
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # mypy takes no typed override of torch's untyped one
         return f"{type(self).__name__}({self._data})"
 
 
@@ -169,8 +170,8 @@ class PairTensor(torch.Tensor):
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.a, self.b = a, b
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    @classmethod  # as above
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         a, b = (lambda x: x.a), (lambda x: x.b)
         out_a = func(*pytree.tree_map_only(cls, a, args), **pytree.tree_map_only(cls, a, kwargs))
@@ -229,23 +230,19 @@ class MLP(nn.Module):
 def _model(cls: type[torch.Tensor], dim: int, hidden: int) -> nn.Sequential:
     """Three MLPs whose weights are ``cls`` parameters (biases plain)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[MLP(dim, hidden) for _ in range(3)])
-    for mlp in model:
+    mlps = [MLP(dim, hidden) for _ in range(3)]
+    for mlp in mlps:
         for lin in (mlp.in_proj, mlp.out_proj):
             w = lin.weight.detach()
             lin.weight = nn.Parameter(PairTensor(w.clone(), w.clone()) if cls is PairTensor else cls(w.clone()))
-    return model
+    return nn.Sequential(*mlps)
 
 
-def _shard(model: nn.Module, impl: str, **kwargs: Any) -> None:
+def _shard(model: nn.Sequential, impl: str, **kwargs: Any) -> None:
     if kwargs.get("offload_policy") == "cpu":  # CASES names it; the policy is made in the rank
         from torch.distributed.fsdp import CPUOffloadPolicy
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-    else:
-        from tandem.fsdp import fully_shard as shard
-        kwargs["min_unit_bytes"] = 0  # torch's units
+    shard = fully_shard_of(impl, min_unit_bytes=0)  # torch's units
     for mlp in model:
         shard(mlp, **kwargs)
     shard(model, **kwargs)
@@ -338,15 +335,13 @@ def _results() -> list[dict]:
 
 @pytest.mark.parametrize("case", [*CASES, "bf16"])
 def test_training_equals_torchs_fsdp2(case: str) -> None:
-    tol = {"atol": 2e-3, "rtol": 2e-3} if case == "bf16" else {"atol": 1e-5, "rtol": 1e-5}
+    tol: dict[str, Any] = {"atol": 2e-3, "rtol": 2e-3} if case == "bf16" else {"atol": 1e-5, "rtol": 1e-5}
     for rank, result in enumerate(_results()):
         ours, torchs = result[case]["tandem"], result[case]["torch"]
-        torch.testing.assert_close(ours["losses"], torchs["losses"], **tol,
-                                   msg=lambda m, rank=rank: f"rank {rank}: {m}")
+        torch.testing.assert_close(ours["losses"], torchs["losses"], **tol, msg=prefixed(f"rank {rank}"))
         assert ours["shards"].keys() == torchs["shards"].keys()
         for name, shard in ours["shards"].items():
-            torch.testing.assert_close(shard, torchs["shards"][name], **tol,
-                                       msg=lambda m, rank=rank, name=name: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(shard, torchs["shards"][name], **tol, msg=prefixed(f"rank {rank}, {name}"))
         assert ours["types"] == torchs["types"]  # the weights' shards are still the subclass
         assert any(t != "Tensor" for t in ours["types"].values())
 

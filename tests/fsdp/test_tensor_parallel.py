@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
-from typing import ContextManager
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_fsdp import fully_shard_of
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import tandem
-from tandem.testing import run_distributed
+from tandem.testing import as_fsdp, run_distributed
 from tandem.testing.models import TinyLM
 
 D, HEADS, VOCAB, STEPS = 16, 4, 32, 3
@@ -60,7 +62,7 @@ class Net(TinyLM):
         super().__init__(VOCAB, D, [Block(), Block()])
 
 
-def _parallelize(model: Net, tp_mesh: object, sequence_parallel: bool = False) -> Net:
+def _parallelize(model: Net, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Net:
     """Attention and MLP column/row-wise over ``tp_mesh``. With
     ``sequence_parallel`` (as torchtitan does it), the residual stream between
     them is split along the sequence, the LayerNorms run on that split (their
@@ -137,7 +139,7 @@ def _local(accumulate: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @contextlib.contextmanager
-def _solo_bytes(value: int) -> object:
+def _solo_bytes(value: int) -> Iterator[None]:
     """Plan solo buckets, reduced in place on param.grad, for these small weights."""
     from tandem.ddp import plan
     saved = plan.SOLO_BYTES
@@ -148,7 +150,7 @@ def _solo_bytes(value: int) -> object:
         plan.SOLO_BYTES = saved
 
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (wrapper, options)
     "ddp": ("ddp", {}),
     "ddp_bucket_view": ("ddp", {"gradient_as_bucket_view": True}),
@@ -165,64 +167,64 @@ CASES = {
 }
 
 
-def _train(rank: int, mesh: object, wrapper: str, options: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _train(rank: int, mesh: DeviceMesh, wrapper: str, options: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
     options = dict(options)
     accumulate = options.pop("accumulate", 1)
     fused = options.pop("fused", False)
     solo = options.pop("solo", False)
     torch.manual_seed(0)
-    model = _parallelize(Net(), mesh["tp"], options.pop("sequence_parallel", False))  # type: ignore[index]
+    model = _parallelize(Net(), mesh["tp"], options.pop("sequence_parallel", False))
+    wrapped: nn.Module
     if wrapper == "ddp":
-        with _solo_bytes(1) if solo else contextlib.nullcontext():
-            wrapped = tandem.DistributedDataParallel(model, device_mesh=mesh["dp"], **options)  # type: ignore[index]
+        planning: ContextManager[object] = _solo_bytes(1) if solo else contextlib.nullcontext()
+        with planning:
+            wrapped = tandem.DistributedDataParallel(model, device_mesh=mesh["dp"], **options)
     else:
         for block in model.blocks:
-            tandem.fully_shard(block, mesh=mesh["dp"], **options)  # type: ignore[index]
-        wrapped = tandem.fully_shard(model, mesh=mesh["dp"], **options)  # type: ignore[index]
+            tandem.fully_shard(block, mesh=mesh["dp"], **options)
+        wrapped = tandem.fully_shard(model, mesh=mesh["dp"], **options)
     opt = _optimizer(wrapped.parameters())
     if fused:
+        assert isinstance(wrapped, tandem.DistributedDataParallel)
         wrapped.fuse_optimizer(opt)
-    dp = mesh["dp"].get_local_rank()  # type: ignore[index]
+    dp = mesh["dp"].get_local_rank()
 
     def sync(last: bool) -> ContextManager[object]:
-        if wrapper == "ddp":
+        if isinstance(wrapped, tandem.DistributedDataParallel):
             return contextlib.nullcontext() if last else wrapped.no_sync()
-        wrapped.set_requires_gradient_sync(last)
+        as_fsdp(wrapped).set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     losses = _fit(wrapped, opt, lambda t: t.chunk(2)[dp], accumulate, sync)
     return _full(model), losses
 
 
-def _train_mixed_precision(mesh: object, impl: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _train_mixed_precision(mesh: DeviceMesh, impl: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """fully_shard (tandem's or torch's) over ``mesh["dp"]`` with bf16 compute
     and fp32 reduction, a unit per block."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.manual_seed(0)
-    model = _parallelize(Net(), mesh["tp"])  # type: ignore[index]
-    if impl == "torch":
-        from torch.distributed.fsdp import fully_shard as shard
-        options: dict = {}
-    else:
-        shard, options = tandem.fully_shard, {"min_unit_bytes": 0}
-    options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _parallelize(Net(), mesh["tp"])
+    shard = fully_shard_of(impl, min_unit_bytes=0)
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     with warnings.catch_warnings():  # torch's: "returned a view tensor" of the head's output
         warnings.simplefilter("ignore")
         for block in model.blocks:
-            shard(block, mesh=mesh["dp"], **options)  # type: ignore[index]
-        shard(model, mesh=mesh["dp"], **options)  # type: ignore[index]
-        dp = mesh["dp"].get_local_rank()  # type: ignore[index]
+            shard(block, mesh=mesh["dp"], **options)
+        shard(model, mesh=mesh["dp"], **options)
+        dp = mesh["dp"].get_local_rank()
         losses = _fit(model, _optimizer(model.parameters()), lambda t: t.chunk(2)[dp], 1,
                       lambda last: contextlib.nullcontext())
     return _full(model), losses
 
 
-def _errors(rank: int, mesh: object) -> dict[str, str]:
+def _errors(rank: int, mesh: DeviceMesh) -> dict[str, str]:
     """What a wrong data-parallel group and ZeRO say, on every rank."""
     out = {}
-    model = _parallelize(Net(), mesh["tp"])  # type: ignore[index]
-    for name, kwargs in {"whole_world": {}, "zero": {"device_mesh": mesh["dp"], "zero_stage": 1}}.items():  # type: ignore[index]
+    model = _parallelize(Net(), mesh["tp"])
+    wrong: dict[str, dict[str, Any]] = {"whole_world": {}, "zero": {"device_mesh": mesh["dp"], "zero_stage": 1}}
+    for name, kwargs in wrong.items():
         try:
             tandem.DistributedDataParallel(model, **kwargs)
         except ValueError as e:

@@ -13,13 +13,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tandem.testing import Cluster, cluster_unavailable
+from tandem.testing import Cluster, cluster_unavailable, prefixed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cluster_train import reference  # noqa: E402
@@ -56,11 +55,6 @@ def _trained(outs: list[tuple[int, str]], strategies: str) -> dict[str, set[tupl
     return seen
 
 
-def _prefixed(prefix: str) -> Callable[[str], str]:
-    """An assert_close message: ``prefix``, then torch's own."""
-    return lambda message: f"{prefix}: {message}"
-
-
 def _equal_to_one_process(out: Path, strategies: str) -> None:
     want = reference()
     for strategy in strategies.split(","):
@@ -69,7 +63,7 @@ def _equal_to_one_process(out: Path, strategies: str) -> None:
         for name in want:
             # gloo adds the ranks' gradients in its own order: equal to float32 rounding.
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                       msg=_prefixed(f"{strategy} {name}"))
+                                       msg=prefixed(f"{strategy} {name}"))
 
 
 def test_two_nodes_of_two_workers_train_as_one_process(tmp_path: Path) -> None:
