@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
+from tandem.testing.start_close import StartAndClose
 
 __all__ = ["Cluster", "cluster_unavailable"]
 
@@ -57,7 +58,7 @@ def cluster_unavailable() -> str | None:
 
 
 # Note [nodes as namespaces] at the top of this file.
-class Cluster:
+class Cluster(StartAndClose):
     """``nodes`` nodes on this machine: each a network namespace with its own
     address and link, the links joined by one bridge and nothing else. Building
     one needs CAP_NET_ADMIN (root): :func:`cluster_unavailable` says why not.
@@ -85,17 +86,6 @@ class Cluster:
         self._processes: list[subprocess.Popen[Any]] = []
 
     # ------------------------------------------------------------------ life
-    def __enter__(self) -> Cluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def start(self) -> None:
         """Create the bridge and every node, with its address and rate."""
         _ip("link", "add", self.bridge, "type", "bridge")

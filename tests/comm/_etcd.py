@@ -23,9 +23,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 
 from tandem.comm.etcd_gateway import EtcdTLS
+from tandem.testing.start_close import StartAndClose
 
 __all__ = ["EtcdCluster", "cryptography_missing", "etcd_missing", "make_identity"]
 
@@ -99,7 +99,7 @@ def make_identity(directory: Path, names: list[str], ca_name: str = "tandem test
     return directory
 
 
-class EtcdCluster:
+class EtcdCluster(StartAndClose):
     """``members`` etcd members (1 or 3) on 127.0.0.1, started by ``with``.
 
     Args:
@@ -139,18 +139,6 @@ class EtcdCluster:
                        key_file=d / "client.key")
 
     # ------------------------------------------------------------------ life
-    def __enter__(self) -> EtcdCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
     def start(self) -> None:
         if self.use_tls:
             make_identity(self.directory / "tls", [*self.names, "client"])

@@ -120,6 +120,11 @@ def test_master_not_read_without_env_rendezvous():
     (with_(MASTER_PORT="70000"), ["MASTER_PORT=70000", "1..65535"]),
 ])
 def test_bad_environments(env, needles):
+    assert_refused(env, needles)
+
+
+def assert_refused(env: dict[str, str], needles: list[str]) -> None:
+    """world_from_env refuses ``env`` with a ValueError that says each of ``needles``."""
     with pytest.raises(ValueError) as info:
         world_from_env(env)
     for needle in needles:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 import pytest
 import torch.distributed as dist
@@ -30,6 +31,7 @@ class Clock:
 
 
 SECRET = b"a job secret for the tests"
+T = TypeVar("T")
 
 
 def _store(kind: str = "plain") -> dist.Store:
@@ -46,6 +48,15 @@ def _members(n: int, clock: Clock, store: dist.Store | None = None) -> tuple[dis
     store = store if store is not None else _store()
     members = [Membership.founding(store, r, n, CONFIG, clock=clock) for r in range(n)]
     return store, members
+
+
+def _both(first: Membership, second: Membership, call: Callable[[Membership], T]) -> tuple[T, list[T]]:
+    """``call`` on ``second`` in a thread and on ``first`` here, as two ranks make it
+    at once: ``first``'s answer, and ``second``'s in a list (empty if it is still waiting)."""
+    t, out = _in_thread(call, second)
+    mine = call(first)
+    t.join(5)
+    return mine, out
 
 
 def _in_thread(fn, *args):
@@ -83,14 +94,10 @@ def test_a_member_seen_dead_aborts_the_step_and_is_left_out(kind: str) -> None:
     clock.now += 2 * CONFIG.stale_after_s
     m0._beat()
     m1._beat()
-    t, out = _in_thread(m1.decide_step, 0)
-    assert m0.decide_step(0) is Decision.ABORT
-    t.join(5)
-    assert out == [Decision.ABORT]
-    t, out = _in_thread(m1.next_generation)
-    generation = m0.next_generation()
-    t.join(5)
-    assert generation.members == ("0", "1") and out == [generation] and generation.number == 1
+    decision, decided = _both(m0, m1, lambda m: m.decide_step(0))
+    assert decision is Decision.ABORT and decided == [Decision.ABORT]
+    generation, proposed = _both(m0, m1, lambda m: m.next_generation())
+    assert generation.members == ("0", "1") and proposed == [generation] and generation.number == 1
     for m in (m0, m1):
         m.stop()
 
@@ -106,9 +113,7 @@ def test_a_member_that_arrived_and_died_since_is_left_out() -> None:
     clock.now += 2 * CONFIG.stale_after_s
     m0._beat()
     m1._beat()
-    t, out = _in_thread(m1.next_generation)
-    generation = m0.next_generation()
-    t.join(5)
+    generation, out = _both(m0, m1, lambda m: m.next_generation())
     assert generation.members == ("0", "1") and out == [generation]
     for m in (m0, m1):
         m.stop()

@@ -155,6 +155,14 @@ class DDPCase:
     model: Callable[[], nn.Module] = DDP_MODEL
 
 
+def _outcome(model: nn.Module, run: nn.Module, opt: torch.optim.Optimizer, rank: int, timeline: list[str],
+             **train: Any) -> Outcome:
+    """Train ``run`` (``model``, wrapped or compiled); ``model``'s parameters
+    after, and the compiled pieces and collectives of the last step."""
+    pieces = _train(run, opt, rank, timeline=timeline, **train)
+    return Outcome(_full_params(model), pieces=pieces, timeline=timeline)
+
+
 def _ddp_case(rank: int, case: DDPCase) -> Outcome:
     model = case.model()
     compiled = functools.partial(_compile, backend=case.backend)
@@ -170,8 +178,7 @@ def _ddp_case(rank: int, case: DDPCase) -> Outcome:
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with torch._dynamo.config.patch(optimize_ddp=case.split):
-        pieces = _train(run, opt, rank, micro=case.micro, timeline=timeline)
-    return Outcome(_full_params(model), pieces=pieces, timeline=timeline)
+        return _outcome(model, run, opt, rank, timeline, micro=case.micro)
 
 
 DDP_CASES = {
@@ -242,8 +249,7 @@ def _shard_case(rank: int, world_size: int, case: ShardCase) -> Outcome:
         units = [u for m in model.modules() if (u := getattr(m, "_tandem_fsdp_unit", None))]
         for comm in {id(u.reduce_comm): u.reduce_comm for u in units}.values():
             comm.observers.append(lambda e: timeline.append(e.tag) if e.op == "reduce_scatter" else None)
-    pieces = _train(model, opt, rank, steps=2, clip=1.0, timeline=timeline)
-    return Outcome(_full_params(model), pieces=pieces, timeline=timeline)
+    return _outcome(model, model, opt, rank, timeline, steps=2, clip=1.0)
 
 
 SHARD_CASES = {
