@@ -75,10 +75,11 @@ def _train(model: nn.Module, case: Case, batches) -> dict[str, torch.Tensor | No
             x, y = batches(step, m)
             sync = m == case.micro - 1
             ctx: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-            if case.sync_via == "attr":
-                assert isinstance(model, (tandem.DistributedDataParallel, TorchDDP))
+            if not isinstance(model, (tandem.DistributedDataParallel, TorchDDP)):
+                pass  # the one-process reference: nothing to sync
+            elif case.sync_via == "attr":
                 model.require_backward_grad_sync = sync
-            elif not sync and isinstance(model, (tandem.DistributedDataParallel, TorchDDP)):
+            elif not sync:
                 ctx = model.no_sync()
             with ctx:
                 loss = nn.functional.mse_loss(model(x, step), y)
