@@ -18,12 +18,14 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -67,10 +69,12 @@ class ManualTransformer(LoggedTransformer):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
+        assert isinstance(optimizer, LightningOptimizer), "one optimizer"
         optimizer.zero_grad()
         loss = super().training_step(batch, batch_idx)
         self.manual_backward(loss)
-        self.clip_gradients(optimizer, gradient_clip_val=0.5)
+        # Lightning's stub asks for an Optimizer; its docs pass what optimizers() returns, as here.
+        self.clip_gradients(cast(torch.optim.Optimizer, optimizer), gradient_clip_val=0.5)
         optimizer.step()
         return loss.detach()
 
@@ -88,6 +92,7 @@ class TorchShardedTransformer(LoggedTransformer):
     """The demo sharded by torch's fully_shard in configure_model (the Trainer's ModelParallelStrategy)."""
 
     def configure_model(self) -> None:
+        assert self.device_mesh is not None, "ModelParallelStrategy sets the mesh before configure_model"
         torch_parallelize(self, self.device_mesh)
 
 
@@ -159,8 +164,10 @@ def fabric_loop(run: str, strategy, args: argparse.Namespace, resume: bool) -> N
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     else:
         model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    assert not isinstance(optimizer, tuple), "one optimizer"
     loader = fabric.setup_dataloaders(DataLoader(tokens(), batch_size=BATCH))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    step = 0
     if resume:
         fabric.load(args.out / f"{run}-w{args.saved_world}.ckpt", state)
     losses: list[float] = []
@@ -181,8 +188,8 @@ def fabric_loop(run: str, strategy, args: argparse.Namespace, resume: bool) -> N
             fabric.clip_gradients(model, optimizer, max_norm=0.5)
             optimizer.step()
             optimizer.zero_grad()
-            state["step"] += 1
-            if state["step"] == (STEPS + MORE_STEPS if resume else STEPS):
+            step = state["step"] = int(state["step"]) + 1
+            if step == (STEPS + MORE_STEPS if resume else STEPS):
                 break
     write(args.out, f"{run}-resumed" if resume else run, args.world, fabric.global_rank,
           {"losses": losses, "wrapper": wrapper_name(model._forward_module), "grads_in_no_sync": grads_in_no_sync})
