@@ -53,22 +53,22 @@ class GradBuffer:
         self.solo: dict[int, torch.Tensor] = {
             spec.index: torch.empty(spec.padded_numel, dtype=spec.dtype, device=spec.device) for spec in solo}
 
-        self._settled: dict[tuple[torch.device, torch.dtype], int | None] = {}
+        self._views: dict[tuple[torch.device, torch.dtype], int | None] = {}
 
-    def settle(self) -> None:
+    def count_views(self) -> None:
         """Remember how many tensors share each flat buffer now, when only the
         reducer's own views do (Note [gradients born in their bucket] in write_back.py)."""
-        self._settled = {key: storage_use_count(t) for key, t in self.flat.items()}
+        self._views = {key: storage_use_count(t) for key, t in self.flat.items()}
 
     def escaped(self) -> bool:
-        """Whether a tensor on the buffer's memory was made since :meth:`settle`
+        """Whether a tensor on the buffer's memory was made since :meth:`count_views`
         and is still alive (a view of ``param.grad`` the user kept, say)."""
         for key, t in self.flat.items():
-            settled = self._settled.get(key)
-            if settled is None:
-                return True  # never settled, or this torch cannot count: assume the worst
+            counted = self._views.get(key)
+            if counted is None:
+                return True  # never counted, or this torch cannot count: assume the worst
             count = storage_use_count(t)
-            if count is None or count > settled:
+            if count is None or count > counted:
                 return True
         return False
 
@@ -127,7 +127,7 @@ class Bucket:
         # itself, and whether a gradient is copied in as it becomes ready (else at launch).
         self.reduces_in_place = False
         self.copy_on_ready = self.copies_per_param
-        self.in_place = False  # this step's reduction runs on param.grad itself
+        self.reduced_on_grad = False  # this step's reduction runs on param.grad itself
         # Positions whose gradient autograd accumulated into the view itself, to be
         # scaled at launch (a second gradient may still add to it until then).
         self.deferred: list[int] = []
@@ -169,11 +169,11 @@ class Bucket:
                            .resize_(self.data.numel()))
         self.data.untyped_storage().resize_(0)
 
-    def configure(self, *, in_place: bool) -> None:
+    def configure(self, *, on_lone_grad: bool) -> None:
         """Fix how gradients reach this bucket, for the reduction chosen: with
-        ``in_place`` (a reduction that may run on a lone parameter's .grad, Note
+        ``on_lone_grad`` (a reduction that may run on a lone parameter's .grad, Note
         [in-place reduction] in reduction.py) a single-parameter bucket copies nothing."""
-        self.reduces_in_place = self.single and in_place
+        self.reduces_in_place = self.single and on_lone_grad
         self.copy_on_ready = self.copies_per_param and not self.reduces_in_place
 
     @property
@@ -187,7 +187,7 @@ class Bucket:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.work = None
-        self.in_place = False
+        self.reduced_on_grad = False
         self.deferred = []
 
     def mark_ready(self, pos: int) -> None:

@@ -84,7 +84,7 @@ class BucketGroup:
         for b in self.buckets:  # for hang reports (tandem.comm.ledger)
             self.comm.ledger.describe_params(f"bucket {b.index}", b.names)
             if self.reduction is not None:
-                b.configure(in_place=self.reduction.in_place)
+                b.configure(on_lone_grad=self.reduction.on_lone_grad)
         self.plan, self.buffer = plan, buffer
         if self._zero:
             size = self.comm.size
@@ -102,7 +102,7 @@ class BucketGroup:
                     view = self.view(i)
                     view.copy_(grad)
                     set_local_grad(p, view)
-        buffer.settle()
+        buffer.count_views()
 
     def rebase(self) -> None:
         """Give the buckets memory of their own again: a tensor outside the reducer
@@ -121,7 +121,7 @@ class BucketGroup:
         built, and again when a hook or a fused optimizer changes it)."""
         self.reduction = reduction
         for b in self.buckets:
-            b.configure(in_place=reduction.in_place)
+            b.configure(on_lone_grad=reduction.on_lone_grad)
 
     def view(self, i: int) -> torch.Tensor:
         b, pos = self._where[i]

@@ -86,7 +86,7 @@ class HookWork:
         self._bucket = bucket
         self._hook_name = hook_name
 
-    def settle(self) -> None:
+    def await_hook(self) -> None:
         """Block until the hook's work (with all its chained callbacks) is done; a
         failure is raised by :meth:`wait`, where the reducer collects the buckets."""
         try:

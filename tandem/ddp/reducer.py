@@ -473,7 +473,7 @@ class GradReducer:
         try:
             self._finish_step()
             if self._delivery.rebind:  # after _finish_step: its locals hold views of the buffer
-                self.group.buffer.settle()  # Note [gradients born in their bucket] in write_back.py
+                self.group.buffer.count_views()  # Note [gradients born in their bucket] in write_back.py
             if context_grads is not None:  # Note [distributed autograd] in dist_autograd.py
                 context_grads.deliver(self._used_counts, self.comm.size)
         except Exception as e:

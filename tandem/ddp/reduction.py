@@ -106,7 +106,7 @@ class StepInputs:
 
 
 class Reduction(Protocol):
-    in_place: bool
+    on_lone_grad: bool
     """Whether a lone parameter's bucket may reduce on its .grad (Note [in-place reduction])."""
     flag_alone: bool
     """Whether the missing-gradient flag needs an all-reduce of its own."""
@@ -130,7 +130,7 @@ class AllReduce:
         # ones are bound at the end. Freed during backward (not when the step may be dropped).
         self._frees = stepper if check is None else None
         self._stepper = stepper
-        self.in_place = not (delivery.as_view or check is not None)
+        self.on_lone_grad = not (delivery.as_view or check is not None)
         # Note [scaled by the collective]: the operator per factor, made once.
         self._premul: dict[float, Any] | None = {} if check is None and _has_premul_sum(comm) else None
 
@@ -152,7 +152,7 @@ class AllReduce:
             if grad is not None:
                 if scale != 1.0:
                     grad.mul_(scale)
-                bucket.in_place = True
+                bucket.reduced_on_grad = True
                 bucket.launched(self._comm.all_reduce(grad, op=op, tag=f"bucket {bucket.index}", async_op=True))
                 return
             bucket.ensure_data()
@@ -194,7 +194,7 @@ class ReduceScatter:
     """ZeRO stages 1 and 2: each bucket reduce-scattered into this rank's shard
     (Note [zero reduction])."""
 
-    in_place = False
+    on_lone_grad = False
     flag_alone = True
 
     def __init__(self, comm: GroupComm, shards: list[torch.Tensor], stage: int, *,
@@ -204,7 +204,7 @@ class ReduceScatter:
         device = shards[0].device if shards else comm.device
         # Note [gloo's reduce-scatter] in tandem/comm/group.py: in place where that is
         # an all-reduce, the shard copied out of the bucket when it is waited for
-        self._in_place = comm.in_place_scatter_all_reduces(device)
+        self._chunk_in_bucket = comm.in_place_scatter_all_reduces(device)
 
     def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None:
         bucket.fill(step.div, False)
@@ -223,10 +223,10 @@ class ReduceScatter:
     def _output(self, bucket: Bucket, input: torch.Tensor) -> torch.Tensor:
         """Where this rank's chunk of the sum lands: its shard, or on gloo its chunk of ``input``."""
         shard = self._shards[bucket.index]
-        return input.narrow(0, self._comm.rank * shard.numel(), shard.numel()) if self._in_place else shard
+        return input.narrow(0, self._comm.rank * shard.numel(), shard.numel()) if self._chunk_in_bucket else shard
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        if self._in_place:  # the optimizer steps from the shards: this rank's, copied out
+        if self._chunk_in_bucket:  # the optimizer steps from the shards: this rank's, copied out
             self._shards[bucket.index].copy_(self._output(bucket, bucket.data))
 
     def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None:
@@ -247,7 +247,7 @@ class HookReduce:
     """Each bucket's sum handed to a communication hook, whose future brings the
     average back (Note [hook order] in grad_bucket.py)."""
 
-    in_place = False
+    on_lone_grad = False
     flag_alone = True
 
     def __init__(self, comm: GroupComm, hook: CommHook, state: object, delivery: GradDelivery, *,
@@ -268,7 +268,7 @@ class HookReduce:
             self._check.mark(bucket)
         if self._serialize and bucket.index > 0:
             assert self._previous is not None
-            self._previous.settle()  # Note [hook order] in grad_bucket.py
+            self._previous.await_hook()  # Note [hook order] in grad_bucket.py
         future = None
         if self._failed is None:
             try:
@@ -286,7 +286,7 @@ class HookReduce:
         # The last hook may still issue collectives from its callbacks: let it
         # finish before anything else goes on the wire (Note [hook order]).
         if self._serialize and self._previous is not None:
-            self._previous.settle()
+            self._previous.await_hook()
         self._previous = None
         self._failed = None
 
@@ -302,7 +302,7 @@ class HookReduce:
         bucket.ensure_data()
         bucket.grads.zero_()
         work = HookWork(self._hook(self._state, GradBucket(bucket, is_last, self._comm)), bucket, self.name)
-        work.settle()
+        work.await_hook()
         return work
 
 

@@ -79,7 +79,7 @@ class GradDelivery:
             self.foreign = foreign_grads(buckets)
 
     def deliver(self, bucket: Bucket, globally_used: list[int] | None, stepper: BucketStepper | None) -> None:
-        if bucket.in_place:
+        if bucket.reduced_on_grad:
             return  # param.grad holds the average already (Note [in-place reduction] in reduction.py)
         if self.rebind and bucket.bindable:
             bind_views(bucket, self.params, globally_used, self.foreign, self.retired)

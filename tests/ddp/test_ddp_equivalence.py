@@ -231,7 +231,7 @@ def _in_place(rank: int, world_size: int) -> list[tuple[int, bool, bool]]:
             ddp.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
     assert ddp.reducer is not None
-    return [(len(b.params), b.in_place, b.spec.extra > 0) for b in ddp.reducer.buckets]
+    return [(len(b.params), b.reduced_on_grad, b.spec.extra > 0) for b in ddp.reducer.buckets]
 
 
 def test_large_parameters_are_reduced_in_place_and_the_flag_bucket_goes_last() -> None:
