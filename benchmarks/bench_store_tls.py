@@ -56,7 +56,6 @@ _TIMEOUT = datetime.timedelta(seconds=60)
 
 def latency(address: tuple[str, int], ops: int) -> dict[str, float]:
     client = dist.TCPStore(*address, None, False, _TIMEOUT)
-    value = b"x" * 64
     out = {}
     client.set("n", b"0")
     for name, call in (("get", lambda i: client.get("n")), ("add", lambda i: client.add(f"c{i % 64}", 1))):
@@ -91,7 +90,7 @@ def group_build(address: tuple[str, int], ranks: int, round_: int) -> float:
     took = time.perf_counter() - t
     if errors:
         raise errors[0]
-    del groups
+    groups.clear()  # the groups end here, as the next round builds its own
     return took
 
 
