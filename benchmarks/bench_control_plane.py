@@ -228,7 +228,7 @@ class Job:
             for plane in self.planes:
                 plane.start()
             self.address = self.planes[0].address("workers/bench")
-            self.server_pids = [cast(Any, plane.member)._proc.pid for plane in self.planes]
+            self.server_pids = [cast(int, plane.member.pid) for plane in self.planes if plane.member is not None]
         else:
             parent, child = ctx.Pipe()
             self.server = ctx.Process(target=serve_store, args=(child,), daemon=True)

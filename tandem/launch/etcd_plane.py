@@ -205,6 +205,11 @@ class EtcdMember:
         raise RuntimeError(f"the etcd member at {self.endpoints[self.index]} did not listen within "
                            f"{_START_S:g} s:\n{self._tail()}")
 
+    @property
+    def pid(self) -> int | None:
+        """The member's process id while it runs; None before start and after stop."""
+        return self._proc.pid if self._proc is not None else None
+
     def stop(self) -> None:
         if self._proc is None:
             return

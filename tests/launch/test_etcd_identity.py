@@ -48,6 +48,7 @@ def test_a_member_serves_the_job_secret_s_clients_and_refuses_another_secret_s(t
     plane = EtcdControlPlane(f"127.0.0.1:{_free_port()}", "ident", b"the job's secret" * 2, member="0")
     try:
         plane.start()
+        assert plane.member is not None and plane.member.pid is not None
         store = plane.store("workers/x", datetime.timedelta(seconds=20))
         store.set("k", "v")
         assert store.get("k") == b"v"
@@ -63,7 +64,7 @@ def test_a_member_serves_the_job_secret_s_clients_and_refuses_another_secret_s(t
     finally:
         plane.close()
     assert not plane.directory.exists()
-    assert plane.member is not None and plane.member._proc is None
+    assert plane.member is not None and plane.member.pid is None
 
 
 def test_which_member_a_node_runs() -> None:
