@@ -13,7 +13,10 @@ Trainer trains elastically, with a liveness window of 2 s), HOLD_FOR_JOIN
 (a step: from there, while the world is below 4, each step waits up to 60 s
 for a replacement to ask, so that every one joins before the epoch ends, on
 a loaded host too),
-HANG_AT ("node:local:step": that worker sleeps for good in that step's loss).
+HANG_AT ("node:local:step": that worker sleeps for good in that step's loss),
+PAUSE_AT (a step: every rank reaching it in its first pass writes
+OUT/paused-<node>-<pid> and waits in its loss until OUT/resume exists, so
+that a test acts on a job that has not finished, at a point it knows).
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ def main() -> None:
             membership = trainer._elastic.membership  # type: ignore[union-attr]
             deadline = time.monotonic() + 60
             while not membership.waiting_joiners() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        pause = os.environ.get("PAUSE_AT")
+        if pause is not None and trainer.state.step == int(pause) and not (out / "resume").exists():
+            (out / f"paused-{node}-{os.getpid()}").touch()
+            deadline = time.monotonic() + 120
+            while not (out / "resume").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {trainer.rank} paused at step {pause} for 120 s: OUT/resume never came")
                 time.sleep(0.05)
         if os.environ.get("HANG_AT") == f"{node}:{local}:{trainer.state.step}":
             time.sleep(3600)
