@@ -6,9 +6,7 @@ OUT/done-<node>-<pid>.pt. :func:`reference` trains one process on the same
 global batches for a schedule of world sizes.
 
 Environment: OUT (where to write), DIE_AT ("node:local:step": that worker
-SIGKILLs itself in that step's backward, in the first attempt only),
-HOLD_FROM ("step:seconds": every rank sleeps this long in each step from
-that one, so that a test can act on a job still running), ELASTIC ("1": the
+SIGKILLs itself in that step's backward, in the first attempt only), ELASTIC ("1": the
 Trainer trains elastically, with a liveness window of 2 s), HOLD_FOR_JOIN
 (a step: from there, while the world is below 4, each step waits up to 60 s
 for a replacement to ask, so that every one joins before the epoch ends, on
@@ -87,15 +85,11 @@ def main() -> None:
     joining = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
     tandem.init()
     log = out / f"samples-{node}-{os.getpid()}.jsonl"
-    hold_from, hold_s = (int(v) if i == 0 else float(v)
-                         for i, v in enumerate(os.environ.get("HOLD_FROM", "-1:0").split(":")))
     trainer: Trainer | None = None
 
     def loss_fn(outputs: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         y, idx = targets
         assert trainer is not None
-        if 0 <= hold_from <= trainer.state.step:
-            time.sleep(hold_s)
         hold = os.environ.get("HOLD_FOR_JOIN")
         if hold is not None and trainer.state.step >= int(hold) and not joining and trainer.world_size < 4:
             membership = trainer._elastic.membership  # type: ignore[union-attr]

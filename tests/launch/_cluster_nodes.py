@@ -69,6 +69,16 @@ def await_until(check: Callable[[], bool], what: str, timeout: float = 90) -> No
         time.sleep(0.05)
 
 
+def await_paused(out: Path, ranks: int) -> None:
+    """Until ``ranks`` ranks wait at the step of PAUSE_AT: the job cannot end before the test acts."""
+    await_until(lambda: len(list(out.glob("paused-*"))) == ranks, f"{ranks} ranks paused")
+
+
+def resume(out: Path) -> None:
+    """Let the ranks waiting at PAUSE_AT's step go on."""
+    (out / "resume").touch()
+
+
 def trained_step(out: Path, step: int) -> bool:
     return any(f'"step": {step},' in p.read_text() for p in out.glob("samples-*.jsonl"))
 

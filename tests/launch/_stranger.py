@@ -10,6 +10,9 @@ network would, in rounds:
     used to read, and ask to join as a replacement with tandem's own code;
 (b) raw bytes, a pickle among them, to every port.
 
+A session still connecting after 3 s is given up (gloo's listener accepts
+torch's store client and never answers it).
+
 Arguments: a JSON list of ``[address, port]``, the marker's path, the job's
 run id, and how many seconds to go on. Prints one JSON line: the sessions it
 opened and what each refused attempt was told.
@@ -104,11 +107,18 @@ def main() -> None:
     while rounds == 0 or time.monotonic() < deadline:
         for address, port in ports:
             raw(address, port, pickled)
-        threads = [threading.Thread(target=session, args=(a, p, run_id, pickled, told)) for a, p in ports]
-        for t in threads:
+        threads = {f"{a}:{p}": threading.Thread(target=session, args=(a, p, run_id, pickled, told), daemon=True)
+                   for a, p in ports}
+        for t in threads.values():
             t.start()
-        for t in threads:
-            t.join()
+        # A store client connected to a port that is not a store's (gloo's listener)
+        # waits for an answer that never comes, past its timeout: such a session
+        # opened nothing, and the next round goes on without it.
+        round_ends = time.monotonic() + 3
+        for where, t in threads.items():
+            t.join(max(0.0, round_ends - time.monotonic()))
+            if t.is_alive():
+                told.setdefault(where, "no answer in 3 s (not a store)")
         rounds += 1
     print(json.dumps({"told": told, "rounds": rounds}), flush=True)
     os._exit(0)  # a join's beat thread and the store clients: nothing to wait for

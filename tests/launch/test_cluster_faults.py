@@ -39,12 +39,12 @@ from tandem.testing.ports import listening_ports
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cluster_faults import N  # noqa: E402
-from _cluster_nodes import Node, await_until, check_result, records, trained_step, used_samples  # noqa: E402
+from _cluster_nodes import Node, await_paused, await_until, check_result, records, resume, used_samples  # noqa: E402
 
 REASON = cluster_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no cluster of namespaces here: {REASON}")
 
-ELASTIC = {"ELASTIC": "1", "HOLD_FROM": "0:0.1"}
+ELASTIC = {"ELASTIC": "1"}
 
 
 def test_a_worker_dies_on_node_1_and_the_job_restarts_on_both_nodes(tmp_path: Path) -> None:
@@ -63,10 +63,12 @@ def test_a_worker_dies_on_node_1_and_the_job_restarts_on_both_nodes(tmp_path: Pa
 def test_elastic_a_node_lost_then_back_rejoins_with_live_state(tmp_path: Path) -> None:
     env = {**ELASTIC, "HOLD_FOR_JOIN": "10"}
     with Cluster(2) as cluster:
-        first = [Node(cluster, n, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], env) for n in (0, 1)]
-        await_until(lambda: trained_step(tmp_path, 4), "step 4")
+        first = [Node(cluster, n, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], {**env, "PAUSE_AT": "4"})
+                 for n in (0, 1)]
+        await_paused(tmp_path, 4)
         cluster.kill(1)
         assert first[1].proc.wait(timeout=10) == -9
+        resume(tmp_path)
         await_until(lambda: first[0].first("elastic: lost") is not None, "the shrink", timeout=30)
         again = Node(cluster, 1, tmp_path, ["1:2", "--elastic", "--max-restarts", "2"], env)
         (code0, out0), (code1, out1) = first[0].finish(), again.finish()
@@ -83,10 +85,11 @@ def test_elastic_a_node_lost_then_back_rejoins_with_live_state(tmp_path: Path) -
 
 def test_elastic_a_cut_link_stops_the_side_without_the_store(tmp_path: Path) -> None:
     with Cluster(2) as cluster:
-        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
-        await_until(lambda: trained_step(tmp_path, 4), "step 4")
+        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], {**ELASTIC, "PAUSE_AT": "4"}) for n in (0, 1)]
+        await_paused(tmp_path, 4)
         cluster.cut(1)
         cut_at = time.monotonic()
+        resume(tmp_path)
         code1, out1 = nodes[1].finish(timeout=60)          # node 1 stops while its link is still cut
         stopped = nodes[1].first("is cut off from the job's store")
         written = {p: p.read_text() for p in tmp_path.glob("samples-*.jsonl")}
@@ -111,10 +114,11 @@ def test_the_store_host_lost_stops_every_other_rank_and_the_job_resumes(tmp_path
     started again on both nodes resumes from its last checkpoint and ends as
     if uninterrupted."""
     with Cluster(2) as cluster:
-        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], ELASTIC) for n in (0, 1)]
-        await_until(lambda: trained_step(tmp_path, 6), "step 6")
+        nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], {**ELASTIC, "PAUSE_AT": "6"}) for n in (0, 1)]
+        await_paused(tmp_path, 4)
         cluster.kill(0)
         lost_at = time.monotonic()
+        resume(tmp_path)
         code1, out1 = nodes[1].finish(timeout=60)
         stopped = [t for t, line in nodes[1].lines if "was cut off from the job's store and stopped" in line]
         nodes[0].finish()
@@ -143,10 +147,11 @@ def test_the_store_lost_stops_the_other_node_at_once_with_one_line_of_cause(tmp_
     traceback, and no C++ backtrace on the console; node 1's launcher fails
     naming that cause."""
     with Cluster(2) as cluster:
-        nodes = [Node(cluster, n, tmp_path, ["2"], {"HOLD_FROM": "0:0.1"}) for n in (0, 1)]
-        await_until(lambda: trained_step(tmp_path, 6), "step 6")
+        nodes = [Node(cluster, n, tmp_path, ["2"], {"PAUSE_AT": "6"}) for n in (0, 1)]
+        await_paused(tmp_path, 4)
         os.kill(nodes[0].proc.pid, signal.SIGKILL)   # `ip netns exec` ran the launcher in its own process
         lost_at = time.monotonic()
+        resume(tmp_path)
         code1, out1 = nodes[1].finish(timeout=60)
         said = [(t, line) for t, line in nodes[1].lines if "is cut off from the job's store at" in line
                 and line.startswith("[rank ")]
@@ -183,26 +188,28 @@ STRANGER = str(Path(__file__).parent / "_stranger.py")
 
 def test_a_stranger_on_a_third_node_opens_no_session_and_the_job_ends_as_without_it(tmp_path: Path) -> None:
     # Note [stores behind TLS] in tandem/launch/tunnel.py: node 2, on the same bridge,
-    # knows every port the job listens on; for 20 s it tries to open a session with a
-    # store at each (to list, read, overwrite, add and join) and sends bytes to each.
-    # Meanwhile a node started with another secret asks to join.
+    # knows every port the job listens on; for 10 s, while every rank waits at step 3 with
+    # its beats and stores live, it tries to open a session with a store at each (to list,
+    # read, overwrite, add and join) and sends bytes to each. Meanwhile a node started with
+    # another secret asks to join. Then the job goes on to its end.
     marker = tmp_path / "the-stranger-ran-code"
-    env = {**ELASTIC, "HOLD_FROM": "2:1.5"}  # about 15 s of training left for the stranger
+    env = {**ELASTIC, "PAUSE_AT": "3"}
     with Cluster(3) as cluster:
         nodes = [Node(cluster, n, tmp_path, ["1:2", "--elastic"], env) for n in (0, 1)]
-        await_until(lambda: trained_step(tmp_path, 3), "step 3")
+        await_paused(tmp_path, 4)
         listening = {n: listening_ports(cluster.pids(n)) for n in (0, 1)}
         ports = sorted({(address, port) for n in (0, 1) for found in listening[n].values()
                         for address, port in found if address == cluster.address(n)})
-        stranger = cluster.popen(2, [sys.executable, STRANGER, json.dumps(ports), str(marker), "faults", "20"],
+        stranger = cluster.popen(2, [sys.executable, STRANGER, json.dumps(ports), str(marker), "faults", "10"],
                                  with_secret=False, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         (tmp_path / "wrong").mkdir()
         started = time.monotonic()
         wrong = Node(cluster, 2, tmp_path / "wrong", ["1:2", "--elastic"], {**env, "TANDEM_JOB_SECRET": "another"})
         wrong_code, wrong_out = wrong.finish(timeout=60)
         told_at = wrong.first("this job's secret differs from yours")
-        outs = [node.finish() for node in nodes]
         told = json.loads(stranger.communicate(timeout=60)[0].strip().splitlines()[-1])
+        resume(tmp_path)
+        outs = [node.finish() for node in nodes]
     # Where the job listens: each node's own address and loopback, never every interface.
     for n in (0, 1):
         found = {address for sockets in listening[n].values() for address, _ in sockets}

@@ -28,7 +28,7 @@ from tandem.testing import Cluster, cluster_unavailable
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cluster_faults import N  # noqa: E402
-from _cluster_nodes import Node, await_until, check_result, records, used_samples  # noqa: E402
+from _cluster_nodes import Node, await_paused, check_result, records, resume, used_samples  # noqa: E402
 
 
 def _unavailable() -> str | None:
@@ -81,11 +81,6 @@ def _leader(cluster: Cluster) -> int:
     return int(found.stdout.split()[0])
 
 
-def _await_paused(out: Path) -> None:
-    """Until every rank of the 3 waits at step 4 (PAUSE_AT): the job cannot end before the fault."""
-    await_until(lambda: len(list(out.glob("paused-*"))) == 3, "every rank paused at step 4")
-
-
 def _samples_of(out: Path, pids: list[int]) -> dict[Path, str]:
     """The sample records of the workers among ``pids``, as they are now."""
     return {p: p.read_text() for p in out.glob("samples-*.jsonl") if int(p.stem.rsplit("-", 1)[1]) in pids}
@@ -94,11 +89,11 @@ def _samples_of(out: Path, pids: list[int]) -> dict[Path, str]:
 def test_on_etcd_the_leaders_node_lost_the_other_two_train_on(tmp_path: Path) -> None:
     with Cluster(3) as cluster:
         nodes = _start(cluster, tmp_path)
-        _await_paused(tmp_path)
+        await_paused(tmp_path, 3)
         lost = _leader(cluster)
         cluster.kill(lost)
         assert nodes[lost].proc.wait(timeout=10) == -9
-        (tmp_path / "resume").touch()
+        resume(tmp_path)
         outs = [nodes[n].finish() for n in range(3) if n != lost]
     for code, out in outs:
         assert code == 0, out[-4000:]
@@ -112,12 +107,12 @@ def test_on_etcd_the_leaders_node_lost_the_other_two_train_on(tmp_path: Path) ->
 def test_on_etcd_a_partition_of_one_node_from_two_stops_the_one_and_the_two_train_on(tmp_path: Path) -> None:
     with Cluster(3) as cluster:
         nodes = _start(cluster, tmp_path)
-        _await_paused(tmp_path)
+        await_paused(tmp_path, 3)
         cut = _leader(cluster)   # the minority holds the leader: the majority elects another
         pids = cluster.pids(cut)
         cluster.cut(cut)
         cut_at = time.monotonic()
-        (tmp_path / "resume").touch()
+        resume(tmp_path)
         code_cut, out_cut = nodes[cut].finish(timeout=60)      # it stops while its link is still cut
         stopped = nodes[cut].first("is cut off from the job's store")
         written = _samples_of(tmp_path, pids)
