@@ -134,7 +134,7 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
     where this torch cannot tell.
 
     Why: DDP lets ``param.grad`` be a view of its bucket between steps (Note
-    [gradients born in their bucket] in tandem/ddp/write_back.py) only while nothing
+    [gradients born in their bucket] in tandem/ddp/reduction.py) only while nothing
     outside the reducer holds a tensor on that memory, which would otherwise see
     the next step's gradients; one count per buffer per step tells, where a
     Python reference count would miss views derived from ``.grad``. torch's

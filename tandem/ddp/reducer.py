@@ -9,18 +9,25 @@ Life of one synchronised step::
     backward ends  -> _finish()           the rest launched, all waited on, the flag read,
                                           the averages delivered
 
-A gradient's path, in three files (all in tandem/ddp/)::
+A gradient's path, from its hook to ``param.grad``, in three files of
+tandem/ddp/ and the collective's (tandem/comm/group.py)::
 
-    reducer.py       _on_grad: the hook; the step's handler chosen when it was armed
-    bucket_group.py  take / ready: copied into its bucket (scaled) and marked;
-                     launch_complete: complete buckets launched in bucket order
-    reduction.py     AllReduce.launch (or ReduceScatter, HookReduce): the collective
+    reducer.py    _on_grad: the hook; the step's handler chosen when it was armed
+    bucket.py     BucketGroup.take / ready: copied into its bucket (scaled) and marked;
+                  launch_complete: complete buckets launched in bucket order
+    reduction.py  AllReduce.launch (or ReduceScatter, HookReduce): the bucket
+                  filled (Bucket.fill), the collective started
+    ...
+    reducer.py    _finish: the rest launched (BucketGroup.launch_rest), each bucket
+                  waited for, the flag read
+    reduction.py  AllReduce.deliver -> GradDelivery: the averages to param.grad
+                  (bound as views, or copied back)
 
-What each collaborator owns: :class:`~tandem.ddp.bucket_group.BucketGroup` the
+What each collaborator owns: :class:`~tandem.ddp.bucket.BucketGroup` the
 plan, the flat buffer, the buckets and the launch order;
-:class:`~tandem.ddp.reduction.Reduction` (one kind, chosen when the reducer is
+:class:`~tandem.ddp.bucket.Reduction` (one kind, chosen when the reducer is
 built and again when a communication hook or a fused optimizer changes it) the
-collective and the delivery; :class:`~tandem.ddp.write_back.GradDelivery` how
+collective and the delivery; :class:`~tandem.ddp.reduction.GradDelivery` how
 averages reach ``param.grad``; :class:`~tandem.ddp.static_graph.StaticGraph`
 what a static graph learned; :class:`~tandem.ddp.finite.FiniteCheck` the
 check_finite decision. The reducer owns the step: its state, the hooks, the end
@@ -97,8 +104,7 @@ from tandem._compat import (accumulate_grad_node, dist_autograd_context_id, queu
                             storage_use_count, will_execute_in_this_backward)
 from tandem._tree import iter_tensors
 from tandem.comm.group import CollectiveEvent, GroupComm, Work
-from tandem.ddp.bucket import Bucket, GradBuffer, PendingReduction
-from tandem.ddp.bucket_group import BucketGroup
+from tandem.ddp.bucket import Bucket, BucketGroup, GradBuffer, PendingReduction, Reduction, StepInputs
 from tandem.ddp.checks import NonFinite, NonFiniteReport
 from tandem.ddp.comm_stats import CommStats, gradient_bytes
 from tandem.ddp.dist_autograd import ContextGrads, unsupported_under_context
@@ -109,9 +115,8 @@ from tandem.ddp.grad_bucket import CommHook, issues_one_collective
 from tandem.ddp.graph import opaque_nodes, reachable_params
 from tandem.ddp.late_flag import LateFlag
 from tandem.ddp.plan import BucketPlan
-from tandem.ddp.reduction import AllReduce, HookReduce, ReduceScatter, Reduction, StepInputs
+from tandem.ddp.reduction import AllReduce, GradDelivery, HookReduce, ReduceScatter, foreign_grads, views_escaped
 from tandem.ddp.static_graph import StaticGraph
-from tandem.ddp.write_back import GradDelivery, foreign_grads, views_escaped
 
 __all__ = ["FLAGS_TAG", "CommStats", "GradReducer", "ReducerOptions", "StepState"]
 
@@ -166,7 +171,7 @@ class GradReducer:
         self.group = BucketGroup(named_params, comm, caps=options.caps, zero=zero,
                                  as_view=options.gradient_as_bucket_view,
                                  check_finite=self._check is not None, overlap=options.overlap)
-        # Note [gradients born in their bucket] in write_back.py: where param.grad may stay its view.
+        # Note [gradients born in their bucket] in reduction.py: where param.grad may stay its view.
         born = not (zero or options.gradient_as_bucket_view or self._check is not None) \
             and storage_use_count(torch.zeros(1)) is not None
         self._delivery = GradDelivery(self.params, as_view=options.gradient_as_bucket_view, born=born)
@@ -277,7 +282,7 @@ class GradReducer:
         """Called before a forward with grad enabled, on every rank in step."""
         self.comm.ledger.mark_step(self.steps)
         self._output_nodes = []  # the previous forward's graph: Note [end of backward]
-        self._delivery.retired = []  # Note [gradients born in their bucket] in write_back.py: freed now
+        self._delivery.retired = []  # Note [gradients born in their bucket] in reduction.py: freed now
         if self.state is StepState.ARMED and self.group.armed():
             raise RuntimeError(unfinished_backward(self.comm.rank, self.group.waiting_for()))
         self.state = StepState.IDLE
@@ -473,7 +478,7 @@ class GradReducer:
         try:
             self._finish_step()
             if self._delivery.rebind:  # after _finish_step: its locals hold views of the buffer
-                self.group.buffer.count_views()  # Note [gradients born in their bucket] in write_back.py
+                self.group.buffer.count_views()  # Note [gradients born in their bucket] in reduction.py
             if context_grads is not None:  # Note [distributed autograd] in dist_autograd.py
                 context_grads.deliver(self._used_counts, self.comm.size)
         except Exception as e:

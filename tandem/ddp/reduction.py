@@ -11,8 +11,12 @@ never re-decided per gradient or per step.
 Each has a ``launch`` (the bucket's collective, started), a ``settle`` (after
 the last launch, before any other collective), a ``deliver`` (the averages to
 ``param.grad``), an ``end_step`` and a ``shadow`` (a joined rank's zeros, Note
-[join mirror] in join.py). :class:`~tandem.ddp.bucket_group.BucketGroup` calls
-them in bucket order.
+[join mirror] in join.py): the :class:`~tandem.ddp.bucket.Reduction` protocol,
+which :class:`~tandem.ddp.bucket.BucketGroup` calls in bucket order. The plain
+path and a hook deliver through :class:`GradDelivery`: the averages copied back
+into ``param.grad``, or ``param.grad`` left as its view of the reduced bucket
+(Note [gradients born in their bucket]), with the checks that keep a gradient
+the user kept from being overwritten.
 
 # Note [in-place reduction]
 A bucket that holds one large parameter and no flag slot (Note [solo buckets]
@@ -72,50 +76,67 @@ after the bucket last launched, not the whole model's gradients twice
 (BENCHMARKS.md has the peak it gives, against DeepSpeed's stage 2). A ``.grad`` the user kept
 past backward keeps its memory: the bucket then moves to new memory rather
 than free that one (``Bucket.give_back_memory``).
+
+# Note [gradients born in their bucket]
+Averaged gradients are not copied back to ``param.grad``: after a synchronised
+step, ``param.grad`` is the parameter's view of its reduced bucket (as under
+torch's ``gradient_as_bucket_view=True``), so the copy back is gone; and where
+the user keeps gradients between steps (``zero_grad(set_to_none=False)``,
+accumulation under no_sync) autograd accumulates straight into the bucket and
+the copy in is gone too: the bucket is scaled in place at launch
+(``Bucket.deferred`` for a view that may still receive a second gradient).
+After ``zero_grad(set_to_none=True)`` autograd makes a fresh gradient, which is
+copied in (scaled) as before. What torch's default lets a user observe stays true:
+
+* a tensor the user assigned to ``param.grad`` before the forward stays
+  ``param.grad`` and receives the average by copy (``_foreign``);
+* a parameter unused in a backward keeps its ``.grad`` untouched (it gets a
+  tensor of its own before its bucket, which it shared, is scaled: ``_mark_unused``);
+* an old gradient the user kept (``g = p.grad``, or a view of it) is never
+  overwritten: at the start of each synchronised backward, before any bucket is
+  written, the reducer checks that nothing outside it holds the buckets' memory
+  (the buffer's storage use count, and the Python references of each view that
+  its parameter no longer holds: ``_escaped``) and otherwise moves the buckets to
+  new memory (``_rebase``), which the kept tensors no longer share.
+
+The fresh gradients that the views replace are freed at the start of the next
+forward (``_retired``), not at the end of backward: that is when torch frees
+them (``zero_grad(set_to_none=True)``), and the forward's activations then reuse
+their memory. Freed at the end of backward, 40 MB at once, glibc trims the top
+of its heap and the next backward faults every page of its fresh gradients back
+in: on the benchmark transformer 5,000-10,000 minor page faults and about 20 ms
+per step, depending on the process's allocation history (BENCHMARKS.md, "page
+faults"). Peak memory is the same either way (backward holds both); between a
+step and the next forward the process holds what torch's DDP holds.
+
+What differs: ``param.grad`` is a view of a larger buffer (``torch.save`` of a
+lone ``.grad`` saves the buffer; ``.grad.data_ptr()`` points into the bucket).
+Not under ZeRO, gradient_as_bucket_view (which binds views its own way),
+check_finite (a step may be dropped after the buckets are written), a fused
+optimizer, distributed autograd, solo buckets (Note [in-place reduction] in reduction.py: they
+have no bucket memory) or tensor-parallel parameters: there the copy back stays.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from tandem._compat import foreach_copy_
 from tandem.comm.group import GroupComm
-from tandem.ddp.bucket import Bucket, PendingReduction
+from tandem.ddp.bucket import Bucket, GradBuffer, PendingReduction, StepInputs
 from tandem.ddp.finite import FiniteCheck
 from tandem.ddp.fused import BucketStepper
 from tandem.ddp.grad_bucket import CommHook, GradBucket, HookWork
-from tandem.ddp.write_back import GradDelivery
+from tandem.dtensor import local_grad, set_local_grad
 
-__all__ = ["AllReduce", "HookReduce", "ReduceScatter", "Reduction", "StepInputs"]
-
-
-@dataclass
-class StepInputs:
-    """What one synchronised step gives its reductions: set when it is armed."""
-
-    div: float
-    """The factor every gradient is scaled by (1/world, or 1 under a hook)."""
-    used: list[bool] = field(default_factory=list)
-    """Per parameter: whether this rank's backward produced its gradient."""
-    missing_flag: float = 0.0
-    """1.0 once this rank found a gradient missing (Note [missing-gradient flag] in reducer.py)."""
+__all__ = ["AllReduce", "GradDelivery", "HookReduce", "ReduceScatter", "bind_views", "foreign_grads",
+           "views_escaped", "write_back"]
 
 
-class Reduction(Protocol):
-    on_lone_grad: bool
-    """Whether a lone parameter's bucket may reduce on its .grad (Note [in-place reduction])."""
-    flag_alone: bool
-    """Whether the missing-gradient flag needs an all-reduce of its own."""
-
-    def launch(self, bucket: Bucket, step: StepInputs, is_last: bool) -> None: ...
-    def settle(self, buckets: Sequence[Bucket]) -> None: ...
-    def deliver(self, bucket: Bucket, used: list[int] | None) -> None: ...
-    def end_step(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket]) -> None: ...
-    def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction: ...
 
 
 class AllReduce:
@@ -310,3 +331,102 @@ def _has_premul_sum(comm: GroupComm) -> bool:
     """Whether ``comm`` reduces on NCCL with a pre-multiplied sum (Note [scaled by the collective])."""
     return (hasattr(dist, "_make_nccl_premul_sum") and torch.cuda.is_available()
             and dist.get_backend(comm.group) == "nccl")
+
+
+class GradDelivery:
+    """How a reduced bucket's averages reach ``param.grad``: copied back, bound as
+    the bucket's views (``gradient_as_bucket_view``, a fused optimizer's own), or
+    left bound where they were born (Note [gradients born in their bucket]).
+    Which is chosen when the reducer is built; whether views may stay bound, at
+    each forward (not inside a distributed autograd context)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, as_view: bool, born: bool) -> None:
+        self.params = params
+        self.as_view = as_view
+        self.born = born        # views may stay bound at all (else the copy back stays)
+        self.rebind = False     # this step: views stay bound
+        self.foreign: set[int] = set()         # params whose .grad is the user's tensor: copied into
+        self.retired: list[torch.Tensor] = []  # backward's fresh gradients, until the next forward
+
+    def arm(self, buckets: Sequence[Bucket], *, rebind: bool) -> None:
+        self.rebind = self.born and rebind
+        if self.rebind:
+            self.foreign = foreign_grads(buckets)
+
+    def deliver(self, bucket: Bucket, globally_used: list[int] | None, stepper: BucketStepper | None) -> None:
+        if bucket.reduced_on_grad:
+            return  # param.grad holds the average already (Note [in-place reduction] in reduction.py)
+        if self.rebind and bucket.bindable:
+            bind_views(bucket, self.params, globally_used, self.foreign, self.retired)
+            return
+        write_back(bucket, self.params, globally_used, as_view=self.as_view, stepper=stepper)
+
+
+def _bindable(buckets: Sequence[Bucket]) -> list[Bucket]:
+    """Buckets whose views param.grad may be left bound to (Note [gradients born
+    in their bucket])."""
+    return [b for b in buckets if b.bindable]
+
+
+def foreign_grads(buckets: Sequence[Bucket]) -> set[int]:
+    """The parameters whose ``.grad`` is a tensor of the user's, not their view:
+    the average is copied into it (``_foreign`` in Note [gradients born in their bucket])."""
+    return {i for b in _bindable(buckets) for i, p, v in zip(b.spec.params, b.params, b.views)
+            if (g := p.grad) is not None and g is not v}
+
+
+def views_escaped(buffer: GradBuffer, buckets: Sequence[Bucket]) -> bool:
+    """Whether something outside the reducer holds memory of the buckets that
+    the coming step will write: a view derived from an old .grad (the buffer's
+    use count), or an old .grad itself that the parameter no longer holds."""
+    return buffer.escaped() or any(b.views_held_elsewhere() for b in _bindable(buckets))
+
+
+def write_back(bucket: Bucket, params: Sequence[torch.Tensor], globally_used: list[int] | None, *,
+               as_view: bool, stepper: BucketStepper | None) -> None:
+    """Copy a reduced bucket's averages into ``param.grad`` (or bind ``param.grad``
+    to its view, under ``gradient_as_bucket_view`` or for a fused optimizer's own)."""
+    if not as_view and stepper is None and globally_used is None:
+        grads = bucket.local_grads()
+        if all(g is not None for g in grads):  # the common case, in one call
+            foreach_copy_(cast("list[torch.Tensor]", grads), bucket.views)
+            return
+    copy_dst, copy_src = [], []
+    for pos, i in enumerate(bucket.spec.params):
+        if globally_used is not None and not globally_used[i]:
+            continue  # unused on every rank: .grad stays as it was, like torch
+        p, view = params[i], bucket.views[pos]
+        grad = local_grad(p)
+        if as_view or (stepper is not None and stepper.owns(i)):
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                set_local_grad(p, view)
+        elif grad is None:
+            set_local_grad(p, view.clone())
+        else:
+            copy_dst.append(grad)
+            copy_src.append(view)
+    if copy_dst:
+        foreach_copy_(copy_dst, copy_src)
+
+
+def bind_views(bucket: Bucket, params: Sequence[torch.Tensor], globally_used: list[int] | None,
+               foreign: set[int], retired: list[torch.Tensor]) -> None:
+    """Note [gradients born in their bucket]: param.grad becomes (or stays) its
+    view of the reduced bucket; a tensor the user gave as .grad gets a copy."""
+    copy_dst, copy_src = [], []
+    for i, view in zip(bucket.spec.params, bucket.views):
+        if globally_used is not None and not globally_used[i]:
+            continue  # unused on every rank: .grad stays as it was, like torch
+        p = params[i]
+        grad = p.grad
+        if grad is view:
+            continue
+        if grad is not None and i in foreign:
+            copy_dst.append(grad)
+            copy_src.append(view)
+        else:
+            if grad is not None:
+                retired.append(grad)
+            p.grad = view
+    if copy_dst:
+        foreach_copy_(copy_dst, copy_src)

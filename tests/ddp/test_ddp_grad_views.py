@@ -1,5 +1,5 @@
 """Gradients born in their bucket (Note [gradients born in their bucket] in
-tandem/ddp/write_back.py): after a step ``param.grad`` is a view of the reduced
+tandem/ddp/reduction.py): after a step ``param.grad`` is a view of the reduced
 bucket, and what a user of torch's default DDP can observe stays true.
 
 Each case trains tandem's DDP and torch's DDP side by side in one process, on the

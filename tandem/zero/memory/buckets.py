@@ -13,7 +13,7 @@ each bucket without the padding; rank 0 owns the most):
 
 - stage 0 ``grads``: ``F``, which DDP holds for the whole run and whose views
   are ``param.grad`` after a step (Note [gradients born in their bucket] in
-  tandem/ddp/write_back.py), plus the ``param.grad`` of solo parameters (Note
+  tandem/ddp/reduction.py), plus the ``param.grad`` of solo parameters (Note
   [solo buckets]: reduced in place, no bucket memory). Tensor-parallel
   parameters keep a ``param.grad`` of their own: ``G`` plus ``F``. With
   ``gradient_as_bucket_view`` nothing is solo: ``F`` only. A world of one
@@ -61,7 +61,7 @@ def ddp_bucket_plan(params: Sequence[ParamInfo], world_size: int, *, zero_stage:
                     gradient_as_bucket_view: bool = False, check_finite: bool = False) -> BucketPlan:
     """The buckets ``tandem.DistributedDataParallel`` plans at construction for
     the trainable ``params`` (in registration order), with the arguments its
-    reducer passes (BucketGroup.build in tandem/ddp/bucket_group.py).
+    reducer passes (BucketGroup.build in tandem/ddp/bucket.py).
 
     DDP re-plans once after its first step (not at ZeRO stages, nor with
     ``find_unused_parameters`` without ``static_graph``), in the order the
@@ -82,7 +82,7 @@ def stage0_estimate(plan: BucketPlan, infos: list[ParamInfo], params: int, world
         grads = trainable   # a world of one builds no reducer (tandem/ddp/module.py: _needs_reducer)
     elif tensor_parallel:
         grads = trainable + flat  # their .grad stays a tensor of its own
-    else:  # Note [gradients born in their bucket] in tandem/ddp/write_back.py: .grad is a view of F,
+    else:  # Note [gradients born in their bucket] in tandem/ddp/reduction.py: .grad is a view of F,
         # solo ones apart
         grads = flat + sum(b.numel * _itemsize(b.dtype) for b in plan.buckets if b.solo)
         # after zero_grad(set_to_none=True) backward makes fresh gradients, copied into F
