@@ -50,7 +50,7 @@ from tandem.comm.job_secret import MANY_NODES_NEED_A_SECRET
 from tandem.comm.store_address import EtcdAddress, describe
 from tandem.launch.config import LaunchConfig
 from tandem.launch.elastic_agent import ElasticAgent
-from tandem.launch.flags import split_endpoint
+from tandem.launch.config import split_endpoint
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import interface_of
 from tandem.launch.etcd_plane import EtcdControlPlane

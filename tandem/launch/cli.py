@@ -4,7 +4,11 @@
 and ``--nproc_per_node``), and runs the job on torch's elastic agent. What it adds
 is described in docs/how-to/launch-one-node.md and docs/reference/run-options.md. This module is the
 command line only: flags to a :class:`~tandem.launch.config.LaunchConfig`
-(:func:`config_from_args`, pure), then the agent (:func:`run_job`).
+(:func:`config_from_args`, pure), what each worker runs (:func:`worker_command`:
+``python -u script.py args``, ``python -u -m module args``, or a program of its
+own with ``--no-python``, as torchrun builds it; :func:`check_target` looks at the
+file system, so that a misspelt script or module fails in the launcher with one
+clear line, before any worker starts), then the agent (:func:`run_job`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import importlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import shutil
@@ -21,13 +28,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from tandem.launch.agent import LaunchError, SignalException, quiet_torch_launch_logs, run_workers
-from tandem.launch.command import TargetKind, WorkerCommand, check_target, worker_command
-from tandem.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
-from tandem.launch.flags import (
+from tandem.launch.config import (
+    DEFAULT_RDZV_TIMEOUT_S,
+    LaunchConfig,
     parse_nnodes,
     parse_rank_list,
     parse_rdzv_conf,
@@ -49,13 +57,112 @@ from tandem.launch.summary import failure_summary
 from tandem.launch.watchdog import HANG_EXITCODE
 from tandem.comm.job_secret import secret_for_workers
 
-__all__ = ["build_parser", "command", "config_from_args", "main", "run_job"]
+__all__ = ["TargetKind", "WorkerCommand", "build_parser", "check_target", "command", "config_from_args", "main",
+           "run_job", "worker_command"]
 
 _PROG = "tandem run"
 EXIT_FAILED = 1
 """A worker failed (after any restarts), or the job could not start."""
 EXIT_USAGE = 2
 """The command line was wrong (argparse's convention)."""
+
+
+class TargetKind(enum.Enum):
+    SCRIPT = "script"   # a Python file: python -u script.py
+    MODULE = "module"   # python -u -m package.module
+    PROGRAM = "program"  # --no-python: any executable
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerCommand:
+    """The command line every worker of this node runs."""
+
+    program: str
+    """The executable: the Python interpreter, or the target itself with ``--no-python``."""
+    args: tuple[str, ...]
+    """Its arguments, the target's own arguments last."""
+    target: str
+    """The script, module or program as the user named it (for messages)."""
+    kind: TargetKind
+    """Which of the three forms this is."""
+
+
+def worker_command(target: str, target_args: Sequence[str], *, module: bool = False,
+                   no_python: bool = False, python: str) -> WorkerCommand:
+    """Build the workers' command line.
+
+    Args:
+        target: the script, module (with ``module``) or program (with ``no_python``).
+        target_args: the target's own arguments.
+        module: run ``target`` as ``python -m target``.
+        no_python: run ``target`` itself, not through Python.
+        python: the interpreter (the launcher's own, or ``PYTHON_EXEC`` as torchrun).
+
+    Raises:
+        ValueError: both ``module`` and ``no_python``, or no target.
+    """
+    if not target:
+        raise ValueError("no script given; pass the training script (or -m module) and its "
+                         "arguments after the launcher's options")
+    if module and no_python:
+        raise ValueError("-m/--module and --no-python cannot be used together: a module is "
+                         "run by Python")
+    rest = tuple(str(a) for a in target_args)
+    if no_python:
+        return WorkerCommand(program=target, args=rest, target=target, kind=TargetKind.PROGRAM)
+    # -u: unbuffered, so every line reaches the log (and the console) when printed.
+    head = ("-u", "-m", target) if module else ("-u", target)
+    return WorkerCommand(program=python, args=head + rest, target=target,
+                         kind=TargetKind.MODULE if module else TargetKind.SCRIPT)
+
+
+def check_target(command: WorkerCommand, *, cwd: str) -> None:
+    """Fail early, in the launcher, if the workers could not start the target.
+
+    Modules are looked up the way ``python -m`` in ``cwd`` would, without
+    importing anything.
+
+    Raises:
+        ValueError: the script, module or program does not exist.
+    """
+    if command.kind is TargetKind.SCRIPT:
+        path = os.path.join(cwd, command.target)
+        if not os.path.isfile(path):
+            raise ValueError(f"script {command.target!r} not found (looked in {cwd}); check the "
+                             "path, or pass -m for a module")
+    elif command.kind is TargetKind.MODULE:
+        if not _module_exists(command.target, cwd):
+            raise ValueError(f"module {command.target!r} not found (from {cwd} and the "
+                             "interpreter's path); check the name and that its package is "
+                             "installed")
+    else:
+        found = (shutil.which(command.target) if os.sep not in command.target
+                 else command.target if os.access(os.path.join(cwd, command.target), os.X_OK)
+                 else None)
+        if not found:
+            raise ValueError(f"program {command.target!r} not found or not executable "
+                             "(--no-python runs it directly)")
+
+
+def _module_exists(name: str, cwd: str) -> bool:
+    # Nothing is imported: the top-level package is found as ``python -m`` in ``cwd``
+    # would (cwd first, then the interpreter's finders, editable installs included),
+    # its submodules by path, so no package __init__ runs in the launcher.
+    top, *rest = name.split(".")
+    if not top or not all(rest):
+        return False
+    spec = importlib.machinery.PathFinder.find_spec(top, [cwd])
+    if spec is None:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            return False
+    for part in rest:
+        search = spec.submodule_search_locations if spec is not None else None
+        if search is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(search))
+    return spec is not None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -64,7 +64,7 @@ from pathlib import Path
 
 from tandem.comm.etcd_store import EtcdStore
 from tandem.comm.store_address import EtcdAddress
-from tandem.launch.flags import split_endpoint
+from tandem.launch.config import split_endpoint
 from tandem.launch.machine import interface_of
 
 __all__ = ["ETCD_MISSING", "EtcdControlPlane", "EtcdMember", "LINGER_S", "node_identity"]

@@ -54,7 +54,7 @@ from tandem._compat import rendezvous_info
 from tandem.comm.job_secret import SignedStore, signed_like
 from tandem.comm.store_address import EtcdAddress, StoreAddress
 from tandem.launch.etcd_plane import EtcdControlPlane
-from tandem.launch.flags import split_endpoint
+from tandem.launch.config import split_endpoint
 from tandem.launch.tunnel import SecretDiffersError, Tunnels
 
 __all__ = ["BEAT_S", "JoinRunningJob", "NodeRoll", "STALE_S"]

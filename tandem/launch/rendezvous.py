@@ -14,7 +14,7 @@ after a worker is killed.
 
 :class:`FreshWorkerStore` wraps torch's own rendezvous handler and changes one
 thing: after each rendezvous node 0 starts a new ``TCPStore`` on a free port
-(see Note [free port] in :mod:`tandem.launch.flags`), publishes the port in the
+(see Note [free port] in :mod:`tandem.launch.config`), publishes the port in the
 rendezvous store (signed under a job secret: Note [signed store] in
 job_secret.py), and every node hands that address to its workers. A job of
 one node keeps it on loopback (Note [a store on the job's address] in

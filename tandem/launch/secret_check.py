@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from tandem.comm.job_secret import secret_mark
-from tandem.launch.flags import split_endpoint
+from tandem.launch.config import split_endpoint
 
 __all__ = ["SecretCheck"]
 

@@ -62,7 +62,7 @@ _PR_SET_PDEATHSIG = 1
 def python_target(args: Sequence[str]) -> tuple[str, str, list[str]] | None:
     """``("script", path, rest)`` or ``("module", name, rest)`` for the Python
     arguments ``tandem run`` gives its workers (``-u script.py ...`` or ``-u -m
-    module ...``: tandem.launch.command.worker_command); None for any other."""
+    module ...``: tandem.launch.cli.worker_command); None for any other."""
     args = list(args)
     if args[:2] == ["-u", "-m"] and len(args) >= 3:
         return "module", args[2], args[3:]

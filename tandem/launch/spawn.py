@@ -24,7 +24,7 @@ from typing import Any
 
 from tandem.launch.agent import quiet_torch_launch_logs, run_workers
 from tandem.launch.config import LaunchConfig
-from tandem.launch.flags import threads_per_worker
+from tandem.launch.config import threads_per_worker
 from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import loopback_interface_env, usable_cpus
 from tandem.launch.output import RankOutput

@@ -16,10 +16,10 @@ import pytest
 import torch.distributed as dist
 
 from tandem.launch import cli
-from tandem.launch.command import TargetKind, check_target, worker_command
-from tandem.launch.config import LaunchConfig
-from tandem.launch.flags import (
+from tandem.launch.cli import TargetKind, check_target, worker_command
+from tandem.launch.config import (
     AUTO_MAX_CPU_WORKERS,
+    LaunchConfig,
     parse_nnodes,
     parse_rank_list,
     parse_rdzv_conf,

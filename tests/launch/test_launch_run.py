@@ -327,7 +327,7 @@ def test_readme_main_job(tmp_path):
 
 
 def test_auto_workers_and_threads_on_this_machine(tmp_path):
-    from tandem.launch.flags import resolve_nproc, threads_per_worker
+    from tandem.launch.config import resolve_nproc, threads_per_worker
     from tandem.launch.machine import usable_cpus
 
     cpus = usable_cpus()
