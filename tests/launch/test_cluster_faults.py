@@ -220,8 +220,9 @@ def test_a_stranger_on_a_third_node_opens_no_session_and_the_job_ends_as_without
     assert told["rounds"] >= 2 and len(told["told"]) == len(ports), told
     assert not any(what == "opened" for what in told["told"].values()), told
     assert not marker.exists()
-    # The node with another secret is told so at once, and the job's host logs it in one line.
-    assert wrong_code != 0 and told_at is not None and told_at - started < 10, wrong_out[-3000:]
+    # The node with another secret is told so at once (not when its 60 s rendezvous gives up:
+    # its start may take seconds on a loaded host), and the job's host logs it in one line.
+    assert wrong_code != 0 and told_at is not None and told_at - started < 30, wrong_out[-3000:]
     for code, out in outs:
         assert code == 0, out[-4000:]
     stranger_lines = [[line for line in out.splitlines() if cluster.address(2) in line] for _, out in outs]

@@ -134,8 +134,11 @@ def test_nodes_with_different_secrets_are_told_so(tmp_path, form):
         assert r.returncode == 1 and "WORLD" not in r.stdout, r
     told = [r for r in runs if "tandem run: error: this job's secret differs from yours: the rendezvous store at "
             f"127.0.0.1:{port} refused this node's TLS handshake" in r.stderr]
-    assert len(told) == 1 and told[0].seconds < 10, runs
+    assert len(told) == 1, runs
     host = runs[1 - runs.index(told[0])]
+    # Told at once, not when a rendezvous would give up: the two started together, and
+    # the host waits out its 8 s after its own start (a loaded host delays both starts).
+    assert told[0].seconds < host.seconds - 4, runs
     assert host.stderr.count("refused a connection from 127.0.0.1 to the rendezvous store: its job secret "
                              "differs from this job's") == 1, host
     last = host.stderr.strip().splitlines()[-1]
