@@ -79,10 +79,6 @@ def resume(out: Path) -> None:
     (out / "resume").touch()
 
 
-def trained_step(out: Path, step: int) -> bool:
-    return any(f'"step": {step},' in p.read_text() for p in out.glob("samples-*.jsonl"))
-
-
 def records(out: Path) -> list[dict]:
     return [torch.load(p) for p in sorted(out.glob("done-*.pt"))]
 
