@@ -56,7 +56,8 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f"tandem-soak-{strategy}-{every:g}s-"))
             started = time.monotonic()
             r = run_soak(SoakPlan(directory=tmp, strategy=strategy, every_s=every, failures=args.failures,
-                                  seed=args.seed, hidden=args.hidden, spare=not args.no_spare, timeout_s=every * args.failures * 3 + 300))
+                                  seed=args.seed, hidden=args.hidden, spare=not args.no_spare,
+                                  timeout_s=every * args.failures * 3 + 300))
             took = time.monotonic() - started
             if not r.problems and not args.keep:  # a failed run's events and logs stay, to be looked at
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -65,8 +66,8 @@ def main() -> None:
                      f"{statistics.median(r.admit_connect_s) * 1000:.0f} ms" if r.admit_s else "-")
             checks = "all passed" if not r.problems else "; ".join(r.problems)
             print(f"| {every:g} | {strategy} | {len(r.kills)} | {r.steps} | {r.step_efficiency:.1%} | "
-                  f"{r.training_efficiency:.1%} | {r.sample_efficiency:.1%} | {seen} | {admit} | {r.step_s * 1000:.0f} ms | {checks} |",
-                  flush=True)
+                  f"{r.training_efficiency:.1%} | {r.sample_efficiency:.1%} | {seen} | {admit} | "
+                  f"{r.step_s * 1000:.0f} ms | {checks} |", flush=True)
             if r.lost_s:
                 failures = max(len(r.kills), 1)
                 parts = ", ".join(f"{part} {lost / failures:.2f} s ({lost / max(r.wall_s, 1e-9):.1%})"
