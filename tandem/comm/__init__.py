@@ -14,9 +14,8 @@
 - an elastic job's control plane: who is a member, the judge, roll calls, a
   world change (membership.py, judge.py, roll_call.py, elastic_group.py,
   failure_gate.py);
-- collectives that send int8 or int4 blocks (quantize.py, quantized_average.py,
-  quantized_collectives.py), and point-to-point messages that carry their own
-  shapes (:func:`send`, :func:`recv`; p2p.py, plain_data.py).
+- point-to-point messages that carry their own shapes (:func:`send`,
+  :func:`recv`; p2p.py, plain_data.py).
 
 An elastic world change reads, in order: judge.py (a death found, the step
 aborted), membership.py (``next_generation``), roll_call.py (its barriers),

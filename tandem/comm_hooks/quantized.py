@@ -1,7 +1,7 @@
 """Gradients averaged in int8 (or int4) blocks, with error feedback:
 :class:`QuantizedState`, :func:`quantized_hook`.
 
-Each bucket is averaged by :class:`~tandem.comm.quantized_average.QuantizedAverage`
+Each bucket is averaged by :class:`~tandem.quantized.average.QuantizedAverage`
 (Note [a quantized average]): an all-to-all of quantized chunks, each rank's
 chunk averaged, an all-gather of the quantized averages; 3.9x fewer bytes than
 fp32 at int8 with blocks of 256, 7.5x at int4. What quantization loses on each
@@ -24,8 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tandem._compat import foreach_copy_
 from tandem.comm.group import GroupComm
 from tandem.comm.node_groups import NodeGroups
-from tandem.comm.quantize import BLOCK, qmax
-from tandem.comm.quantized_average import QuantizedAverage
+from tandem.quantized.blocks import BLOCK, qmax
+from tandem.quantized.average import QuantizedAverage
 from tandem.comm_hooks._comm import hook_comm, is_default_group
 
 __all__ = ["QuantizedState", "quantized_hook"]

@@ -34,7 +34,7 @@ class DiLoCoConfig:
     """At a fragment's sync, the share of the local parameters kept: the
     fragment becomes ``mix * local + (1 - mix) * synced`` (Streaming DiLoCo's
     alpha; 0 takes the synced parameters, as DiLoCo)."""
-    quantize: int | None = None  # Note [a quantized average] in tandem/comm/quantized_average.py
+    quantize: int | None = None  # Note [a quantized average] in tandem/quantized/average.py
     """8 or 4: the pseudo-gradients averaged in int8 or int4 blocks of 256 values
     with a scale each, with error feedback (what a sync loses is sent at the
     next), reduced in fp32 inside each node first; None sends fp32."""

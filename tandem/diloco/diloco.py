@@ -21,7 +21,7 @@ link carries one model's worth every ``H`` steps instead of every step.
   inner steps before it is applied, mixing ``mix`` of the local parameters
   into the result. With one fragment, no overlap and no mix it is DiLoCo.
 - The pseudo-gradients may travel in int8 or int4 blocks with error feedback
-  (``quantize``; Note [a quantized average] in tandem/comm/quantized_average.py).
+  (``quantize``; Note [a quantized average] in tandem/quantized/average.py).
 
 # Note [DiLoCo across nodes, fully_shard inside]
 Over a slow link between nodes and a fast one inside each, a node can be one

@@ -23,7 +23,7 @@ from torch import nn
 
 from tandem.comm.group import GroupComm, Work
 from tandem.comm.node_groups import NodeGroups
-from tandem.comm.quantized_average import QuantizedAverage
+from tandem.quantized.average import QuantizedAverage
 from tandem.diloco.config import DiLoCoConfig
 from tandem.dtensor import local_tensor
 

@@ -12,7 +12,7 @@ What travels, and what does not change:
   int8 values and the fp32 scales are all-gathered, and every rank decodes
   every rank's row into the gather's output, which is copied out into the
   parameters as usual (Note [quantized collectives] in
-  tandem/comm/quantized_collectives.py). Only the gathered copy that forward
+  tandem/quantized/collectives.py). Only the gathered copy that forward
   and backward compute with is approximate: the shards, which the optimizer
   steps, are never quantized. The shard does not change between a unit's
   forward and its backward, and quantizing is deterministic, so backward's
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.comm.quantize import BLOCK
+from tandem.quantized.blocks import BLOCK
 
 __all__ = ["QuantizedCommPolicy", "check_quantizable"]
 

@@ -66,7 +66,7 @@ import torch
 
 from tandem._compat import dtensor_local, foreach_copy_, fsdp_policies, preserve_version_counters
 from tandem.comm.group import GroupComm, Work
-from tandem.comm.quantized_collectives import all_gather_quantized
+from tandem.quantized.collectives import all_gather_quantized
 from tandem.fsdp.unit_params import UnitParams, contiguous_strides
 from tandem.fsdp.unit_state import CommOverrides, ManagedParam, PendingGather, ShardState
 

@@ -92,7 +92,7 @@ import torch
 
 from tandem._compat import chunk_cat, dtensor_like, dtensor_local
 from tandem.comm.group import GroupComm
-from tandem.comm.quantized_collectives import reduce_scatter_quantized
+from tandem.quantized.collectives import reduce_scatter_quantized
 from tandem.dtensor import local_grad
 from tandem.fsdp.unit_params import UnitParams
 from tandem.fsdp.unit_state import CommOverrides, PendingReduce, ReduceState

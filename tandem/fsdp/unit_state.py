@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tandem.comm.group import Work
-from tandem.comm.quantized_collectives import QuantizedWork
+from tandem.quantized.collectives import QuantizedWork
 from tandem.fsdp.comm_policy import QuantizedCommPolicy
 from tandem.fsdp.layout import ParamShard
 from tandem.fsdp.tensor_parallel import TensorParallelParam

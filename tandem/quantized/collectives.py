@@ -1,5 +1,5 @@
 """Two collectives that send int8 or int4 blocks (Note [block-wise quantization]
-in quantize.py) and decode what they receive: :func:`all_gather_quantized` and
+in blocks.py) and decode what they receive: :func:`all_gather_quantized` and
 :func:`reduce_scatter_quantized`, each issued through a :class:`GroupComm`, so
 that the ledger records the quantized payload, and waited on through a
 :class:`QuantizedWork`.
@@ -24,7 +24,7 @@ The decoding happens in :meth:`QuantizedWork.wait`, after the collective has
 completed, one row at a time, so that no fp32 copy of the whole received
 payload is alive beside the output. ZeRO++ (arXiv 2306.10209) sends its
 weights' all-gather (qwZ) and its gradients' reduce-scatter (qgZ) so; the
-quantized average (quantized_average.py) is the reduce-scatter followed by
+quantized average (average.py) is the reduce-scatter followed by
 the all-gather.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.comm.group import GroupComm, Work
-from tandem.comm.quantize import BLOCK, fp32_rows, pack_rows, unpack_rows, wire_bytes
+from tandem.quantized.blocks import BLOCK, fp32_rows, pack_rows, unpack_rows, wire_bytes
 
 __all__ = ["QuantizedWork", "all_gather_quantized", "reduce_scatter_quantized"]
 

@@ -1,5 +1,5 @@
 """Block-wise quantization (Note [block-wise quantization] in
-tandem/comm/quantize.py): the round trip within its stated bound, on grids of
+tandem/quantized/blocks.py): the round trip within its stated bound, on grids of
 sizes, scales and bits, and the bound itself checked against exact arithmetic."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.comm.quantize import dequantize, error_bound, qmax, quantize, wire_bytes
+from tandem.quantized.blocks import dequantize, error_bound, qmax, quantize, wire_bytes
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -58,7 +58,7 @@ def test_bad_settings_are_refused_by_name(bad: dict) -> None:
 @pytest.mark.parametrize("numel,block", [(1, 2), (7, 2), (300, 256), (512, 256), (1001, 64)])
 def test_rows_pack_as_each_row_quantized_alone_and_unpack_to_its_round_trip(bits: int, numel: int,
                                                                              block: int) -> None:
-    from tandem.comm.quantize import pack_rows, unpack_rows
+    from tandem.quantized.blocks import pack_rows, unpack_rows
 
     g = torch.Generator().manual_seed(numel + bits)
     rows = torch.randn(3, numel + 5, generator=g)[:, :numel] * torch.tensor([[1e-3], [1.0], [1e3]])  # not contiguous

@@ -1,5 +1,5 @@
 """The quantized average (Note [a quantized average] in
-tandem/comm/quantized_average.py) on three gloo ranks, in one spawned group:
+tandem/quantized/average.py) on three gloo ranks, in one spawned group:
 within its bound of the true mean and the same on every rank; with error
 feedback, the sum over 300 calls equal to the sum of the true means less the
 mean of the last residuals, and within one call's bound, where without it the
@@ -33,7 +33,7 @@ def _half_steps(x: torch.Tensor, bits: int, block: int, chunks: int = WORLD) -> 
 def _cases(rank: int, world_size: int) -> dict:
     import tandem
     from tandem.comm.group import GroupComm
-    from tandem.comm.quantized_average import QuantizedAverage
+    from tandem.quantized.average import QuantizedAverage
 
     comm = GroupComm(None)
     out: dict = {}
@@ -90,7 +90,7 @@ def _by_node(rank: int, world_size: int) -> dict:
     from tandem.comm.group import GroupComm
     from tandem.comm.monitor import current_monitor
     from tandem.comm.node_groups import NodeGroups
-    from tandem.comm.quantized_average import QuantizedAverage
+    from tandem.quantized.average import QuantizedAverage
 
     os.environ["GROUP_RANK"] = str(rank // 2)
     comm = GroupComm(None)

@@ -14,7 +14,7 @@ reduce-scatter does (arXiv 2306.10209):
     all-gather q2                        everyone receives every chunk
     x = dequantize(all of q2)
 
-The two collectives are quantized_collectives.py's (Note [quantized
+The two collectives are collectives.py's (Note [quantized
 collectives]), which fully_shard's quantized gathers and reductions use
 alone. Each rank sends about 2 (W-1)/W n bytes at int8 (half at int4), plus 4 bytes
 of scale a block, where a ring all-reduce of fp32 sends 2 (W-1)/W 4n: 3.9x
@@ -27,9 +27,9 @@ on the owned chunk only) and added to the next call's input. The mean of the
 ranks' next residuals is then exactly what this call's result missed, so over
 any number of calls the sum of the results equals the sum of the true
 averages less the mean of the last residuals: bounded by one call's error,
-never growing (tests/comm/test_quantized_average.py holds it to that).
+never growing (tests/quantized/test_quantized_average.py holds it to that).
 
-Across nodes (``nodes``, Note [ranks by node] in node_groups.py), the ranks
+Across nodes (``nodes``, Note [ranks by node] in tandem/comm/node_groups.py), the ranks
 of each node first reduce-scatter in fp32 (inside the node: no link crossed),
 each rank's share of its node's mean is averaged across the nodes as above,
 among the ranks holding the same share, and the node all-gathers the result
@@ -47,8 +47,8 @@ import torch
 
 from tandem.comm.group import GroupComm
 from tandem.comm.node_groups import NodeGroups
-from tandem.comm.quantize import BLOCK, qmax, unpack_rows
-from tandem.comm.quantized_collectives import all_gather_quantized, reduce_scatter_quantized
+from tandem.quantized.blocks import BLOCK, qmax, unpack_rows
+from tandem.quantized.collectives import all_gather_quantized, reduce_scatter_quantized
 
 __all__ = ["QuantizedAverage"]
 
