@@ -60,7 +60,7 @@ does; tandem then keeps one input buffer alive, as FSDP2 does (Note
 on the unsharded model with one rank's batch, ``param_dtype``,
 ``reduce_dtype``, ``cpu_offload`` and ``activation_checkpointing`` as the
 variant has them: the fully_shard row's peak (the largest phase of the
-measured step: Note [stage 3 peak] in tandem/zero/memory/phases.py), and its
+measured step: Note [stage 3 peak] in tandem/planner/memory/phases.py), and its
 error against each contender's measured peak.
 """
 

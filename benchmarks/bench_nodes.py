@@ -30,7 +30,7 @@ directions: everything that crossed the link) before and after. Reported:
 the median over rounds of the mean step, the quartiles over rounds, tandem
 over torch, and the bytes per step over the link (median over rounds)
 against ``tandem plan``'s prediction for 2 nodes (Note [bytes between nodes]
-in tandem/zero/traffic.py). The link also carries the store's heartbeats
+in tandem/planner/traffic.py). The link also carries the store's heartbeats
 (a few hundred bytes per second per rank).
 
 Then, at each rate, ``--elastic`` with node 1 killed mid-training: from its

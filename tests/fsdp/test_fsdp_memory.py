@@ -15,9 +15,9 @@ from test_fsdp import _distinct_bytes, tandem_units
 from torch import nn
 
 from tandem.fsdp import MixedPrecisionPolicy, fully_shard, plan_unit
+from tandem.planner.memory import StepActivity, stage3_peak
 from tandem.testing import as_dtensor, run_distributed
 from tandem.zero import FullyShardSpec, MemoryEstimate, estimate_memory, format_memory_table
-from tandem.zero.memory import StepActivity, stage3_peak
 
 
 def _ceil(a: int, b: int) -> int:

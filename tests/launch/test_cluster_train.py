@@ -157,7 +157,7 @@ def test_the_bytes_between_nodes_are_what_tandem_plan_predicts(tmp_path: Path) -
     """The bytes that cross the link between 2 nodes x 2 workers per step, read
     from node 0's interface counters by benchmarks/bench_nodes.py's workers,
     are within 5% of ``tandem plan --nodes 2`` (Note [bytes between nodes] in
-    tandem/zero/traffic.py) for DDP, ZeRO-2, fully_shard and HSDP; the
+    tandem/planner/traffic.py) for DDP, ZeRO-2, fully_shard and HSDP; the
     heartbeats and the store add a little."""
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_nodes.py"
     sys.path.insert(0, str(bench.parent))

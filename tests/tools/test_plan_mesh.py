@@ -1,5 +1,5 @@
 """``tandem plan`` on a 2-D mesh (dp x tp) with torch's tensor parallelism
-(Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py): the local
+(Note [planning a tensor-parallel mesh] in tandem/planner/tensor_parallel.py): the local
 shapes it derives from a ``tp_plan``, the report and the command line, and its
 prediction against the bytes rank 0 of a 2 x 2 gloo mesh really holds after
 training steps under tandem's DDP and fully_shard over ``mesh["dp"]``."""
@@ -25,11 +25,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 import tandem
+from tandem.planner.memory import estimate_memory
+from tandem.planner.tensor_parallel import parse_mesh, tensor_parallel_shards
 from tandem.testing import run_distributed
 from tandem.testing.models import TinyLM
 from tandem.tools.plan import main, plan, plan_report
-from tandem.tools.tp_plan import parse_mesh, tensor_parallel_shards
-from tandem.zero.memory import estimate_memory
 
 D, HIDDEN, VOCAB = 10, 42, 33   # HIDDEN / tp = 21 rows: uneven over dp; VOCAB / tp: 17 and 16 rows
 

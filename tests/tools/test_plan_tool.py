@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import tandem
+from tandem.ddp.plan import ParamInfo
+from tandem.ddp.reducer import GradReducer
+from tandem.planner.memory import MemoryEstimate, ddp_bucket_plan, estimate_memory
 from tandem.testing import run_distributed
 from tandem.testing.models import make_model
 from tandem.tools.plan import main, measure, parse_bytes, plan, plan_report
-from tandem.zero.memory import MemoryEstimate, ddp_bucket_plan, estimate_memory
-from tandem.ddp.plan import ParamInfo
-from tandem.ddp.reducer import GradReducer
 
 MiB = 2**20
 
@@ -328,7 +328,7 @@ def test_hsdp_rows_memory_and_traffic(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def _spec(report):  # the FullyShardSpec plan_report used
-    from tandem.zero.memory import FullyShardSpec
+    from tandem.planner.memory import FullyShardSpec
     return FullyShardSpec(units=report.fsdp_units, min_unit_bytes=0)
 
 

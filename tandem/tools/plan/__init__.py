@@ -5,8 +5,8 @@ Two parts, as everywhere in tandem: :func:`plan_report` is pure (a
 :class:`PlanReport` from the model's parameters and buffers, what was
 measured, and the options: DDP's buckets, the memory per rank under DDP,
 ZeRO-1, ZeRO-2 and fully_shard (and HSDP with ``hsdp`` replicas: fully_shard's
-at ``world_size // hsdp`` ranks) from :func:`tandem.zero.estimate_memory`, the
-bytes each rank sends per step (:class:`tandem.zero.Traffic`), which strategy
+at ``world_size // hsdp`` ranks) from :func:`tandem.planner.estimate_memory`, the
+bytes each rank sends per step (:class:`tandem.planner.Traffic`), which strategy
 fits, the batch arithmetic, the warnings); :func:`measure` runs the forward and backward that
 measure the activations and find the parameters the forward does not reach;
 :func:`plan` and :func:`main` (the command line) tie them together.
@@ -31,7 +31,7 @@ they are overestimated for a tensor-parallel rank.
 # - ``api.py``: :func:`plan`: load the entry points, measure, build the report.
 # - ``cli.py``: the command line, ``tandem plan ...`` (:func:`main`).
 #
-# On a dp x tp mesh: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py.
+# On a dp x tp mesh: Note [planning a tensor-parallel mesh] in tandem/planner/tensor_parallel.py.
 
 from tandem.tools.plan.api import plan
 from tandem.tools.plan.build import OPTIMIZER_STATE_BYTES, default_fsdp_units, parse_bytes, plan_report

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
+from tandem.planner.tensor_parallel import tensor_parallel_shards
 from tandem.tools.entry import load_entry
 from tandem.tools.plan.build import default_fsdp_units, plan_report
 from tandem.tools.plan.measure import measure
 from tandem.tools.plan.report import PlanReport
-from tandem.tools.tp_plan import tensor_parallel_shards
 
 __all__ = ["plan"]
 
@@ -90,7 +90,7 @@ def plan(model: nn.Module | str, *, world_size: int, sample: Any = None, optimiz
         is large. With ``param_dtype`` the copy it runs on adds the
         parameters' size in that dtype.
     """
-    # tensor_parallel: Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py;
+    # tensor_parallel: Note [planning a tensor-parallel mesh] in tandem/planner/tensor_parallel.py;
     # activation_checkpointing: Note [checkpointed activations] in tandem/tools/activations.py.
     if isinstance(model, str):
         model = _call(model, "--model")

@@ -18,12 +18,12 @@ from torch import nn
 
 from tandem.ddp.plan import BucketPlan
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
+from tandem.planner.memory import FullyShardSpec, MemoryEstimate, estimate_memory, stage3_peak
+from tandem.planner.tensor_parallel import tensor_parallel_shards
+from tandem.planner.traffic import Traffic, ddp_traffic, fully_shard_traffic, zero_traffic
 from tandem.tools.plan.measure import Measurement
 from tandem.tools.plan.report import STRATEGIES, PlanReport, StrategyMemory, _size
-from tandem.tools.tp_plan import tensor_parallel_shards
-from tandem.zero.memory import FullyShardSpec, MemoryEstimate, estimate_memory, stage3_peak
 from tandem.train.strategy import fully_shard_units
-from tandem.zero.traffic import Traffic, ddp_traffic, fully_shard_traffic, zero_traffic
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "default_fsdp_units", "parse_bytes", "plan_report"]
 
@@ -88,11 +88,11 @@ def plan_report(model: nn.Module, *, world_size: int, measurement: Measurement |
     Raises:
         ValueError: a bad ``world_size``, ``grad_accum``, ``optimizer``,
             ``device_memory``, ``tensor_parallel``, ``tp_plan``, ``hsdp`` or ``nodes``,
-            ``param_dtype``, ``reduce_dtype`` and what :func:`tandem.zero.estimate_memory` rejects.
+            ``param_dtype``, ``reduce_dtype`` and what :func:`tandem.planner.estimate_memory` rejects.
     """
-    # For developers: tensor_parallel is Note [planning a tensor-parallel mesh] in tandem/tools/tp_plan.py;
+    # For developers: tensor_parallel is Note [planning a tensor-parallel mesh] in tandem/planner/tensor_parallel.py;
     # elastic Note [buddy copies] in tandem/elastic/buddy.py; nodes Note [bytes between nodes] in
-    # tandem/zero/traffic.py; cpu_offload Note [stage 3 memory] in tandem/zero/memory/fully_shard.py.
+    # tandem/planner/traffic.py; cpu_offload Note [stage 3 memory] in tandem/planner/memory/fully_shard.py.
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(nodes, int) or nodes < 1 or world_size % nodes:

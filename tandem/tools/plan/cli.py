@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.planner.tensor_parallel import parse_mesh
 from tandem.tools.plan.api import plan
 from tandem.tools.plan.build import OPTIMIZER_STATE_BYTES
-from tandem.tools.tp_plan import parse_mesh
 
 __all__ = ["build_parser", "main"]
 

@@ -20,9 +20,9 @@ activations are what checkpointing every block holds at most (Note
 
 # Note [measured step]
 fully_shard's peak follows the phases of a step (Note [stage 3 peak] in
-tandem/zero/memory/phases.py), which hold different parts of what the
+tandem/planner/memory/phases.py), which hold different parts of what the
 forward saved. Given the units fully_shard is called on, the same forward
-and backward also measure (:class:`tandem.zero.memory.StepActivity`): each
+and backward also measure (:class:`tandem.planner.memory.StepActivity`): each
 unit's share of the activations and its inputs, what was saved outside the
 units before the first one ran (the embeddings, alive to the end of
 backward) and after it (the head and the loss, freed before the units'
@@ -46,9 +46,9 @@ from torch import nn
 
 from tandem._tree import iter_tensors, map_tensors
 from tandem.ddp.graph import reachable_params
+from tandem.planner.memory import StepActivity
 from tandem.tools.activations import ActivationRecorder, BlockActivations, checkpointed_bytes, storage_of
 from tandem.tools.memory import PeakMemory
-from tandem.zero.memory import StepActivity
 
 __all__ = ["Measurement", "measure"]
 

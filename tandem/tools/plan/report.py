@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.ddp.plan import BucketPlan
+from tandem.planner.memory import MemoryEstimate
+from tandem.planner.tensor_parallel import TensorParallelShard
+from tandem.planner.traffic import Traffic, between_nodes
 from tandem.tools.plan.measure import Measurement
-from tandem.tools.tp_plan import TensorParallelShard
 from tandem.train.strategy import Strategy
-from tandem.zero.memory import MemoryEstimate
-from tandem.zero.traffic import Traffic, between_nodes
 
 __all__ = ["STRATEGIES", "PlanReport", "StrategyMemory"]
 
@@ -23,7 +23,7 @@ first that fits in order of communication and complexity is chosen)."""
 
 @dataclass(frozen=True)
 class StrategyMemory:
-    """One strategy's bytes per rank (:class:`tandem.zero.MemoryEstimate`) with
+    """One strategy's bytes per rank (:class:`tandem.planner.MemoryEstimate`) with
     the measured activations."""
 
     name: str
@@ -31,7 +31,7 @@ class StrategyMemory:
     activations: int
     refused: str | None = None
     """Why tandem cannot run this strategy on this model (None: it can)."""
-    step_peak: int | None = None  # Note [stage 3 peak] in tandem/zero/memory/phases.py
+    step_peak: int | None = None  # Note [stage 3 peak] in tandem/planner/memory/phases.py
     """fully_shard's peak over the phases of a measured step (the largest of what
     each phase holds at once, rather than every transient added together);
     None: :meth:`MemoryEstimate.peak`."""
@@ -91,9 +91,9 @@ class PlanReport:
     hsdp: int = 1
     """Replicas of an HSDP mesh ``(hsdp, world_size // hsdp)`` planned beside
     fully_shard (1: none)."""
-    traffic: tuple[tuple[str, Traffic], ...] = ()  # Note [traffic per step] in tandem/zero/traffic.py
+    traffic: tuple[tuple[str, Traffic], ...] = ()  # Note [traffic per step] in tandem/planner/traffic.py
     """Bytes one rank sends per step under DDP, ZeRO-1/2, fully_shard and HSDP,
-    counted as ring algorithms send them (:class:`tandem.zero.Traffic`)."""
+    counted as ring algorithms send them (:class:`tandem.planner.Traffic`)."""
     nodes: int = 1
     """The nodes the ranks are on, ``world_size // nodes`` each."""
     activation_checkpointing: bool = False
@@ -107,7 +107,7 @@ class PlanReport:
         ``strategy`` (a name of :attr:`traffic`), both directions summed, with
         the ranks laid out node by node as ``tandem run`` numbers them; None for
         HSDP whose replicas are not the nodes."""
-        # Note [bytes between nodes] in tandem/zero/traffic.py.
+        # Note [bytes between nodes] in tandem/planner/traffic.py.
         t = dict(self.traffic)[strategy]
         replicas = self.hsdp if strategy.startswith("HSDP") else 1
         if replicas not in (1, self.nodes):

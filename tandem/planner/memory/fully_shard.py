@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.zero.memory.estimate import FullyShardSpec, MemoryEstimate, UnitEstimate
+from tandem.planner.memory.estimate import FullyShardSpec, MemoryEstimate, UnitEstimate
 
 __all__ = ["UnitBytes", "enclosing_units", "stage3_estimate", "unit_bytes"]
 

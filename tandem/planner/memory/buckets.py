@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.ddp.plan import BucketPlan, ParamInfo, cap_bytes_from_mb, plan_ddp_buckets
-from tandem.zero.memory.estimate import MemoryEstimate
+from tandem.planner.memory.estimate import MemoryEstimate
 
 __all__ = ["ddp_bucket_plan", "stage0_estimate", "zero_stage_estimate"]
 

@@ -43,8 +43,8 @@ activations and is recomputed in the root's backward.
 
 from __future__ import annotations
 
-from tandem.zero.memory.estimate import FullyShardSpec, MemoryEstimate, StepActivity
-from tandem.zero.memory.fully_shard import UnitBytes, enclosing_units, unit_bytes
+from tandem.planner.memory.estimate import FullyShardSpec, MemoryEstimate, StepActivity
+from tandem.planner.memory.fully_shard import UnitBytes, enclosing_units, unit_bytes
 
 __all__ = ["stage3_peak"]
 
@@ -54,10 +54,10 @@ def stage3_peak(estimate: MemoryEstimate, spec: FullyShardSpec, step: StepActivi
     """The most one rank holds at once over a step of fully_shard (Note [stage 3 peak]).
 
     Args:
-        estimate: stage 3's estimate (:func:`tandem.zero.estimate_memory`), with its units.
+        estimate: stage 3's estimate (:func:`tandem.planner.estimate_memory`), with its units.
         spec: how fully_shard is applied (the estimate's).
         step: what the step holds beside the model's state, measured.
-        optimizer_bytes_per_param: as given to :func:`tandem.zero.estimate_memory`.
+        optimizer_bytes_per_param: as given to :func:`tandem.planner.estimate_memory`.
 
     Returns:
         Bytes on the device (under ``spec.cpu_offload``, without what the host holds).

@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from tandem.ddp.plan import ParamInfo
-from tandem.zero.memory.buckets import ddp_bucket_plan, stage0_estimate, zero_stage_estimate
-from tandem.zero.memory.estimate import FullyShardSpec, MemoryEstimate
-from tandem.zero.memory.fully_shard import stage3_estimate
-from tandem.zero.memory.units import plan_units
+from tandem.planner.memory.buckets import ddp_bucket_plan, stage0_estimate, zero_stage_estimate
+from tandem.planner.memory.estimate import FullyShardSpec, MemoryEstimate
+from tandem.planner.memory.fully_shard import stage3_estimate
+from tandem.planner.memory.units import plan_units
 
 __all__ = ["estimate_memory", "format_memory_table"]
 

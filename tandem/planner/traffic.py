@@ -6,7 +6,7 @@ Counted as ring algorithms send (NCCL's and gloo's for large messages), per
 rank: an all-gather of an ``n``-element input over ``g`` ranks sends
 ``(g - 1) * n`` elements, a reduce-scatter of a ``g * m``-element input
 ``(g - 1) * m``, an all-reduce of ``n`` elements ``2 * (g - 1) / g * n``.
-Per fully_shard unit (:class:`tandem.zero.UnitEstimate`, rank 0's layout:
+Per fully_shard unit (:class:`tandem.planner.UnitEstimate`, rank 0's layout:
 every rank's shard buffer has the same size) and step:
 
 - all-gathers over the shard group of its shard buffer, in ``param_dtype``:
@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.ddp.plan import BucketPlan
-from tandem.zero.memory import FullyShardSpec, UnitEstimate
+from tandem.planner.memory import FullyShardSpec, UnitEstimate
 
 __all__ = ["Traffic", "between_nodes", "ddp_traffic", "fully_shard_traffic", "zero_traffic"]
 

@@ -17,14 +17,14 @@ The files, one concept each:
 - ``units.py``: the units ``fully_shard`` would build, its calls replayed.
 - ``fully_shard.py``: stage 3's bytes, from those units' layouts.
 - ``phases.py``: stage 3's peak over the phases of a measured step.
-- ``planner.py``: :func:`estimate_memory`, all four stages of one model (Note
+- ``stages.py``: :func:`estimate_memory`, all four stages of one model (Note
   [local shapes]), and :func:`format_memory_table`.
 """
 
-from tandem.zero.memory.buckets import ddp_bucket_plan
-from tandem.zero.memory.estimate import FullyShardSpec, MemoryEstimate, StepActivity, UnitEstimate
-from tandem.zero.memory.phases import stage3_peak
-from tandem.zero.memory.planner import estimate_memory, format_memory_table
+from tandem.planner.memory.buckets import ddp_bucket_plan
+from tandem.planner.memory.estimate import FullyShardSpec, MemoryEstimate, StepActivity, UnitEstimate
+from tandem.planner.memory.phases import stage3_peak
+from tandem.planner.memory.stages import estimate_memory, format_memory_table
 
 __all__ = ["FullyShardSpec", "MemoryEstimate", "StepActivity", "UnitEstimate", "ddp_bucket_plan",
            "estimate_memory", "format_memory_table", "stage3_peak"]

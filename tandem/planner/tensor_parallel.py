@@ -16,7 +16,7 @@ is replicated) and an Embedding's on dim 0; ``SequenceParallel`` replicates;
 ``PrepareModule*`` hold no parameters. A DTensor's ``Shard`` splits as
 ``torch.chunk`` does, ``ceil(n / tp)`` to each rank until the rows run out, so
 tensor-parallel rank 0 holds the most. Its local shapes are what every
-per-rank size is planned on (Note [local shapes] in tandem/zero/memory/planner.py), with
+per-rank size is planned on (Note [local shapes] in tandem/planner/memory/stages.py), with
 ``world_size`` the data-parallel size: DDP's buckets from the local numels, as
 its reducer plans them, and fully_shard's units from the local shapes, chunked
 across ``dp``. tandem's DDP refuses ZeRO-1/2 for DTensor parameters, so those

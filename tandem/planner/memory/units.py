@@ -13,7 +13,7 @@ from torch import nn
 
 from tandem.fsdp.layout import plan_unit
 from tandem.fsdp.unit_walk import walk_unit
-from tandem.zero.memory.estimate import FullyShardSpec, UnitEstimate
+from tandem.planner.memory.estimate import FullyShardSpec, UnitEstimate
 
 __all__ = ["plan_units"]
 
@@ -38,7 +38,7 @@ def plan_units(model: nn.Module, world_size: int, spec: FullyShardSpec, shapes: 
         model: the model, not yet sharded.
         world_size: ranks of the mesh.
         spec: the modules and options (:class:`FullyShardSpec`).
-        shapes: ``id(parameter) -> the shape a rank holds`` (Note [local shapes] in planner.py).
+        shapes: ``id(parameter) -> the shape a rank holds`` (Note [local shapes] in stages.py).
 
     Returns:
         One :class:`UnitEstimate` per unit, each with rank 0's layout.
