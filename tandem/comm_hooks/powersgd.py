@@ -211,7 +211,7 @@ class PowerSGDState:
             m.add_(error)
             error.copy_(m)
 
-    def _settle(self, key: torch.Tensor, decompressed: torch.Tensor, q: torch.Tensor) -> None:
+    def _keep_for_next_step(self, key: torch.Tensor, decompressed: torch.Tensor, q: torch.Tensor) -> None:
         """Error feedback out (error = compensated local gradient - ``decompressed``),
         and ``q`` kept for the next step's warm start."""
         if self.config.error_feedback:
@@ -312,7 +312,7 @@ def _reduce_low_rank(state: PowerSGDState, comm: GroupComm, bucket: Any) -> None
     flat_q.mul_(1.0 / comm.size)
     for key, m, p, q in factors:
         torch.mm(p, q.T, out=m)
-        state._settle(key, m, q)
+        state._keep_for_next_step(key, m, q)
 
 
 def _factor_views(plan: LowRankPlan, grads: list[torch.Tensor], params: list[torch.Tensor],

@@ -32,7 +32,7 @@ class ZeroShards:
         buckets = reducer.plan.buckets
         self.flat = FlatParams(reducer, rank, world_size)
         self.runs: list[ShardRun] = plan_runs(buckets, world_size, rank, dict(group_of))
-        self._in_place: set[int] = set()  # masters that are the parameters' own memory
+        self._param_memory: set[int] = set()  # masters that are the parameters' own memory
         self.masters: list[torch.Tensor] = [self._new_master(run) for run in self.runs]
         self._by_bucket: list[list[tuple[ShardRun, torch.Tensor]]] = [[] for _ in buckets]
         for run, master in zip(self.runs, self.masters):
@@ -65,18 +65,18 @@ class ZeroShards:
         dtype = torch.promote_types(spec.dtype, torch.float32)
         if dtype == spec.dtype:  # Note [parameters in their bucket]: stepped where they live
             master = self.flat.run(spec, run.start, run.length).requires_grad_(True)
-            self._in_place.add(id(master))
+            self._param_memory.add(id(master))
             return master
         master = torch.empty(run.length, dtype=dtype, device=spec.device)
         self.copy_params_into(run, master)
         return master.requires_grad_(True)
 
-    def in_place(self, master: torch.Tensor) -> bool:
+    def is_param_memory(self, master: torch.Tensor) -> bool:
         """Whether ``master`` is the parameters' own memory (no copy to keep in step)."""
-        return id(master) in self._in_place
+        return id(master) in self._param_memory
 
     def copy_params_into(self, run: ShardRun, master: torch.Tensor) -> None:
-        if self.in_place(master):
+        if self.is_param_memory(master):
             return  # it is the parameters' memory
         params = self._reducer.params
         with torch.no_grad():
@@ -116,6 +116,6 @@ class ZeroShards:
         spec = self._reducer.plan.buckets[bucket]
         shard = self.flat.shard(spec)
         for run, master in self._by_bucket[bucket]:
-            if not self.in_place(master):
+            if not self.is_param_memory(master):
                 shard.narrow(0, run.start, run.length).copy_(master)
         return shard
