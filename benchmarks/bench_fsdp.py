@@ -132,7 +132,8 @@ def wrap(name: str, model: Net, mesh: Any) -> nn.Module:
     if name == "torch-ddp":
         return TorchDDP(model)
     reshard = not name.endswith("-noreshard")
-    if name.endswith("+compile"):  # each block, before it is sharded (Note [torch.compile] in tandem/fsdp/hooks.py)
+    # each block, before it is sharded (Note [fully_shard under torch.compile] in tandem/fsdp/schedule.py)
+    if name.endswith("+compile"):
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block)
     if name.startswith("tandem"):

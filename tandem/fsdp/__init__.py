@@ -14,8 +14,8 @@ module (:class:`FSDPModule`); loading a full state dict into a sharded model
 # its gather and release in unit_gather.py, with that of parameters whose
 # tensor subclass gathers itself, and its gradients' reduction in
 # unit_reduce.py; their plain types in unit_state.py: a unit's gather reads in
-# unit.py, unit_gather.py and unit_params.py), the forward hooks and the root's
-# lazy init (hooks.py), the order of a root's units in an iteration
+# schedule.py, unit.py, unit_gather.py and unit_params.py), the forward hooks,
+# the root's lazy init and the order of a root's units in an iteration
 # (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
 # in and out (state_dict.py), random init of sharded parameters (init.py), the
 # units laid out again over a new group in an elastic job (regroup.py), the audit

@@ -44,9 +44,9 @@ from tandem.fsdp.comm_policy import QuantizedCommPolicy
 from tandem.fsdp.arguments import check_reshard, collect_params, data_parallel_meshes, default_mesh, modules_of, \
     move_to_device, shard_dims, tensor_parallel_layouts, unit_config
 from tandem.fsdp.layout import DEFAULT_MIN_UNIT_BYTES
-from tandem.fsdp.hooks import post_forward, pre_forward
 from tandem.fsdp.module import FSDPModule
 from tandem.fsdp.precision import unit_findings, warn_precision
+from tandem.fsdp.schedule import post_forward, pre_forward
 from tandem.fsdp.state_dict import register_state_dict_hooks
 from tandem.fsdp.unit import UNIT_ATTR, ShardedUnit, unit_of
 

@@ -190,10 +190,10 @@ class FSDPModule:
                 reduce-scatters would let them interleave differently on
                 different ranks; remove the call.
         """
-        if not enable:  # Note [two groups] in hooks.py
+        if not enable:  # Note [two groups] in schedule.py
             raise NotImplementedError(
                 "set_separate_reduce_scatter_group(False): tandem's reduce-scatters need a process group "
-                "apart from the all-gathers' (Note [two groups] in tandem/fsdp/hooks.py: on one group they "
+                "apart from the all-gathers' (Note [two groups] in tandem/fsdp/schedule.py: on one group they "
                 "would interleave differently on ranks whose gradients arrive at other moments); remove the call")
 
     def set_post_optim_event(self, event: Any) -> None:

@@ -19,7 +19,7 @@ for the new group, in place:
   of the old layout cannot be kept.
 - the unsharded parameters are new objects over a new unsharded buffer, and
   the root's schedule is dropped: the next forward runs ``lazy_init`` again
-  (hooks.py), which builds the reduce-scatter group over the new ranks and
+  (schedule.py), which builds the reduce-scatter group over the new ranks and
   puts its gradient hooks on the new objects. The old ones, and the autograd
   graph of a step abandoned in its backward, hold only the old buffers.
 - collectives of the old group still pending (a gather, a reduce-scatter of

@@ -100,7 +100,7 @@ class ShardedUnit:
     # ------------------------------------------------------------------ its parameters
     @property
     def name(self) -> str:
-        """The unit's path in the model (the root's lazy init names it: hooks.py),
+        """The unit's path in the model (the root's lazy init names it: schedule.py),
         which its collectives' tags and its errors carry."""
         return self.params.name
 

@@ -1,5 +1,5 @@
 """tandem under ``torch.compile`` (Note [torch.compile] in tandem/ddp/compile.py
-and in tandem/fsdp/hooks.py).
+and Note [fully_shard under torch.compile] in tandem/fsdp/schedule.py).
 
 Compiled tandem DDP, outside the wrapper and inside it (and with no_sync
 accumulation into bucket views, ZeRO-2, find_unused_parameters), trains to the

@@ -158,15 +158,15 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
 
     joining = join_or_found(rank, world_size, out, join_dies)
     if rank == group_dies and not joining:
-        import tandem.fsdp.hooks as hooks
-        build = hooks.new_world_group
+        import tandem.fsdp.schedule as schedule
+        build = schedule.new_world_group
 
         def die_in_a_smaller_world(what: str) -> Any:
             if dist.get_world_size() < world_size:
                 os.kill(os.getpid(), signal.SIGKILL)
             return build(what)
 
-        hooks.new_world_group = die_in_a_smaller_world
+        schedule.new_world_group = die_in_a_smaller_world
     if rank == admitting_dies and not joining:
         from tandem.elastic.world import ElasticWorld
         ElasticWorld.share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
