@@ -190,7 +190,7 @@ def _unsharded_buffers(model: nn.Module) -> list[torch.Tensor]:
     for m in model.modules():
         unit = unit_of(m)
         if unit is not None and unit.modules[0] is m:
-            found.append(unit.unsharded_flat)
+            found.append(unit.params.unsharded_flat)
         group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
         for fsdp_param in group.fsdp_params if group is not None else ():
             found += list(fsdp_param.all_gather_outputs)

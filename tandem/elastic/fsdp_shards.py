@@ -69,7 +69,7 @@ def fsdp_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     pieces = []
     for unit in units:
         params = []
-        for m in unit.managed:
+        for m in unit.params.managed:
             state = optimizer.state.get(m.sharded, {})
             rows = {k: dtensor_local(v).detach() for k, v in state.items()
                     if isinstance(v, DTensor) and v.shape == m.sharded.shape}
@@ -91,7 +91,7 @@ def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     for index, unit in enumerate(units_of(model)):
         pieces = gather_unit(functools.partial(_unit_piece, index=index))
-        for k, m in enumerate(unit.managed):
+        for k, m in enumerate(unit.params.managed):
             old = [piece[k] for piece in pieces]
             if old[0]["fqn"] != m.fqn:
                 raise ValueError(f"rank {unit.comm.rank}: the old world's shard holds '{old[0]['fqn']}' "
@@ -104,7 +104,7 @@ def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
             for key in old[0]["rows"]:
                 full = torch.cat([o["rows"][key] for o in old], d)
                 local = rows_of(full, m.spec).to(unit.config.shard_device).contiguous()
-                state[key] = unit.to_dtensor(local, m.spec)
+                state[key] = unit.params.to_dtensor(local, m.spec)
             for key, value in old[0]["values"].items():
                 state[key] = value.clone() if torch.is_tensor(value) else value
             if state:

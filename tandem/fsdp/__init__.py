@@ -9,19 +9,29 @@ module (:class:`FSDPModule`); loading a full state dict into a sharded model
 
 # The package's files: the pure layout of each unit's buffers (layout.py), which
 # parameters a call takes (unit_walk.py), a call's arguments checked and resolved
-# (arguments.py: meshes for FSDP and HSDP, lists of modules, shard dims), one unit
-# at run time (unit.py, composed of its buffers and parameters in unit_params.py,
-# its gather and release in unit_gather.py, with that of parameters whose
-# tensor subclass gathers itself, and its gradients' reduction in
-# unit_reduce.py; their plain types in unit_state.py: a unit's gather reads in
-# schedule.py, unit.py, unit_gather.py and unit_params.py), the forward hooks,
-# the root's lazy init and the order of a root's units in an iteration
-# (schedule.py), what ``to_empty``/``to`` do to a unit (convert.py), state dicts
-# in and out (state_dict.py), random init of sharded parameters (init.py), the
-# units laid out again over a new group in an elastic job (regroup.py), the audit
-# of a unit's mixed-precision policy (precision.py), the policy of collectives
-# in int8 or int4 blocks (comm_policy.py), and the public function
-# (api.py) and the methods it adds to a module (module.py).
+# (arguments.py: meshes for FSDP and HSDP, lists of modules, shard dims), the
+# forward hooks, the root's lazy init and the order of a root's units in an
+# iteration (schedule.py), one unit at run time, its gather and release and its
+# gradients' reduction (unit.py), its buffers and its parameters in both forms,
+# with those whose tensor subclass gathers itself (unit_params.py), their plain
+# types (unit_state.py), what ``to_empty``/``to`` do to a unit (convert.py),
+# state dicts in and out (state_dict.py), random init of sharded parameters
+# (init.py), the units laid out again over a new group in an elastic job
+# (regroup.py), the audit of a unit's mixed-precision policy (precision.py), the
+# policy of collectives in int8 or int4 blocks (comm_policy.py), and the public
+# function (api.py) and the methods it adds to a module (module.py).
+#
+# The flows, file by file:
+# - a unit's gather, from the forward pre-hook to the unsharded parameters the
+#   module computes with: schedule.py (``pre_forward``, ``Schedule.pre_forward``),
+#   unit.py (``ShardedUnit.unshard``: ``launch_gather``, ``wait_gather``),
+#   tandem/comm/group.py (``GroupComm.all_gather_into``), unit_params.py
+#   (``UnitParams.alloc_unsharded``, ``register``; ``SubclassGather``);
+# - a unit's reduce-scatter, from the post-backward to the sharded ``.grad``:
+#   schedule.py (``Schedule.on_grad``, ``_complete``, ``_launch_ready``,
+#   ``_finish_reductions``), unit.py (``ShardedUnit.launch_reduce``,
+#   ``advance_reduce``, ``_set_grads``), unit_params.py (``UnitParams.blocks``),
+#   tandem/comm/group.py (``GroupComm.reduce_scatter``).
 
 from tandem._compat import fsdp_policies
 from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, fully_shard

@@ -152,7 +152,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
     """
     # For developers: the prefetch is Note [prefetch] and a list of modules Note [grouped modules]
     # (schedule.py); ranks' different parameters Note [gradient flags] and HSDP Note [hybrid sharding]
-    # (unit_reduce.py); min_unit_bytes Note [tiny units] above; tensor-parallel parameters Note
+    # (unit.py); min_unit_bytes Note [tiny units] above; tensor-parallel parameters Note
     # [2-D parameters] (tensor_parallel.py); comm_policy Note [quantized units] (comm_policy.py).
     if dp_mesh_dims is not None:
         raise NotImplementedError(
@@ -180,7 +180,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
     unit.modules = modules
     unit.reshard_after_forward = True if reshard is None else reshard
     unit.auto_reshard_after_forward = reshard is None
-    unit.mergeable = unit.layout.numel * unit.orig_dtype.itemsize < min_unit_bytes
+    unit.mergeable = unit.params.layout.numel * unit.params.orig_dtype.itemsize < min_unit_bytes
     for old in absorbed:
         for handle in old.hooks:
             handle.remove()
@@ -190,7 +190,7 @@ def fully_shard(module: ModuleOrList, *, mesh: Any = None, reshard_after_forward
     for member in modules:
         _attach(member, unit)
     logger.debug("fully_shard: unit %s with %d parameters (%d elements), %d tiny units merged%s",
-                 name, len(unit.managed), unit.layout.numel, len(absorbed),
+                 name, len(unit.params.managed), unit.params.layout.numel, len(absorbed),
                  f", {comm_policy}" if comm_policy is not None else "")
     warn_precision(unit_findings(unit))  # Note [precision of a unit] in precision.py
     return module

@@ -1,5 +1,5 @@
 """fully_shard's arguments, checked and resolved before a unit is built: the
-mesh (1-D: FSDP; 2-D: HSDP, Note [hybrid sharding] in unit_reduce.py), the module or
+mesh (1-D: FSDP; 2-D: HSDP, Note [hybrid sharding] in unit.py), the module or
 modules of one call (Note [grouped modules] in schedule.py), the parameters
 it takes, their tensor-parallel layouts and the dim each is sharded on
 (``shard_placement_fn``), the policies (``comm_policy``: comm_policy.py), and
@@ -41,7 +41,7 @@ def default_mesh() -> Any:
 def data_parallel_meshes(mesh: Any) -> tuple[Any, Any]:
     """``(shard mesh, replicate mesh or None)`` of fully_shard's ``mesh``: a 1-D
     mesh shards over all of it; a 2-D one is HSDP, ``(replicate, shard)`` as
-    torch's FSDP2 reads it (Note [hybrid sharding] in unit_reduce.py)."""
+    torch's FSDP2 reads it (Note [hybrid sharding] in unit.py)."""
     if not hasattr(mesh, "ndim") or not hasattr(mesh, "get_group"):
         raise TypeError(f"fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim == 1:
@@ -154,7 +154,7 @@ def shard_dims(params: list[ParamEntry], absorbed: list[ShardedUnit], tp: list[T
     ``Shard(d)``, or 0 for None (torch's FSDP2's rule); an absorbed unit's
     parameters keep theirs."""
     _, Shard, _ = dtensor_api()
-    earlier = {id(m.sharded): m.spec.shard_dim for u in absorbed for m in u.managed}
+    earlier = {id(m.sharded): m.spec.shard_dim for u in absorbed for m in u.params.managed}
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be a callable param -> Shard(dim) or None, "
                         f"got {shard_placement_fn!r}")
@@ -194,7 +194,7 @@ def shard_dims(params: list[ParamEntry], absorbed: list[ShardedUnit], tp: list[T
 
 
 def _held_by(param: nn.Parameter, units: list[ShardedUnit]) -> bool:
-    return any(param is m.sharded for u in units for m in u.managed)
+    return any(param is m.sharded for u in units for m in u.params.managed)
 
 
 def _sharded_by_a_unit(param: Any, mesh: Any) -> bool:
@@ -209,7 +209,7 @@ def tensor_parallel_layouts(params: list[ParamEntry], absorbed: list[ShardedUnit
                      mesh: Any) -> list[TensorParallelParam | None]:
     """Each parameter's 2-D layout (None for a plain one); an absorbed unit's
     parameters keep the layout that unit gave them."""
-    earlier = {id(m.sharded): m.tp for u in absorbed for m in u.managed}
+    earlier = {id(m.sharded): m.tp for u in absorbed for m in u.params.managed}
     DTensor, _, _ = dtensor_api()
     if mesh.ndim == 2:
         tensor_parallel = [(fqn, p) for fqn, _, p in params if isinstance(p, DTensor) and id(p) not in earlier]

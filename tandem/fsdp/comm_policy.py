@@ -5,7 +5,7 @@ and its gradient reduce-scatter in int8 or int4 blocks
 # Note [quantized units]
 What travels, and what does not change:
 
-- The gather (unit_gather.py). Each rank quantizes what it would have sent,
+- The gather (unit.py). Each rank quantizes what it would have sent,
   its shard buffer in ``param_dtype`` (the parameters' own dtype without a
   MixedPrecisionPolicy), in blocks of ``block`` elements from the buffer's
   start (a block may span two parameters' chunks; the padding is zeros); the
@@ -20,9 +20,9 @@ What travels, and what does not change:
   the 1/k slice kept after forward is of the decoded parameters, and its
   gather over the k ranks in backward sends it as it is, in ``param_dtype``
   (quantizing it again would add a second error).
-- The reduce-scatter (unit_reduce.py). Its input, ``world`` rows of the
+- The reduce-scatter (unit.py). Its input, ``world`` rows of the
   unit's gradients in ``reduce_dtype`` plus one flag per parameter (Note
-  [gradient flags] in unit_reduce.py), is sent by an all-to-all: each row's
+  [gradient flags] in unit.py), is sent by an all-to-all: each row's
   gradients quantized on their own, int8 or int4, its flags as fp32 (a flag
   counts the ranks that produced a gradient and must arrive exact). Each rank
   sums the rows it received in fp32, in rank order, and writes the sum, in

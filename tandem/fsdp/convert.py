@@ -34,7 +34,7 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
     Raises:
         ValueError: the conversion left the unit's parameters in several dtypes.
     """
-    # Those that gather themselves keep the local tensor _apply made (Note [tensor-subclass gathers] in unit_gather.py).
+    # Those that gather themselves keep the local tensor _apply made (Note [tensor-subclass gathers] in unit_params.py).
     locals_ = [dtensor_local(m.sharded) for m in unit.params.flat]
     if not locals_:
         return
@@ -51,22 +51,22 @@ def adopt_sharded_tensors(unit: ShardedUnit) -> None:
                          f"dtypes ({listing}); one collective gathers a unit, so its parameters need one "
                          "dtype: convert them all (model.to(dtype))")
     device, dtype = locals_[0].device, dtypes.pop()
-    if dtype != unit.orig_dtype:
+    if dtype != unit.params.orig_dtype:
         _change_dtype(unit, dtype)
-    if device != unit.shard_flat.device or dtype != unit.shard_flat.dtype:
+    if device != unit.params.shard_flat.device or dtype != unit.params.shard_flat.dtype:
         # On the shard device, a new buffer as the unit makes it: pinned under CPUOffloadPolicy
         # (a meta model's shards get their memory here), so that each gather's copy to the
         # device is asynchronous, as torch's FSDP2 pins them in to_empty too.
         unit.params.shard_flat = (unit.params.new_shard_buffer() if device == unit.config.shard_device
-                                  else torch.zeros(unit.shard_flat.shape, dtype=dtype, device=device))
+                                  else torch.zeros(unit.params.shard_flat.shape, dtype=dtype, device=device))
     with torch.no_grad():
         for m, t in zip(unit.params.flat, locals_):
-            view = unit.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
+            view = unit.params.shard_flat.narrow(0, m.spec.shard_offset, m.spec.local_numel).view(m.spec.local_shape)
             if t.data_ptr() != view.data_ptr() or t.device != view.device:
                 view.copy_(t)
                 t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-    if unit.unsharded_flat.is_meta and device.type != "meta":  # after the copies freed the old shards
-        unit.rebuild_unsharded()
+    if unit.params.unsharded_flat.is_meta and device.type != "meta":  # after the copies freed the old shards
+        unit.params.rebuild_unsharded()
 
 
 def _change_dtype(unit: ShardedUnit, dtype: torch.dtype) -> None:
@@ -74,7 +74,7 @@ def _change_dtype(unit: ShardedUnit, dtype: torch.dtype) -> None:
     if unit.state is not ShardState.SHARDED or unit.reduce_state is not ReduceState.IDLE:
         raise RuntimeError(f"fully_shard unit '{unit.name}' changes dtype while {unit.state.name} with its "
                            f"gradient reduction {unit.reduce_state.name}: convert the model between steps")
-    if any(m.tp is not None for m in unit.managed):
+    if any(m.tp is not None for m in unit.params.managed):
         raise NotImplementedError(f"fully_shard unit '{unit.name}': changing the dtype of tensor-parallel "
                                   "parameters after sharding; cast the model before parallelising it")
     params = unit.params
@@ -83,4 +83,4 @@ def _change_dtype(unit: ShardedUnit, dtype: torch.dtype) -> None:
     params.reduce_dtype = unit.config.reduce_dtype or param_dtype
     if param_dtype != params.param_dtype:
         params.param_dtype = param_dtype
-        unit.rebuild_unsharded()
+        unit.params.rebuild_unsharded()

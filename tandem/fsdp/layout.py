@@ -24,7 +24,7 @@ A unit (one ``fully_shard`` call) owns three flat buffers:
 
 Gradients travel the other way: the unsharded gradients are copied rank-major
 into the reduce-scatter input (``world`` blocks of ``shard_numel`` plus
-``flag_numel`` control elements, Note [gradient flags] in unit_reduce.py), and rank r
+``flag_numel`` control elements, Note [gradient flags] in unit.py), and rank r
 receives its block, whose layout is the shard buffer's.
 
 A parameter may be sharded on another dim (``shard_placement_fn`` returning

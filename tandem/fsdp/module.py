@@ -61,7 +61,7 @@ class FSDPModule:
         result as a partial sum instead of all-reducing it across the replicas;
         the next backward with True all-reduces the sum (torch's method). No
         effect on a 1-D mesh."""
-        # Note [hybrid sharding] in unit_reduce.py.
+        # Note [hybrid sharding] in unit.py.
         for unit in _units(self, recurse):
             unit.requires_all_reduce = bool(requires_all_reduce)
 
@@ -102,7 +102,7 @@ class FSDPModule:
         so the gradients are the same either way; with ``enable`` the hook of
         :meth:`set_all_reduce_hook` sees the sums before the division, as in
         torch."""
-        # Sums always: Note [gradient flags] in unit_reduce.py.
+        # Sums always: Note [gradient flags] in unit.py.
         _unit(self).overrides.force_sum = bool(enable)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
@@ -149,7 +149,7 @@ class FSDPModule:
         Raises:
             ValueError: the unit's ``comm_policy`` quantizes its reductions.
         """
-        # The flags: Note [gradient flags] in unit_reduce.py.
+        # The flags: Note [gradient flags] in unit.py.
         _check_comm(comm, "set_custom_reduce_scatter")
         _check_not_quantized(_unit(self), "grad_bits", "set_custom_reduce_scatter")
         _unit(self).overrides.reduce_scatter = comm
@@ -165,7 +165,7 @@ class FSDPModule:
         gradient instead of None (torch's meaning). Ranks using different
         parameters need nothing set: tandem reduces every parameter of a
         unit on every rank."""
-        # Note [gradient flags] in unit_reduce.py.
+        # Note [gradient flags] in unit.py.
         for unit in _units(self, recurse):
             unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 

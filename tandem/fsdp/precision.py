@@ -13,7 +13,7 @@ As in torch's FSDP2, a unit's parameters have one dtype, the *held* dtype
 all-gather, forward and backward run in ``param_dtype`` (None: held); gradients
 are reduced in ``reduce_dtype`` (None: ``param_dtype``), and the gradients of
 backwards without sync (``set_requires_gradient_sync(False)``) accumulate in it
-(Note [accumulation dtype] in unit_reduce.py); the reduced gradient is then cast
+(Note [accumulation dtype] in unit.py); the reduced gradient is then cast
 to the held dtype; ``output_dtype`` casts the unit's forward outputs. What the
 optimizer sees is therefore never more precise than the held dtype, whatever
 the policy says.
@@ -206,15 +206,22 @@ class _Config(Protocol):
     def output_dtype(self) -> torch.dtype | None: ...
 
 
-class _Unit(Protocol):
-    """What :func:`unit_findings` reads off a ``ShardedUnit`` (unit_state.py)."""
+class _Params(Protocol):
+    """What :func:`unit_findings` reads off a ``UnitParams`` (unit_params.py)."""
 
-    @property
-    def name(self) -> str: ...
     @property
     def managed(self) -> Sequence[_Managed]: ...
     @property
     def orig_dtype(self) -> torch.dtype: ...
+
+
+class _Unit(Protocol):
+    """What :func:`unit_findings` reads off a ``ShardedUnit`` (unit.py)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def params(self) -> _Params: ...
     @property
     def config(self) -> _Config: ...
 
@@ -223,7 +230,7 @@ def unit_findings(unit: _Unit) -> list[PrecisionFinding]:
     """:func:`audit_precision` of a built unit: its name, trainable parameters,
     held dtype and its policy's dtypes as given (None where left None)."""
     config = unit.config
-    return audit_precision(unit.name, [m.fqn for m in unit.managed if m.requires_grad], unit.orig_dtype,
+    return audit_precision(unit.name, [m.fqn for m in unit.params.managed if m.requires_grad], unit.params.orig_dtype,
                            param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
                            output_dtype=config.output_dtype)
 

@@ -67,7 +67,7 @@ def check_regroupable(module: nn.Module, rank: int) -> None:
     out again over a new default group (Note [regrouped units])."""
     for unit in units_of(module):
         why = ("is sharded over a 2-D (HSDP) mesh" if unit.replicate_comm is not None else
-               "has tensor-parallel parameters" if any(m.tp is not None for m in unit.managed) else
+               "has tensor-parallel parameters" if any(m.tp is not None for m in unit.params.managed) else
                "keeps a 1/k slice after forward (reshard_after_forward=k)"
                if not isinstance(unit.reshard_after_forward, bool) else
                "is sharded over a mesh of a subgroup" if unit.comm.size != dist.get_world_size() else None)
@@ -88,7 +88,7 @@ def reset_process_group(module: nn.Module) -> None:
     """
     units = units_of(module)
     for unit in units:  # before any unit changes
-        for m in unit.managed:
+        for m in unit.params.managed:
             if m.sharded.grad is not None:
                 raise RuntimeError(f"rank {dist.get_rank()}: fully_shard parameter '{m.fqn}' still has a gradient "
                                    "as its unit is laid out again for a new world; call "

@@ -137,9 +137,9 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
         unit = unit_of(module)
         if unit is None or unit in units:
             continue
-        if unit.on_meta:
+        if unit.params.on_meta:
             rank = dist.get_rank() if dist.is_initialized() else 0
-            fqns = [f"{path}.{m.fqn}" if path else m.fqn for m in unit.managed]
+            fqns = [f"{path}.{m.fqn}" if path else m.fqn for m in unit.params.managed]
             raise RuntimeError(
                 f"rank {rank}: fully_shard parameters are still on the meta device ({', '.join(fqns[:4])}"
                 f"{', ...' if len(fqns) > 4 else ''}): call model.to_empty(device=...) and initialise them "
@@ -149,7 +149,7 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
             raise RuntimeError(
                 f"fully_shard: '{path}' already ran forward as a root of its own; run forward through "
                 "the outermost fully_shard module first (it becomes the root of the units inside it)")
-        unit.name = path or "<root>"
+        unit.params.name = path or "<root>"
         units.append(unit)
     schedule = Schedule(root, units)
     if root.auto_reshard_after_forward:
@@ -171,7 +171,7 @@ def lazy_init(root: ShardedUnit, root_module: nn.Module) -> Schedule:
             unit.group_comm = group_comms[key]
         unit.params.watch_grads(functools.partial(schedule.on_grad, unit))
     logger.info("fully_shard: root with %d units, %d parameters, %d elements, world %d",
-                len(units), sum(len(u.managed) for u in units), sum(u.layout.numel for u in units),
+                len(units), sum(len(u.params.managed) for u in units), sum(u.params.layout.numel for u in units),
                 root.comm.size)
     return schedule
 
@@ -340,7 +340,7 @@ class Schedule:
             self.in_backward = True
             ran = list(reversed(self.last_pre_forward_order))
             self.reduce_order = [u for u in ran + [u for u in self.units if u not in ran]
-                                 if u.num_trainable]
+                                 if u.params.num_trainable]
             self.next_reduce = 0
             for u in self.units:
                 u.reset_step()
@@ -386,7 +386,7 @@ class Schedule:
           as it issues it.
 
         Under HSDP a reduction has two stages (Note [hybrid sharding] in
-        unit_reduce.py): a completed reduce-scatter launches its all-reduce here, and
+        unit.py): a completed reduce-scatter launches its all-reduce here, and
         only in reduce order, so that every replicate group issues the same
         all-reduces in the same order: a unit whose reduce-scatter is still
         running holds back the all-reduces of the units after it.
@@ -394,14 +394,13 @@ class Schedule:
         in_flight = [u for u in self.reduce_order[:self.next_reduce] if u.reducing]
         held_back = False
         for i, unit in enumerate(in_flight):
-            factor = unit.divide_factor or unit.dp_size
             if len(in_flight) - i > keep:
-                unit.finish_reduce(factor)
+                unit.finish_reduce()
                 continue
             while unit.reducing and unit.reduce_done:
                 if unit.reduce_state is ReduceState.IN_FLIGHT and held_back:
                     break
-                unit.advance_reduce(factor)
+                unit.advance_reduce()
             held_back = held_back or unit.reduce_state is ReduceState.IN_FLIGHT
 
     def reset(self) -> None:
@@ -420,11 +419,11 @@ class Schedule:
 
     def _finish_backward(self) -> None:
         for unit in self.reduce_order[self.next_reduce:]:
-            unit.mark_ready()  # not complete yet: zeros (Note [gradient flags] in unit_reduce.py)
+            unit.mark_ready()  # not complete yet: zeros (Note [gradient flags] in unit.py)
         self._launch_ready()
         self._finish_reductions()
         for unit in self.units:
-            unit.wait_host_grads()  # Note [gradients to the host] in unit_reduce.py
+            unit.wait_host_grads()  # Note [gradients to the host] in unit.py
             if _reshards_after_backward(unit):
                 unit.reshard()
             unit.phase = UnitPhase.IDLE

@@ -35,17 +35,17 @@ def register_state_dict_hooks(module: nn.Module, unit: Any) -> list[Any]:
 
 
 def _to_sharded(unit: Any, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    unit.register_sharded()
+    unit.params.register(unsharded=False)
 
 
 def _shard_full_tensors(unit: Any, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                         *args: Any) -> None:
     DTensor, _, _ = dtensor_api()
-    unit.register_sharded()
+    unit.params.register(unsharded=False)
     # A unit of several modules (Note [grouped modules] in schedule.py) names each
     # parameter under the module it was found in: this hook takes that module's.
     inside = {id(sub) for sub in module.modules()} if len(unit.modules) > 1 else None
-    for m in unit.managed:
+    for m in unit.params.managed:
         if inside is not None and id(m.owners[0][0]) not in inside:
             continue
         key = prefix + m.fqn
@@ -59,8 +59,8 @@ def _shard_full_tensors(unit: Any, module: nn.Module, state_dict: dict[str, Any]
         if m.tp is not None:  # Note [2-D parameters] in tensor_parallel.py: the tensor-parallel shard first
             value = m.tp.local_of_full(value)
         rows = value.narrow(m.spec.shard_dim, m.spec.row_start, m.spec.local_rows)
-        local = rows.to(unit.config.shard_device, unit.orig_dtype, copy=True)
-        state_dict[key] = unit.to_dtensor(local, m.spec, m.tp)
+        local = rows.to(unit.config.shard_device, unit.params.orig_dtype, copy=True)
+        state_dict[key] = unit.params.to_dtensor(local, m.spec, m.tp)
 
 
 def load_full_state_dict(model: nn.Module, source: str | os.PathLike | Mapping[str, Any], *,

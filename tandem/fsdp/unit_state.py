@@ -1,8 +1,8 @@
 """The plain types of a fully_shard unit: its states (one enum per dimension),
 a parameter in both forms (:class:`ManagedParam`: the sharded DTensor and the
 unsharded view), its configuration and communication overrides, and the
-collectives in flight. :class:`tandem.fsdp.unit.ShardedUnit` composes the
-objects that use them (unit_params.py, unit_gather.py, unit_reduce.py).
+collectives in flight. :class:`tandem.fsdp.unit.ShardedUnit` (unit.py) and its
+:class:`~tandem.fsdp.unit_params.UnitParams` (unit_params.py) use them.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ManagedParam:
     unsharded: nn.Parameter                # a view of the unsharded buffer
     requires_grad: bool
     tp: TensorParallelParam | None = None  # Note [2-D parameters] in tensor_parallel.py
-    # Gradients of backwards without sync, kept in reduce_dtype (Note [accumulation dtype] in unit_reduce.py).
+    # Gradients of backwards without sync, kept in reduce_dtype (Note [accumulation dtype] in unit.py).
     accumulated: torch.Tensor | None = None
 
 
@@ -86,16 +86,10 @@ class CommOverrides:
     force_sum: bool = False        # set_force_sum_reduction_for_comms: the hook sees sums, not means
     gather_after: Any = None       # set_post_optim_event: the root's next gathers wait for it, once
 
-    def allocate(self, comm: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer for a collective: from the custom one's ``allocate`` if it has one."""
-        if comm is not None:
-            return comm.allocate((numel,), dtype=dtype, device=device)
-        return torch.empty(numel, dtype=dtype, device=device)
-
 
 @dataclass
 class PendingGather:
-    """An all-gather in flight (unit_gather.py)."""
+    """An all-gather in flight (unit.py)."""
 
     work: Work | QuantizedWork
     output: torch.Tensor
@@ -105,9 +99,10 @@ class PendingGather:
 
 @dataclass
 class PendingReduce:
-    """A reduction stage in flight (unit_reduce.py)."""
+    """A reduction stage in flight (unit.py)."""
 
     work: Work | QuantizedWork
     output: torch.Tensor
     input: torch.Tensor
-    in_place: bool = False  # output is this rank's chunk of input (Note [reduce-scatter in place] in unit_reduce.py)
+    # output is this rank's chunk of input (Note [reduce-scatter in place] in unit.py)
+    output_in_input: bool = False

@@ -14,9 +14,9 @@ every rank's shard buffer has the same size) and step:
   keeps its parameters (the root, or ``reshard_after_forward=False``);
 - if it has trainable parameters, one reduce-scatter over the shard group of
   the gradients and their flags (Note [gradient flags] in
-  tandem/fsdp/unit_reduce.py), ``shard + n`` elements per rank, in ``reduce_dtype``;
+  tandem/fsdp/unit.py), ``shard + n`` elements per rank, in ``reduce_dtype``;
   accumulation micro-batches without gradient sync reduce nothing;
-- under HSDP (Note [hybrid sharding] in tandem/fsdp/unit_reduce.py), then one
+- under HSDP (Note [hybrid sharding] in tandem/fsdp/unit.py), then one
   all-reduce of that reduced shard over the replicate group.
 
 DDP, for comparison: one all-reduce of each bucket (padded) per step.

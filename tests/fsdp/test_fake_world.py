@@ -152,7 +152,7 @@ def test_step_leaves_gradients_and_state_as_fsdp2(device: str, world: int, varia
                 g = as_dtensor(p.grad).to_local()
                 assert g.dtype == torch.float32 and g.device.type == shard_device.type, (impl, n, g.dtype, g.device)
                 grads[n] = tuple(g.shape)
-                # copied to the host asynchronously (Note [gradients to the host] in tandem/fsdp/unit_reduce.py)
+                # copied to the host asynchronously (Note [gradients to the host] in tandem/fsdp/unit.py)
                 if variant == "offload" and device == "cuda":
                     assert g.is_pinned(), f"{impl}: the offloaded gradient of '{n}' is not in pinned memory"
             state = sum(as_dtensor(t).to_local().numel() * t.element_size() for s in opt.state.values()

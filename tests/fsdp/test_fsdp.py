@@ -182,7 +182,7 @@ def distributed(rank: int, world_size: int, case: Case) -> Outcome:
                                       for s in opt.state.values() for k, v in s.items() if k != "step")
     out.units = len(units)
     if units:
-        out.param_bytes += sum(u.unsharded_flat.untyped_storage().nbytes() for u in units)
+        out.param_bytes += sum(u.params.unsharded_flat.untyped_storage().nbytes() for u in units)
         assert all(u.state is ShardState.SHARDED for u in units), [u.state for u in units]
     return out
 

@@ -1,6 +1,6 @@
 """HSDP: tandem.fully_shard over a 2-D mesh (replicate, shard), against torch's
 fully_shard on the same mesh and against one process training on the global
-batch (Note [hybrid sharding] in tandem/fsdp/unit_reduce.py).
+batch (Note [hybrid sharding] in tandem/fsdp/unit.py).
 
 One spawned group of 4 gloo ranks runs every case: the 2 x 2 mesh of
 ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``
@@ -128,7 +128,7 @@ def _train(rank: int, h: Hsdp) -> Outcome:
         if step == 1:
             out.events = list(log)
     out.params = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    out.shard_numels = [u.layout.shard_numel + len(u.managed) for u in units]
+    out.shard_numels = [u.params.layout.shard_numel + len(u.params.managed) for u in units]
     out.states = {f"{u.state.name}/{u.reduce_state.name}" for u in units}
     return out
 
@@ -255,7 +255,8 @@ def _held(rank: int) -> Held:
         opt.step()
         if step == 0:   # the second step's gradients stay, as a step leaves them
             opt.zero_grad()
-    held.units = [("" if u.name == "<root>" else u.name, u.layout.shard_numel) for u in units]   # named at forward
+    # named at forward
+    held.units = [("" if u.name == "<root>" else u.name, u.params.layout.shard_numel) for u in units]
     held.params = _distinct_bytes(as_dtensor(p).to_local() for p in model.parameters())
     held.grads = _distinct_bytes(as_dtensor(p.grad).to_local() for p in model.parameters() if p.grad is not None)
     held.optimizer = _distinct_bytes(v.to_local() for s in opt.state.values() for k, v in s.items() if k != "step")

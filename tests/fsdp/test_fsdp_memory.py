@@ -294,15 +294,16 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
 
     # What each unit holds beyond its shard, read through the runtime's own fields.
     def sample(tag: str, forward: bool) -> None:
-        gathered = sum(u.unsharded_flat.untyped_storage().nbytes() for u in units)
+        gathered = sum(u.params.unsharded_flat.untyped_storage().nbytes() for u in units)
         for u in units:
-            g = u.gather.pending
+            g = u.pending_gather
             if g is not None and not g.direct:   # the input: the shard itself, or a chunk of the output
-                shard = u.shard_flat.untyped_storage().data_ptr()
+                shard = u.params.shard_flat.untyped_storage().data_ptr()
                 gathered += _distinct_bytes(t for t in (g.output, g.input) if t.untyped_storage().data_ptr() != shard)
-        reducing = _distinct_bytes(t for r in (u.reduction.pending for u in units) if r is not None
+        reducing = _distinct_bytes(t for r in (u.pending_reduce for u in units) if r is not None
                                    for t in (r.input, r.output))
-        reducing += _distinct_bytes(m.unsharded.grad for u in units for m in u.managed if m.unsharded.grad is not None)
+        reducing += _distinct_bytes(m.unsharded.grad for u in units for m in u.params.managed
+                                    if m.unsharded.grad is not None)
         out.samples.append((tag, gathered, reducing))
         out.gathered = max(out.gathered, gathered)
         out.reducing = max(out.reducing, reducing)
@@ -314,7 +315,7 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
         m.register_forward_pre_hook(lambda *_: sample("pre-forward", True))
         m.register_forward_hook(lambda *_: sample("forward", True), prepend=True)
     for u in units:
-        for m in u.managed:
+        for m in u.params.managed:
             # registered before the first forward: runs before fully_shard's hook, which may reduce
             m.unsharded.register_post_accumulate_grad_hook(lambda *_: sample("grad", False))
 
@@ -325,7 +326,7 @@ def _measure(rank: int, world_size: int, spec: FullyShardSpec) -> Measured:
         if step == 0:
             opt.zero_grad()
 
-    out.units = [(u.name, u.layout.shard_numel) for u in units]
+    out.units = [(u.name, u.params.layout.shard_numel) for u in units]
     out.params = _distinct_bytes(as_dtensor(p).to_local() for p in model.parameters())
     out.grads = _distinct_bytes(as_dtensor(p.grad).to_local() for p in model.parameters() if p.grad is not None)
     out.optimizer = _distinct_bytes(v.to_local() if hasattr(v, "to_local") else v

@@ -1,7 +1,7 @@
 """QLoRA under ``tandem.fully_shard``: frozen NF4 base weights (torchao's
 ``to_nf4``, whose ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` keep them
 quantized while sharded and gathered: Note [tensor-subclass gathers] in
-tandem/fsdp/unit_gather.py) with trainable LoRA adapters, as torchtune's
+tandem/fsdp/unit_params.py) with trainable LoRA adapters, as torchtune's
 ``LoRALinear`` builds them, on 2 gloo ranks against torch's own
 ``fully_shard`` running the same script.
 """

@@ -15,7 +15,7 @@ does not depend on their order, so every reduction of these meshes is exact
 to compare. In a shard group of 4, gloo's reduce-scatter adds the first few
 elements of a rank's chunk in an order that depends on the chunk's length,
 and tandem's chunk is one element per parameter longer than torch's (Note
-[gradient flags] in tandem/fsdp/unit_reduce.py): the one case that needs 4
+[gradient flags] in tandem/fsdp/unit.py): the one case that needs 4
 ranks in a shard group, ``reshard_after_forward=2``, is compared within
 float32 rounding instead. A single
 Linear over 8 micro-batches is also compared with a reference computed here

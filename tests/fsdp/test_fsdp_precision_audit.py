@@ -84,7 +84,7 @@ def test_where_shortens_a_long_parameter_list():
 def _unit(name, held, param=None, reduce=None, output=None, frozen=()):
     managed = [SimpleNamespace(fqn=n, requires_grad=n not in frozen) for n in ("weight", "bias")]
     config = SimpleNamespace(param_dtype=param, reduce_dtype=reduce, output_dtype=output)
-    return SimpleNamespace(name=name, managed=managed, orig_dtype=held, config=config)
+    return SimpleNamespace(name=name, params=SimpleNamespace(managed=managed, orig_dtype=held), config=config)
 
 
 def _warn_at_fully_shard(unit):

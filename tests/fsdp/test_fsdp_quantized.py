@@ -275,7 +275,7 @@ def _one_step_ledger(rank: int, world_size: int, mesh: object = None, **kwargs: 
     entries = [e for e in ledger.entries() if e.seq > first]
     assert len(entries) == ledger.issued - first, "the ledger's ring dropped entries of the step"
     units = [u for m in model.modules() for u in [getattr(m, "_tandem_fsdp_unit", None)] if u is not None]
-    shapes = {u.name: [tuple(mp.spec.shape) for mp in u.managed] for u in units}
+    shapes = {u.name: [tuple(mp.spec.shape) for mp in u.params.managed] for u in units}
     return {"entries": [(e.op, e.tag, e.group, e.nbytes) for e in entries], "shapes": shapes}
 
 

@@ -1,6 +1,6 @@
 """Parameters whose tensor subclass gathers itself (torch's FSDP2 all-gather
 extension, ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: Note
-[tensor-subclass gathers] in tandem/fsdp/unit_gather.py) under
+[tensor-subclass gathers] in tandem/fsdp/unit_params.py) under
 ``tandem.fully_shard``, against torch's own ``fully_shard`` running the same
 script.
 

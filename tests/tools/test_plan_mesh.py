@@ -224,7 +224,7 @@ def _train(rank: int, mesh: DeviceMesh, wrapper: str, min_unit_bytes: int = 0) -
             u = getattr(m, "_tandem_fsdp_unit", None)
             if u is not None and u not in found:
                 found.append(u)
-        units = tuple(("" if u.name == "<root>" else u.name, u.layout.shard_numel) for u in found)
+        units = tuple(("" if u.name == "<root>" else u.name, u.params.layout.shard_numel) for u in found)
     optimizer = _bytes([v for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"],
                        seen)
     return Held(params, grads, optimizer, buckets, units)

@@ -12,7 +12,7 @@ parameters, ``w`` the world size:
 - ``params``: the shard buffer, ``S`` elements of the parameters' dtype.
 - ``grads``: the sharded gradients, ``S`` elements of the parameters' dtype,
   copied out of the reduce-scatter's input (Note [reduce-scatter in place] in
-  tandem/fsdp/unit_reduce.py).
+  tandem/fsdp/unit.py).
 - ``optimizer``: ``optimizer_bytes_per_param`` per shard element of the
   trainable parameters. Per-tensor scalars (Adam's step count, 4 bytes per
   parameter) are not counted.
@@ -25,10 +25,10 @@ parameters, ``w`` the world size:
   or the prefetched neighbour's (the next unit in module order in forward, the
   one that finished forward before it in backward; Note [prefetch] in
   tandem/fsdp/schedule.py); a cast to ``param_dtype`` is written into the
-  output (Note [gather input in place] in tandem/fsdp/unit_gather.py).
+  output (Note [gather input in place] in tandem/fsdp/unit.py).
 - ``reducing``, gradients in flight in backward: the reduce-scatter input
   (``w * (S + n)`` elements of the reduce dtype, the ``n`` gradient flags of
-  Note [gradient flags] in tandem/fsdp/unit_reduce.py included; its output is
+  Note [gradient flags] in tandem/fsdp/unit.py included; its output is
   a chunk of it) of at most two units at once (two where a wait holds the
   host, as on gloo; one on NCCL: Note [reductions in flight] in
   tandem/fsdp/schedule.py), counted as the two largest, plus the full-size
