@@ -1,5 +1,5 @@
 """Which parameters one ``fully_shard`` call takes: a pure walk over the module
-tree, shared by ``fully_shard`` and the memory planner (tandem.zero.memory),
+tree, shared by ``fully_shard`` and the memory planner (tandem.planner.memory),
 so that the planner predicts the units fully_shard builds."""
 
 from __future__ import annotations
