@@ -10,11 +10,11 @@ What runs: one TCPStore server (libuv, torch's default) in a process of its
 own, and N ranks in nodes of ``--per-node`` (8). Each node is its launcher's
 :class:`tandem.launch.node_reports.NodeReports` (the real one: a thread and a
 client connection of its own, beating every 0.25 s and naming a worker that
-ended at once), and each rank the real :class:`tandem.comm.membership.Membership`
+ended at once), and each rank the real :class:`tandem.control.membership.Membership`
 with ``node=`` that node (as ``tandem run --elastic`` sets ``TANDEM_NODE``): it
 does not beat, the generation's rank 0 judges for all and its deputies (the
 middle and last ranks) take over when it is gone (Note [judge once] in
-tandem/comm/judge.py). Ranks and nodes are threads, ``--hosts`` processes of
+tandem/control/judge.py). Ranks and nodes are threads, ``--hosts`` processes of
 them (forked from one forkserver that imported torch once); every store client
 is wrapped to count its operations (bench_store_scale's CountingStore), the
 reports' too. A rank's pid in its node's beat is a number of its own (the
@@ -69,9 +69,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist  # noqa: E402
 from bench_store_scale import HOST, CountingStore, Recorder, client, cpu_seconds, serve_store  # noqa: E402
 
-from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership  # noqa: E402
+from tandem.control.membership import PREFIX, ElasticConfig, Generation, Membership  # noqa: E402
 from tandem.comm.process_id import node_beat_key  # noqa: E402
-from tandem.comm.store_address import StoreAddress, connect  # noqa: E402
+from tandem.store.store_address import StoreAddress, connect  # noqa: E402
 from tandem.launch.etcd_plane import EtcdControlPlane  # noqa: E402
 from tandem.launch.node_reports import NodeReports  # noqa: E402
 
@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> None:
               "will stall the store's server that long (see the run book)", file=sys.stderr, flush=True)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # Note [a timed-out wait's warnings] in bench_store_scale
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "tandem.comm.membership", "tandem.launch.node_reports",
-                                "tandem.comm.etcd_store"])
+    ctx.set_forkserver_preload(["torch.distributed", "tandem.control.membership", "tandem.launch.node_reports",
+                                "tandem.store.etcd_store"])
     results = [run_size(ctx, n, args) for n in args.ranks]
     summary = {"argv": sys.argv[1:], "store": args.store, "per_node": args.per_node, "beat_s": args.beat,
                "stale_after_s": args.stale_after, "results": results}

@@ -9,7 +9,7 @@ Run book::
 
 What runs: one TCPStore server (libuv, torch's default; one event-loop thread)
 in a child process of its own, and N members, each the real
-:class:`tandem.comm.membership.Membership` (built by ``Membership.founding``)
+:class:`tandem.control.membership.Membership` (built by ``Membership.founding``)
 with a TCPStore client connection of its own. Nothing of Membership is
 reproduced: the store sees its own keys and operations (Note [elastic
 membership]): the ``beat/<id>`` ``set`` every ``beat_s`` from Membership's own
@@ -17,7 +17,7 @@ thread, ``dead()``'s ``check`` and ``get`` for every other member,
 ``decide_step``'s ``add``, ``wait`` and ``compare_set``. A thin wrapper around
 each client (:class:`CountingStore`) times every operation, and a subclass
 (:class:`WatchedMembership`) times each ``dead()`` call and notes whom it named.
-A member imports ``tandem.comm.membership`` (and so ``tandem.comm``), not DDP,
+A member imports ``tandem.control.membership`` (and so ``tandem.comm``), not DDP,
 FSDP or the Trainer.
 
 Members are threads, not processes: 256 interpreters with torch (about 220 MB
@@ -92,7 +92,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership
+from tandem.control.membership import PREFIX, ElasticConfig, Generation, Membership
 
 HOST = "127.0.0.1"
 CLIENT_TIMEOUT = datetime.timedelta(seconds=120)
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.c10d_warnings:  # for the forkserver and every member it forks
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # Note [a timed-out wait's warnings]
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "tandem.comm.membership"])
+    ctx.set_forkserver_preload(["torch.distributed", "tandem.control.membership"])
     started = time.time()
     load = os.getloadavg()
     results = [run_size(ctx, n, args, saturate=(n == max(sizes))) for n in sizes]

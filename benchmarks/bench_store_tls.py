@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.comm.listening_store import listening_store  # noqa: E402
+from tandem.store.listening_store import listening_store  # noqa: E402
 from tandem.launch.tunnel import Tunnels  # noqa: E402
 
 _TIMEOUT = datetime.timedelta(seconds=60)

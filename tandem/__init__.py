@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 if _TYPE_CHECKING:
     from tandem import checkpoint, comm_hooks, fsdp
     from tandem.checkpoint import CheckpointError, load_sharded_checkpoint, save_sharded_checkpoint
-    from tandem.comm import WorldInfo, init, irecv, isend, recv, send, shutdown
+    from tandem.comm import WorldInfo, irecv, isend, recv, send
+    from tandem.control import init, shutdown
     from tandem.data import DistributedSampler, RunningMean, all_reduce_mean, all_reduce_sum, gather_samples, \
         weighted_mean
     from tandem.diloco import DiLoCo, DiLoCoConfig, node_mesh
@@ -35,7 +36,8 @@ if _TYPE_CHECKING:
 
 _FROM = {  # module: the public names tandem takes from it
     "tandem.checkpoint": ("CheckpointError", "load_sharded_checkpoint", "save_sharded_checkpoint"),
-    "tandem.comm": ("WorldInfo", "init", "irecv", "isend", "recv", "send", "shutdown"),
+    "tandem.comm": ("WorldInfo", "irecv", "isend", "recv", "send"),
+    "tandem.control": ("init", "shutdown"),
     "tandem.data": ("DistributedSampler", "RunningMean", "all_reduce_mean", "all_reduce_sum", "gather_samples",
                     "weighted_mean"),
     "tandem.diloco": ("DiLoCo", "DiLoCoConfig", "node_mesh"),

@@ -207,7 +207,7 @@ def preset_static_store(handler: Any, store: torch.distributed.Store) -> None:
     first ``next_rendezvous``.
 
     Why: the static handler makes a ``TCPStore`` listening on every interface
-    (Note [a store on the job's address] in ``tandem.comm.listening_store``),
+    (Note [a store on the job's address] in ``tandem.store.listening_store``),
     and only creates one when its private ``_store`` is unset (torch 2.4 to 2.13).
     """
     if not hasattr(handler, "_store"):
@@ -224,7 +224,7 @@ def share_listening_store(handler: Any, make: Callable[[str, int], torch.distrib
     ``TCPStore`` for the workers (which tandem replaces with a store per
     attempt, Note [one store per attempt] in ``tandem.launch.rendezvous``)
     listening on every interface (Note [a store on the job's address] in
-    ``tandem.comm.listening_store``); the one place it is made is the private
+    ``tandem.store.listening_store``); the one place it is made is the private
     ``_create_tcp_store_server``. Older versions make none, and this does nothing.
     """
     if hasattr(handler, "_create_tcp_store_server"):
@@ -415,7 +415,7 @@ def default_store() -> torch.distributed.Store:
 
 def set_group_timeout(timeout: datetime.timedelta, group: torch.distributed.ProcessGroup | None) -> None:
     """The timeout of ``group``'s collectives (None: the default group), after it
-    was built under another (Note [arrivals] in tandem/comm/membership.py).
+    was built under another (Note [arrivals] in tandem/control/membership.py).
 
     Why: torch has no public setter; ``_set_pg_timeout`` exists since 2.2."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -582,7 +582,7 @@ def reset_group_names() -> None:
     (``_world.group_count``), and the group's keys in the store carry that
     name, so ranks that build a group together must have counted alike. An
     elastic job's attempt to build a generation's group that failed (a member
-    died as it was built: Note [arrivals] in tandem/comm/membership.py) counted
+    died as it was built: Note [arrivals] in tandem/control/membership.py) counted
     a group on the ranks that got as far as ``init_process_group``, and not on
     the ones that saw the death first: in the next generation their keys
     differed and every member waited for the others' until the timeout. The
@@ -596,7 +596,7 @@ def reset_group_names() -> None:
 def forget_default_group() -> None:
     """Unset the default process group without shutting it down.
 
-    Why: an elastic job (Note [elastic default group] in tandem.comm.elastic_group)
+    Why: an elastic job (Note [elastic default group] in tandem.control.elastic_group)
     replaces the default group after a peer died. ``destroy_process_group`` and
     ``ProcessGroup.abort`` join gloo's worker threads, and a worker can be
     blocked in a collective with a peer that is alive but has left the group

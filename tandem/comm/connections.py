@@ -3,7 +3,7 @@
 
 # Note [severing a forgotten group]
 An elastic job forgets its old default group rather than destroying it (Note
-[elastic default group] in elastic_group.py): gloo cannot cancel a collective
+[elastic default group] in tandem/control/elastic_group.py): gloo cannot cancel a collective
 (``abort`` and ``shutdown`` leave work in flight as it is, torch 2.4 to 2.13),
 so destroying the group would join a worker thread blocked in a collective
 with a peer that is alive but has left it. Such a collective ends only at the
@@ -18,14 +18,14 @@ by then, CPython ends that thread with ``pthread_exit`` when it takes the GIL;
 the forced unwind meets a ``noexcept`` frame (pybind11's ``gil_scoped_release``
 destructor) and libstdc++ calls ``std::terminate``: SIGABRT, "terminate called
 without an active exception", after the process finished training. gdb on the
-core (tests/comm/test_forgotten_group.py before this fix): the main thread in
+core (tests/control/test_forgotten_group.py before this fix): the main thread in
 ``Py_FinalizeEx``; the aborting thread, a Python thread, in ``Work.wait`` ->
 ``~gil_scoped_release`` -> ``PyEval_RestoreThread`` -> ``take_gil`` ->
 ``PyThread_exit_thread`` -> ``pthread_exit`` -> ``_Unwind_ForcedUnwind`` ->
 ``std::terminate``.
 
 So the members of a new generation cut the old group's connections once they
-all stand in the new one (:func:`~tandem.comm.elastic_group.enter_generation`):
+all stand in the new one (:func:`~tandem.control.elastic_group.enter_generation`):
 each shuts down its own sockets of the old group, and whatever is blocked in
 it, on this rank or on a peer, fails at once with "connection closed" while
 the process is alive. Nothing still needs the old group then: every member of
@@ -38,7 +38,7 @@ reused is not touched. The group's listening socket is left alone: gloo's
 accept loop aborts the process when accept fails. Sockets are read from
 ``/proc/self/fd`` (Linux); elsewhere nothing is recorded or cut. A further
 group an elastic job builds over every member (fully_shard's reduce-scatter
-group, ``new_world_group`` in elastic_group.py) is recorded with the default
+group, ``new_world_group`` in tandem/control/elastic_group.py) is recorded with the default
 group, and cut with it. Other groups (``new_group``, an adopted group) are not
 recorded.
 """

@@ -2,7 +2,7 @@
 
 # Note [cut off]
 The job's store is where the ranks agree (Note [elastic membership] in
-membership.py) and where each shows it is alive (Note [dead peers] in
+tandem/control/membership.py) and where each shows it is alive (Note [dead peers] in
 peers.py). A rank whose beats stop landing there is dead to the others: they
 judge it gone after the liveness window and go on without it (an elastic job)
 or stop (any other job). The rank itself knows nothing of that while its link

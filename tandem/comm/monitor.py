@@ -48,9 +48,9 @@ import torch.distributed as dist
 from tandem._compat import default_store, own_tcp_client
 from tandem.comm.cut_off import CutOffWatch, connection_closed, cut_off_after, lost_store_message
 from tandem.comm.fingerprint import FingerprintCheck, debug_flags
-from tandem.comm.job_secret import signed, signed_like
+from tandem.store.job_secret import signed, signed_like
 from tandem.comm.ledger import Ledger
-from tandem.comm.store_address import etcd_client
+from tandem.store.store_address import etcd_client
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key, last_beat
 

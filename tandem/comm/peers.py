@@ -2,7 +2,7 @@
 
 # Note [a peer gone to regroup]
 In an elastic job a peer can leave a collective alive: it saw another member
-die and went to regroup (Note [elastic membership] in membership.py), so what
+die and went to regroup (Note [elastic membership] in tandem/control/membership.py), so what
 this rank waits for from it never comes. Its heartbeat goes on, so the watch
 below would wait for gloo's timeout (a ZeRO-2 rank whose parameter all-gather
 completed before a death commits its step alone, then waits in the buddy
@@ -37,7 +37,7 @@ failed the collective and the beat is still missing :data:`STALE_AFTER_S` later.
 
 An elastic job may ask for a shorter window (``ElasticConfig.stale_after_s``
 and ``beat_s`` below the defaults): its monitor then beats, and its waits
-judge, by that :class:`Liveness` (Note [elastic membership] in membership.py).
+judge, by that :class:`Liveness` (Note [elastic membership] in tandem/control/membership.py).
 
 Most deaths are seen before the window ends: a peer whose process has ended
 on this kernel, or whose launcher posted its exit, is gone at once (Note
@@ -72,7 +72,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem.comm.job_secret import ForgedValueError
+from tandem.store.job_secret import ForgedValueError
 from tandem.comm.process_id import PostedProcesses, ProcessId
 from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
@@ -285,7 +285,7 @@ class PeerWatch:
                 try:
                     out.append(self.store.get(key).decode() if self.store.check([key]) else None)
                 except ForgedValueError:  # a stranger's junk: the beat seen last stands (Note [a stranger asks
-                    out.append(self._seen.get(r, (None, 0.0))[0])  # to join] in membership.py)
+                    out.append(self._seen.get(r, (None, 0.0))[0])  # to join] in tandem/control/membership.py)
         except Exception as e:  # noqa: BLE001 - any store failure means the same thing here
             raise self._store_gone(e) from e
         return out

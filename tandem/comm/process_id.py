@@ -29,10 +29,10 @@ Under ``tandem run --elastic`` the launcher also beats for its node
 pids of its workers that have ended, rewritten at once when one ends. Its
 workers (``TANDEM_NODE`` names the node) do not beat themselves, so the store
 hears one beat per node, not one per rank, and whoever reads the node's beat
-learns of a worker's end from it (Note [judge once] in judge.py).
+learns of a worker's end from it (Note [judge once] in tandem/control/judge.py).
 
 Whoever judges a peer (a collective's wait: :class:`~tandem.comm.peers.PeerWatch`;
-an elastic member: :class:`~tandem.comm.membership.Membership`) asks these first
+an elastic member: :class:`~tandem.control.membership.Membership`) asks these first
 and the heartbeat after, so a death is seen within a wait slice or a store poll,
 while the heartbeat window only decides the deaths nobody saw: a host lost with
 its launcher, a link cut.
@@ -51,7 +51,7 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
-from tandem.comm.job_secret import SignedStore, signed_like
+from tandem.store.job_secret import SignedStore, signed_like
 
 __all__ = ["NODE_ENV", "NodeBeat", "PostedProcesses", "ProcessId", "below_prefixes", "exit_notice", "exit_notice_key",
            "exit_words", "launcher_node", "node_beat_key", "write_exit_notice"]
@@ -203,7 +203,7 @@ class NodeBeat:
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeBeat | None:
-        """The beat in ``raw``; None for junk (Note [a stranger asks to join] in membership.py)."""
+        """The beat in ``raw``; None for junk (Note [a stranger asks to join] in tandem/control/membership.py)."""
         try:
             value = json.loads(bytes(raw).decode())
             return cls(float(value["at"]), {int(pid): str(what) for pid, what in dict(value["ended"]).items()})
@@ -213,7 +213,7 @@ class NodeBeat:
 
 def below_prefixes(store: dist.Store) -> dist.Store:
     """The store below every :class:`~torch.distributed.PrefixStore` of ``store``
-    (signing as ``store`` does: Note [signed store] in job_secret.py)."""
+    (signing as ``store`` does: Note [signed store] in tandem/store/job_secret.py)."""
     base = store.inner if isinstance(store, SignedStore) else store
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
@@ -228,7 +228,7 @@ class PostedProcesses:
     def __init__(self, store: dist.Store, key: Callable[[Any], str]) -> None:
         self._store = store
         # Exit notices are the launcher's, written below the prefixes, signed under a
-        # job secret (Note [signed store] in job_secret.py).
+        # job secret (Note [signed store] in tandem/store/job_secret.py).
         self._notices = below_prefixes(store)
         self._key = key
         self._posted: dict[Any, ProcessId] = {}

@@ -1,6 +1,6 @@
 """How long tandem waits for the other ranks by default.
 
-Its own module, below both :mod:`tandem.comm.bootstrap` (which starts a group
+Its own module, below both :mod:`tandem.control.bootstrap` (which starts a group
 with it) and :mod:`tandem.comm.monitor` (which watches waits against it when
 it is started without :func:`tandem.init`).
 """

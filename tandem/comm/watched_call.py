@@ -15,7 +15,7 @@ it in slices as on any collective, so a peer that died is named within a slice
 (:class:`~tandem.comm.peers.PeerLostError`) and the rebuild fails over to the
 next regroup, or the replacement leaves. A call abandoned that way stays
 blocked in its thread, in a group that is forgotten (Note [elastic default
-group] in elastic_group.py), until the group's timeout.
+group] in tandem/control/elastic_group.py), until the group's timeout.
 """
 
 from __future__ import annotations

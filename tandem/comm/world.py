@@ -1,7 +1,7 @@
 """Who this process is in the job: rank information, read from a launcher's variables.
 
 :func:`world_from_env` is a pure function of a mapping (pass ``os.environ``, or a
-dict in a test) and knows nothing about process groups; :func:`tandem.comm.init`
+dict in a test) and knows nothing about process groups; :func:`tandem.init`
 uses it and then builds the group. It reads the variables as ``torchrun`` sets them:
 
 ==================  =========================================================
@@ -67,7 +67,7 @@ _SINGLE_PROCESS_HINT = "or unset all of RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
 
 @dataclass(frozen=True, kw_only=True)
 class WorldInfo:
-    """This process's place in an initialised job, as returned by :func:`tandem.comm.init`.
+    """This process's place in an initialised job, as returned by :func:`tandem.init`.
 
     Raises:
         ValueError: a field is out of range (``rank >= world_size``, say).

@@ -4,9 +4,10 @@ replacement joins, with no sample lost or seen twice and nothing read from disk.
 Read in this order:
 
 - who is in the job, agreed through its store, and each generation's default
-  group: tandem/comm/membership.py (Note [elastic membership]) and
-  tandem/comm/elastic_group.py. They stay in comm because ``tandem.init``
-  (a replacement's join) uses them: comm is the layer below every other.
+  group: tandem/control/membership.py (Note [elastic membership]) and
+  tandem/control/elastic_group.py, in the control plane below every wrapper,
+  since ``tandem.init`` (a replacement's join) and fully_shard's second group
+  use them (tandem/control/__init__.py lists a world change's files in order).
 - run.py: what a rank does when the world changes (Note [elastic trainer]):
   :class:`ElasticRun` catches a peer's failure, agrees on the next generation,
   regroups, and shares the training state with a replacement;
@@ -26,5 +27,5 @@ The launcher's
 side (``tandem run --elastic``: replacements, nodes that rejoin) is
 tandem/launch/elastic_agent.py and node_roll.py.
 
-Above ddp/, fsdp/, zero/ and checkpoint/; below train/.
+Above ddp/, fsdp/, zero/ and checkpoint/ (and tandem/control/ below them); below train/.
 """

@@ -40,7 +40,7 @@ The pieces are the Trainer's, placed where that loop already calls in:
 4. A replacement (``TANDEM_ELASTIC_JOIN=1``) runs the same script: its
    ``tandem.init()`` puts it in a world of one, where its ``prepare`` builds
    the model and loaders, and then asks to join (Note [a replacement builds
-   first] in tandem/comm/elastic_group.py). The members admit it after a step
+   first] in tandem/control/elastic_group.py). The members admit it after a step
    decided ``grow``, when the loader they train from is asked for its next
    batch (``DistributedLoader.before_batch``): after whatever the loop does
    after ``step()`` (a scheduler's step), at the top of the loop, which is
@@ -111,8 +111,8 @@ from torch import nn
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState
-from tandem.comm.bootstrap import elastic_membership
-from tandem.comm.membership import ElasticConfig, Generation
+from tandem.control.elastic_group import elastic_membership
+from tandem.control.membership import ElasticConfig, Generation
 from tandem.comm.monitor import current_monitor_if_any
 from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
@@ -218,7 +218,7 @@ class ElasticLoop:
             loader.before_batch = functools.partial(self._before_batch, loader)
             loader.before_end = functools.partial(self._before_end, loader)
             loader.on_weight = self._weigh  # Note [exact split] in tandem/data/split.py
-        if run.needs_state:  # Note [a replacement builds first] in tandem/comm/elastic_group.py
+        if run.needs_state:  # Note [a replacement builds first] in tandem/control/elastic_group.py
             run.join(self._rebuild, self._report)
         else:
             self.world.refresh_buddy(dist.get_rank())  # the first copies, before the first step
@@ -489,7 +489,7 @@ class ElasticOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: a ``closure`` was given (it would run forward and
                 backward again inside the step's decision).
-            tandem.comm.membership.MembershipError: too few ranks are left
+            tandem.control.membership.MembershipError: too few ranks are left
                 (``ElasticConfig.min_world_size``), or the regroup timed out.
         """
         if closure is not None:

@@ -6,10 +6,10 @@ With ``TrainerConfig(elastic=True)`` a dead rank costs at most the step in
 flight, and nothing is read from disk:
 
 1. The step decides before the optimizer moves (Note [elastic membership] in
-   tandem.comm.membership): every member steps, or none does. A collective that
+   tandem.control.membership): every member steps, or none does. A collective that
    fails, or a member seen dead, makes it ``abort``.
 2. The survivors catch the failure (:func:`is_peer_failure`), agree on the next
-   generation, rebuild the default group (tandem.comm.enter_generation), and
+   generation, rebuild the default group (tandem.control.elastic_group.enter_generation), and
    the Trainer rebuilds what depends on the world: the DDP reducer
    (``reset_process_group``, which checks that every rank holds the same model
    and broadcasts rank 0's), the sampler and the loaders.
@@ -22,7 +22,7 @@ flight, and nothing is read from disk:
    by the new world.
 4. A replacement builds its model, optimizer and Trainer in a world of its own,
    then asks to join (Note [a replacement builds first] in
-   tandem/comm/elastic_group.py); the member that completes a step's count sees
+   tandem/control/elastic_group.py); the member that completes a step's count sees
    it and decides ``grow``. After that step every member, and the replacement,
    enter the next generation and rebuild for it; rank 0 (a member that trained
    all along) sends the whole training state (model, optimizer, scheduler,
@@ -60,9 +60,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem.comm.bootstrap import enter_generation
-from tandem.comm.elastic_group import ask_to_join
-from tandem.comm.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
+from tandem.control.elastic_group import ask_to_join, enter_generation
+from tandem.control.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
@@ -278,7 +277,7 @@ class ElasticRun:
         """A replacement, built in its world of one, asks to join, enters the
         generation that admits it, and calls ``rebuild`` as the members do in
         that change (Note [a replacement builds first] in
-        tandem/comm/elastic_group.py); a member lost meanwhile makes it take part
+        tandem/control/elastic_group.py); a member lost meanwhile makes it take part
         in the next change (Note [a join cut short])."""
         before = self.membership.generation
         try:

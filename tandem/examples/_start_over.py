@@ -7,7 +7,7 @@ import shutil
 
 import torch.distributed as dist
 
-from tandem.comm.elastic_group import JOIN_ENV
+from tandem.control.elastic_group import JOIN_ENV
 from tandem.comm.world import WorldInfo
 
 __all__ = ["start_over"]

@@ -101,7 +101,7 @@ from torch import nn
 
 from tandem._compat import not_traced, queue_backward_callback
 from tandem._tree import iter_tensors, map_tensors, to_device
-from tandem.comm.elastic_group import new_world_group
+from tandem.control.elastic_group import new_world_group
 from tandem.comm.group import GroupComm
 from tandem.fsdp.unit import ShardedUnit, unit_of
 from tandem.fsdp.unit_state import ReduceState, ShardState, UnitPhase

@@ -45,9 +45,9 @@ from torch.distributed.elastic.rendezvous import (
 
 from tandem._compat import matches_machine_hostname
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
-from tandem.comm.elastic_group import JOIN_ENV
-from tandem.comm.job_secret import MANY_NODES_NEED_A_SECRET
-from tandem.comm.store_address import EtcdAddress, describe
+from tandem.control.elastic_group import JOIN_ENV
+from tandem.store.job_secret import MANY_NODES_NEED_A_SECRET
+from tandem.store.store_address import EtcdAddress, describe
 from tandem.launch.config import LaunchConfig
 from tandem.launch.elastic_agent import ElasticAgent
 from tandem.launch.config import split_endpoint

@@ -55,7 +55,7 @@ from tandem.launch.machine import (
 from tandem.launch.output import RankOutput, is_terminal
 from tandem.launch.summary import failure_summary
 from tandem.launch.watchdog import HANG_EXITCODE
-from tandem.comm.job_secret import secret_for_workers
+from tandem.store.job_secret import secret_for_workers
 
 __all__ = ["TargetKind", "WorkerCommand", "build_parser", "check_target", "command", "config_from_args", "main",
            "run_job", "worker_command"]
@@ -333,12 +333,12 @@ def run_job(config: LaunchConfig, command: WorkerCommand, *, stdout: TextIO | No
     output = RankOutput(stdout, stderr, ranks=config.output_ranks,
                         local_ranks=config.output_local_ranks)
     worker_env = dict(config.worker_env)
-    # Note [signed store] in tandem/comm/job_secret.py: in the environment, never on a command line
+    # Note [signed store] in tandem/store/job_secret.py: in the environment, never on a command line
     worker_env.update(secret_for_workers(config.max_nodes))
     if config.max_nodes > 1:  # Note [the address a node gives] in machine.py
         rendezvous = split_endpoint(config.first_endpoint, "--rdzv-endpoint")
         worker_env.update(socket_interface_env(config.local_addr, rendezvous))
-    else:  # Note [a store on the job's address] in tandem/comm/listening_store.py
+    else:  # Note [a store on the job's address] in tandem/store/listening_store.py
         worker_env.update(loopback_interface_env())
     if is_terminal(stdout):  # Note [carriage returns] in output.py
         worker_env["TANDEM_STDOUT_ISATTY"] = "1"

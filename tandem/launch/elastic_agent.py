@@ -86,7 +86,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from tandem.comm.cut_off import CUT_OFF_EXITCODE
-from tandem.comm.elastic_group import JOIN_ENV, NOTHING_TO_JOIN_EXITCODE
+from tandem.control.elastic_group import JOIN_ENV, NOTHING_TO_JOIN_EXITCODE
 from tandem.comm.process_id import NODE_ENV, exit_words
 from tandem.launch.node_reports import NodeReports
 from tandem.launch.hang import stuck_ranks

@@ -22,12 +22,12 @@ each of the nodes named, which ``tandem run`` starts there:
   (HMAC-SHA512, as an EC P-256 scalar), so every node signs with the same CA
   and trusts the same CA, and a process without the secret has no certificate
   a member accepts (its handshake is refused: Note [failing over between etcd
-  members] in tandem/comm/etcd_gateway.py says so in one line).
+  members] in tandem/store/etcd_gateway.py says so in one line).
 * The rendezvous is torch's own (its c10d backend keeps its state in any
-  store with ``compare_set``; :class:`~tandem.comm.etcd_store.EtcdStore` has
+  store with ``compare_set``; :class:`~tandem.store.etcd_store.EtcdStore` has
   it); the roll of nodes (Note [nodes of an elastic job] in node_roll.py) and
   each attempt's workers' store (Note [the workers' store on etcd] in
-  tandem/comm/store_address.py) are prefixes beside it.
+  tandem/store/store_address.py) are prefixes beside it.
 * A member listens on its endpoint's address: clients on the endpoint's port,
   peers on the next port (``2379``, ``2380``: etcd's own pair). Its data lives
   in a temporary directory of the launcher, removed when it ends; the member
@@ -62,8 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.comm.etcd_store import EtcdStore
-from tandem.comm.store_address import EtcdAddress
+from tandem.store.etcd_store import EtcdStore
+from tandem.store.store_address import EtcdAddress
 from tandem.launch.config import split_endpoint
 from tandem.launch.machine import interface_of
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from tandem.comm.job_secret import job_secret
+from tandem.store.job_secret import job_secret
 
 __all__ = ["Attempt", "RankLogs", "WorkerLogs"]
 
@@ -122,7 +122,7 @@ class WorkerLogs(LogsSpecs):
 
     def job_secret(self) -> bytes | None:
         """The job secret the workers get: the one added here, or the launcher's
-        own (Note [signed store] in tandem/comm/job_secret.py)."""
+        own (Note [signed store] in tandem/store/job_secret.py)."""
         return job_secret({**os.environ, **self._worker_env})
 
     @property

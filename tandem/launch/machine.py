@@ -39,7 +39,7 @@ import ipaddress
 import os
 import socket
 
-from tandem.comm.listening_store import names_loopback
+from tandem.store.listening_store import names_loopback
 
 __all__ = ["address_toward", "interface_of", "loopback_interface_env", "node_address", "socket_interface_env",
            "usable_cpus", "visible_gpus"]
@@ -136,7 +136,7 @@ def loopback_interface_env(environ: dict[str, str] | os._Environ[str] | None = N
     """``GLOO_SOCKET_IFNAME`` for the workers of a job of one node: the
     loopback interface, so that gloo's listeners stay off the machine's other
     interfaces (Note [a store on the job's address] in
-    tandem/comm/listening_store.py); empty where the user set it or no
+    tandem/store/listening_store.py); empty where the user set it or no
     interface holds 127.0.0.1."""
     env = os.environ if environ is None else environ
     if "GLOO_SOCKET_IFNAME" in env:

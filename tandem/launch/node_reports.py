@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tandem.comm.job_secret import SignedStore
-from tandem.comm.store_address import StoreAddress, connect, describe
+from tandem.store.job_secret import SignedStore
+from tandem.store.store_address import StoreAddress, connect, describe
 from tandem.comm.process_id import NodeBeat, ProcessId, node_beat_key, write_exit_notice
 
 __all__ = ["NODE_BEAT_S", "NodeReports"]

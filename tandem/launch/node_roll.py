@@ -31,7 +31,7 @@ A node whose launcher finds ``workers`` set, and that store answering, joins
 the running job instead of the rendezvous: its workers start as replacements
 do (``TANDEM_ELASTIC_JOIN=1``, the store's address), and the members admit
 them at a step boundary with the live state (Note [elastic membership] in
-tandem/comm/membership.py). At the end a node waits only for the nodes on the
+tandem/control/membership.py). At the end a node waits only for the nodes on the
 roll that have neither finished nor gone silent for :data:`STALE_S`, and only
 if it hosts a store the others use (the rendezvous store, or the workers'):
 a node that hosts neither leaves at once, so the hosts leave last and no node
@@ -51,8 +51,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from tandem._compat import rendezvous_info
-from tandem.comm.job_secret import SignedStore, signed_like
-from tandem.comm.store_address import EtcdAddress, StoreAddress
+from tandem.store.job_secret import SignedStore, signed_like
+from tandem.store.store_address import EtcdAddress, StoreAddress
 from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.config import split_endpoint
 from tandem.launch.tunnel import SecretDiffersError, Tunnels
@@ -252,7 +252,7 @@ class JoinRunningJob(RendezvousHandler):
     this node is a group of its own whose workers meet the job in its workers'
     store at ``address`` (Note [nodes of an elastic job]); on etcd, the launcher
     hands the workers the address itself (Note [the workers' store on etcd] in
-    tandem/comm/store_address.py)."""
+    tandem/store/store_address.py)."""
 
     def __init__(self, address: StoreAddress, run_id: str) -> None:
         self._host, self._port = ("127.0.0.1", 0) if isinstance(address, EtcdAddress) else address

@@ -49,9 +49,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from tandem._compat import rendezvous_info
-from tandem.comm.job_secret import SignedStore
-from tandem.comm.listening_store import listening_store
-from tandem.comm.store_address import StoreAddress
+from tandem.store.job_secret import SignedStore
+from tandem.store.listening_store import listening_store
+from tandem.store.store_address import StoreAddress
 from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.tunnel import Tunnels
 
@@ -112,7 +112,7 @@ class FreshWorkerStore(RendezvousHandler):
             raise RuntimeError(f"the {self.get_backend()} rendezvous returned no store address for "
                                "the workers; tandem needs torch's RendezvousInfo with "
                                "bootstrap_store_info (torch 2.4 or later)")
-        # Note [a store on the job's address] in tandem/comm/listening_store.py
+        # Note [a store on the job's address] in tandem/store/listening_store.py
         addr = bootstrap.master_addr if self._many_nodes else _LOOPBACK
         store = info.store if self._secret is None else SignedStore(info.store, self._secret, "the rendezvous store")
         if self._plane is not None:
@@ -139,7 +139,7 @@ class FreshWorkerStore(RendezvousHandler):
     def _on_etcd(self, info: RendezvousInfo, store: dist.Store, key: str) -> RendezvousInfo:
         """The attempt's workers meet under a fresh prefix of the job's etcd
         cluster, which the round's rank 0 names (Note [the workers' store on
-        etcd] in tandem/comm/store_address.py)."""
+        etcd] in tandem/store/store_address.py)."""
         assert self._plane is not None
         if info.rank == 0:
             store.set(key, uuid.uuid4().hex)

@@ -5,7 +5,7 @@
 (With ``--open-stores`` only: behind TLS a node with another secret cannot
 open a session with the store at all, and its tunnel tells it so: Note
 [stores behind TLS] in tunnel.py.) Under a job secret every key a node reads in the rendezvous store has a name
-made from the secret (Note [signed store] in tandem/comm/job_secret.py). Two
+made from the secret (Note [signed store] in tandem/store/job_secret.py). Two
 nodes started with different secrets read different keys: neither sees the
 other, each waits for the nodes it cannot see, and the one that gives up
 first says "fewer than 2 node(s) joined ... check that this node can reach
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tandem.comm.job_secret import secret_mark
+from tandem.store.job_secret import secret_mark
 from tandem.launch.config import split_endpoint
 
 __all__ = ["SecretCheck"]

@@ -10,12 +10,12 @@ store's port could set that key and run code in every launcher. torch's
 handler takes the backend that holds its state as an argument, so tandem
 builds it with its own pieces and changes nothing else:
 
-* the store is a :func:`~tandem.comm.listening_store.listening_store` on the
+* the store is a :func:`~tandem.store.listening_store.listening_store` on the
   endpoint's address (Note [a store on the job's address]), and so is the one
   torch's handler starts for the workers (unused by tandem, which gives each
   attempt a store of its own);
 * under a job secret, torch's own c10d backend keeps the state in a
-  :class:`~tandem.comm.job_secret.SignedStore` (Note [signed store]): the
+  :class:`~tandem.store.job_secret.SignedStore` (Note [signed store]): the
   key's name is an HMAC a stranger cannot make, and the value carries an HMAC
   checked before torch decodes it; a value that fails is refused, and the
   rendezvous reports it as a failed store call.
@@ -43,8 +43,8 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from tandem._compat import matches_machine_hostname, preset_static_store, share_listening_store
-from tandem.comm.job_secret import SignedStore
-from tandem.comm.listening_store import listening_store
+from tandem.store.job_secret import SignedStore
+from tandem.store.listening_store import listening_store
 from tandem.launch.etcd_plane import EtcdControlPlane
 from tandem.launch.tunnel import Tunnels, free_port
 

@@ -29,7 +29,7 @@ from tandem.launch.logs import WorkerLogs
 from tandem.launch.machine import loopback_interface_env, usable_cpus
 from tandem.launch.output import RankOutput
 from tandem.launch.summary import collect_failures, in_order_of_failure
-from tandem.comm.job_secret import secret_for_workers
+from tandem.store.job_secret import secret_for_workers
 
 __all__ = ["SpawnError", "spawn"]
 
@@ -117,8 +117,8 @@ def _spawned(fn: Callable[..., Any], init: bool, backend: str | None, args: tupl
     rank = int(os.environ["RANK"])
     if not init:
         return fn(rank, *args)
-    from tandem.comm import init as tandem_init
-    from tandem.comm import shutdown as tandem_shutdown
+    from tandem.control import init as tandem_init
+    from tandem.control import shutdown as tandem_shutdown
 
     tandem_init(backend)
     try:

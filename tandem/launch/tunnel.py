@@ -5,7 +5,7 @@
 torch's ``TCPStore`` has no authentication: whoever reaches its port can list
 every key, read, overwrite and add to them, and so stop or hang a job even
 when every value tandem reads is signed (Note [signed store] in
-tandem/comm/job_secret.py). So in a job of several nodes no store listens on
+tandem/store/job_secret.py). So in a job of several nodes no store listens on
 the network at all. Each store listens on 127.0.0.1 of the node that hosts
 it, and the network reaches it through ``stunnel`` (an existing TLS tunnel,
 OpenSSL underneath), in TLS 1.3 with a pre-shared key derived from the job

@@ -83,9 +83,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tandem.comm.job_secret import SignedStore
+from tandem.store.job_secret import SignedStore
 from tandem.comm.monitor import progress_key
-from tandem.comm.store_address import StoreAddress, connect, describe
+from tandem.store.store_address import StoreAddress, connect, describe
 from tandem.launch.hang import format_hang_report
 from tandem.launch.logs import Attempt
 

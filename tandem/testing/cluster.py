@@ -34,7 +34,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
+from tandem.store.job_secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from tandem.testing.start_close import StartAndClose
 
 __all__ = ["Cluster", "cluster_unavailable"]
@@ -147,7 +147,7 @@ class Cluster(StartAndClose):
 
     def _with_secret(self, kwargs: dict[str, Any], with_secret: bool) -> dict[str, Any]:
         """Every node of a cluster is given the same job secret, as a job of several
-        nodes needs (Note [signed store] in tandem/comm/job_secret.py)."""
+        nodes needs (Note [signed store] in tandem/store/job_secret.py)."""
         env = dict(kwargs.get("env") or os.environ)
         if not with_secret:
             env.pop(SECRET_ENV, None)

@@ -101,7 +101,7 @@ def run_distributed(
         RankFailure: a rank raised; carries its rank and traceback.
         TimeoutError: not every rank finished within ``timeout``.
     """
-    # A replacement joins as Note [elastic membership] in tandem/comm/membership.py says.
+    # A replacement joins as Note [elastic membership] in tandem/control/membership.py says.
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()

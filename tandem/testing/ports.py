@@ -5,7 +5,7 @@
 in, so a process of a :class:`~tandem.testing.Cluster` node is read from the
 host as it sees itself. Used by the tests that check where a job's stores and
 listeners are reachable (Note [a store on the job's address] in
-tandem/comm/listening_store.py).
+tandem/store/listening_store.py).
 """
 
 from __future__ import annotations

@@ -155,12 +155,12 @@ def main() -> None:
 
     joined = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
     if joined:
-        from tandem.comm import group_record
+        from tandem.control import group_record
         record = group_record.current()
         me = record.elastic.member if record is not None and record.elastic is not None else "?"
         if any(k["member"] == me and k["phase"] == "join" for k in kills):
             # Admitted, then gone before the state arrives: it asks to join in fit()
-            # (Note [a replacement builds first] in tandem/comm/elastic_group.py).
+            # (Note [a replacement builds first] in tandem/control/elastic_group.py).
             import tandem.elastic.run as run_module
             admit = run_module.ask_to_join
 

@@ -53,10 +53,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from tandem._tree import to_device
-from tandem.comm.bootstrap import elastic_membership
+from tandem.control.elastic_group import elastic_membership
 from tandem.comm.group import GroupComm
 from tandem.comm.node_groups import node_mesh
-from tandem.comm.membership import Generation, MembershipError
+from tandem.control.membership import Generation, MembershipError
 from tandem.data import DistributedSampler, gather_samples
 from tandem.diloco import DiLoCo, DiLoCoConfig
 from tandem.data.batches import empty_batch, planned_batches
@@ -524,7 +524,7 @@ class Trainer:
     def _rebuild(self, before: Generation, after: Generation) -> Resumed | None:
         """What depends on the world, for the new one: on the members, and on a
         replacement as it joins (Note [a replacement builds first] in
-        tandem/comm/elastic_group.py). Returns where the state went back to, if it did."""
+        tandem/control/elastic_group.py). Returns where the state went back to, if it did."""
         elastic = self._elastic
         assert elastic is not None
         own = elastic.own_shard()  # None on a replacement: it has no state yet
@@ -566,7 +566,7 @@ class Trainer:
     def _join(self) -> None:
         """A replacement's start, in its world of one: join the job, and rebuild
         for its world as the members do (Note [a replacement builds first] in
-        tandem/comm/elastic_group.py)."""
+        tandem/control/elastic_group.py)."""
         assert self._elastic is not None
         self._elastic.run.join(self._rebuild, report=lambda change: self._report(change, None, None))
 

@@ -1,4 +1,4 @@
-"""tandem.comm.init/shutdown and the launcher variables they read.
+"""tandem.init/shutdown (tandem/control/bootstrap.py) and the launcher variables they read.
 
 world_from_env is pure and tested on a grid of mappings in this process. The
 rendezvous methods run on two real ranks through the harness; the world of one
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.comm import WorldInfo, init, shutdown, world_from_env
-from tandem.comm import bootstrap
+from tandem.comm import WorldInfo, world_from_env
+from tandem.control import init, shutdown
+from tandem.control import bootstrap
 from tandem.comm.device import bind_device, default_backend
 from tandem.comm.exit import _CleanExitHook
 from tandem.comm.world import LaunchVars
@@ -393,7 +394,7 @@ def test_two_ranks_adopt_an_existing_group():
 _SCRIPT = textwrap.dedent("""
     import logging
     import torch, torch.distributed as dist
-    from tandem.comm import init, shutdown
+    from tandem.control import init, shutdown
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     info = init()
     t = torch.tensor([2.0])
@@ -415,12 +416,12 @@ def test_world_of_one_in_a_clean_script():
 
 def _elastic_beats(rank: int, world_size: int, how: str) -> dict:
     """An elastic member's beat thread, after the exit hook or after shutdown
-    (Note [threads at exit] in tandem/comm/group_record.py)."""
+    (Note [threads at exit] in tandem/control/group_record.py)."""
     import threading
 
-    from tandem.comm import group_record
-    from tandem.comm.bootstrap import elastic_membership
-    from tandem.comm.membership import ElasticConfig
+    from tandem.control import group_record
+    from tandem.control.elastic_group import elastic_membership
+    from tandem.control.membership import ElasticConfig
 
     def beating() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith("tandem-elastic-beat")]

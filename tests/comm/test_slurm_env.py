@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from test_bootstrap import assert_refused
 
-from tandem.comm import WorldInfo, init, shutdown, world_from_env
+from tandem.comm import WorldInfo, world_from_env
+from tandem.control import init, shutdown
 from tandem.comm.device import bind_device
 from tandem.comm.world import (
     Launcher,
@@ -349,7 +350,7 @@ def _srun_task(rank: int, world_size: int, job_id: int) -> tuple[WorldInfo, floa
         "SLURM_STEP_NODELIST": "localhost,node02", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank),
         "SLURM_LOCALID": local, "SLURM_NODEID": node, "SLURM_NTASKS": "3",
         "SLURM_STEP_NUM_TASKS": "3", "SLURM_TASKS_PER_NODE": "2,1", "SLURM_STEP_TASKS_PER_NODE": "2,1",
-        # a job of several nodes shares one secret (Note [signed store] in tandem/comm/job_secret.py)
+        # a job of several nodes shares one secret (Note [signed store] in tandem/store/job_secret.py)
         "TANDEM_JOB_SECRET": "5ec2e7" * 8,
     })
     info = init(timeout=TIMEOUT_S)

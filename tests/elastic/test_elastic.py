@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.comm.membership import ElasticConfig
+from tandem.control.membership import ElasticConfig
 from tandem.testing import as_dtensor, run_distributed, start_concurrently
 from tandem.testing.harness import still_running
 from tandem.testing.indexed import IndexedSamples
@@ -71,12 +71,12 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
 def _die_once_admitted(when: str = "admitted") -> None:
     """Make this replacement die once a generation admits it (it asks to join in
     fit() or prepare(): Note [a replacement builds first] in
-    tandem/comm/elastic_group.py): ``"admitted"``, in the new group, before the
+    tandem/control/elastic_group.py): ``"admitted"``, in the new group, before the
     state arrives; ``"connecting"``, before it marks itself arrived to build
-    the group (Note [arrivals] in tandem/comm/membership.py); ``"arrived"``,
+    the group (Note [arrivals] in tandem/control/membership.py); ``"arrived"``,
     after it marked itself arrived, before it connects."""
     if when in ("connecting", "arrived"):
-        from tandem.comm.membership import Membership
+        from tandem.control.membership import Membership
         arrive = Membership.await_members
 
         def gone(self: Membership, generation: Any, what: str = "group") -> None:
@@ -173,7 +173,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
     if rank == miscounts and not joining:  # as a failed attempt to build a group on this rank only would
-        from tandem.comm.membership import Membership
+        from tandem.control.membership import Membership
         arrive = Membership.await_members
 
         def miscount(self: Membership, generation: Any, what: str = "group") -> None:
@@ -692,7 +692,7 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     ("lost-after-arriving", "building generation 2's group"),
 ])
 def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict, scenario: str, seen: str) -> None:
-    # Note [arrivals] in tandem/comm/membership.py: admitted, j1 dies before it marks itself
+    # Note [arrivals] in tandem/control/membership.py: admitted, j1 dies before it marks itself
     # arrived, or after, before it connects; the members see it dead as they wait for its
     # mark, or when building the group times out (connect_timeout_s), and go on without it
     # (they waited in torch's group creation for the group's timeout before).
@@ -708,7 +708,7 @@ def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict, sce
 
 
 def test_a_rank_lost_as_fully_shard_builds_its_reduce_group_holds_no_one(scenarios: dict) -> None:
-    # Note [arrivals] in tandem/comm/membership.py: after rank 1's loss, member 2 dies as the
+    # Note [arrivals] in tandem/control/membership.py: after rank 1's loss, member 2 dies as the
     # first forward of world 2 builds fully_shard's reduce-scatter group; rank 0 sees it
     # dead before building, and goes on alone (it waited in torch's new_group before).
     tmp_path, results = _launched(scenarios, "lost-building-a-group")

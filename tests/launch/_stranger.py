@@ -32,7 +32,7 @@ import time
 
 import torch.distributed as dist
 
-from tandem.comm.membership import ElasticConfig, Membership
+from tandem.control.membership import ElasticConfig, Membership
 
 WORLD = 4
 JUNK = (b"\xff" * 64, b"not a number", b"-1")

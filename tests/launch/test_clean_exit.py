@@ -41,7 +41,7 @@ MID_BACKWARD = """
 
     def told_at_exit():  # registered first, so run last of the atexit handlers
         from tandem._compat import default_store
-        from tandem.comm.job_secret import signed
+        from tandem.store.job_secret import signed
         from tandem.comm.peers import departure, heartbeat_key
         # under tandem run's job secret the heartbeats are signed (Note [signed store])
         beat = signed(default_store()).get(heartbeat_key(int(os.environ["RANK"]))).decode()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.comm.etcd_gateway import EtcdCertificateError
-from tandem.comm.store_address import EtcdAddress
+from tandem.store.etcd_gateway import EtcdCertificateError
+from tandem.store.store_address import EtcdAddress
 from tandem.launch.etcd_plane import EtcdControlPlane, node_identity
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tandem.comm.cut_off import cut_off_after
-from tandem.comm.elastic_group import MIN_STALE_ON_ETCD_S
+from tandem.control.elastic_group import MIN_STALE_ON_ETCD_S
 from tandem.testing import Cluster, cluster_unavailable
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,8 +51,8 @@ ELASTIC = {"ELASTIC": "1", "PAUSE_AT": "4"}
 _LEADER = """
 import json, sys, tempfile, time
 from pathlib import Path
-from tandem.comm.etcd_gateway import EtcdGateway
-from tandem.comm.store_address import EtcdAddress
+from tandem.store.etcd_gateway import EtcdGateway
+from tandem.store.store_address import EtcdAddress
 from tandem.launch.etcd_plane import node_identity
 endpoints, secret = sys.argv[1].split(","), sys.argv[2].encode()
 tls = EtcdAddress(tuple(endpoints), "", str(node_identity(secret, Path(tempfile.mkdtemp()), "127.0.0.1"))).tls()

@@ -11,7 +11,7 @@ import pytest
 
 from test_launch_support import TANDEM, Job, clean_env, free_port, lines_with, script, tandem
 
-from tandem.comm.job_secret import new_secret
+from tandem.store.job_secret import new_secret
 from tandem.launch.machine import node_address
 
 WORLD = """

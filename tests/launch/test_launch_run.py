@@ -27,7 +27,7 @@ from test_launch_support import (
     tandem,
 )
 
-from tandem.comm.job_secret import new_secret
+from tandem.store.job_secret import new_secret
 from tandem.testing.ports import descendants, listening_ports
 
 # Dumps the launcher's variables, then all-reduces through tandem.init. Each
@@ -46,7 +46,7 @@ CONTRACT = """
     world = tandem.init()
     t = torch.tensor([float(world.rank + 1)])
     dist.all_reduce(t)
-    # the job secret (Note [signed store] in tandem/comm/job_secret.py), and the command
+    # the job secret (Note [signed store] in tandem/store/job_secret.py), and the command
     # lines every local user can read: this worker's and its launcher's
     cmdlines = []
     for pid in (os.getpid(), os.getppid()):

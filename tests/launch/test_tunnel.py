@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from tandem.comm.job_secret import new_secret
-from tandem.comm.listening_store import listening_store
+from tandem.store.job_secret import new_secret
+from tandem.store.listening_store import listening_store
 from tandem.launch.agent import _tunnels
 from tandem.launch.config import LaunchConfig
 from tandem.launch.signed_rendezvous import rendezvous_handler

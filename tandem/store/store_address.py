@@ -9,7 +9,7 @@ launcher tells them where in one variable, :data:`ETCD_STORE_ENV`: the
 members' client addresses, the attempt's prefix and the directory that holds
 this node's TLS identity (``ca.crt``, ``node.crt``, ``node.key``; the job
 secret made them). ``tandem.init()`` then builds the default group over an
-:class:`~tandem.comm.etcd_store.EtcdStore` there, and everything the job keeps
+:class:`~tandem.store.etcd_store.EtcdStore` there, and everything the job keeps
 in its store (the membership, the beats, each generation's group) is on every
 etcd member: losing any one node loses none of it.
 """
@@ -26,9 +26,9 @@ from typing import Union
 
 import torch.distributed as dist
 
-from tandem.comm.etcd_gateway import EtcdTLS
-from tandem.comm.etcd_store import EtcdStore
-from tandem.comm.job_secret import SignedStore
+from tandem.store.etcd_gateway import EtcdTLS
+from tandem.store.etcd_store import EtcdStore
+from tandem.store.job_secret import SignedStore
 
 __all__ = ["ETCD_STORE_ENV", "EtcdAddress", "StoreAddress", "connect", "describe", "etcd_client", "store_ports"]
 
@@ -116,7 +116,7 @@ def store_ports(store: dist.Store) -> set[int]:
 
 def etcd_client(store: dist.Store, *, below_prefixes: bool = False) -> tuple[dist.Store, str] | None:
     """``store`` (with ``below_prefixes``: the etcd store below its prefixes) and
-    the members' addresses, when an :class:`~tandem.comm.etcd_store.EtcdStore` is
+    the members' addresses, when an :class:`~tandem.store.etcd_store.EtcdStore` is
     below its prefixes; None otherwise. Its calls need no connection of their
     own: each thread has its own connections to the members (Note [failing over
     between etcd members] in etcd_gateway.py)."""

@@ -79,10 +79,9 @@ _RANK = textwrap.dedent("""
     import os, sys, time
     import torch
     import tandem
-    from tandem.comm.bootstrap import elastic_membership, enter_generation
-    from tandem.comm.elastic_group import new_world_group
+    from tandem.control.elastic_group import elastic_membership, enter_generation, new_world_group
     from tandem.comm.group import GroupComm
-    from tandem.comm.membership import ElasticConfig, Generation
+    from tandem.control.membership import ElasticConfig, Generation
 
     rank, store, marker, which = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     tandem.init("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -19,7 +19,7 @@ is the founding world. Keys, under ``tandem/elastic/``:
                           member whose launcher beats for its node has none
 ``node_of/<id>``          ``<node> <pid>``: the member's launcher beats for it under
                           ``tandem/node/<node>`` (Note [deaths seen at once] in
-                          process_id.py), naming its pid there when it ends
+                          tandem/comm/process_id.py), naming its pid there when it ends
 ``gen/<g>/members``       the generation's members (JSON), written once, by
                           ``compare_set``: the first proposal wins, every rank reads it
 ``latest``                the newest generation number
@@ -48,7 +48,7 @@ has delivered its gradients; the survivors step and notice the loss in the next
 step's collectives).
 
 A member is dead when its process has ended, as its kernel or its launcher
-tells (Note [deaths seen at once] in process_id.py), or when its beat is older
+tells (Note [deaths seen at once] in tandem/comm/process_id.py), or when its beat is older
 than ``stale_after_s``: the window for the deaths nobody saw (a host lost with
 its launcher, a cut link), long enough that a rank paused for seconds is not
 counted dead. Beats carry wall-clock times so that any rank can judge any beat
@@ -58,7 +58,7 @@ other (NTP does).
 
 Who beats: under ``tandem run --elastic`` the launcher beats for its node's
 members and names one that ended in its beat at once (Note [deaths seen at
-once] in process_id.py); a member started otherwise beats for itself.
+once] in tandem/comm/process_id.py); a member started otherwise beats for itself.
 
 Who judges: one member judges for all, and writes ``abort`` into the decision
 the others wait on when it finds a death (Note [judge once] in judge.py); a
@@ -66,11 +66,11 @@ regroup and an arrival judge the few members they wait for themselves.
 
 # Note [a stranger asks to join]
 Under a job secret the membership's keys have secret names (Note [signed
-store] in job_secret.py), so a process without the secret that asks to join
+store] in tandem/store/job_secret.py), so a process without the secret that asks to join
 writes under the plain names (``joiners``, ``join/j<n>``), where no member
 looks for a request; one with another secret, under names no member reads. So
 a replacement under a secret also asks under the plain names, with its
-secret's mark (:func:`~tandem.comm.job_secret.secret_mark`: it tells nothing
+secret's mark (:func:`~tandem.store.job_secret.secret_mark`: it tells nothing
 of the secret) as the request. The member that decides a step also reads the
 plain ``joiners`` counter (one store call a step), and for each new ask that
 is not marked with the job's own secret (whose replacement asks under the
@@ -110,11 +110,11 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
-from tandem.comm.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SignedStore
-from tandem.comm.judge import Judge, judging_ranks
+from tandem.store.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SignedStore
+from tandem.control.judge import Judge, judging_ranks
 from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
-from tandem.comm.roll_call import RollCall, waited
+from tandem.control.roll_call import RollCall, waited
 
 __all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
 
@@ -140,7 +140,7 @@ class ElasticConfig:
     """The fewest ranks worth going on with; below it the survivors stop with an error."""
     beat_s: float = 0.25
     """How often each member writes its heartbeat."""
-    stale_after_s: float = 10.0  # Note [deaths seen at once] in process_id.py
+    stale_after_s: float = 10.0  # Note [deaths seen at once] in tandem/comm/process_id.py
     """A heartbeat this old means its member is dead: the deaths nobody saw
     (a host lost with its launcher, a cut link). A process that ended is seen
     at once, from its kernel or its launcher; a rank paused for less than this
@@ -167,7 +167,7 @@ class ElasticConfig:
         """The window a collective's wait judges the peers' beats by, and its
         slices: a beat long at most, so that a death that fails no connection
         of a waiting rank is seen within a beat."""
-        # Note [dead peers] in peers.py
+        # Note [dead peers] in tandem/comm/peers.py
         return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s,
                         slice_s=min(self.beat_s, WAIT_SLICE_S))
 
@@ -261,8 +261,8 @@ class Membership:
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
-        # the client's lock) must not delay them (Note [cut off] in cut_off.py).
-        # Under a job secret the keys are signed (Note [signed store] in job_secret.py).
+        # the client's lock) must not delay them (Note [cut off] in tandem/comm/cut_off.py).
+        # Under a job secret the keys are signed (Note [signed store] in tandem/store/job_secret.py).
         raw = store.inner if isinstance(store, SignedStore) else store
         own = own_tcp_client(raw)
         beats = own[0] if own is not None else raw
@@ -429,7 +429,7 @@ class Membership:
         others = [m for m in members if m != self.member]
         nodes = self._nodes_of(others)
         keys = list(dict.fromkeys(_beat_key(m, nodes[m]) for m in others))
-        store = self._beat_store  # a connection of its own, beside the waits' (Note [cut off] in cut_off.py)
+        store = self._beat_store  # its own connection, beside the waits (Note [cut off] in tandem/comm/cut_off.py)
         if not others or not store.check(keys):
             return self.dead(others)  # one has never beaten (rare: a generation's first beats)
         try:
@@ -588,12 +588,12 @@ class Membership:
         PeerLostError on every member, and the next change leaves it out.
         The same goes for a second group over the members (fully_shard's
         reduce-scatter group, built at the first forward in a new world:
-        :func:`tandem.comm.elastic_group.new_world_group`).
+        :func:`tandem.control.elastic_group.new_world_group`).
         A death after a member's mark and before it connects (milliseconds, hit
         in the 5 s soak) is seen when building the group times out: it is built
         with ``connect_timeout_s`` as its timeout and then given the group's
         own, and a member then found dead fails the change the same way
-        (:func:`tandem.comm.elastic_group.enter_generation`).
+        (:func:`tandem.control.elastic_group.enter_generation`).
 
         Raises:
             PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
@@ -787,7 +787,7 @@ class Membership:
 
     def departed(self, ranks: Sequence[int]) -> dict[int, str]:
         """The ranks of this generation, among ``ranks``, whose member has asked
-        for the next one (Note [a peer gone to regroup] in peers.py), with why."""
+        for the next one (Note [a peer gone to regroup] in tandem/comm/peers.py), with why."""
         current = self.generation
         out: dict[int, str] = {}
         for r in ranks:
@@ -816,7 +816,7 @@ class Membership:
         number = current.number + 1
         base = f"{PREFIX}/gen/{number}"
         self._stop_judging()
-        self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in peers.py
+        self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in tandem/comm/peers.py
         roll = RollCall(self.store, f"{base}/regroup")  # Note [a roll call] in roll_call.py
         roll.arrive(self.member)
         started = time.monotonic()

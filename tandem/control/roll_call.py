@@ -28,7 +28,7 @@ import datetime
 
 import torch.distributed as dist
 
-from tandem.comm.job_secret import ForgedValueError
+from tandem.store.job_secret import ForgedValueError
 
 __all__ = ["RollCall", "waited"]
 

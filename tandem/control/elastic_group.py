@@ -19,24 +19,24 @@ import torch.distributed as dist
 
 from tandem._compat import (bind_group_defaults_before_init, default_store, forget_default_group, reset_group_names,
                             set_group_timeout)
-from tandem.comm import group_record
+from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
-from tandem.comm.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
+from tandem.control.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.process_id import below_prefixes
-from tandem.comm.store_address import EtcdAddress, etcd_client, store_ports
+from tandem.store.store_address import EtcdAddress, etcd_client, store_ports
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 from tandem.comm.plain_data import all_gather_object
-from tandem.comm.job_secret import signed
+from tandem.store.job_secret import signed
 
 __all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "below_prefixes", "default_group_connections",
            "elastic_membership", "enter_generation", "join_elastic", "job_store", "new_world_group",
            "nothing_to_join"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
-"""Set to ``1`` for a replacement worker: :func:`tandem.comm.init` then joins the running
+"""Set to ``1`` for a replacement worker: :func:`tandem.init` then joins the running
 elastic job at its next step boundary instead of starting a new one."""
 
 NOTHING_TO_JOIN_EXITCODE = 76
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 # record in group_record.py) moves to the new one, and tandem owns the new group.
 # Once every member stands in the new group, each cuts the old group's
 # connections, so that nothing stays blocked in it until the job ends (Note
-# [severing a forgotten group] in connections.py).
+# [severing a forgotten group] in tandem/comm/connections.py).
 
 
 def job_store() -> dist.Store:
@@ -68,7 +68,7 @@ def job_store() -> dist.Store:
 def default_group_connections(backend: str) -> Iterator[list[Connection]]:
     """Around the creation of the default group: its gloo connections, in the
     list this yields, once the block ends (Note [severing a forgotten group] in
-    connections.py); the job's store's are left out. Empty for another backend."""
+    tandem/comm/connections.py); the job's store's are left out. Empty for another backend."""
     connections: list[Connection] = []
     with opened_connections() as opened:
         yield connections
@@ -84,27 +84,27 @@ def elastic_membership(config: ElasticConfig) -> Membership:
         raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
     config = _window_on(config, job_store())
     monitor = current_monitor()
-    monitor.set_liveness(config.liveness())  # every rank: Note [dead peers] in peers.py
+    monitor.set_liveness(config.liveness())  # every rank: Note [dead peers] in tandem/comm/peers.py
     member = group_record.current()
     if member is not None and member.elastic is not None:
         elastic = member.elastic
         elastic.config = config
     else:
-        # Note [signed store] in job_secret.py: under a job secret only members make its keys
+        # Note [signed store] in tandem/store/job_secret.py: under a job secret only members make its keys
         elastic = Membership.founding(signed(job_store()), dist.get_rank(), dist.get_world_size(), config)
         if member is not None:
             group_record.with_elastic(member, elastic)
     if monitor.peers is not None:
-        monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in peers.py
+        monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
     return elastic
 
 
 # Note [a window longer than a failover]
-# On an etcd cluster (Note [the workers' store on etcd] in store_address.py) a
+# On an etcd cluster (Note [the workers' store on etcd] in tandem/store/store_address.py) a
 # member's loss costs the store a pause: when the leader goes, the others elect
 # another (one to two seconds), and a request held by the lost member waits out
 # its attempt (two seconds) before it goes to the next (Note [failing over
-# between etcd members] in etcd_gateway.py). No beat lands meanwhile, anyone's,
+# between etcd members] in tandem/store/etcd_gateway.py). No beat lands meanwhile, anyone's,
 # so a liveness window shorter than that pause would count every member dead at
 # once. The window is at least MIN_STALE_ON_ETCD_S there; a shorter one asked
 # for is raised to it, and the log says so once.
@@ -164,7 +164,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
                              connections=tuple(connections))
     if record is not None:
         # Every member of the new world is here, so done with the old group:
-        # Note [severing a forgotten group] in connections.py.
+        # Note [severing a forgotten group] in tandem/comm/connections.py.
         severed = sever(record.connections)
         logger.debug("tandem: elastic generation %d: cut %d connection(s) of the old group",
                      generation.number, severed)
@@ -203,7 +203,7 @@ def new_world_group(what: str) -> dist.ProcessGroup:
         try:
             # Its sockets are cut with the default group's when a generation leaves it behind:
             # a wait left in it would otherwise end only as the process finalizes (Note
-            # [severing a forgotten group] in connections.py).
+            # [severing a forgotten group] in tandem/comm/connections.py).
             with default_group_connections(str(dist.get_backend())) as connections:
                 group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
                                        timeout=_connect_timeout(membership))
@@ -237,10 +237,10 @@ def _not_built(membership: Membership, generation: Generation, what: str, error:
 
 
 def join_elastic(backend: str | None, init_method: str | None, timeout_td: datetime.timedelta) -> WorldInfo:
-    """:func:`tandem.comm.init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
+    """:func:`tandem.init` for a replacement worker (``TANDEM_ELASTIC_JOIN=1``): meet the
     running job in its store, and stand in a world of one until it asks to join
     (Note [a replacement builds first])."""
-    etcd = EtcdAddress.from_env()  # Note [the workers' store on etcd] in store_address.py
+    etcd = EtcdAddress.from_env()  # Note [the workers' store on etcd] in tandem/store/store_address.py
     if etcd is not None and init_method in (None, "env://"):
         store: dist.Store = etcd.store(timeout_td)
     else:

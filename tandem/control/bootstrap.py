@@ -9,9 +9,9 @@ adopts it instead of creating one.
 
 The default process group is torch's, and ``torch.distributed.is_initialized()``
 says whether there is one. What torch does not record is who created it: that is
-tandem.comm's one piece of state (Note [who owns the default group] in
+tandem's one piece of state about it (Note [who owns the default group] in
 group_record.py). Elastic jobs' groups are made in elastic_group.py, which
-:func:`init` calls for a replacement worker; its public names are re-exported here.
+:func:`init` calls for a replacement worker.
 """
 
 from __future__ import annotations
@@ -24,21 +24,19 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 from tandem._compat import bind_group_defaults_before_init, default_store
-from tandem.comm import group_record
+from tandem.control import group_record
 from tandem.comm.connections import Connection
 from tandem.comm.device import bind_device, default_backend
-from tandem.comm.elastic_group import JOIN_ENV, below_prefixes, default_group_connections, elastic_membership, \
-    enter_generation, join_elastic, job_store
+from tandem.control.elastic_group import JOIN_ENV, below_prefixes, default_group_connections, join_elastic
 from tandem.comm.exit import uninstall_clean_exit
-from tandem.comm.job_secret import MANY_NODES_NEED_A_SECRET, job_secret
-from tandem.comm.listening_store import listening_store
+from tandem.store.job_secret import MANY_NODES_NEED_A_SECRET, job_secret
+from tandem.store.listening_store import listening_store
 from tandem.comm.monitor import stop_monitor
-from tandem.comm.store_address import EtcdAddress
+from tandem.store.store_address import EtcdAddress
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import Launcher, WorldInfo, local_from_env, world_from_env
 
-__all__ = ["DEFAULT_TIMEOUT", "JOIN_ENV", "elastic_membership", "enter_generation", "init", "job_store",
-           "shutdown"]
+__all__ = ["init", "shutdown"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +153,7 @@ def init(
                           slurm_task=launch is not None and launch.launcher is Launcher.SLURM)
     bind_group_defaults_before_init()
 
-    connections: list[Connection] = []  # Note [severing a forgotten group] in connections.py
+    connections: list[Connection] = []  # Note [severing a forgotten group] in tandem/comm/connections.py
     if scheme is None and launch is None:
         # A world of one has nobody to meet: an in-memory store needs no port or file.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -169,7 +167,7 @@ def init(
             url = _tcp_url(launch.master_addr, launch.master_port)
             logger.debug("tandem: srun task %d of %d meets at %s", rank, world_size, url)
         many_nodes = local_world_size < world_size
-        if many_nodes and job_secret() is None:  # Note [signed store] in job_secret.py
+        if many_nodes and job_secret() is None:  # Note [signed store] in tandem/store/job_secret.py
             raise ValueError(f"rank {rank}: {MANY_NODES_NEED_A_SECRET}")
         etcd = EtcdAddress.from_env() if scheme in (None, "env") else None
         hosted = (etcd.store(timeout_td) if etcd is not None   # Note [the workers' store on etcd]
@@ -297,7 +295,7 @@ def _hosted_store(url: str, rank: int, world_size: int, timeout: datetime.timede
                   many_nodes: bool) -> dist.Store | None:
     """Rank 0's store for an ``env://`` or ``tcp://`` rendezvous that no launcher
     hosts, listening on the job's address (Note [a store on the job's address] in
-    listening_store.py); None where torch makes or reaches the store itself
+    tandem/store/listening_store.py); None where torch makes or reaches the store itself
     (another rank, ``file://``, or torchrun's and tandem run's agent store)."""
     if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None

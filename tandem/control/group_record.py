@@ -1,5 +1,5 @@
-"""Who created this process's default group, and what :func:`tandem.comm.init`
-added to it: the one module-level record of tandem.comm (Note [who owns the
+"""Who created this process's default group, and what :func:`tandem.init`
+added to it: the one module-level record of tandem.control (Note [who owns the
 default group]). bootstrap.py (init, shutdown) and elastic_group.py (a new
 generation's group) read and write it through the functions here."""
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tandem.comm.connections import Connection
 from tandem.comm.exit import install_clean_exit
-from tandem.comm.membership import Membership
+from tandem.control.membership import Membership
 from tandem.comm.monitor import start_monitor
 from tandem.comm.peers import DEFAULT_LIVENESS
 from tandem.comm.world import WorldInfo
@@ -30,7 +30,7 @@ __all__ = ["GroupRecord", "current", "forget", "last", "start_watch", "stop_elas
 # leaves an adopted one as it found it (initialised, for its creator to destroy),
 # taking away only what init() added: the monitor and the exit hook. torch
 # records neither who created the group nor with which timeout, so init()
-# records it in _membership (here), tandem.comm's one module-level holder:
+# records it in _membership (here), tandem.control's one module-level holder:
 # which group (a weak reference, so that a group destroyed behind tandem's back is not
 # mistaken for a later one), in which process (a forked child inherits the
 # parent's memory, not its group), whether tandem created it, and the WorldInfo
@@ -56,7 +56,7 @@ class GroupRecord:
     connections: tuple[Connection, ...] = ()
     """The group's gloo connections, when :func:`init` or a new generation made
     it: cut once it is left behind (Note [severing a forgotten group] in
-    connections.py)."""
+    tandem/comm/connections.py)."""
 
     def is_current(self) -> bool:
         """Whether this is still this process's default group."""
@@ -88,7 +88,7 @@ def add_connections(connections: tuple[Connection, ...]) -> None:
     """Record the gloo connections of a further group over the default group's
     ranks (an elastic job's ``new_world_group``): they are cut with the default
     group's when a new generation leaves them behind (Note [severing a forgotten
-    group] in connections.py)."""
+    group] in tandem/comm/connections.py)."""
     global _membership
     if _membership is not None and connections:
         _membership = dataclasses.replace(_membership, connections=_membership.connections + connections)
@@ -110,7 +110,7 @@ def with_elastic(member: GroupRecord, elastic: Membership) -> None:
 # crash as one (Note [a crash after finishing] in tandem/launch/elastic_agent.py).
 # So the beat stops, and its thread is joined, at tandem.shutdown() and at the
 # process's exit (atexit; after an uncaught exception too, Note [exit on an
-# uncaught exception] in exit.py), as the monitor's thread does.
+# uncaught exception] in tandem/comm/exit.py), as the monitor's thread does.
 
 @atexit.register
 def stop_elastic_at_exit() -> None:
@@ -128,7 +128,7 @@ def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
     monitor = start_monitor(timeout_s=timeout_td.total_seconds(),
                             liveness=elastic.config.liveness() if elastic is not None else DEFAULT_LIVENESS)
     if elastic is not None and monitor.peers is not None:
-        monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in peers.py
+        monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
     install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
     group = dist.group.WORLD
     assert group is not None, "the default group is initialised"

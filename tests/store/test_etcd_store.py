@@ -1,5 +1,5 @@
-"""EtcdStore (tandem/comm/etcd_store.py, Note [a store on etcd]) on real etcd
-members started by tests/comm/_etcd.py: the same answers as a ``TCPStore`` for
+"""EtcdStore (tandem/store/etcd_store.py, Note [a store on etcd]) on real etcd
+members started by tests/store/_etcd.py: the same answers as a ``TCPStore`` for
 a grid of calls, a gloo group and tandem's membership built on it, a member
 killed and then a majority lost (Note [failing over between etcd members]), and
 mutual TLS. One single-member cluster serves the module; the kills and TLS get
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _etcd import EtcdCluster, cryptography_missing, etcd_missing  # noqa: E402
 
-from tandem.comm.etcd_gateway import EtcdCertificateError, EtcdGateway, EtcdUnavailableError  # noqa: E402
-from tandem.comm import etcd_store  # noqa: E402
-from tandem.comm.etcd_store import EtcdStore  # noqa: E402
-from tandem.comm.membership import Decision, ElasticConfig, Membership  # noqa: E402
+from tandem.store.etcd_gateway import EtcdCertificateError, EtcdGateway, EtcdUnavailableError  # noqa: E402
+from tandem.store import etcd_store  # noqa: E402
+from tandem.store.etcd_store import EtcdStore  # noqa: E402
+from tandem.control.membership import Decision, ElasticConfig, Membership  # noqa: E402
 from tandem.testing import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=etcd_missing() or "")
@@ -202,7 +202,7 @@ def test_adds_of_several_threads_count_each_once(cluster: EtcdCluster) -> None:
 def test_an_add_whose_answer_was_lost_is_applied_once(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [an add applied once]: etcd applies the first attempt, its answer is
     lost, the gateway sends the same request again."""
-    import tandem.comm.etcd_gateway as gateway_module
+    import tandem.store.etcd_gateway as gateway_module
 
     store = _etcd_store(cluster)
     store.add("n", 5)

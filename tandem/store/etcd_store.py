@@ -15,7 +15,7 @@ one etcd keeps (3.6 removed the v2 API that torch's own ``EtcdStore`` uses).
 Each store key ``k`` is the etcd key ``<prefix>/kv/<k>`` as bytes, so any key
 (``/``, ``?``, unicode) and any value round-trip exactly, and a range over
 ``<prefix>/kv/`` counts the keys. The operations keep ``TCPStore``'s meaning,
-which tests/comm/test_etcd_store.py checks against a real ``TCPStore``:
+which tests/store/test_etcd_store.py checks against a real ``TCPStore``:
 
 * ``get``, ``multi_get`` and ``wait`` wait for missing keys, up to the store's
   timeout (``wait``: its own), then raise ``DistStoreError`` ("wait timeout
@@ -61,7 +61,7 @@ next ``add`` deletes those of calls that returned, so few exist at any time.
 etcd has no counter: an ``add`` reads the count and writes the next one if
 nobody wrote in between (a transaction that compares the key's revision). When
 many processes add to one key at once (every member arriving at a roll call,
-Note [a roll call] in roll_call.py), all but one find the key changed and try
+Note [a roll call] in tandem/control/roll_call.py), all but one find the key changed and try
 again, and if each tried again at once, N of them would make N² transactions.
 So a collision is followed by a pause drawn at random from a range that
 doubles with each collision (2 ms, 4 ms, ... up to 0.2 s): the tries spread
@@ -99,7 +99,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from tandem.comm.etcd_gateway import EtcdGateway, EtcdRequestError, EtcdTLS
+from tandem.store.etcd_gateway import EtcdGateway, EtcdRequestError, EtcdTLS
 
 __all__ = ["EtcdStore"]
 
@@ -236,10 +236,10 @@ class EtcdStore(dist.Store):
     Raises:
         ValueError: no endpoint, a malformed one, or a TLS file that does not exist.
 
-    Every call may raise :class:`~tandem.comm.etcd_gateway.EtcdUnavailableError`
+    Every call may raise :class:`~tandem.store.etcd_gateway.EtcdUnavailableError`
     (no member answered within the store's timeout: the cluster lost its
     majority, or this node does not reach it) and
-    :class:`~tandem.comm.etcd_gateway.EtcdCertificateError` (a member refused
+    :class:`~tandem.store.etcd_gateway.EtcdCertificateError` (a member refused
     this node's certificate).
 
     .. warning::

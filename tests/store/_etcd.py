@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tandem.comm.etcd_gateway import EtcdTLS
+from tandem.store.etcd_gateway import EtcdTLS
 from tandem.testing.start_close import StartAndClose
 
 __all__ = ["EtcdCluster", "cryptography_missing", "etcd_missing", "make_identity"]

@@ -12,7 +12,7 @@ deciding:
 * the generation's first member (its rank 0) is the judge. Once a beat it reads
   every beat in one ``multi_get`` (a ``check`` first: the keys exist): the
   beats of the nodes whose launchers beat for their workers (Note [deaths seen
-  at once] in process_id.py: a worker that ended is named in its node's beat at
+  at once] in tandem/comm/process_id.py: a worker that ended is named in its node's beat at
   once), and of the members that beat for themselves, whose process it asks
   when the beat is two beats old. It posts the verdict, with the time it was
   made, under one key of the generation, ``gen/<g>/verdict``, and when the
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from tandem.comm.job_secret import ForgedValueError
+from tandem.store.job_secret import ForgedValueError
 
 __all__ = ["DEPUTIES", "Judge", "Verdict", "judging_ranks"]
 
