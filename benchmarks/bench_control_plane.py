@@ -69,7 +69,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist  # noqa: E402
 from bench_store_scale import HOST, CountingStore, Recorder, client, cpu_seconds, serve_store  # noqa: E402
 
-from tandem.control.membership import PREFIX, ElasticConfig, Generation, Membership  # noqa: E402
+from tandem.control.generation import PREFIX, ElasticConfig, Generation  # noqa: E402
+from tandem.control.membership import Membership  # noqa: E402
 from tandem.comm.process_id import node_beat_key  # noqa: E402
 from tandem.store.store_address import StoreAddress, connect  # noqa: E402
 from tandem.launch.etcd_plane import EtcdControlPlane  # noqa: E402

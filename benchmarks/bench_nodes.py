@@ -159,7 +159,7 @@ def elastic_worker(args: argparse.Namespace) -> None:
     from torch.utils.data import TensorDataset
 
     import tandem
-    from tandem.control.membership import ElasticConfig
+    from tandem.control.generation import ElasticConfig
 
     tandem.init()
     data = TensorDataset(torch.randn(4096, args.width), torch.randn(4096, args.width))

@@ -92,7 +92,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tandem.control.membership import PREFIX, ElasticConfig, Generation, Membership
+from tandem.control.generation import PREFIX, ElasticConfig, Generation
+from tandem.control.membership import Membership
 
 HOST = "127.0.0.1"
 CLIENT_TIMEOUT = datetime.timedelta(seconds=120)

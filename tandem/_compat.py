@@ -415,7 +415,7 @@ def default_store() -> torch.distributed.Store:
 
 def set_group_timeout(timeout: datetime.timedelta, group: torch.distributed.ProcessGroup | None) -> None:
     """The timeout of ``group``'s collectives (None: the default group), after it
-    was built under another (Note [arrivals] in tandem/control/membership.py).
+    was built under another (Note [arrivals] in tandem/control/elastic_group.py).
 
     Why: torch has no public setter; ``_set_pg_timeout`` exists since 2.2."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -582,7 +582,7 @@ def reset_group_names() -> None:
     (``_world.group_count``), and the group's keys in the store carry that
     name, so ranks that build a group together must have counted alike. An
     elastic job's attempt to build a generation's group that failed (a member
-    died as it was built: Note [arrivals] in tandem/control/membership.py) counted
+    died as it was built: Note [arrivals] in tandem/control/elastic_group.py) counted
     a group on the ranks that got as far as ``init_process_group``, and not on
     the ones that saw the death first: in the next generation their keys
     differed and every member waited for the others' until the timeout. The

@@ -203,7 +203,7 @@ class NodeBeat:
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeBeat | None:
-        """The beat in ``raw``; None for junk (Note [a stranger asks to join] in tandem/control/membership.py)."""
+        """The beat in ``raw``; None for junk (Note [a stranger asks to join] in tandem/control/join_requests.py)."""
         try:
             value = json.loads(bytes(raw).decode())
             return cls(float(value["at"]), {int(pid): str(what) for pid, what in dict(value["ended"]).items()})

@@ -1,26 +1,36 @@
 """Joining the job, and an elastic job's control plane: who is a member, who
-judges the dead, and how the world changes. Above tandem.comm (the groups and
-collectives it builds and watches), below every wrapper.
+judges the dead, and how the world changes. Above tandem.comm (the groups it
+builds, the beats and collectives it watches) and tandem.store (the stores it
+agrees in), below every wrapper (fully_shard builds its second group here).
 
 - bootstrap.py: :func:`init` and :func:`shutdown` (``tandem.init``,
   ``tandem.shutdown``): create or adopt the default group, or, for a
   replacement, meet the running elastic job;
 - group_record.py: who created this process's default group, and what
   :func:`init` added to it (Note [who owns the default group]);
-- membership.py: who is in an elastic job, agreed through its store
-  (Note [elastic membership]; :class:`ElasticConfig`, :class:`MembershipError`);
+- generation.py: what the members agree on (a :class:`Generation`, a step's
+  ``Decision``), by which settings (:class:`ElasticConfig`), and the errors of
+  the agreement (:class:`MembershipError`);
+- membership.py: who is in an elastic job, agreed through its store, and the
+  roll calls of a world change (Note [elastic membership], Note [a roll call]);
 - judge.py: one member judges who is dead, for every member (Note [judge once]);
-- roll_call.py: who has arrived at a point of a world change (Note [a roll call]);
-- elastic_group.py: each generation's default group, and a replacement joining
-  (Note [elastic default group]).
+- join_requests.py: the asks to join as the members read them, and a
+  stranger's refused (Note [a stranger asks to join]);
+- elastic_group.py: each generation's default group, built once its members
+  have arrived, and a replacement joining (Note [elastic default group],
+  Note [arrivals]).
 
-An elastic world change reads, in order: judge.py (a death found, the step
-aborted), membership.py (``next_generation``), roll_call.py (its barriers),
-elastic_group.py (``enter_generation``: the new generation's group); it starts
-in tandem/elastic/run.py (``change_world``).
+An elastic world change reads, in order: tandem/elastic/run.py
+(``ElasticRun.change_world``: the step aborted), membership.py
+(``next_generation``: the members agree on the next generation, through a roll
+call), elastic_group.py (``enter_generation``: the members arrive, the old
+group is left, the new one built), group_record.py (``start_watch``: the
+monitor and the record move onto the new group). The death that starts it is
+found during a step's decision: membership.py (``decide_step``), judge.py (the
+verdict, and the ``abort`` it proposes).
 """
 
 from tandem.control.bootstrap import init, shutdown
-from tandem.control.membership import ElasticConfig, MembershipError
+from tandem.control.generation import ElasticConfig, MembershipError
 
 __all__ = ["ElasticConfig", "MembershipError", "init", "shutdown"]

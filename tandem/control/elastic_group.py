@@ -1,12 +1,14 @@
 """Elastic jobs' default group: the job's store, this process's membership, a
-new generation's group, and a replacement worker joining (Note [elastic default
-group]); the rules of membership itself are in membership.py."""
+new generation's group once its members have arrived (Note [arrivals]), and a
+replacement worker joining (Note [elastic default group]); the rules of
+membership itself are in membership.py."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import socket
@@ -22,8 +24,10 @@ from tandem._compat import (bind_group_defaults_before_init, default_store, forg
 from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
-from tandem.control.membership import PREFIX, ElasticConfig, Generation, Membership, NothingToJoin
+from tandem.control.generation import PREFIX, ElasticConfig, Generation, MembershipError, NothingToJoin
+from tandem.control.membership import Membership, RollCall
 from tandem.comm.monitor import current_monitor, stop_monitor
+from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import below_prefixes
 from tandem.store.store_address import EtcdAddress, etcd_client, store_ports
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
@@ -31,9 +35,9 @@ from tandem.comm.world import WorldInfo
 from tandem.comm.plain_data import all_gather_object
 from tandem.store.job_secret import signed
 
-__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "below_prefixes", "default_group_connections",
-           "elastic_membership", "enter_generation", "join_elastic", "job_store", "new_world_group",
-           "nothing_to_join"]
+__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "await_members", "below_prefixes",
+           "default_group_connections", "elastic_membership", "enter_generation", "join_elastic", "job_store",
+           "new_world_group", "nothing_to_join"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.init` then joins the running
@@ -44,6 +48,8 @@ NOTHING_TO_JOIN_EXITCODE = 76
 failure, and nothing for a launcher to replace."""
 
 logger = logging.getLogger(__name__)
+
+_ALL_ARRIVED = "all"  # a roll call's outcome when every member came (Note [a roll call] in membership.py)
 
 # Note [elastic default group]
 # An elastic job (Note [elastic membership] in membership.py) changes its world
@@ -138,7 +144,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     if dist.is_initialized():
         forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
     rank = generation.rank_of(membership.member)
-    membership.await_members(generation)  # Note [arrivals] in membership.py
+    await_members(membership, generation)  # Note [arrivals]
     bind_group_defaults_before_init()
     reset_group_names()  # a failed attempt may have counted a group on some members only
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
@@ -173,6 +179,62 @@ def enter_generation(membership: Membership, generation: Generation, *,
     return info
 
 
+def await_members(membership: Membership, generation: Generation, what: str = "group") -> None:
+    """Mark ``membership``'s member arrived to build ``generation``'s group (or another group
+    over its members, named by ``what``), and wait until every member has
+    (Note [arrivals]).
+
+    # Note [arrivals]
+    Building a generation's gloo group waits, in torch, until every member has
+    connected, for the group's whole timeout: a replacement admitted and then
+    killed before it connected, or a member killed between the agreement and
+    the group, left the others there for as long. So each member first puts
+    itself on a roll call in the store (Note [a roll call] in membership.py)
+    and waits for its outcome: the last to arrive says all came; the judges
+    watch the missing ones for death, and a dead one fails the change with a
+    PeerLostError on every member, and the next change leaves it out.
+    The same goes for a second group over the members (fully_shard's
+    reduce-scatter group, built at the first forward in a new world:
+    :func:`new_world_group`).
+    A death after a member's mark and before it connects (milliseconds, hit
+    in the 5 s soak) is seen when building the group times out: it is built
+    with ``connect_timeout_s`` as its timeout and then given the group's
+    own, and a member then found dead fails the change the same way
+    (:func:`enter_generation`).
+
+    Raises:
+        PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
+        MembershipError: not every member arrived within ``regroup_timeout_s``.
+    """
+    roll = RollCall(membership.store, f"{PREFIX}/gen/{generation.number}/arrived/{what}")
+    if roll.arrive(membership.member) == generation.world_size:
+        roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in membership.py)
+    during = f"the arrival of generation {generation.number}'s members ({what})"
+    started = time.monotonic()
+    while True:
+        period = membership.roll_period(generation, started)
+        outcome = roll.outcome(period if period is not None else membership.slice_s())
+        if outcome == _ALL_ARRIVED:
+            return
+        if outcome is not None:
+            lost = json.loads(outcome)
+            raise PeerLostError(generation.rank_of(membership.member), {int(r): why for r, why in lost.items()},
+                                during)
+        if period is not None:
+            arrived = set(roll.arrived())
+            missing = [m for m in generation.members if m not in arrived]
+            found = membership.lost_among(generation, missing, during) if missing else None
+            if found is not None:
+                roll.decide(json.dumps({str(r): why for r, why in found.lost.items()}))
+        if time.monotonic() - started > membership.config.regroup_timeout_s:
+            arrived = set(roll.arrived())
+            raise MembershipError(
+                f"elastic: member {membership.member} waited {membership.config.regroup_timeout_s:.0f} s for "
+                f"members "
+                f"{[m for m in generation.members if m not in arrived]} to build generation "
+                f"{generation.number}'s {what}; raise ElasticConfig.regroup_timeout_s if they are slow")
+
+
 # Note [a replacement builds first]
 # A replacement does not ask to join in tandem.init(): the members would wait in
 # their regroup while it imports, builds its model, its optimizer and its Trainer
@@ -192,14 +254,14 @@ def enter_generation(membership: Membership, generation: Generation, *,
 def new_world_group(what: str) -> dist.ProcessGroup:
     """A new group over every rank of the default group (``what`` names it). In
     an elastic job the members first wait for each other's arrival, watching for
-    deaths (Note [arrivals] in membership.py): torch waits for a rank that never
+    deaths (Note [arrivals]): torch waits for a rank that never
     comes for the group's whole timeout."""
     record = group_record.current()
     membership = record.elastic if record is not None else None
     if membership is None or membership.generation.number < 0:
         group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True)
     else:
-        membership.await_members(membership.generation, what)
+        await_members(membership, membership.generation, what)
         try:
             # Its sockets are cut with the default group's when a generation leaves it behind:
             # a wait left in it would otherwise end only as the process finalizes (Note

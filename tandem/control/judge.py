@@ -81,7 +81,8 @@ class Verdict:
 
     @classmethod
     def decode(cls, raw: bytes) -> Verdict | None:
-        """The verdict in ``raw``; None for what is no verdict (junk: Note [a stranger asks to join])."""
+        """The verdict in ``raw``; None for what is no verdict (junk: Note [a stranger asks to
+        join] in join_requests.py)."""
         try:
             value = json.loads(raw.decode())
             dead = {str(k): str(v) for k, v in dict(value["dead"]).items()}

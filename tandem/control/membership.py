@@ -30,7 +30,7 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``join/<id>``             a replacement's request
 ``admitted/<id>``         set when a generation admits the replacement, which waits on it
 ``gen/<g>/arrived/...``   ``.../<what>/<id>``: the member is about to build a group
-                          over ``g``'s members (Note [arrivals])
+                          over ``g``'s members (Note [arrivals] in elastic_group.py)
 ``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
 ``gen/<g>/verdict``       who is dead, as the generation's judge saw it at a time
                           (Note [judge once] in judge.py)
@@ -64,163 +64,43 @@ Who judges: one member judges for all, and writes ``abort`` into the decision
 the others wait on when it finds a death (Note [judge once] in judge.py); a
 regroup and an arrival judge the few members they wait for themselves.
 
-# Note [a stranger asks to join]
-Under a job secret the membership's keys have secret names (Note [signed
-store] in tandem/store/job_secret.py), so a process without the secret that asks to join
-writes under the plain names (``joiners``, ``join/j<n>``), where no member
-looks for a request; one with another secret, under names no member reads. So
-a replacement under a secret also asks under the plain names, with its
-secret's mark (:func:`~tandem.store.job_secret.secret_mark`: it tells nothing
-of the secret) as the request. The member that decides a step also reads the
-plain ``joiners`` counter (one store call a step), and for each new ask that
-is not marked with the job's own secret (whose replacement asks under the
-secret names too, and is admitted there) logs a warning (on stderr too; the
-first member to see it, by a counter) and sets the plain ``refused/j<n>`` to
-why: no secret, or another secret. The process that asked learns at once that
-it was refused and why ("this job's secret differs from yours"), instead of
-waiting out its timeout. It is never admitted, and nothing it wrote is read.
-
-The plain names are anyone's to write, and a stranger who lists the store's
-keys can overwrite the secret names too (with junk: it cannot sign). A beat
-read as junk is skipped and the member's last good beat stands (never a
-member's crash; a member whose beats are all junk is dead once its last good
-one is stale), a refused value is logged once a key, and what is read under
-the plain names costs the members little whatever it holds: the counter is read, not added to (an
-``add`` to a value that is no number closes the connection of the one who
-adds), a value that is no number is skipped with one warning, and a counter
-that jumps by more than ``_ASKS_AT_ONCE`` is taken as junk: its asks are
-skipped, with one line that says how many.
+A world change's barriers are roll calls (Note [a roll call], at
+:class:`RollCall` below). Who may ask to join, and how a stranger's ask is
+refused: Note [a stranger asks to join] in join_requests.py.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch.distributed as dist
 
 from tandem._compat import own_tcp_client
-from tandem.store.job_secret import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SignedStore
+from tandem.store.job_secret import ForgedValueError, SignedStore
+from tandem.control.generation import PREFIX, Decision, ElasticConfig, Generation, MembershipError, \
+    NothingToJoin
+from tandem.control.join_requests import JoinRequests
 from tandem.control.judge import Judge, judging_ranks
-from tandem.comm.peers import WAIT_SLICE_S, Liveness, PeerLostError
+from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
-from tandem.control.roll_call import RollCall, waited
 
-__all__ = ["Decision", "ElasticConfig", "Generation", "Membership", "MembershipError", "NothingToJoin"]
+__all__ = ["NEVER_BEATEN", "Membership", "RollCall", "waited"]
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "tandem/elastic"
-_REFUSED = "no job secret"
-_ANOTHER_SECRET = "another secret"
-_ASKS_AT_ONCE = 64  # Note [a stranger asks to join]
-_ALL_ARRIVED = "all"  # a roll call's outcome when every member came (Note [a roll call] in roll_call.py)
 _DECISION_SLICE_S = 5.0  # the longest wait on a key the judge writes before a look of its own (Note [judge once])
-
-
-@dataclass(frozen=True, kw_only=True)
-class ElasticConfig:
-    """How an elastic job notices a loss and regroups.
-
-    Raises:
-        ValueError: a field is out of range.
-    """
-
-    min_world_size: int = 1
-    """The fewest ranks worth going on with; below it the survivors stop with an error."""
-    beat_s: float = 0.25
-    """How often each member writes its heartbeat."""
-    stale_after_s: float = 10.0  # Note [deaths seen at once] in tandem/comm/process_id.py
-    """A heartbeat this old means its member is dead: the deaths nobody saw
-    (a host lost with its launcher, a cut link). A process that ended is seen
-    at once, from its kernel or its launcher; a rank paused for less than this
-    is not counted dead."""
-    regroup_timeout_s: float = 300.0
-    """How long the survivors wait for every member to be accounted for (arrived
-    or dead) before giving up."""
-    connect_timeout_s: float = 30.0  # Note [arrivals]
-    """How long building a generation's group may take once every member has
-    arrived: a member that dies between its arrival and its connection fails
-    the change after this long, not after the group's timeout."""
-
-    def __post_init__(self) -> None:
-        if self.min_world_size < 1:
-            raise ValueError(f"ElasticConfig: min_world_size must be >= 1, got {self.min_world_size}")
-        for name in ("beat_s", "stale_after_s", "regroup_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ElasticConfig: {name} must be > 0, got {getattr(self, name)}")
-        if self.stale_after_s < 4 * self.beat_s:
-            raise ValueError(f"ElasticConfig: stale_after_s={self.stale_after_s} must be at least four "
-                             f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
-
-    def liveness(self) -> Liveness:
-        """The window a collective's wait judges the peers' beats by, and its
-        slices: a beat long at most, so that a death that fails no connection
-        of a waiting rank is seen within a beat."""
-        # Note [dead peers] in tandem/comm/peers.py
-        return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s,
-                        slice_s=min(self.beat_s, WAIT_SLICE_S))
-
-
-class Decision(Enum):
-    """What every member does with a step whose reduction it finished."""
-
-    COMMIT = "commit"    # step the optimizer
-    GROW = "grow"        # step, then admit the replacements that wait
-    ABORT = "abort"      # a member is gone: drop the gradients, regroup, redo the step
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One membership of the job: its number and its members in rank order."""
-
-    number: int
-    members: tuple[str, ...]
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    def rank_of(self, member: str) -> int:
-        return self._ranks[member]
-
-    def has(self, member: str) -> bool:
-        return member in self._ranks
-
-    @functools.cached_property
-    def _ranks(self) -> dict[str, int]:
-        return {m: r for r, m in enumerate(self.members)}
-
-    def joined_since(self, previous: Generation) -> tuple[str, ...]:
-        return tuple(m for m in self.members if m not in previous.members)
-
-    def lost_since(self, previous: Generation) -> tuple[str, ...]:
-        return tuple(m for m in previous.members if m not in self.members)
-
-
-class MembershipError(RuntimeError):
-    """The job cannot go on elastically: too few members left, this member was
-    judged dead by the others, or the regroup timed out."""
-
-
-class NothingToJoin(MembershipError):
-    """A replacement found every member of the job gone: it has finished (or died)."""
-
 
 NEVER_BEATEN = "has never beaten"
 """What :meth:`Membership.dead` says of a member with no beat yet: dead to a
 regroup, which waits for members that beat before, but not to an arrival
-(Note [arrivals]), where a member may not have started beating yet."""
+(Note [arrivals] in elastic_group.py), where a member may not have started beating yet."""
 
 
 class Membership:
@@ -250,14 +130,11 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processes = PostedProcesses(store, lambda member: f"{PREFIX}/process/{member}")
-        self._strangers_seen = 0  # asks to join without the secret, refused (Note [a stranger asks to join])
-        self._junk_said = False   # the plain counter held junk, and this member said so (once)
         self._good_beats: dict[str, float] = {}  # each member's last beat read well
         self._good_nodes: dict[str, NodeBeat] = {}  # each node's last beat read well
         self._nodes: dict[str, tuple[str, int] | None] = {}  # member -> (its node, its pid), None: beats itself
         self._step: int | None = None  # the step this member works on, once it knows (Note [judge once])
-        self._joiners_seen = 0  # the counter of asks to join, as last read well
-        self._plain_ask: int | None = None  # a replacement's number under the plain names
+        self._requests = JoinRequests(store, member)  # Note [a stranger asks to join] in join_requests.py
         # The beats go through a connection of their own where the store is a TCP one:
         # a call of another thread that waits on the shared client (a decision's
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
@@ -291,9 +168,7 @@ class Membership:
         """
         number = store.add(f"{PREFIX}/joiners", 1)
         self = cls(store, f"j{number}", Generation(-1, ()), config, **{"node": launcher_node(), **kwargs})
-        if isinstance(store, SignedStore):  # asks under the plain names too: Note [a stranger asks to join]
-            self._plain_ask = store.inner.add(f"{PREFIX}/joiners", 1)
-            store.inner.set(f"{PREFIX}/join/j{self._plain_ask}", store.mark)
+        self._requests.ask_plainly()
         self.start()
         self._check_something_to_join()
         return self
@@ -318,9 +193,6 @@ class Membership:
         """
         member, store, config = self.member, self.store, self.config
         store.set(f"{PREFIX}/join/{member}", "waiting")
-        plain_refusal = None
-        if isinstance(store, SignedStore) and self._plain_ask is not None:
-            plain_refusal = f"{PREFIX}/refused/j{self._plain_ask}"
         limit = timeout.total_seconds() if timeout is not None else config.regroup_timeout_s
         deadline = time.monotonic() + limit
         logger.info("elastic: %s asks to join", member)
@@ -335,18 +207,10 @@ class Membership:
             looked = time.monotonic()
             while not store.check([admitted]) and time.monotonic() - looked < config.beat_s:
                 time.sleep(0.01)
-            if not isinstance(store, SignedStore) and store.check([f"{PREFIX}/refused/{member}"]):
+            why = self._requests.refusal()
+            if why is not None:
                 self.stop()
-                raise MembershipError(
-                    f"elastic: replacement {member} was refused: the job has a job secret and this process "
-                    f"has none; start it with the job's {SECRET_ENV} or {SECRET_FILE_ENV} (docs: Who can "
-                    "join a job)")
-            if plain_refusal is not None and isinstance(store, SignedStore) and store.inner.check([plain_refusal]):
-                self.stop()
-                raise MembershipError(
-                    f"elastic: replacement {member} was refused: this job's secret differs from yours; start "
-                    f"every process of the job with the same {SECRET_ENV} or {SECRET_FILE_ENV} (made once "
-                    "with `tandem secret`, shared by a file each node can read; docs: Who can join a job)")
+                raise MembershipError(f"elastic: replacement {member} was refused: {why}")
         self.stop()
         raise MembershipError(
             f"elastic: replacement {member} was not admitted within {limit:.0f} s; the job's members "
@@ -435,7 +299,7 @@ class Membership:
         try:
             values = dict(zip(keys, store.multi_get(keys)))
         except ForgedValueError:
-            return self.dead(others)  # junk under one of them: read each (Note [a stranger asks to join])
+            return self.dead(others)  # junk under one: read each (Note [a stranger asks to join] in join_requests.py)
         now = self._clock()
         out: dict[str, str] = {}
         for m in others:
@@ -521,7 +385,7 @@ class Membership:
 
     def _value_of(self, key: str) -> bytes | None:
         """``key``'s value; None when it has none, and nothing (junk) when it is not
-        signed with the job's secret (Note [a stranger asks to join])."""
+        signed with the job's secret (Note [a stranger asks to join] in join_requests.py)."""
         if not self.store.check([key]):
             return None
         try:
@@ -533,7 +397,7 @@ class Membership:
         """``member``'s last beat (None: it never beat). A beat that is no number or
         not signed with the job's secret (a stranger overwrote it) is skipped: the
         last good one stands, so that junk neither kills this member nor keeps a
-        dead one alive (Note [a stranger asks to join])."""
+        dead one alive (Note [a stranger asks to join] in join_requests.py)."""
         where = self._nodes_of([member])[member]
         if where is not None:
             beat = self._node_beat(where[0])
@@ -572,71 +436,18 @@ class Membership:
                 self.store.set(f"{PREFIX}/admitted/{member}", str(generation.number))
         return winner
 
-    def await_members(self, generation: Generation, what: str = "group") -> None:
-        """Mark this member arrived to build ``generation``'s group (or another group
-        over its members, named by ``what``), and wait until every member has
-        (Note [arrivals]).
-
-        # Note [arrivals]
-        Building a generation's gloo group waits, in torch, until every member has
-        connected, for the group's whole timeout: a replacement admitted and then
-        killed before it connected, or a member killed between the agreement and
-        the group, left the others there for as long. So each member first puts
-        itself on a roll call in the store (Note [a roll call] in roll_call.py)
-        and waits for its outcome: the last to arrive says all came; the judges
-        watch the missing ones for death, and a dead one fails the change with a
-        PeerLostError on every member, and the next change leaves it out.
-        The same goes for a second group over the members (fully_shard's
-        reduce-scatter group, built at the first forward in a new world:
-        :func:`tandem.control.elastic_group.new_world_group`).
-        A death after a member's mark and before it connects (milliseconds, hit
-        in the 5 s soak) is seen when building the group times out: it is built
-        with ``connect_timeout_s`` as its timeout and then given the group's
-        own, and a member then found dead fails the change the same way
-        (:func:`tandem.control.elastic_group.enter_generation`).
-
-        Raises:
-            PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
-            MembershipError: not every member arrived within ``regroup_timeout_s``.
-        """
-        roll = RollCall(self.store, f"{PREFIX}/gen/{generation.number}/arrived/{what}")
-        if roll.arrive(self.member) == generation.world_size:
-            roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in roll_call.py)
-        during = f"the arrival of generation {generation.number}'s members ({what})"
-        started = time.monotonic()
-        while True:
-            period = self._roll_period(generation, started)
-            outcome = roll.outcome(period if period is not None else self._slice_s())
-            if outcome == _ALL_ARRIVED:
-                return
-            if outcome is not None:
-                lost = json.loads(outcome)
-                raise PeerLostError(generation.rank_of(self.member), {int(r): why for r, why in lost.items()}, during)
-            if period is not None:
-                arrived = set(roll.arrived())
-                missing = [m for m in generation.members if m not in arrived]
-                found = self.lost_among(generation, missing, during) if missing else None
-                if found is not None:
-                    roll.decide(json.dumps({str(r): why for r, why in found.lost.items()}))
-            if time.monotonic() - started > self.config.regroup_timeout_s:
-                arrived = set(roll.arrived())
-                raise MembershipError(
-                    f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for members "
-                    f"{[m for m in generation.members if m not in arrived]} to build generation "
-                    f"{generation.number}'s {what}; raise ElasticConfig.regroup_timeout_s if they are slow")
-
-    def _roll_period(self, generation: Generation, since: float) -> float | None:
-        """How often this member reads a roll call of ``generation`` (Note [a roll call] in
-        roll_call.py): often when it judges; once a slice when the judges have not answered for
+    def roll_period(self, generation: Generation, since: float) -> float | None:
+        """How often this member reads a roll call of ``generation`` (Note [a roll call]):
+        often when it judges; once a slice when the judges have not answered for
         longer than their window (every member may then read it: not often); None: it waits."""
         seats = judging_ranks(generation.world_size)
         if generation.rank_of(self.member) in seats:
             return min(self.config.beat_s, 0.05)
         if time.monotonic() - since > self.config.stale_after_s + len(seats) * self.config.beat_s:
-            return self._slice_s()
+            return self.slice_s()
         return None
 
-    def _slice_s(self) -> float:
+    def slice_s(self) -> float:
         """How long a member waits on a key the judge writes before it looks for itself."""
         return max(self.config.beat_s, min(_DECISION_SLICE_S, self.config.stale_after_s / 2))
 
@@ -652,9 +463,7 @@ class Membership:
 
     def waiting_joiners(self) -> list[str]:
         """Replacements that asked to join, are alive, and no generation admitted yet."""
-        if isinstance(self.store, SignedStore):
-            self._refuse_strangers(self.store)
-        count = self._joiners()
+        count = self._requests.count()
         if count == 0:  # the common case, checked at every step: one store read
             return []
         asked = [f"j{n}" for n in range(1, count + 1) if self.store.check([f"{PREFIX}/join/j{n}"])]
@@ -662,72 +471,6 @@ class Membership:
         candidates = [j for j in asked if j not in admitted]
         stale = self.dead(candidates)
         return [j for j in candidates if j not in stale]
-
-    def _refuse_strangers(self, store: SignedStore) -> None:
-        """Tell each process that asked to join without the job secret that it is
-        refused, and log it (Note [a stranger asks to join])."""
-        plain = store.inner
-        count = self._plain_count(plain, store.where)
-        if count - self._strangers_seen > _ASKS_AT_ONCE:
-            if not self._junk_said:  # once: a stranger may write it every step
-                self._junk_said = True
-                self._say(f"elastic: the plain counter of asks to join jumped from {self._strangers_seen} to "
-                          f"{count} (in {store.where}): not asks, junk written by a process without this job's "
-                          "secret; skipped, and any more such junk silently; the members go on")
-            self._strangers_seen = count
-        for number in range(self._strangers_seen + 1, count + 1):
-            key = f"{PREFIX}/join/j{number}"
-            if not plain.check([key]):
-                if count - number < 8:  # its request may be on its way: look again at the next step
-                    count = number - 1
-                    break
-                continue  # a number added and nothing asked: no one to tell
-            mark = plain.get(key).decode(errors="replace")
-            if mark == store.mark:
-                continue  # a replacement with this job's secret: it asks under the secret names too
-            won = plain.compare_set(f"{PREFIX}/refusals/j{number}", "", self.member)
-            if won != self.member.encode():
-                continue  # another member refused it already (or a stranger wrote there)
-            another = len(mark) == len(store.mark) and mark != "waiting"
-            self._say(f"elastic: refused a process that asked to join as j{number} "
-                      f"{'with another secret than this job' if another else 'without this job'}'s secret "
-                      f"(in {store.where}); the members go on")
-            plain.set(f"{PREFIX}/refused/j{number}", _ANOTHER_SECRET if another else _REFUSED)
-        self._strangers_seen = max(self._strangers_seen, count)
-
-    def _joiners(self) -> int:
-        """How many replacements asked to join (Note [a stranger asks to join])."""
-        store = self.store
-        raw, key = (store.inner, store.name(f"{PREFIX}/joiners")) if isinstance(store, SignedStore) else \
-            (store, f"{PREFIX}/joiners")
-        self._joiners_seen = self._count(raw, key, self._joiners_seen, "the counter of asks to join")
-        return self._joiners_seen
-
-    def _plain_count(self, plain: dist.Store, where: str) -> int:
-        """The plain ``joiners`` counter (Note [a stranger asks to join])."""
-        return self._count(plain, f"{PREFIX}/joiners", self._strangers_seen,
-                           f"the plain counter of asks to join (in {where})")
-
-    def _count(self, raw: dist.Store, key: str, last: int, what: str) -> int:
-        """The counter under ``key``, read, not added to (an add to a value that
-        is no number, a stranger's junk, would close this member's connection);
-        ``last`` when it is missing or junk, which is said once a member."""
-        if not raw.check([key]):
-            return last
-        text = raw.get(key).decode(errors="replace")
-        try:
-            return int(text)
-        except ValueError:
-            if not self._junk_said:
-                self._junk_said = True
-                self._say(f"elastic: {what} holds {text[:40]!r}, not a number: junk written by a process outside "
-                          "the job; skipped, and any more such junk silently; the members go on")
-            return last
-
-    def _say(self, line: str) -> None:
-        logger.warning("%s", line)
-        # Worth seeing without logging set up: on stderr, as the launcher shows it.
-        print(f"tandem: member {self.member}: {line}", file=sys.stderr, flush=True)
 
     def _admitted(self) -> set[str]:
         out: set[str] = set()
@@ -767,7 +510,7 @@ class Membership:
         judge = self._judge_of(self.generation)
         # The judge writes the decision when it finds a death (Note [judge once] in judge.py): the
         # slices only bound how late a member looks at the verdict itself.
-        slice_s = self._slice_s()
+        slice_s = self.slice_s()
         while True:
             if waited(self.store, [key], slice_s):
                 return Decision(self.store.get(key).decode())
@@ -817,16 +560,16 @@ class Membership:
         base = f"{PREFIX}/gen/{number}"
         self._stop_judging()
         self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in tandem/comm/peers.py
-        roll = RollCall(self.store, f"{base}/regroup")  # Note [a roll call] in roll_call.py
+        roll = RollCall(self.store, f"{base}/regroup")  # Note [a roll call]
         roll.arrive(self.member)
         started = time.monotonic()
         while True:
             if self.store.check([f"{base}/members"]):
                 chosen = self._read(number)
                 break
-            period = self._roll_period(current, started)
+            period = self.roll_period(current, started)
             if period is None:
-                waited(self.store, [f"{base}/members"], self._slice_s())
+                waited(self.store, [f"{base}/members"], self.slice_s())
                 continue
             arrived = set(roll.arrived())
             arrived_in_order = [m for m in current.members if m in arrived]
@@ -858,6 +601,99 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+# Note [a roll call]
+# A world change has two barriers in the store: the members of the generation
+# that ends arrive to agree on the next one (``Membership.next_generation``), and
+# the members of the next one arrive to build its group (Note [arrivals] in
+# elastic_group.py). If each member looked for every other member's key until all
+# were there or seen dead, that would be N checks a poll by N members: at
+# thousands of ranks, millions of operations a second. So:
+#
+# - a member arrives with one ``add`` to a counter and one ``set`` of its id under
+#   the number it drew (``<base>/count``, ``<base>/at/<n>``);
+# - the few members that judge (the judging ranks: Note [judge once] in judge.py)
+#   read the arrivals new since their last look, in one ``multi_get``, and judge
+#   only the missing ones; the one that finds the roll complete, or a missing
+#   member dead, writes the outcome under one key (``compare_set``: the first
+#   stands);
+# - every other member waits on that key, which the store answers when it is
+#   written; one that has waited longer than the judges' window reads the roll
+#   itself (the judges are gone), once a wait slice, not often: every member may
+#   be doing the same.
+
+
+def waited(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``keys``: True once they are all set, False when the time is up."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return False
+    return True
+
+
+class RollCall:
+    """The arrivals under ``base`` in the job's ``store`` (Note [a roll call])."""
+
+    def __init__(self, store: dist.Store, base: str) -> None:
+        self._store = store
+        self._base = base
+        self.outcome_key = f"{base}/outcome"
+        self._seen: list[str] = []
+        self._next = 1  # the first number not looked at yet
+        self._unwritten: list[int] = []  # numbers drawn whose id was not there yet
+
+    def arrive(self, member: str) -> int:
+        """Put ``member`` on the roll; returns how many have arrived with it."""
+        number = self._store.add(f"{self._base}/count", 1)
+        self._store.set(self._at(number), member)
+        return number
+
+    def arrived(self) -> list[str]:
+        """Every member that has arrived and whose id can be read. A number drawn
+        whose id is not written yet (its member is about to write it, or died
+        between the two calls) is looked at again next time, and hides no other."""
+        count = self._store.add(f"{self._base}/count", 0)
+        numbers = [*self._unwritten, *range(self._next, count + 1)]
+        self._next = count + 1
+        keys = [self._at(n) for n in numbers]
+        if keys and self._store.check(keys):
+            self._unwritten = []
+            self._seen.extend(self._read(keys))
+        else:
+            self._unwritten = [n for n, key in zip(numbers, keys) if not self._store.check([key])]
+            self._seen.extend(self._read([self._at(n) for n in numbers if n not in self._unwritten]))
+        return list(self._seen)
+
+    def _at(self, number: int) -> str:
+        return f"{self._base}/at/{number}"
+
+    def _read(self, keys: list[str]) -> list[str]:
+        if not keys:
+            return []
+        try:
+            return [v.decode(errors="replace") for v in self._store.multi_get(keys)]
+        except ForgedValueError:  # junk under one: read each (Note [a stranger asks to join] in join_requests.py)
+            out = []
+            for key in keys:
+                try:
+                    out.append(self._store.get(key).decode(errors="replace"))
+                except ForgedValueError:
+                    out.append("")
+            return out
+
+    def outcome(self, timeout_s: float) -> str | None:
+        """The outcome, once one is written within ``timeout_s``; None until then."""
+        if not waited(self._store, [self.outcome_key], timeout_s):
+            return None
+        return self._store.get(self.outcome_key).decode()
+
+    def decide(self, outcome: str) -> str:
+        """Write ``outcome`` unless one stands; returns the one that stands."""
+        return self._store.compare_set(self.outcome_key, "", outcome).decode()
 
 
 def _node_and_pid(value: bytes | None) -> tuple[str, int] | None:

@@ -112,7 +112,7 @@ from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState
 from tandem.control.elastic_group import elastic_membership
-from tandem.control.membership import ElasticConfig, Generation
+from tandem.control.generation import ElasticConfig, Generation
 from tandem.comm.monitor import current_monitor_if_any
 from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
@@ -489,7 +489,7 @@ class ElasticOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: a ``closure`` was given (it would run forward and
                 backward again inside the step's decision).
-            tandem.control.membership.MembershipError: too few ranks are left
+            tandem.control.generation.MembershipError: too few ranks are left
                 (``ElasticConfig.min_world_size``), or the regroup timed out.
         """
         if closure is not None:

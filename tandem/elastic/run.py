@@ -61,7 +61,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tandem.control.elastic_group import ask_to_join, enter_generation
-from tandem.control.membership import Decision, ElasticConfig, Generation, Membership, MembershipError
+from tandem.control.generation import Decision, ElasticConfig, Generation, MembershipError
+from tandem.control.membership import Membership
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched

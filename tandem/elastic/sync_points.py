@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.comm.group import GroupComm
-from tandem.control.membership import MembershipError
+from tandem.control.generation import MembershipError
 from tandem.comm.plain_data import all_gather_object
 from tandem.comm.watched_call import watched
 from tandem.checkpoint.state import TrainingState

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.control.membership import Membership, MembershipError
+from tandem.control.generation import MembershipError
+from tandem.control.membership import Membership
 from tandem.elastic.buddy import BuddyCopies, ShardsLost
 from tandem.elastic.run import ElasticRun, Resumed, share_state
 from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards

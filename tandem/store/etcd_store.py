@@ -61,7 +61,7 @@ next ``add`` deletes those of calls that returned, so few exist at any time.
 etcd has no counter: an ``add`` reads the count and writes the next one if
 nobody wrote in between (a transaction that compares the key's revision). When
 many processes add to one key at once (every member arriving at a roll call,
-Note [a roll call] in tandem/control/roll_call.py), all but one find the key changed and try
+Note [a roll call] in tandem/control/membership.py), all but one find the key changed and try
 again, and if each tried again at once, N of them would make N² transactions.
 So a collision is followed by a pause drawn at random from a range that
 doubles with each collision (2 ms, 4 ms, ... up to 0.2 s): the tries spread

@@ -65,7 +65,7 @@ def secret_mark(secret: bytes | None) -> str:
     """The number a process shows for ``secret``: an HMAC of a fixed text, which
     tells nothing of the secret; ``none`` without one (Note [another secret at
     the rendezvous] in tandem/launch/secret_check.py, Note [a stranger asks to
-    join] in tandem/control/membership.py)."""
+    join] in tandem/control/join_requests.py)."""
     if secret is None:
         return "none"
     return hmac.new(secret, b"tandem: the mark of a job secret", hashlib.sha256).hexdigest()[:16]

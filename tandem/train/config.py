@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from tandem.control.membership import ElasticConfig
+from tandem.control.generation import ElasticConfig
 from tandem.diloco.config import DiLoCoConfig
 from tandem.ddp.checks import NonFinite
 
@@ -125,7 +125,7 @@ class TrainerConfig:
     lost or seen twice. A replacement started with ``TANDEM_ELASTIC_JOIN=1``
     builds its model in a world of one, asks to join in ``fit()``, joins at the
     next step boundary and gets the state from live peers. True uses
-    :class:`~tandem.control.membership.ElasticConfig`'s defaults; None: on when the
+    :class:`~tandem.control.generation.ElasticConfig`'s defaults; None: on when the
     job runs under ``tandem run --elastic`` (``TANDEM_ELASTIC=1``)."""
 
     tensorboard: bool = False

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tandem.comm.group import GroupComm
-from tandem.control.membership import ElasticConfig
+from tandem.control.generation import ElasticConfig
 from tandem.comm.node_groups import node_mesh
 from tandem.data.loader import LoaderSpec, distributed_loader, loader_spec
 from tandem.diloco import DiLoCo, DiLoCoConfig
@@ -112,7 +112,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *d
         move_batches: move every tensor of each batch to ``device`` (nested in
             tuples, lists, dicts and dataclasses).
         elastic: keep training when a rank dies, and admit replacements: True,
-            or an :class:`~tandem.control.membership.ElasticConfig`; None follows
+            or an :class:`~tandem.control.generation.ElasticConfig`; None follows
             ``tandem run --elastic`` (``TANDEM_ELASTIC=1``). Every strategy: under
             ZeRO and fully_shard each rank also holds a copy of the previous
             rank's shard, so that a lost rank's shard survives. The

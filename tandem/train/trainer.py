@@ -56,7 +56,7 @@ from tandem._tree import to_device
 from tandem.control.elastic_group import elastic_membership
 from tandem.comm.group import GroupComm
 from tandem.comm.node_groups import node_mesh
-from tandem.control.membership import Generation, MembershipError
+from tandem.control.generation import Generation, MembershipError
 from tandem.data import DistributedSampler, gather_samples
 from tandem.diloco import DiLoCo, DiLoCoConfig
 from tandem.data.batches import empty_batch, planned_batches

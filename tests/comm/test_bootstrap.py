@@ -421,7 +421,7 @@ def _elastic_beats(rank: int, world_size: int, how: str) -> dict:
 
     from tandem.control import group_record
     from tandem.control.elastic_group import elastic_membership
-    from tandem.control.membership import ElasticConfig
+    from tandem.control.generation import ElasticConfig
 
     def beating() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith("tandem-elastic-beat")]

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tandem.control.membership import ElasticConfig, Membership, PREFIX
+from tandem.control.generation import PREFIX, ElasticConfig
+from tandem.control.membership import Membership
 from tandem.comm.peers import PeerLostError, PeerWatch, heartbeat_key, last_beat, process_key
 from tandem.comm.process_id import NodeBeat, ProcessId, exit_notice_key, exit_words, node_beat_key
 from tandem.launch.node_reports import NodeReports

@@ -81,7 +81,7 @@ _RANK = textwrap.dedent("""
     import tandem
     from tandem.control.elastic_group import elastic_membership, enter_generation, new_world_group
     from tandem.comm.group import GroupComm
-    from tandem.control.membership import ElasticConfig, Generation
+    from tandem.control.generation import ElasticConfig, Generation
 
     rank, store, marker, which = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     tandem.init("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from tandem.store.job_secret import ForgedValueError, SignedStore, job_secret, secret_for_workers
 import tandem.control.membership as membership_module
 from tandem.control.judge import Verdict, judging_ranks
-from tandem.control.membership import PREFIX, Decision, ElasticConfig, Membership, MembershipError
+from tandem.control.generation import PREFIX, Decision, ElasticConfig, MembershipError
+from tandem.control.membership import Membership
 from tandem.comm.process_id import NodeBeat, node_beat_key
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 

@@ -1,10 +1,10 @@
-"""The roll call of a world change (Note [a roll call] in tandem/control/roll_call.py), on an in-process store."""
+"""The roll call of a world change (Note [a roll call] in tandem/control/membership.py), on an in-process store."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from tandem.control.roll_call import RollCall, waited
+from tandem.control.membership import RollCall, waited
 
 
 def test_an_arrival_whose_id_is_not_written_hides_no_later_one() -> None:

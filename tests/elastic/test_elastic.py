@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.control.membership import ElasticConfig
+from tandem.control.generation import ElasticConfig
 from tandem.testing import as_dtensor, run_distributed, start_concurrently
 from tandem.testing.harness import still_running
 from tandem.testing.indexed import IndexedSamples
@@ -73,18 +73,19 @@ def _die_once_admitted(when: str = "admitted") -> None:
     fit() or prepare(): Note [a replacement builds first] in
     tandem/control/elastic_group.py): ``"admitted"``, in the new group, before the
     state arrives; ``"connecting"``, before it marks itself arrived to build
-    the group (Note [arrivals] in tandem/control/membership.py); ``"arrived"``,
+    the group (Note [arrivals] in tandem/control/elastic_group.py); ``"arrived"``,
     after it marked itself arrived, before it connects."""
     if when in ("connecting", "arrived"):
+        import tandem.control.elastic_group as group_module
         from tandem.control.membership import Membership
-        arrive = Membership.await_members
+        arrive = group_module.await_members
 
-        def gone(self: Membership, generation: Any, what: str = "group") -> None:
+        def gone(membership: Membership, generation: Any, what: str = "group") -> None:
             if when == "arrived":
-                arrive(self, generation, what)
+                arrive(membership, generation, what)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        Membership.await_members = gone  # type: ignore[method-assign]
+        group_module.await_members = gone
         return
     import tandem.elastic.run as run_module
     admit = run_module.ask_to_join
@@ -173,14 +174,15 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
     if rank == miscounts and not joining:  # as a failed attempt to build a group on this rank only would
+        import tandem.control.elastic_group as group_module
         from tandem.control.membership import Membership
-        arrive = Membership.await_members
+        arrive = group_module.await_members
 
-        def miscount(self: Membership, generation: Any, what: str = "group") -> None:
+        def miscount(membership: Membership, generation: Any, what: str = "group") -> None:
             from torch.distributed import distributed_c10d as c10d
             c10d._world.group_count += 1
-            arrive(self, generation, what)
-        Membership.await_members = miscount  # type: ignore[method-assign]
+            arrive(membership, generation, what)
+        group_module.await_members = miscount
     if leaves_at is not None and rank == 2 and not joining:
         # Rank 2 leaves for a regroup, alive, as it would send its copy of step leaves_at:
         # rank 0 waits for that copy (Note [a peer gone to regroup] in tandem/comm/peers.py).
@@ -692,7 +694,7 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     ("lost-after-arriving", "building generation 2's group"),
 ])
 def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict, scenario: str, seen: str) -> None:
-    # Note [arrivals] in tandem/control/membership.py: admitted, j1 dies before it marks itself
+    # Note [arrivals] in tandem/control/elastic_group.py: admitted, j1 dies before it marks itself
     # arrived, or after, before it connects; the members see it dead as they wait for its
     # mark, or when building the group times out (connect_timeout_s), and go on without it
     # (they waited in torch's group creation for the group's timeout before).
@@ -708,7 +710,7 @@ def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict, sce
 
 
 def test_a_rank_lost_as_fully_shard_builds_its_reduce_group_holds_no_one(scenarios: dict) -> None:
-    # Note [arrivals] in tandem/control/membership.py: after rank 1's loss, member 2 dies as the
+    # Note [arrivals] in tandem/control/elastic_group.py: after rank 1's loss, member 2 dies as the
     # first forward of world 2 builds fully_shard's reduce-scatter group; rank 0 sees it
     # dead before building, and goes on alone (it waited in torch's new_group before).
     tmp_path, results = _launched(scenarios, "lost-building-a-group")

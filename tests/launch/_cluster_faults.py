@@ -77,7 +77,7 @@ def reference(schedule: list[int]) -> list[torch.Tensor]:
 def main() -> None:
     import tandem
     from tandem import Trainer, TrainerConfig
-    from tandem.control.membership import ElasticConfig
+    from tandem.control.generation import ElasticConfig
 
     out = Path(os.environ["OUT"])
     node, local = os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"]

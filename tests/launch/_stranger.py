@@ -32,7 +32,8 @@ import time
 
 import torch.distributed as dist
 
-from tandem.control.membership import ElasticConfig, Membership
+from tandem.control.generation import ElasticConfig
+from tandem.control.membership import Membership
 
 WORLD = 4
 JUNK = (b"\xff" * 64, b"not a number", b"-1")

@@ -30,7 +30,8 @@ from _etcd import EtcdCluster, cryptography_missing, etcd_missing  # noqa: E402
 from tandem.store.etcd_gateway import EtcdCertificateError, EtcdGateway, EtcdUnavailableError  # noqa: E402
 from tandem.store import etcd_store  # noqa: E402
 from tandem.store.etcd_store import EtcdStore  # noqa: E402
-from tandem.control.membership import Decision, ElasticConfig, Membership  # noqa: E402
+from tandem.control.generation import Decision, ElasticConfig  # noqa: E402
+from tandem.control.membership import Membership  # noqa: E402
 from tandem.testing import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.skipif(etcd_missing() is not None, reason=etcd_missing() or "")
