@@ -142,7 +142,7 @@ class PowerSGDState:
         self.iter = 0
         """Synchronised backwards seen (advanced at each backward's last bucket)."""
         # Per parameter (Note [powersgd memory]).
-        self._error: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._residual: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._q: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._plans: dict[tuple[tuple[int, ...], ...], LowRankPlan] = {}
 
@@ -154,13 +154,14 @@ class PowerSGDState:
                 "or pickled; build a new PowerSGDState for the copy, over the group it reduces over")
         state = dict(self.__dict__)
         state["process_group"] = None
-        state["_error"] = list(self._error.items())
+        state["_residual"] = list(self._residual.items())
         state["_q"] = list(self._q.items())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        residual = state.pop("_residual", None) or state.pop("_error", [])  # "_error": as tandem pickled it before
         self.__dict__.update(state)
-        self._error = WeakIdKeyDictionary(dict(state["_error"]))
+        self._residual = WeakIdKeyDictionary(dict(residual))
         self._q = WeakIdKeyDictionary(dict(state["_q"]))
 
     @property
@@ -181,7 +182,7 @@ class PowerSGDState:
         sent = comm.all_gather_object(mine, tag="powersgd state for a new world")[0]
         self.iter = int(sent["iter"])
         self._q = WeakIdKeyDictionary({parameters[int(i)]: q.clone() for i, q in sent["q"].items()})
-        self._error = WeakIdKeyDictionary()
+        self._residual = WeakIdKeyDictionary()
 
     @property
     def compressing(self) -> bool:
@@ -199,14 +200,14 @@ class PowerSGDState:
                         plan.total_numel, len(plan.compressed), self.config.matrix_rank)
         return plan
 
-    def _add_error(self, key: torch.Tensor, m: torch.Tensor) -> None:
+    def _add_residual(self, key: torch.Tensor, m: torch.Tensor) -> None:
         """Error feedback in: ``m += `` last step's error of parameter ``key``; the
         error memory then holds this compensated local gradient."""
         if not self.config.error_feedback:
             return
-        error = self._error.get(key)
+        error = self._residual.get(key)
         if error is None:
-            self._error[key] = m.clone()
+            self._residual[key] = m.clone()
         else:
             m.add_(error)
             error.copy_(m)
@@ -215,7 +216,7 @@ class PowerSGDState:
         """Error feedback out (error = compensated local gradient - ``decompressed``),
         and ``q`` kept for the next step's warm start."""
         if self.config.error_feedback:
-            self._error[key].sub_(decompressed)
+            self._residual[key].sub_(decompressed)
         if self.config.warm_start:
             self._q[key] = q
 
@@ -294,7 +295,7 @@ def _reduce_low_rank(state: PowerSGDState, comm: GroupComm, bucket: Any) -> None
     factors = _factor_views(plan, grads, bucket.parameters(),
                             first.narrow(0, plan.uncompressed_numel, plan.p_numel), flat_q)
     for key, m, p, q in factors:
-        state._add_error(key, m)
+        state._add_residual(key, m)
         state._initial_q(key, q)
         orthogonalize_(q, state.config.orthogonalization_epsilon)
         torch.mm(m, q, out=p)

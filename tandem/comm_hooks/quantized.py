@@ -60,8 +60,8 @@ class QuantizedState:
         self.bits, self.block, self.error_feedback = bits, block, error_feedback
         self.process_group = process_group
         self.by_node = by_node and is_default_group(process_group)
-        self._nodes: NodeGroups | None = None
-        self._nodes_of: Any = None  # the default group the groups by node were made in
+        self._node_groups: NodeGroups | None = None
+        self._node_groups_of: Any = None  # the default group the groups by node were made in
         self._residual: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @property
@@ -69,16 +69,16 @@ class QuantizedState:
         """Whether the hook goes on with the DDP model in a new world (its group is the default one)."""
         return is_default_group(self.process_group)
 
-    def nodes(self) -> NodeGroups | None:
+    def node_groups(self) -> NodeGroups | None:
         """The ranks by node of the current world, where a bucket is reduced inside
         each node first (None: flat). Made at the first call in each world, a
         collective: every rank's hook calls it at the same bucket."""
         if not self.by_node:
             return None
         world = dist.group.WORLD
-        if self._nodes_of is not world:
-            self._nodes, self._nodes_of = NodeGroups.build(GroupComm(None)), world
-        return self._nodes
+        if self._node_groups_of is not world:
+            self._node_groups, self._node_groups_of = NodeGroups.build(GroupComm(None)), world
+        return self._node_groups
 
     def residual(self, param: torch.Tensor) -> torch.Tensor | None:
         """What this rank's last step lost of ``param``'s gradient (None before its first)."""
@@ -107,7 +107,7 @@ def quantized_hook(state: QuantizedState,
     params = bucket.parameters()
     if state.error_feedback:
         residual = torch.cat([_residual_of(state, p, g) for p, g in zip(params, grads)])
-    QuantizedAverage(comm, state.bits, state.block, state.nodes()).average_(
+    QuantizedAverage(comm, state.bits, state.block, state.node_groups()).average_(
         flat, residual, tag=f"hook int{state.bits} bucket {bucket.index()}")
     buffer = bucket.buffer()
     if buffer.numel() == flat.numel():

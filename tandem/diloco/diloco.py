@@ -95,8 +95,8 @@ class DiLoCo:
             self.comm.broadcast_coalesced([local_tensor(p).detach() for p in params], 0, tag="diloco start")
         groups = plan_fragments([local_tensor(p).numel() for p in params], self.config.fragments)
         # Note [ranks by node] in tandem/comm/node_groups.py: quantized, inside each node first.
-        nodes = NodeGroups.build(self.comm) if self.config.quantize else None
-        self.fragments = [FragmentSync(i, [params[j] for j in g], self.comm, self.config, nodes)
+        node_groups = NodeGroups.build(self.comm) if self.config.quantize else None
+        self.fragments = [FragmentSync(i, [params[j] for j in g], self.comm, self.config, node_groups)
                           for i, g in enumerate(groups)]
         self.step = 0
         """Inner steps taken."""
@@ -155,9 +155,9 @@ class DiLoCo:
         """Sync over ``comm`` from now on (a new world: every rank of it calls
         this); a sync in flight is dropped."""
         self.comm = comm
-        nodes = NodeGroups.build(comm) if self.config.quantize else None
+        node_groups = NodeGroups.build(comm) if self.config.quantize else None
         for f in self.fragments:
-            f.reset_process_group(comm, nodes)
+            f.reset_process_group(comm, node_groups)
         self._due.clear()
 
     def flush(self) -> None:

@@ -38,11 +38,11 @@ class FragmentSync:
         params: the model's parameters in this fragment.
         comm: the ranks that average.
         config: the outer optimizer's settings.
-        nodes: ``comm``'s ranks by node, for a quantized average reduced inside each node first.
+        node_groups: ``comm``'s ranks by node, for a quantized average reduced inside each node first.
     """
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], comm: GroupComm, config: DiLoCoConfig,
-                 nodes: NodeGroups | None = None) -> None:
+                 node_groups: NodeGroups | None = None) -> None:
         self.index, self.params, self.comm, self.config = index, list(params), comm, config
         with torch.no_grad():
             self.synced = [nn.Parameter(p.detach().clone().float()) for p in self._locals()]
@@ -50,7 +50,7 @@ class FragmentSync:
                                      nesterov=config.nesterov)
         numel = sum(p.numel() for p in self.params)
         self.residual = torch.zeros(numel, device=self._device()) if config.quantize else None
-        self._quantized = QuantizedAverage(comm, config.quantize, nodes=nodes) if config.quantize else None
+        self._quantized = QuantizedAverage(comm, config.quantize, node_groups=node_groups) if config.quantize else None
         self._delta: torch.Tensor | None = None
         self._work: Work | None = None
 
@@ -111,10 +111,11 @@ class FragmentSync:
             for s, p in zip(self.synced, self._locals()):
                 p.copy_(s)
 
-    def reset_process_group(self, comm: GroupComm, nodes: NodeGroups | None) -> None:
+    def reset_process_group(self, comm: GroupComm, node_groups: NodeGroups | None) -> None:
         """Average over ``comm`` from now on; a sync in flight is dropped."""
         self.comm = comm
-        self._quantized = QuantizedAverage(comm, self.config.quantize, nodes=nodes) if self.config.quantize else None
+        self._quantized = (QuantizedAverage(comm, self.config.quantize, node_groups=node_groups)
+                           if self.config.quantize else None)
         self._delta = self._work = None
 
     def state_dict(self) -> dict[str, Any]:

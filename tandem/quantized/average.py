@@ -29,7 +29,7 @@ any number of calls the sum of the results equals the sum of the true
 averages less the mean of the last residuals: bounded by one call's error,
 never growing (tests/quantized/test_quantized_average.py holds it to that).
 
-Across nodes (``nodes``, Note [ranks by node] in tandem/comm/node_groups.py), the ranks
+Across nodes (``node_groups``, Note [ranks by node] in tandem/comm/node_groups.py), the ranks
 of each node first reduce-scatter in fp32 (inside the node: no link crossed),
 each rank's share of its node's mean is averaged across the nodes as above,
 among the ranks holding the same share, and the node all-gathers the result
@@ -61,21 +61,22 @@ class QuantizedAverage:
         comm: the group.
         bits: 8 or 4.
         block: elements per block (even).
-        nodes: ``comm``'s ranks by node, to reduce inside each node first (``comm``
+        node_groups: ``comm``'s ranks by node, to reduce inside each node first (``comm``
             must then be the default group).
     """
 
-    def __init__(self, comm: GroupComm, bits: int = 8, block: int = BLOCK, nodes: NodeGroups | None = None) -> None:
+    def __init__(self, comm: GroupComm, bits: int = 8, block: int = BLOCK,
+                 node_groups: NodeGroups | None = None) -> None:
         qmax(bits)  # 8 or 4, or a ValueError naming the value
-        self.comm, self.bits, self.block, self.nodes = comm, bits, block, nodes
-        self._across = None if nodes is None else QuantizedAverage(nodes.cross, bits, block)
+        self.comm, self.bits, self.block, self.node_groups = comm, bits, block, node_groups
+        self._across = None if node_groups is None else QuantizedAverage(node_groups.cross, bits, block)
 
     def average_(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, tag: str = "") -> torch.Tensor:
         """Replace flat ``x`` by its average over the group, the same on every rank.
         With ``residual`` (flat, ``x``'s length, zeros at first) it is added to
         ``x`` first and then holds what this call lost. Returns ``x``."""
-        if self.nodes is not None and self._across is not None:
-            return self._by_node(self.nodes, self._across, x, residual, tag)
+        if self.node_groups is not None and self._across is not None:
+            return self._by_node(self.node_groups, self._across, x, residual, tag)
         size, n = self.comm.size, x.numel()
         if size == 1:
             return x
@@ -102,11 +103,11 @@ class QuantizedAverage:
         x.copy_(gathered.view(-1)[:n].view_as(x))
         return x
 
-    def _by_node(self, nodes: NodeGroups, across: QuantizedAverage, x: torch.Tensor,
+    def _by_node(self, node_groups: NodeGroups, across: QuantizedAverage, x: torch.Tensor,
                  residual: torch.Tensor | None, tag: str) -> torch.Tensor:
         """Reduce inside the node, average this rank's share across the nodes, gather
         inside the node (Note [a quantized average])."""
-        local, n = nodes.local, x.numel()
+        local, n = node_groups.local, x.numel()
         share = -(-n // local.size)
         work = x.new_zeros(local.size * share, dtype=torch.float32)
         work[:n].copy_(x.reshape(-1))

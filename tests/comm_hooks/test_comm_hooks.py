@@ -358,9 +358,9 @@ def _powersgd_regroup(rank: int) -> dict:
         state._q[params[0]] = torch.arange(6.0).view(3, 2)
     else:
         state._q[params[1]] = torch.ones(2, 1)
-    state._error[params[1]] = torch.full((3, 2), float(rank + 1))
+    state._residual[params[1]] = torch.full((3, 2), float(rank + 1))
     state.regroup(GroupComm(None), params)
-    return {"follows": state.follows_world, "iter": state.iter, "errors": len(state._error),
+    return {"follows": state.follows_world, "iter": state.iter, "errors": len(state._residual),
             "q": {i: state._q[p] for i, p in enumerate(params) if p in state._q}}
 
 

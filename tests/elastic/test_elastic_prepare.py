@@ -92,7 +92,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
             from tandem.comm_hooks import QuantizedState, quantized_hook
 
             def counted(state: Any, bucket: Any) -> Any:  # the world it ran in, and whether by node
-                hook_calls.append((dist.get_world_size(), state.nodes() is not None))
+                hook_calls.append((dist.get_world_size(), state.node_groups() is not None))
                 return quantized_hook(state, bucket)
             model.register_comm_hook(QuantizedState(bits=8), counted)
         # Constant, so the reference holds; its count must reach a replacement.
