@@ -27,11 +27,13 @@ import torch
 
 from tandem._compat import foreach_copy_, storage_use_count
 from tandem.comm.group import GroupComm
+from tandem.ddp.checks import NonFinite
 from tandem.ddp.errors import gradient_twice
 from tandem.ddp.plan import BucketPlan, BucketSpec, ParamInfo, plan_ddp_buckets
 from tandem.dtensor import is_distributed, local_grad, local_tensor, set_local_grad
 
-__all__ = ["Bucket", "BucketGroup", "BucketState", "GradBuffer", "PendingReduction", "Reduction", "StepInputs"]
+__all__ = ["Bucket", "BucketGroup", "BucketState", "GradBuffer", "PendingReduction", "ReducerOptions", "Reduction",
+           "StepInputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -382,29 +384,51 @@ class Reduction(Protocol):
     def shadow(self, bucket: Bucket, is_last: bool) -> PendingReduction: ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReducerOptions:
+    caps: tuple[int, ...]
+    """Byte cap per bucket index (the last one repeats)."""
+    find_unused_parameters: bool = False
+    """Walk the graph after forward; unreached parameters do not hold up their buckets."""
+    static_graph: bool = False
+    """The graph is the same every step: learn hook counts and unused params in step one."""
+    gradient_as_bucket_view: bool = False
+    """param.grad is a view into the flat bucket buffer: no copies, less memory."""
+    rebuild_buckets: bool = True
+    """After the first step, re-plan buckets in the order gradients actually arrived."""
+    zero_stage: int = 0
+    """0: all-reduce each bucket; 1, 2: reduce-scatter it (Note [zero reduction] in reduction.py)."""
+    overlap: bool = True
+    """Launch each bucket's reduction during backward once it is complete (False:
+    launch them all at the end of backward)."""
+    check_finite: NonFinite | None = None
+    """Agree across ranks whether a step's gradients are finite, and raise or drop
+    the step when they are not (Note [check_finite] in finite.py); None: no check, no cost."""
+
+
 class BucketGroup:
     """The buckets of one reducer and their reduction, step by step.
 
     Args:
         named_params: the parameters, in registration order.
         comm: the group the buckets are reduced over.
-        caps: byte cap per bucket index (the last one repeats).
-        zero: ZeRO's layout (Note [flat buffer layout] in plan.py), with a shard
-            buffer of ``1/world`` the size for the reduce-scatters' output.
-        as_view: ``gradient_as_bucket_view``: param.grad is its view of the bucket.
-        check_finite: leave room for check_finite's flags (Note [check_finite] in finite.py).
-        overlap: launch complete buckets during backward (else all at its end).
+        options: the wrapper's choices. Of them the buckets read the caps, ZeRO's
+            layout (Note [flat buffer layout] in plan.py, with a shard buffer of
+            ``1/world`` the size for the reduce-scatters' output),
+            ``gradient_as_bucket_view``, room for check_finite's flags (Note
+            [check_finite] in finite.py) and ``overlap``.
     """
 
-    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], comm: GroupComm, *,
-                 caps: tuple[int, ...], zero: bool, as_view: bool, check_finite: bool, overlap: bool) -> None:
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], comm: GroupComm,
+                 options: ReducerOptions) -> None:
         self.comm = comm
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         # Note [tensor-parallel parameters] in tandem/dtensor.py: buckets hold local shards.
         self._infos = [ParamInfo(n, local_tensor(p).numel(), p.dtype, p.device) for n, p in named_params]
-        self._caps, self._zero, self._as_view, self._check_finite = caps, zero, as_view, check_finite
-        self._overlap = overlap
+        self._caps, self._zero, self._as_view = options.caps, options.zero_stage > 0, options.gradient_as_bucket_view
+        self._check_finite = options.check_finite is not None
+        self._overlap = options.overlap
         self.reduction: Reduction | None = None
         self.grad_shards: list[torch.Tensor] = []  # Note [zero reduction] in reduction.py
         self.plan: BucketPlan

@@ -31,7 +31,8 @@ from tandem.ddp.model_sync import ModelSync
 from tandem.ddp.module_args import check_zero_config, reject_unsupported, resolve_device_ids, \
     resolve_group, single_device
 from tandem.ddp.plan import cap_bytes_from_mb
-from tandem.ddp.reducer import CommStats, GradReducer, ReducerOptions
+from tandem.ddp.bucket import ReducerOptions
+from tandem.ddp.reducer import CommStats, GradReducer
 from tandem.ddp.zero_config import ZeroConfig, ZeroStage
 
 __all__ = ["DistributedDataParallel"]

@@ -95,7 +95,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -104,8 +103,9 @@ from tandem._compat import (accumulate_grad_node, dist_autograd_context_id, queu
                             storage_use_count, will_execute_in_this_backward)
 from tandem._tree import iter_tensors
 from tandem.comm.group import CollectiveEvent, GroupComm, Work
-from tandem.ddp.bucket import Bucket, BucketGroup, GradBuffer, PendingReduction, Reduction, StepInputs
-from tandem.ddp.checks import NonFinite, NonFiniteReport
+from tandem.ddp.bucket import (Bucket, BucketGroup, GradBuffer, PendingReduction, ReducerOptions, Reduction,
+                                StepInputs)
+from tandem.ddp.checks import NonFiniteReport
 from tandem.ddp.comm_stats import CommStats, gradient_bytes
 from tandem.ddp.dist_autograd import ContextGrads, unsupported_under_context
 from tandem.ddp.errors import missing_gradients, unfinished_backward
@@ -118,34 +118,12 @@ from tandem.ddp.plan import BucketPlan
 from tandem.ddp.reduction import AllReduce, GradDelivery, HookReduce, ReduceScatter, foreign_grads, views_escaped
 from tandem.ddp.static_graph import StaticGraph
 
-__all__ = ["FLAGS_TAG", "CommStats", "GradReducer", "ReducerOptions", "StepState"]
+__all__ = ["FLAGS_TAG", "CommStats", "GradReducer", "StepState"]
 
 logger = logging.getLogger(__name__)
 
 FLAGS_TAG = "missing gradients flag"
 """The tag of the flag's own all-reduce, where it cannot travel in the last bucket."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReducerOptions:
-    caps: tuple[int, ...]
-    """Byte cap per bucket index (the last one repeats)."""
-    find_unused_parameters: bool = False
-    """Walk the graph after forward; unreached parameters do not hold up their buckets."""
-    static_graph: bool = False
-    """The graph is the same every step: learn hook counts and unused params in step one."""
-    gradient_as_bucket_view: bool = False
-    """param.grad is a view into the flat bucket buffer: no copies, less memory."""
-    rebuild_buckets: bool = True
-    """After the first step, re-plan buckets in the order gradients actually arrived."""
-    zero_stage: int = 0
-    """0: all-reduce each bucket; 1, 2: reduce-scatter it (Note [zero reduction] in reduction.py)."""
-    overlap: bool = True
-    """Launch each bucket's reduction during backward once it is complete (False:
-    launch them all at the end of backward)."""
-    check_finite: NonFinite | None = None
-    """Agree across ranks whether a step's gradients are finite, and raise or drop
-    the step when they are not (Note [check_finite] in finite.py); None: no check, no cost."""
 
 
 class StepState(Enum):
@@ -168,9 +146,7 @@ class GradReducer:
         self.params = [p for _, p in named_params]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._check = None if options.check_finite is None else FiniteCheck(options.check_finite, self)
-        self.group = BucketGroup(named_params, comm, caps=options.caps, zero=zero,
-                                 as_view=options.gradient_as_bucket_view,
-                                 check_finite=self._check is not None, overlap=options.overlap)
+        self.group = BucketGroup(named_params, comm, options)
         # Note [gradients born in their bucket] in reduction.py: where param.grad may stay its view.
         born = not (zero or options.gradient_as_bucket_view or self._check is not None) \
             and storage_use_count(torch.zeros(1)) is not None
