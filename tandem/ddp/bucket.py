@@ -141,7 +141,8 @@ class Bucket:
         self.tensor_parallel = any(map(is_distributed, params))  # else .grad is the local gradient
         # param.grad may stay bound to its view between steps (Note [gradients born in
         # their bucket] in reduction.py): not a solo bucket's staging, not tensor-parallel shards.
-        self.bindable = not spec.solo and not self.tensor_parallel
+        # A view is a .grad only of a parameter of its dtype (not under a reduce dtype).
+        self.bindable = not spec.solo and not self.tensor_parallel and all(p.dtype == spec.dtype for p in params)
         # Note [in-place reduction] in reduction.py: one parameter and no flag slot (a
         # planned solo bucket, or one parameter over the cap) can reduce on its .grad.
         self.single = len(params) == 1 and spec.extra == 0
@@ -404,6 +405,9 @@ class ReducerOptions:
     check_finite: NonFinite | None = None
     """Agree across ranks whether a step's gradients are finite, and raise or drop
     the step when they are not (Note [check_finite] in finite.py); None: no check, no cost."""
+    reduce_dtype: torch.dtype | None = None
+    """The buckets' dtype, which gradients are cast into and averaged in; None: each
+    parameter's own (then a bucket holds parameters of one dtype)."""
 
 
 class BucketGroup:
@@ -425,7 +429,8 @@ class BucketGroup:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         # Note [tensor-parallel parameters] in tandem/dtensor.py: buckets hold local shards.
-        self._infos = [ParamInfo(n, local_tensor(p).numel(), p.dtype, p.device) for n, p in named_params]
+        self._infos = [ParamInfo(n, local_tensor(p).numel(), options.reduce_dtype or p.dtype, p.device)
+                       for n, p in named_params]
         self._caps, self._zero, self._as_view = options.caps, options.zero_stage > 0, options.gradient_as_bucket_view
         self._check_finite = options.check_finite is not None
         self._overlap = options.overlap

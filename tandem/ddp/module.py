@@ -116,6 +116,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             without an extra collective on the success path. Under
             ``no_sync()`` the check happens at the synchronised backward, on
             the accumulated gradients.
+        reduce_dtype: tandem only. The dtype gradients are averaged in, as
+            FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)``: each gradient is
+            cast into a bucket of this dtype, the buckets are reduced in it, and
+            ``param.grad`` gets the average cast back to the parameter's dtype.
+            ``torch.bfloat16`` halves the bytes sent, at bf16's rounding; equal
+            to torch's DDP with its ``bf16_compress_hook`` (and ``float16`` to
+            its ``fp16_compress_hook``). None (default): each parameter's own
+            dtype. Not with ``zero_stage``, ``gradient_as_bucket_view`` or
+            :meth:`fuse_optimizer`, which hand the buckets' own tensors to the
+            optimizer.
 
     Warning:
         With ``check_finite="skip"`` and a stateful communication hook
@@ -132,7 +142,9 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Raises:
         ValueError: bad arguments (``check_finite`` other than False, True,
-            "raise" or "skip"), or a model (or ``check_finite``) that differs across ranks.
+            "raise" or "skip", a ``reduce_dtype`` that is not a floating-point
+            dtype or comes with ZeRO or ``gradient_as_bucket_view``), or a model
+            (or ``check_finite``) that differs across ranks.
         NotImplementedError: an argument of torch's that tandem does not support
             yet (``mixed_precision``, ``delay_all_reduce_named_params``,
             ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params``).
@@ -164,6 +176,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         zero_stage: int | ZeroStage = 0,
         zero_config: ZeroConfig | None = None,
         check_finite: bool | str | NonFinite = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -176,6 +189,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.zero_config = check_zero_config(zero_config, self.zero_stage, gradient_as_bucket_view,
                                               find_unused_parameters)
         self.check_finite = NonFinite.parse(check_finite)
+        self.reduce_dtype = _checked_reduce_dtype(reduce_dtype, self.zero_stage, gradient_as_bucket_view)
         self.process_group = resolve_group(process_group, device_mesh)
         self._comm = GroupComm(self.process_group)
         self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -231,7 +245,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             rebuild_buckets=not self.zero_stage,
             zero_stage=int(self.zero_stage),
             overlap=self.zero_config.overlap_grad_reduce,
-            check_finite=self.check_finite)
+            check_finite=self.check_finite,
+            reduce_dtype=self.reduce_dtype)
         self._reducer: GradReducer | None = None
         self._fused: torch.optim.Optimizer | None = None
         self._comm_hook: tuple[object, Any] | None = None  # (state, hook), for copies
@@ -558,6 +573,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         # Note [fused step] in fused.py.
         optimizer = check_fusable(optimizer)
+        if self.reduce_dtype is not None:
+            raise ValueError(
+                f"rank {self._comm.rank}: fuse_optimizer with reduce_dtype={self.reduce_dtype}: the fused "
+                "step would hand the optimizer the buckets' own tensors, in the reduce dtype, as the "
+                "gradients of parameters of another; leave reduce_dtype unset, or step the optimizer "
+                "after backward")
         if self._fused is not None:
             raise RuntimeError(f"an optimizer ({type(self._fused).__name__}) is already fused into this "
                                "DistributedDataParallel; call unfuse_optimizer() first")
@@ -660,3 +681,22 @@ class DistributedDataParallel(nn.Module, Joinable):
 
 class _OwnComm:
     """Stands for the copied DDP's own GroupComm as a communication hook's state."""
+
+
+def _checked_reduce_dtype(dtype: torch.dtype | None, zero_stage: ZeroStage,
+                          gradient_as_bucket_view: bool) -> torch.dtype | None:
+    """``reduce_dtype`` of :class:`DistributedDataParallel`, or the error that names it."""
+    if dtype is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"rank {rank}: reduce_dtype must be a floating-point torch.dtype such as torch.bfloat16, "
+                         f"got {dtype!r}")
+    if zero_stage:
+        raise ValueError(f"rank {rank}: reduce_dtype={dtype} is not supported with zero_stage={int(zero_stage)}: the "
+                         "ZeroOptimizer steps from the reduced buckets themselves; leave one of them unset")
+    if gradient_as_bucket_view:
+        raise ValueError(f"rank {rank}: reduce_dtype={dtype} cannot be used with gradient_as_bucket_view=True: a "
+                         f"bucket of {dtype} cannot be the .grad of a parameter of another dtype; "
+                         "leave one of them unset")
+    return dtype

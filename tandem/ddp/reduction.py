@@ -400,8 +400,8 @@ def write_back(bucket: Bucket, params: Sequence[torch.Tensor], globally_used: li
         if as_view or (stepper is not None and stepper.owns(i)):
             if grad is None or grad.data_ptr() != view.data_ptr():
                 set_local_grad(p, view)
-        elif grad is None:
-            set_local_grad(p, view.clone())
+        elif grad is None:  # in the parameter's dtype, where the bucket has a reduce dtype
+            set_local_grad(p, view.to(dtype=p.dtype, copy=True))
         else:
             copy_dst.append(grad)
             copy_src.append(view)

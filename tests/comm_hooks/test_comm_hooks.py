@@ -174,14 +174,22 @@ def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
 
 
+# Not hooks: tandem's DDP with ``reduce_dtype`` and no hook.
+_REDUCE_DTYPES = {"reduce_fp16": torch.float16, "reduce_bf16": torch.bfloat16}
+
+
 def _train(rank: int, case: Case, hook: str, wrapper: str = "tandem") -> dict:
     """Train ``case`` with ``hook`` on tandem's or torch's DDP; the final state,
     last gradients, and bytes per synchronised backward (tandem only)."""
     sync = {"now": True}
     model = make_model(case.model, seed=rank)
     ddp_cls = tandem.DistributedDataParallel if wrapper == "tandem" else TorchDDP
-    ddp = ddp_cls(model, **case.ddp)
-    spec = _hook(hook, sync)
+    ddp: nn.Module
+    if hook in _REDUCE_DTYPES:  # tandem's own option
+        ddp = tandem.DistributedDataParallel(model, **case.ddp, reduce_dtype=_REDUCE_DTYPES[hook])
+    else:
+        ddp = ddp_cls(model, **case.ddp)
+    spec = None if hook in _REDUCE_DTYPES else _hook(hook, sync)
     if spec is not None:
         ddp.register_comm_hook(*spec)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -220,6 +228,8 @@ _PAIRS = [
     ("torch_allreduce", "none", "tandem"),    # torch's divides by 2, tandem multiplies by 1/2
     ("bf16", "torch_bf16", "tandem"),         # torch's DDP refuses torch's bf16 on gloo
     ("powersgd", "powersgd", "torch"),        # the same PowerSGD on torch's DDP
+    ("reduce_fp16", "torch_fp16", "torch"),   # reduce_dtype=float16 == torch's DDP with its fp16 hook
+    ("reduce_bf16", "torch_bf16", "tandem"),  # reduce_dtype=bfloat16 == torch's bf16 hook
 ]
 
 _CASES = [
@@ -245,6 +255,8 @@ def _pairs(rank: int, world_size: int, cases: list[Case], pairs: list[tuple[str,
                           case.micro, case.steps)
         runs: dict[tuple[str, str], dict] = {}
         for ours, ref, wrapper in pairs:
+            if ours in _REDUCE_DTYPES and case.ddp.get("gradient_as_bucket_view"):
+                continue  # refused together: test_reduce_dtype_is_refused_where_a_bucket_is_a_grad
             for key in (("tandem", ours), (wrapper, ref)):
                 if key not in runs:
                     runs[key] = _train(rank, case if key[0] == "tandem" else torch_case, key[1], key[0])
@@ -274,7 +286,7 @@ def _accounting(rank: int, world_size: int) -> dict:
     out: dict = {}
     case = Case(ddp=dict(bucket_cap_mb=0.0001), steps=3)
     numel = sum(p.numel() for p in make_model("mlp", 0).parameters())
-    for hook in ("none", "allreduce", "fp16", "bf16", "powersgd"):
+    for hook in ("none", "allreduce", "fp16", "bf16", "powersgd", "reduce_bf16"):
         out[hook] = _train(rank, case, hook)["bytes"]
     out["numel"] = numel
     shapes = [tuple(p.shape) for p in make_model("mlp", 0).parameters()]
@@ -407,6 +419,7 @@ def test_bytes_per_step(two_ranks: list[dict]) -> None:
     assert all(b >= 4 * numel for b in acc["none"])          # + the flag and padding
     assert acc["allreduce"] == [4 * numel] * 3
     assert acc["fp16"] == acc["bf16"] == [2 * numel] * 3
+    assert acc["reduce_bf16"] == [b // 2 for b in acc["none"]]  # the buckets, flag and padding in bf16
     # PowerSGD: step 0 uncompressed (start_iter=1), then P, Q and the small tensors.
     assert acc["powersgd"] == [4 * numel] + [4 * acc["powersgd_wire"]] * 2
     # noop_when: the skipped micro-batches send nothing.
@@ -500,7 +513,8 @@ def _three_ranks(rank: int, world_size: int) -> dict:
     cases = [Case(ddp=dict(bucket_cap_mb=0.0001)),
              Case(model="switching", ddp=dict(find_unused_parameters=True), micro=2, steps=4)]
     pairs = [("allreduce", "none", "tandem"), ("fp16", "torch_fp16", "torch"),
-             ("bf16", "torch_bf16", "tandem"), ("powersgd", "powersgd", "torch")]
+             ("bf16", "torch_bf16", "tandem"), ("powersgd", "powersgd", "torch"),
+             ("reduce_fp16", "torch_fp16", "torch")]
     return _pairs(rank, world_size, cases, pairs)
 
 
@@ -510,4 +524,4 @@ def test_three_ranks() -> None:
     and padding, and torch's first-step bucket is the whole model. So close, not
     equal: fp16 to its rounding, fp32 to a few ulps."""
     _check_pairs(run_distributed(_three_ranks, 3, timeout=300),
-                 tolerance={"allreduce": 1e-6, "powersgd": 1e-6, "fp16": 1e-3})
+                 tolerance={"allreduce": 1e-6, "powersgd": 1e-6, "fp16": 1e-3, "reduce_fp16": 1e-3})

@@ -177,6 +177,11 @@ def _build_with(**kwargs: Any) -> Callable[[int, int], None]:
     return build
 
 
+def _reduce_dtype_fused(rank: int, ws: int) -> None:
+    ddp = DDP(_mlp(), reduce_dtype=torch.bfloat16)
+    ddp.fuse_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+
+
 def _comm_hook_twice(rank: int, ws: int) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     ddp = DDP(_mlp())
@@ -257,6 +262,10 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
     "cap_negative": _build_with(bucket_cap_mb=-1.0),
     "cap_list_zero": _build_with(bucket_cap_mb_list=[1.0, 0.0]),
     "tiny_positive_cap": _tiny_positive_cap,
+    "reduce_dtype_int": _build_with(reduce_dtype=torch.int32),
+    "reduce_dtype_zero": _build_with(reduce_dtype=torch.bfloat16, zero_stage=2),
+    "reduce_dtype_as_view": _build_with(reduce_dtype=torch.bfloat16, gradient_as_bucket_view=True),
+    "reduce_dtype_fused": _reduce_dtype_fused,
     "still_trains": _still_trains,
 }
 
@@ -389,6 +398,17 @@ def test_lazy_module(built2):
 def test_non_positive_bucket_cap(built2, case, shown):
     for msg in _raised_everywhere(built2, case, "ValueError"):
         assert shown in msg, msg
+
+
+@pytest.mark.parametrize("case, shown", [
+    ("reduce_dtype_int", "reduce_dtype must be a floating-point torch.dtype such as torch.bfloat16, got torch.int32"),
+    ("reduce_dtype_zero", "reduce_dtype=torch.bfloat16 is not supported with zero_stage=2"),
+    ("reduce_dtype_as_view", "cannot be used with gradient_as_bucket_view=True"),
+    ("reduce_dtype_fused", "fuse_optimizer with reduce_dtype=torch.bfloat16")])
+def test_reduce_dtype_is_refused_where_a_bucket_is_a_grad(built2, case, shown):
+    """Where the buckets' own tensors would become gradients of parameters of another dtype."""
+    for rank, msg in enumerate(_raised_everywhere(built2, case, "ValueError")):
+        assert msg.startswith(f"rank {rank}: ") and shown in msg, msg
 
 
 def test_tiny_positive_bucket_cap_works(built2):
