@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -18,7 +21,8 @@ if TYPE_CHECKING:  # the public names of newer torch, for annotations only
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["accumulate_grad_node", "bind_group_defaults_before_init", "foreach_copy_", "is_opaque_backward_node",
-           "not_traced", "preserve_version_counters", "queue_backward_callback", "will_execute_in_this_backward"]
+           "not_traced", "not_traced_forward", "preserve_version_counters", "queue_backward_callback",
+           "will_execute_in_this_backward"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -40,6 +44,43 @@ def not_traced(fn: _F | None = None, *, recursive: bool = True) -> Any:
     if fn is None:
         return lambda f: torch._disable_dynamo(f, recursive)
     return torch._disable_dynamo(fn, recursive)
+
+
+class not_traced_forward:  # noqa: N801 - a decorator, named as one
+    """``torch.compiler.disable(recursive=False)`` on a module's ``forward``, applied
+    once ``torch._dynamo`` is loaded (by ``torch.compile``).
+
+    Why: the decorator imports ``torch._dynamo`` (1.5 s of CPU, and with it
+    ``torch.distributed.tensor``) where it is written, in every process that
+    imports the module, compiling or not; the lazy form (:func:`not_traced`)
+    adds a graph break at the top of a compiled module's forward. This
+    descriptor stands in the class until the method is first looked up with
+    dynamo loaded (``torch.compile(module)`` looks it up before it traces, and
+    so does the wrapper's constructor, :meth:`settle`), and then puts the
+    function decorated as torch decorates it in its place: what dynamo traces
+    is the decorated forward, and a compiled model stays one graph. Before
+    that, the plain function runs (nothing can trace it without dynamo).
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        self._name = fn.__name__
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        fn = self._fn
+        if owner is not None and "torch._dynamo" in sys.modules:
+            fn = torch.compiler.disable(fn, recursive=False)
+            setattr(owner, self._name, fn)
+        return fn if obj is None else types.MethodType(fn, obj)
+
+    @staticmethod
+    def settle(owner: type, name: str = "forward") -> None:
+        """Decorate now if dynamo is loaded (a lookup does it)."""
+        getattr(owner, name)
 
 
 @not_traced  # run for real, never traced: see compiled autograd below

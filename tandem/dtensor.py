@@ -42,24 +42,33 @@ which tandem does not need.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 
-from tandem._compat import dtensor_api, dtensor_like, dtensor_local
+from tandem._compat import dtensor_like, dtensor_local
 
 __all__ = ["is_distributed", "local_grad", "local_tensor", "set_local_grad"]
 
-_DTensor = dtensor_api()[0]
+
+def _dtensor_class() -> type | None:
+    """DTensor's class, or None while its package is not loaded: no tensor can be
+    a DTensor then, and importing the package (0.6 s) is left to whoever makes one."""
+    package = sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")
+    return getattr(package, "DTensor", None)
 
 
 def is_distributed(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (a tensor-parallel parameter or gradient)."""
-    return isinstance(t, _DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or the local shard of a DTensor (the same tensor object, so
     writes to it are writes to ``t``)."""
-    return dtensor_local(t) if isinstance(t, _DTensor) else t
+    return dtensor_local(t) if is_distributed(t) else t
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -69,15 +78,16 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     rebound to ``p.grad``."""
     # Note [tensor-parallel parameters] at the top of this file.
     grad = p.grad
-    if grad is None or not isinstance(grad, _DTensor):
+    if grad is None or not is_distributed(grad):
         return grad
+    dgrad: Any = grad  # a DTensor
     placements = p.placements  # type: ignore[attr-defined]
-    if grad.placements != placements:
-        grad = grad.redistribute(placements=placements)
-        p.grad = grad
-    return dtensor_local(grad)
+    if dgrad.placements != placements:
+        dgrad = dgrad.redistribute(placements=placements)
+        p.grad = dgrad
+    return dtensor_local(dgrad)
 
 
 def set_local_grad(p: torch.Tensor, local: torch.Tensor) -> None:
     """``p.grad = local``, as a DTensor laid out like ``p`` when ``p`` is one."""
-    p.grad = dtensor_like(local, p) if isinstance(p, _DTensor) else local
+    p.grad = dtensor_like(local, p) if is_distributed(p) else local

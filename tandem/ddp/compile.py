@@ -14,7 +14,11 @@ and nothing else, as with torch's DDP:
   altogether, and the call of the inner module is where compilation starts:
   its frame is one graph, and dynamo counts no graph break (torch's compiled
   DDP counts three, in its wrapper). In eager mode the disabled calls cost a
-  few microseconds per forward (5 to 10 on 2 CPU cores).
+  few microseconds per forward (5 to 10 on 2 CPU cores). The decorator is put
+  on ``forward`` once dynamo is loaded (``_compat.not_traced_forward``: by the
+  wrapper's constructor, by ``torch.compile(ddp)`` before it traces, by
+  ``ddp.compile()``), so a process that never compiles never loads dynamo,
+  1.5 s of CPU at every worker's start.
 * Gradients are reduced by post-accumulate-grad hooks, which the autograd
   engine runs outside compiled code, so the reducer works unchanged. But one
   compiled graph has one backward node: every parameter's AccumulateGrad runs

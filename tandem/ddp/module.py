@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from tandem._compat import enter_ddp_forward, exit_ddp_forward, not_traced
+from tandem._compat import enter_ddp_forward, exit_ddp_forward, not_traced, not_traced_forward
 from tandem._tree import to_device
 from tandem.comm.group import GroupComm
 from tandem.ddp.batch_weight import check_batch_weight, weigh_gradients
@@ -179,6 +179,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)
+        not_traced_forward.settle(DistributedDataParallel)  # Note [torch.compile] in compile.py
         Joinable.__init__(self)
         reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                             param_to_hook_all_reduce=param_to_hook_all_reduce,
@@ -323,9 +324,15 @@ class DistributedDataParallel(nn.Module, Joinable):
                                       self._comm.size)
 
     # ------------------------------------------------------------------ forward
-    # Note [torch.compile] in compile.py. Decorated now, not lazily (_compat.not_traced): torch's lazy
-    # wrapper would add a graph break to torch.compile(DDP(model)), which is one graph without it.
-    @torch.compiler.disable(recursive=False)
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile``, with :meth:`forward` decorated for dynamo first
+        (``_compat.not_traced_forward``: it loads dynamo, and traces the forward next)."""
+        super().compile(*args, **kwargs)
+        not_traced_forward.settle(DistributedDataParallel)
+
+    # Note [torch.compile] in compile.py. Not with _compat.not_traced: torch's lazy wrapper would add
+    # a graph break to torch.compile(DDP(model)), which is one graph without it.
+    @not_traced_forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, join_work, outer_ddp = self._pre_forward(inputs, kwargs)
         try:

@@ -345,3 +345,64 @@ def test_compiled_autograd_is_refused_with_what_to_do() -> None:
             pytest.skip(f"torch {torch.__version__} has no torch._dynamo.config.compiled_autograd")
         got = _get(results, "compiled_autograd")
         assert "compiled autograd" in got.refusal and "torch.compile(model)" in got.refusal, got.refusal
+
+
+# ------------------------------------------------- compiling a DDP built before dynamo was loaded
+LATE_DYNAMO = """
+import sys
+import torch
+import tandem
+
+
+def train(compile_as):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = tandem.DistributedDataParallel(model)
+    print("LOADED", "torch._dynamo" in sys.modules, "torch.distributed.tensor" in sys.modules, flush=True)
+    compiled = torch.compile(ddp, backend="aot_eager") if compile_as == "torch.compile" else ddp
+    if compile_as == "Module.compile":
+        ddp.compile(backend="aot_eager")
+    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    losses = []
+    for step in range(3):
+        loss = compiled(torch.randn(8, 16, generator=g)).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        losses.append(loss.item())
+    return losses
+
+
+tandem.init()
+compiled = train(sys.argv[1])
+from torch._dynamo.utils import counters
+print("BREAKS", sum(counters["graph_break"].values()), flush=True)
+print("SAME", compiled == train("eager") or (compiled, train("eager")), flush=True)
+tandem.shutdown()
+"""
+
+
+def test_a_ddp_built_before_dynamo_is_loaded_compiles_without_a_graph_break(tmp_path) -> None:
+    """``import tandem`` and building a DDP load neither dynamo nor DTensor (1.5 s and
+    more of each worker's start); compiled afterwards, by ``torch.compile(ddp)`` or
+    ``ddp.compile()``, its forward is excluded as torch's decorator excludes it
+    (``_compat.not_traced_forward``): no graph break, and the losses of an eager
+    DDP trained after it in the same process."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "late.py"
+    path.write_text(LATE_DYNAMO)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_",
+                                                                     "TORCHELASTIC_", "TANDEM_JOB_SECRET"))}
+    for mode in ("torch.compile", "Module.compile"):
+        r = subprocess.run([sys.executable, "-m", "tandem", "run", "--nproc-per-node", "2", str(path), mode],
+                           capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert sum("LOADED False False" in line for line in lines) == 2, r.stdout  # the compiled run's build
+        assert sum("BREAKS 0" in line for line in lines) == 2, (mode, r.stdout)
+        assert sum("SAME True" in line for line in lines) == 2, (mode, r.stdout)
