@@ -36,11 +36,28 @@ and loaded with :func:`tandem.save_checkpoint` and :func:`tandem.load_checkpoint
 # Above ddp/ and fsdp/ (full_state.py reads fully_shard models); below zero/,
 # elastic/ and train/.
 
+from typing import TYPE_CHECKING
+
 from tandem.checkpoint.atomic import atomic_save, atomic_write_bytes
 from tandem.checkpoint.commit import load_committed, save_committed
-from tandem.checkpoint.dcp import load_sharded_checkpoint, save_sharded_checkpoint
 from tandem.checkpoint.steps import MARKER, CheckpointError, CommittedCheckpoint, FileRecord, committed_steps, \
     step_directory
+
+# The sharded checkpoints are imported on first use (PEP 562): they load
+# torch.distributed.checkpoint and DTensor (0.9 s of CPU), which a process that
+# saves on one rank, or none, never needs.
+if TYPE_CHECKING:
+    from tandem.checkpoint.dcp import load_sharded_checkpoint, save_sharded_checkpoint
+
+
+def __getattr__(name: str) -> object:
+    if name in ("load_sharded_checkpoint", "save_sharded_checkpoint"):
+        from tandem.checkpoint import dcp
+
+        value: object = getattr(dcp, name)
+        globals()[name] = value  # the next lookup is a plain attribute
+        return value
+    raise AttributeError(f"module 'tandem.checkpoint' has no attribute {name!r}")
 
 __all__ = ["MARKER", "CheckpointError", "CommittedCheckpoint", "FileRecord", "atomic_save", "atomic_write_bytes",
            "committed_steps", "load_committed", "load_sharded_checkpoint", "save_committed",

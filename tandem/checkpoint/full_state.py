@@ -21,19 +21,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
-    get_state_dict, set_model_state_dict, set_state_dict
-
-from tandem.fsdp import FSDPModule
 
 __all__ = ["check_optimizer", "full_state_dicts", "is_fully_sharded", "load_full_state_dicts"]
+
+# torch.distributed.checkpoint and fully_shard are imported where they are used:
+# a process that never shards does not load them, nor DTensor (0.9 s of CPU at
+# its start), and no model can have gone through fully_shard before its module
+# was imported.
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether ``model`` went through ``tandem.fully_shard``."""
-    return isinstance(model, FSDPModule)
+    module = sys.modules.get("tandem.fsdp.module")
+    return module is not None and isinstance(model, module.FSDPModule)
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -60,6 +64,8 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None
     Raises:
         ValueError: the optimizer holds a tensor that is not a parameter of the model.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is None:
         return get_model_state_dict(model, options=options), None
@@ -81,6 +87,8 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | N
         ValueError: the saved optimizer's parameter groups differ in size from
             ``optimizer``'s (checked before anything is loaded).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
     options = StateDictOptions(full_state_dict=True)
     if optimizer is None or optimizer_state is None:
         set_model_state_dict(model, model_state, options=options)

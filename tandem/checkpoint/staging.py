@@ -24,12 +24,13 @@ the stager: the price of a save that does not stop training.
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import torch
 
-from tandem._compat import dtensor_api, dtensor_like, dtensor_local
-from tandem.checkpoint.flat import FlatPiece, FlatShard
+from tandem._compat import dtensor_like, dtensor_local
+from tandem.dtensor import is_distributed
 
 __all__ = ["Stager"]
 
@@ -73,11 +74,13 @@ class Stager:
             return type(value)((k, self._walk(v, path + (k,), copies)) for k, v in value.items())
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             return type(value)(self._walk(v, path + (i,), copies) for i, v in enumerate(value))
-        if isinstance(value, FlatShard):
-            pieces = [FlatPiece(p.start, self._copy(p.values, path + ("piece", i), copies))
+        # A FlatShard exists only once its module (which loads torch.distributed.checkpoint) is imported.
+        flat = sys.modules.get("tandem.checkpoint.flat")
+        if flat is not None and isinstance(value, flat.FlatShard):
+            pieces = [flat.FlatPiece(p.start, self._copy(p.values, path + ("piece", i), copies))
                       for i, p in enumerate(value.pieces)]
-            return FlatShard(value.shape, value.dtype, pieces)
-        if isinstance(value, dtensor_api()[0]):
+            return flat.FlatShard(value.shape, value.dtype, pieces)
+        if is_distributed(value):
             return dtensor_like(self._copy(dtensor_local(value), path, copies), value)
         if isinstance(value, torch.Tensor):
             if type(value) not in (torch.Tensor, torch.nn.Parameter):

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from tandem.checkpoint.atomic import fsync_directory, remove_quietly
 
-__all__ = ["MARKER", "MARKER_FORMAT", "CheckpointError", "CommittedCheckpoint", "FileRecord", "committed_steps",
-           "describe_root", "read_marker", "remove_step_directory", "step_directories", "step_directory", "step_of"]
+__all__ = ["LOOP_FILE", "MARKER", "MARKER_FORMAT", "CheckpointError", "CommittedCheckpoint", "FileRecord",
+           "committed_steps", "describe_root", "read_marker", "remove_step_directory", "step_directories",
+           "step_directory", "step_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ MARKER = "COMMITTED.json"
 
 MARKER_FORMAT = "tandem.checkpoint/1"
 """The marker's ``format``: a marker of another format is not read."""
+LOOP_FILE = "trainer.pt"
+"""The file of a Trainer's loop state (rank 0 writes it) in its step directories, sharded or per rank."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 

@@ -33,15 +33,53 @@ module (:class:`FSDPModule`); loading a full state dict into a sharded model
 #   ``advance_reduce``, ``_set_grads``), unit_params.py (``UnitParams.blocks``),
 #   tandem/comm/group.py (``GroupComm.reduce_scatter``).
 
-from tandem._compat import fsdp_policies
-from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, fully_shard
-from tandem.fsdp.comm_policy import QuantizedCommPolicy
-from tandem.fsdp.init import init_like_unsharded
-from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
-from tandem.fsdp.module import FSDPModule, UnshardHandle
-from tandem.fsdp.state_dict import load_full_state_dict
+from typing import TYPE_CHECKING
 
-MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy = fsdp_policies()
+# Each public name is imported on first use (PEP 562), as in tandem/__init__.py: a
+# process that imports only the pure layout (tandem.fsdp.layout, which tandem
+# plan and the memory planner read) does not load torch's FSDP2 and DTensor
+# (0.8 s of CPU at every start). The imports below are the same names, for type
+# checkers and documentation tools.
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from tandem.fsdp.api import DEFAULT_MIN_UNIT_BYTES, fully_shard
+    from tandem.fsdp.comm_policy import QuantizedCommPolicy
+    from tandem.fsdp.init import init_like_unsharded
+    from tandem.fsdp.layout import ParamShard, UnitLayout, plan_unit
+    from tandem.fsdp.module import FSDPModule, UnshardHandle
+    from tandem.fsdp.state_dict import load_full_state_dict
+
+_FROM = {  # module: the public names taken from it
+    "tandem.fsdp.api": ("DEFAULT_MIN_UNIT_BYTES", "fully_shard"),
+    "tandem.fsdp.comm_policy": ("QuantizedCommPolicy",),
+    "tandem.fsdp.init": ("init_like_unsharded",),
+    "tandem.fsdp.layout": ("ParamShard", "UnitLayout", "plan_unit"),
+    "tandem.fsdp.module": ("FSDPModule", "UnshardHandle"),
+    "tandem.fsdp.state_dict": ("load_full_state_dict",),
+}
+_EXPORTS = {name: module for module, names in _FROM.items() for name in names}
+_POLICIES = ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")  # torch's, as _compat finds them
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _POLICIES:
+        from tandem._compat import fsdp_policies
+
+        value: object = dict(zip(_POLICIES, fsdp_policies()))[name]
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'tandem.fsdp' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = ["CPUOffloadPolicy", "DEFAULT_MIN_UNIT_BYTES", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
            "ParamShard", "QuantizedCommPolicy", "UnitLayout", "UnshardHandle", "fully_shard", "init_like_unsharded",

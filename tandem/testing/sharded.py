@@ -5,14 +5,17 @@ names what it knows they are."""
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.tensor import DTensor
 
-from tandem.fsdp import FSDPModule
-from tandem.fsdp.unit import ShardedUnit, unit_of
+# Imported where they are used: a test process that never shards (most) does not
+# load torch's FSDP2 and DTensor (0.8 s of CPU at its start).
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from tandem.fsdp import FSDPModule
+    from tandem.fsdp.unit import ShardedUnit
 
 __all__ = ["as_dtensor", "as_fsdp", "sharded_unit"]
 
@@ -24,6 +27,8 @@ def as_dtensor(tensor: torch.Tensor | None) -> DTensor:
     Raises:
         AssertionError: ``tensor`` is None or a plain tensor.
     """
+    from torch.distributed.tensor import DTensor
+
     assert isinstance(tensor, DTensor), f"expected a DTensor, got {type(tensor).__name__}"
     return tensor
 
@@ -38,6 +43,10 @@ def as_fsdp(module: object) -> FSDPModule:
     Raises:
         AssertionError: neither fully_shard was applied to ``module``.
     """
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from tandem.fsdp import FSDPModule
+
     assert isinstance(module, (FSDPModule, TorchFSDPModule)), \
         f"expected a module that fully_shard sharded, got {type(module).__name__}"
     return cast(FSDPModule, module)
@@ -49,6 +58,8 @@ def sharded_unit(module: object) -> ShardedUnit:
     Raises:
         AssertionError: tandem's fully_shard was not applied to ``module``.
     """
+    from tandem.fsdp.unit import unit_of
+
     assert isinstance(module, torch.nn.Module)
     unit = unit_of(module)
     assert unit is not None, f"fully_shard was not applied to this {type(module).__name__}"

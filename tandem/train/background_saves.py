@@ -70,7 +70,6 @@ from tandem.checkpoint.staging import Stager
 from tandem.checkpoint.state import TrainingState
 from tandem.checkpoint.steps import step_directory
 from tandem.train.config import CheckpointFormat
-from tandem.train.sharded_checkpoint import capture_sharded_state, write_sharded_state
 
 __all__ = ["BackgroundSaves"]
 
@@ -103,6 +102,9 @@ class BackgroundSaves:
         self._write.finish()
         step = self.state.step
         if self.format is CheckpointFormat.SHARDED:
+            # Imported here: it loads torch.distributed.checkpoint, which unsharded runs never need.
+            from tandem.train.sharded_checkpoint import capture_sharded_state, write_sharded_state
+
             loop, shards = capture_sharded_state(self.state)
             staged_loop, staged_shards = self._stager.stage((loop, shards))
             group = self._group

@@ -37,8 +37,7 @@ from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.dtensor import is_distributed
 from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.state import TrainingState, unwrap_model
-from tandem.checkpoint.steps import step_of
-from tandem.train.sharded_checkpoint import LOOP_FILE
+from tandem.checkpoint.steps import LOOP_FILE, step_of
 
 __all__ = ["KIND", "load_per_rank_state", "save_per_rank_state"]
 

@@ -18,7 +18,6 @@ from tandem.train.background_saves import BackgroundSaves
 from tandem.train.config import CheckpointFormat
 from tandem.train.history import History
 from tandem.train.per_rank_checkpoint import load_per_rank_state, save_per_rank_state
-from tandem.train.sharded_checkpoint import load_sharded_state, save_sharded_state
 from tandem.checkpoint.state import TrainingState
 
 __all__ = ["RunCheckpoints"]
@@ -54,6 +53,8 @@ class WaitedSaves:
             local = self._local
             path = save_per_rank_state(self.state, self.directory, lambda: {} if local is None else local.state_dict())
         elif self.format is CheckpointFormat.SHARDED:
+            from tandem.train.sharded_checkpoint import save_sharded_state  # loads torch.distributed.checkpoint
+
             path = save_sharded_state(self.state, self.directory)
         else:
             path = save_checkpoint(self.state.state_dict(), self.directory / checkpoint_name(self.state.step))
@@ -135,6 +136,8 @@ class RunCheckpoints:
                                 lambda saved: None if local is None else local.load_state_dict(saved),
                                 map_location=self._device)
         elif latest.is_dir():
+            from tandem.train.sharded_checkpoint import load_sharded_state  # loads torch.distributed.checkpoint
+
             load_sharded_state(self.state, latest, map_location=self._device)
         else:
             self.state.load_state_dict(load_checkpoint(latest, map_location=self._device))

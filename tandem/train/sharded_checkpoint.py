@@ -45,19 +45,17 @@ from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import load_committed, save_committed
 from tandem.checkpoint.dcp import dcp_state_dicts, dcp_writer, load_dcp_files, load_dcp_into, read_dcp_metadata
 from tandem.checkpoint.state import TrainingState, unwrap_model
-from tandem.checkpoint.steps import step_of
+from tandem.checkpoint.steps import LOOP_FILE, step_of
 from tandem.zero.dcp_state import zero_dcp_state, zero_load_target
 from tandem.zero.optimizer import ZeroOptimizer
 
-__all__ = ["KIND", "LOOP_FILE", "capture_sharded_state", "load_sharded_state", "save_sharded_state",
+__all__ = ["KIND", "capture_sharded_state", "load_sharded_state", "save_sharded_state",
            "write_sharded_state"]
 
 logger = logging.getLogger(__name__)
 
 KIND = "tandem.trainer"
 """The ``kind`` in the commit marker of the Trainer's sharded checkpoints."""
-LOOP_FILE = "trainer.pt"
-"""The file of the training state's loop part (rank 0 writes it)."""
 
 
 def save_sharded_state(state: TrainingState, root: str | Path, *, group: dist.ProcessGroup | None = None) -> Path:
