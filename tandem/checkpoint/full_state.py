@@ -18,10 +18,9 @@ order of the optimizer's parameters, which is how torch numbers them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
-
-import sys
 
 import torch
 from torch import nn

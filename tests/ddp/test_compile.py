@@ -379,7 +379,10 @@ tandem.init()
 compiled = train(sys.argv[1 + torch.distributed.get_rank()])  # each rank compiles its own way
 from torch._dynamo.utils import counters
 print("BREAKS", sum(counters["graph_break"].values()), flush=True)
-print("SAME", compiled == train("eager") or (compiled, train("eager")), flush=True)
+eager = train("eager")
+# Compiled (aot_eager decomposes the ops) and eager are two computations: equal to float32 rounding.
+print("SAME", all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(compiled, eager)) or (compiled, eager),
+      flush=True)
 tandem.shutdown()
 """
 
