@@ -113,6 +113,7 @@ def _late_dead_and_foreign(rank: int, world_size: int) -> dict[str, object]:
     total = tandem.all_reduce_sum(torch.ones(2))
     assert isinstance(total, torch.Tensor)  # the sum of a tensor is a tensor
     out["collective"] = total.tolist()
+    entered = time.monotonic()   # before rank 1 leaves the barrier, rank 0 has entered it
     dist.barrier()
     start = time.monotonic()
     if rank == 0:
@@ -127,7 +128,10 @@ def _late_dead_and_foreign(rank: int, world_size: int) -> dict[str, object]:
     elif rank == 1:
         posted = [tandem.irecv(0) for _ in LATE_S]
         out["late"] = [_same(_message(300 + i), p.wait()) for i, p in enumerate(posted)]
-        out["waited"] = time.monotonic() - start
+        # rank 0's start is after rank 1 entered the barrier (one system-wide
+        # monotonic clock), so a receive that waited for the last message
+        # waited at least its delay from `entered`, however the exits skew
+        out["waited"] = time.monotonic() - entered
         out["sync late"] = _same(_message(400), tandem.recv(0))
         out["raw"] = [_error(lambda: tandem.recv(0)) for _ in RAW_BYTES]
         pending = tandem.irecv(2)
