@@ -30,7 +30,7 @@ does not answer, to the next, round the list:
 
 A request sent again after a member failed to answer may have been applied
 already (etcd applied it and the answer was lost): the store's operations are
-built so that applying one twice is harmless (Note [an add applied once] in
+built so that applying one twice is harmless (Note [a counter without contention] in
 etcd_store.py).
 
 Each thread has its own connections (one kept alive per member), so a thread

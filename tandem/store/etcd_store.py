@@ -44,30 +44,41 @@ The cluster's members should compact their history
 (``--auto-compaction-mode=revision --auto-compaction-retention=1000``): every
 write is a revision, and beats write several times a second.
 
-# Note [an add applied once]
-A request sent again after its member failed to answer may have been applied
-already. For ``set``, ``multi_set`` and ``compare_set`` that is harmless (the
-second ``compare_set`` finds the value the first wrote and returns it). An
-``add`` applied twice would count twice, and the membership's step counter
-would then commit a step before every member finished it. So each ``add`` is
-one transaction that writes the new count only if the key is as last read and
-the call's *receipt* (``<prefix>/add/<random id>``) does not exist, and writes
-the receipt with the count: a retry of an applied ``add`` finds its receipt
-and returns the count the first attempt made. Receipts live on a lease (about
-three store timeouts, renewed well before a call could outlive it), and the
-next ``add`` deletes those of calls that returned, so few exist at any time.
+# Note [a counter without contention]
+etcd has no increment. Counting with one key would make an ``add`` a
+compare-and-swap: when every member of a job adds to one key at once (a
+step's commit, each arrival at a roll call, Note [a roll call] in
+tandem/control/membership.py), all but one find the key changed and try
+again, one after the other through Raft: at 256 ranks an ``add`` waited
+seconds. So a count is kept as keys, one per ``add``, and nothing is compared:
 
-# Note [adds that collide]
-etcd has no counter: an ``add`` reads the count and writes the next one if
-nobody wrote in between (a transaction that compares the key's revision). When
-many processes add to one key at once (every member arriving at a roll call,
-Note [a roll call] in tandem/control/membership.py), all but one find the key changed and try
-again, and if each tried again at once, N of them would make N² transactions.
-So a collision is followed by a pause drawn at random from a range that
-doubles with each collision (2 ms, 4 ms, ... up to 0.2 s): the tries spread
-out, and N adds cost about N log N transactions. An ``add`` of 0 to a key that exists (how a roll
-call's judges read its count, twenty times a second) only reads: as a write it
-would collide with every arrival under way, and the arrivals would starve.
+* store key ``k``'s count lives in ``<prefix>/kv/<k>`` (its *base*: ``0`` when
+  an ``add`` created it, or what ``set`` wrote) and in one key per ``add``
+  under ``<prefix>/n/<hex of k>/``: ``1/<id>`` for an add of one (counted,
+  not read), ``v/<id>`` holding any other amount. The count is the base plus
+  those. ``k`` in hexadecimal keeps one count's keys apart from another's
+  (store keys may hold ``/``).
+* An ``add`` is one transaction: put its key, create the base if missing, and
+  read the base and the count. A transaction's reads see its own writes and
+  no later one, so the count it returns is the count at its revision: every
+  ``add`` of a key gets a number of its own, and the numbers of adds of one
+  run 1, 2, 3, ... in the order etcd applied them, as ``TCPStore``'s do.
+* An ``add`` of 0 to a key that exists (how a roll call's judges read its
+  count) only reads.
+* ``get`` and ``multi_get`` read a key's count keys with its base, in the same
+  transaction; ``set``, ``multi_set`` and a ``compare_set`` that writes delete
+  them with the write (the written value is the new base, as in ``TCPStore``),
+  and ``delete_key`` deletes them with the base. ``check`` and ``wait`` look
+  at the base alone: the first ``add`` creates it.
+
+An ``add`` sent again after its member failed to answer may have been
+applied already; its key (a random id drawn once per call) is put only if it
+is missing, so a retry of an applied ``add`` writes nothing, finds its key,
+and returns the count at the revision that created it.
+
+A count's keys stay until ``set`` or ``delete_key`` removes them, like the
+keys of every step a job's membership counts: a job long enough to fill the
+members' quota (2 GiB by default) should delete what it no longer reads.
 
 # Note [waiting by watching]
 ``wait``, ``get`` and ``multi_get`` read their keys, and when one is missing
@@ -90,8 +101,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import random
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -108,10 +117,6 @@ _POLL_FIRST_S = 0.01   # Note [waiting by watching]
 _POLL_MAX_S = 0.1
 _POLLS = 4             # reads 10, 15, 22 and 34 ms apart (80 ms in all), then a watch
 _WATCH_SLICE_S = 5.0   # the longest one watch lasts before the keys are read again
-_SPENT_AT_ONCE = 8     # receipts an add deletes (Note [an add applied once])
-_COLLIDE_FIRST_S = 0.002  # Note [adds that collide]
-_COLLIDE_MAX_S = 0.2
-_LEASE_MARGIN_S = 60.0
 
 
 def _bytes(value: str | bytes | bytearray | memoryview) -> bytes:
@@ -127,20 +132,38 @@ def _after(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])  # the prefixes here end in b"/"
 
 
-def _range(key: bytes, count_only: bool = False) -> dict[str, Any]:
-    return {"request_range": {"key": _b64(key), **({"count_only": True} if count_only else {})}}
+def _range(key: bytes, *, prefix: bool = False, count_only: bool = False, keys_only: bool = False,
+           revision: int = 0, max_create_revision: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": _b64(key)}
+    if prefix:
+        body["range_end"] = _b64(_after(key))
+    for name, value in (("count_only", count_only), ("keys_only", keys_only), ("revision", revision),
+                        ("max_create_revision", max_create_revision)):
+        if value:
+            body[name] = value
+    return {"request_range": body}
 
 
-def _put(key: bytes, value: bytes, lease: str | None = None) -> dict[str, Any]:
-    return {"request_put": {"key": _b64(key), "value": _b64(value), **({"lease": lease} if lease else {})}}
+def _put(key: bytes, value: bytes) -> dict[str, Any]:
+    return {"request_put": {"key": _b64(key), "value": _b64(value)}}
 
 
-def _delete(key: bytes) -> dict[str, Any]:
-    return {"request_delete_range": {"key": _b64(key)}}
+def _delete(key: bytes, prefix: bool = False) -> dict[str, Any]:
+    return {"request_delete_range": {"key": _b64(key), **({"range_end": _b64(_after(key))} if prefix else {})}}
 
 
 def _missing(key: bytes) -> dict[str, Any]:
     return {"key": _b64(key), "target": "VERSION", "result": "EQUAL", "version": 0}
+
+
+def _none_under(prefix: bytes) -> dict[str, Any]:
+    """Holds while no key starts with ``prefix`` (a compare over a range holds when each key's does)."""
+    return {**_missing(prefix), "range_end": _b64(_after(prefix))}
+
+
+def _none_written_under_since(prefix: bytes, revision: int) -> dict[str, Any]:
+    return {"key": _b64(prefix), "range_end": _b64(_after(prefix)), "target": "MOD", "result": "LESS",
+            "mod_revision": revision + 1}
 
 
 def _holds(key: bytes, value: bytes) -> dict[str, Any]:
@@ -152,66 +175,65 @@ def _unchanged(key: bytes, mod_revision: int) -> dict[str, Any]:
 
 
 class _KV:
-    """One key as a range read it: its value and the revision that last wrote it."""
+    """One key as a range read it: its value and the revisions that created and last wrote it."""
 
     def __init__(self, kv: dict[str, Any]) -> None:
         self.value = base64.b64decode(kv.get("value", ""))  # the gateway leaves out empty fields
-        self.mod_revision = int(kv["mod_revision"])
+        self.mod_revision = int(kv.get("mod_revision", 0))
+        self.create_revision = int(kv.get("create_revision", 0))
+
+
+def _kvs(response: dict[str, Any]) -> list[_KV]:
+    return [_KV(kv) for kv in response.get("response_range", {}).get("kvs", [])]
 
 
 def _ranged(response: dict[str, Any]) -> _KV | None:
-    kvs = response.get("response_range", {}).get("kvs")
-    return _KV(kvs[0]) if kvs else None
+    kvs = _kvs(response)
+    return kvs[0] if kvs else None
 
 
-def _counted(response: dict[str, Any]) -> bool:
-    return int(response.get("response_range", {}).get("count", 0)) > 0
+def _counted(response: dict[str, Any]) -> int:
+    return int(response.get("response_range", {}).get("count", 0))
 
 
-class _Receipts:
-    """The receipts of one store's ``add`` calls (Note [an add applied once]):
-    their lease, and those of calls that returned, to delete."""
+def _revision(answer: dict[str, Any]) -> int:
+    return int(answer.get("header", {}).get("revision", 0))
 
-    def __init__(self, base: bytes) -> None:
-        self._base = base
-        self._lock = threading.Lock()
-        self._lease: str | None = None
-        self._lease_ends = 0.0
-        self._spent: list[bytes] = []
 
-    def new(self) -> bytes:
-        return self._base + uuid.uuid4().hex.encode()
+class _Count:
+    """The etcd keys of one store key (Note [a counter without contention]):
+    its base, and under ``adds`` one key per ``add`` (``ones`` of one,
+    ``others`` of any other amount)."""
 
-    def lease(self, gateway: EtcdGateway, timeout_s: float, deadline: float, what: str) -> str:
-        """A lease that outlives a call started now by the store's timeout and a margin."""
-        with self._lock:
-            if self._lease is not None and self._lease_ends - time.monotonic() > timeout_s + _LEASE_MARGIN_S:
-                return self._lease
-        ttl = int(3 * timeout_s + 2 * _LEASE_MARGIN_S)
-        granted = time.monotonic()
-        answer = gateway.call("/v3/lease/grant", {"TTL": ttl}, deadline, what)
-        with self._lock:
-            self._lease, self._lease_ends = str(answer["ID"]), granted + int(answer.get("TTL", ttl))
-            return self._lease
+    READS = 3  # the operations of :meth:`reads`
 
-    def forget(self, lease: str) -> None:
-        with self._lock:
-            if self._lease == lease:
-                self._lease = None
+    def __init__(self, base: bytes, adds: bytes) -> None:
+        self.base = base
+        self.adds = adds
+        self.ones = adds + b"1/"
+        self.others = adds + b"v/"
 
-    def spend(self, receipt: bytes) -> None:
-        with self._lock:
-            if len(self._spent) < 4 * _SPENT_AT_ONCE:  # beyond that, the lease removes them
-                self._spent.append(receipt)
+    def reads(self, revision: int = 0) -> list[dict[str, Any]]:
+        """The base, the number of adds of one and the other adds, at ``revision`` (0: now)."""
+        return [_range(self.base, revision=revision),
+                _range(self.ones, prefix=True, count_only=True, revision=revision),
+                _range(self.others, prefix=True, revision=revision)]
 
-    def to_delete(self) -> list[bytes]:
-        """A few receipts of calls that returned (kept until :meth:`deleted` says they are gone)."""
-        with self._lock:
-            return self._spent[:_SPENT_AT_ONCE]
+    @staticmethod
+    def value(responses: list[dict[str, Any]]) -> tuple[_KV | None, bytes | None]:
+        """The base and the value a read of the key answers, from :meth:`reads`' responses; None when missing."""
+        return _Count.total(_ranged(responses[0]), _counted(responses[1]), _kvs(responses[2]))
 
-    def deleted(self, receipts: list[bytes]) -> None:
-        with self._lock:
-            self._spent = [r for r in self._spent if r not in receipts]
+    @staticmethod
+    def total(base: _KV | None, ones: int, others: list[_KV]) -> tuple[_KV | None, bytes | None]:
+        if base is None:
+            return None, None
+        if not ones and not others:
+            return base, base.value
+        try:
+            return base, str(int(base.value) + ones + sum(int(kv.value) for kv in others)).encode()
+        except ValueError:  # not a count: the add that put a key here is about to delete it and say why
+            return base, base.value
 
 
 class EtcdStore(dist.Store):
@@ -255,7 +277,7 @@ class EtcdStore(dist.Store):
         self._gateway = EtcdGateway(endpoints, tls)
         base = prefix.rstrip("/").encode() + b"/"
         self._kv = base + b"kv/"
-        self._receipts = _Receipts(base + b"add/")
+        self._adds = base + b"n/"
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -272,85 +294,86 @@ class EtcdStore(dist.Store):
 
     # ------------------------------------------------------------------ writes
     def set(self, key: str, value: str | bytes) -> None:
-        self._call("/v3/kv/put", _put(self._key(key), _bytes(value))["request_put"], f"set {key!r}")
+        self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys and {len(values)} values")
-        last = {self._key(k): _bytes(v) for k, v in zip(keys, values)}  # etcd refuses a key twice in one txn
-        puts = [_put(k, v) for k, v in last.items()]
-        for start in range(0, len(puts), _TXN_OPS):
-            self._txn([], puts[start:start + _TXN_OPS], [], f"multi_set of {len(keys)} keys")
+        last = {k: _bytes(v) for k, v in zip(keys, values)}  # etcd refuses a key twice in one txn
+        writes: list[dict[str, Any]] = []
+        for k, v in last.items():  # the value written is the new base: a count's adds go with the old one
+            count = self._count(k)
+            writes += [_put(count.base, v), _delete(count.adds, prefix=True)]
+        what = f"set {keys[0]!r}" if len(keys) == 1 else f"multi_set of {len(keys)} keys"
+        for start in range(0, len(writes), _TXN_OPS):
+            self._txn([], writes[start:start + _TXN_OPS], [], what)
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the count under ``key`` (0 when missing) and return
-        the new count, applied exactly once (Note [an add applied once]).
+        the new count: one transaction, applied once however often it is sent,
+        and never retried because of another ``add`` (Note [a counter without
+        contention]).
 
         Raises:
             ValueError: the key holds something other than a decimal integer.
         """
-        k, what = self._key(key), f"add to {key!r}"
+        count, what, amount = self._count(key), f"add to {key!r}", int(amount)
         deadline = self._deadline()
-        if int(amount) == 0:  # a read of the count: a write would make the adds under way collide with it
-            held = self._read_kvs([key], deadline)[0]
-            if held is not None:
-                return self._count(key, held)
-        receipt = self._receipts.new()
-        current: _KV | None = None  # first guess: the key is new
-        collisions = 0
-        while True:
-            count = (self._count(key, current) if current is not None else 0) + int(amount)
-            lease = self._receipts.lease(self._gateway, self._timeout_s(), deadline, what)
-            compare = [_missing(k) if current is None else _unchanged(k, current.mod_revision), _missing(receipt)]
-            spent = self._receipts.to_delete()
-            success = [_put(k, str(count).encode()), _put(receipt, str(count).encode(), lease)]
-            success += [_delete(r) for r in spent]
-            try:
-                answer = self._txn(compare, success, [_range(k), _range(receipt)], what, deadline)
-            except EtcdRequestError as e:
-                if "lease not found" not in str(e) or time.monotonic() > deadline:
-                    raise
-                self._receipts.forget(lease)  # it expired while this process was stopped: a new one
-                continue
-            if answer.get("succeeded"):
-                self._receipts.deleted(spent)
-                self._receipts.spend(receipt)
-                return count
-            now, earlier = (_ranged(r) for r in answer["responses"])
-            if earlier is not None:  # a retry of this call, which an earlier attempt applied
-                self._receipts.spend(receipt)
-                return int(earlier.value)
-            current = now
-            # Another add came first (Note [adds that collide]): try again after a pause drawn from a range
-            # that doubles with each collision.
-            collisions += 1
-            time.sleep(random.uniform(0, min(_COLLIDE_MAX_S, _COLLIDE_FIRST_S * 2 ** collisions)))
+        if amount == 0:  # a read of the count (a transaction that could write goes through Raft) ...
+            value = _Count.value(self._txn([], count.reads(), [], what, deadline)["responses"])[1]
+            if value is None:  # ... and a missing key created at 0
+                answer = self._txn([_missing(count.base)], [_put(count.base, b"0")], count.reads(), what, deadline)
+                value = b"0" if answer.get("succeeded") else _Count.value(answer["responses"])[1]
+            return self._decimal(key, value)
+        mine = (count.ones if amount == 1 else count.others) + uuid.uuid4().hex.encode()
+        create_base = {"request_txn": {"compare": [_missing(count.base)], "success": [_put(count.base, b"0")]}}
+        answer = self._txn([_missing(mine)], [_put(mine, b"" if amount == 1 else str(amount).encode()),
+                                              create_base, *count.reads()],
+                           [_range(mine)], what, deadline)
+        if answer.get("succeeded"):
+            value = _Count.value(answer["responses"][2:])[1]
+        else:  # a retry of this call, which an earlier attempt applied: the count when that attempt was
+            created = _ranged(answer["responses"][0])
+            assert created is not None  # the compare failed: the key is there
+            value = self._count_at(count, created.create_revision, what, deadline)
+        try:
+            return self._decimal(key, value)
+        except ValueError:
+            self._txn([], [_delete(mine)], [], what, deadline)  # the key holds no count: leave it as it was
+            raise
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """``TCPStore``'s compare-and-set (Note [a store on etcd]): returns
         ``desired`` when it was written, else the value the key holds, or
         ``expected`` when the key is missing."""
-        k, expected_raw, desired_raw = self._key(key), _bytes(expected), _bytes(desired)
+        count, expected_raw, desired_raw = self._count(key), _bytes(expected), _bytes(desired)
         what = f"compare_set {key!r}"
         deadline = self._deadline()
-        compare = _holds(k, expected_raw) if expected_raw else _missing(k)
+        compare = [_holds(count.base, expected_raw) if expected_raw else _missing(count.base),
+                   _none_under(count.adds)]
+        write = [_put(count.base, desired_raw)]
         while True:
-            answer = self._txn([compare], [_put(k, desired_raw)], [_range(k)], what, deadline)
+            answer = self._txn(compare, write, count.reads(), what, deadline)
             if answer.get("succeeded"):
                 return desired_raw
-            now = _ranged(answer["responses"][0])
-            if now is None:
+            base, value = _Count.value(answer["responses"])
+            if base is None:
                 if expected_raw:
                     return expected_raw
-                compare = _missing(k)  # deleted since the compare: try again
-            elif now.value != expected_raw:
-                return now.value
-            else:  # it holds exactly the expected value (b"" when an empty one is expected)
-                compare = _unchanged(k, now.mod_revision)
+                compare = [_missing(count.base), _none_under(count.adds)]  # deleted since the compare: again
+                write = [_put(count.base, desired_raw)]
+            elif value != expected_raw:
+                assert value is not None
+                return value
+            else:  # it holds exactly the expected value: a count, or b"" when an empty one is expected
+                compare = [_unchanged(count.base, base.mod_revision),
+                           _none_written_under_since(count.adds, _revision(answer))]
+                write = [_put(count.base, desired_raw), _delete(count.adds, prefix=True)]
 
     def delete_key(self, key: str) -> bool:
-        answer = self._call("/v3/kv/deleterange", {"key": _b64(self._key(key))}, f"delete_key {key!r}")
-        return int(answer.get("deleted", 0)) > 0
+        count = self._count(key)
+        answer = self._txn([], [_delete(count.base), _delete(count.adds, prefix=True)], [], f"delete_key {key!r}")
+        return int(answer["responses"][0].get("response_delete_range", {}).get("deleted", 0)) > 0
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str) -> bytes:
@@ -397,9 +420,6 @@ class EtcdStore(dist.Store):
         self._gateway.close()
 
     # ------------------------------------------------------------------ helpers
-    def _key(self, key: str | bytes) -> bytes:
-        return self._kv + _bytes(key)
-
     def _timeout(self) -> datetime.timedelta:
         return cast(datetime.timedelta, cast(Any, self).timeout)  # the base's property: torch's stubs omit it
 
@@ -416,31 +436,31 @@ class EtcdStore(dist.Store):
              what: str, deadline: float | None = None) -> dict[str, Any]:
         return self._call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure}, what, deadline)
 
-    def _read_kvs(self, keys: Sequence[str], deadline: float) -> list[_KV | None]:
-        """Each key's value and revision; None when missing."""
-        answer = self._txn([], [_range(self._key(k)) for k in keys], [], f"read of {len(keys)} keys", deadline)
-        return [_ranged(response) for response in answer.get("responses", [])]
-
     def _read(self, keys: Sequence[str], values: bool, deadline: float) -> list[bytes | None]:
         """Each key's value (``values``) or ``b""`` when it exists; None when missing."""
         return self._read_at(keys, values, deadline)[0]
 
     def _read_at(self, keys: Sequence[str], values: bool, deadline: float) -> tuple[list[bytes | None], int]:
-        """:meth:`_read`, and the store's revision it saw (the oldest, over several transactions)."""
+        """:meth:`_read`, and the store's revision it saw (the oldest, over several transactions). A value
+        is read with the key's count (Note [a counter without contention]); whether a key exists, from its
+        base alone."""
         out: list[bytes | None] = []
         revision = 0
-        for start in range(0, len(keys), _TXN_OPS):
-            chunk = keys[start:start + _TXN_OPS]
-            ranges = [_range(self._key(k), count_only=not values) for k in chunk]
-            answer = self._txn([], ranges, [], f"read of {len(keys)} keys", deadline)
-            seen = int(answer.get("header", {}).get("revision", 0))
+        per_key = _Count.READS if values else 1
+        step = _TXN_OPS // per_key
+        for start in range(0, len(keys), step):
+            chunk = [self._count(k) for k in keys[start:start + step]]
+            reads = ([op for count in chunk for op in count.reads()] if values else
+                     [_range(count.base, count_only=True) for count in chunk])
+            answer = self._txn([], reads, [], f"read of {len(keys)} keys", deadline)
+            seen = _revision(answer)
             revision = seen if revision == 0 else min(revision, seen)
-            for response in answer.get("responses", []):
+            responses = answer.get("responses", [])
+            for i in range(len(chunk)):
                 if values:
-                    kv = _ranged(response)
-                    out.append(None if kv is None else kv.value)
+                    out.append(_Count.value(responses[i * per_key:(i + 1) * per_key])[1])
                 else:
-                    out.append(b"" if _counted(response) else None)
+                    out.append(b"" if _counted(responses[i]) else None)
         return out, revision
 
     def _wait_for(self, keys: Sequence[str], timeout: datetime.timedelta, values: bool) -> list[bytes]:
@@ -464,11 +484,28 @@ class EtcdStore(dist.Store):
                 polls += 1
                 continue
             first = next(k for k, v in zip(keys, found) if v is None)
-            self._gateway.watch(self._key(first), revision + 1, time.monotonic() + min(left, _WATCH_SLICE_S))
+            self._gateway.watch(self._count(first).base, revision + 1, time.monotonic() + min(left, _WATCH_SLICE_S))
 
-    def _count(self, key: str, kv: _KV) -> int:
+    def _count(self, key: str) -> _Count:
+        return _Count(self._kv + _bytes(key), self._adds + _bytes(key).hex().encode() + b"/")
+
+    def _count_at(self, count: _Count, revision: int, what: str, deadline: float) -> bytes | None:
+        """The value of ``count`` when etcd was at ``revision``; past the members' compaction of their
+        history, the base as it is now and the adds created up to ``revision``."""
         try:
-            return int(kv.value)
+            return _Count.value(self._txn([], count.reads(revision), [], what, deadline)["responses"])[1]
+        except EtcdRequestError as e:
+            if "compacted" not in str(e):
+                raise
+        reads = [_range(count.base), _range(count.ones, prefix=True, keys_only=True, max_create_revision=revision),
+                 _range(count.others, prefix=True, max_create_revision=revision)]
+        responses = self._txn([], reads, [], what, deadline)["responses"]
+        return _Count.total(_ranged(responses[0]), len(_kvs(responses[1])), _kvs(responses[2]))[1]
+
+    def _decimal(self, key: str, value: bytes | None) -> int:
+        try:
+            return int(value or b"")
         except ValueError:
-            raise ValueError(f"add to {key!r}: it holds {kv.value[:40]!r}, not a decimal count; a key that "
-                             "add counts in must be written by add alone") from None
+            shown = (value or b"")[:40]
+            raise ValueError(f"add to {key!r}: it holds {shown!r}, not a decimal count; a key that add counts "
+                             "in must be written by add, or set to a decimal integer") from None

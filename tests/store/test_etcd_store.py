@@ -114,6 +114,32 @@ def _add_to_a_set_count(s: dist.Store) -> list[Any]:
     return [s.add("n", 1), s.get("n")]
 
 
+def _set_after_adds_restarts_the_count(s: dist.Store) -> list[Any]:
+    out = [s.add("n", 1), s.add("n", 1), s.add("n", 4), s.get("n")]
+    s.set("n", "10")
+    out += [s.get("n"), s.add("n", 1), s.add("n", -3)]
+    s.multi_set(["n", "m"], ["0", "1"])  # type: ignore[attr-defined]
+    return out + [s.add("n", 1), s.add("m", 1), s.multi_get(["n", "m"])]
+
+
+def _compare_set_on_a_count(s: dist.Store) -> list[Any]:
+    s.add("n", 1)
+    s.add("n", 1)
+    out = [s.compare_set("n", "3", "x"), s.compare_set("n", "2", "x"), s.get("n"), s.compare_set("n", "x", "7")]
+    return out + [s.add("n", 1), s.compare_set("n", "8", ""), s.get("n")]
+
+
+def _counts_of_keys_that_contain_each_other(s: dist.Store) -> list[Any]:
+    keys = ["a", "a/1/x", "a/v/x", "a/", "61"]  # "61" is "a" in hexadecimal
+    counts = [s.add(k, i + 1) for i, k in enumerate(keys)] + [s.add(k, 1) for k in keys]
+    return counts + [s.multi_get(keys), s.check(keys), s.delete_key("a"), s.check(keys), s.get("a/1/x")]
+
+
+def _a_deleted_count_starts_again(s: dist.Store) -> list[Any]:
+    out = [s.add("n", 1), s.add("n", 2), s.delete_key("n"), s.check(["n"]), s.add("n", 1), s.get("n")]
+    return out + [s.delete_key("n"), s.add("n", 0), s.get("n")]
+
+
 def _every_byte(s: dist.Store) -> list[Any]:
     s.set("b", _bytes(EVERY_BYTE))
     s.set("u", "ünï ✓")
@@ -166,6 +192,8 @@ def _timeout_property(s: dist.Store) -> list[Any]:
 
 GRID = [_compare_set_missing_expecting_empty, _compare_set_missing_expecting_a_value, _compare_set_matching,
         _compare_set_not_matching, _compare_set_on_an_empty_value, _add_from_missing, _add_to_a_set_count,
+        _set_after_adds_restarts_the_count, _compare_set_on_a_count, _counts_of_keys_that_contain_each_other,
+        _a_deleted_count_starts_again,
         _every_byte, _odd_keys, _check_several, _wait_times_out, _get_of_a_missing_key_times_out,
         _multi_set_then_multi_get, _delete_and_count, _timeout_property]
 
@@ -200,13 +228,38 @@ def test_adds_of_several_threads_count_each_once(cluster: EtcdCluster) -> None:
     assert sorted(seen) == list(range(1, 41)) and store.get("n") == b"40"
 
 
-def test_an_add_whose_answer_was_lost_is_applied_once(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [an add applied once]: etcd applies the first attempt, its answer is
-    lost, the gateway sends the same request again."""
+def test_adds_at_once_each_take_one_request_and_a_number_of_their_own(
+        cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [a counter without contention]: 16 threads adding to one key at
+    once never retry because of each other (a compare-and-swap would: all but
+    one find the key changed), and their numbers are 1..N."""
+    store = _etcd_store(cluster)
+    real = EtcdGateway.call
+    requests: list[str] = []
+
+    def recorded(self: EtcdGateway, path: str, body: dict[str, Any], *args: Any) -> dict[str, Any]:
+        requests.append(path)
+        return real(self, path, body, *args)
+
+    monkeypatch.setattr(EtcdGateway, "call", recorded)
+    start = threading.Barrier(16)
+    numbers = _in_threads([lambda: (start.wait(), [store.add("n", 1) for _ in range(5)])[1]] * 16)
+    assert sorted(n for ns in numbers for n in ns) == list(range(1, 81))
+    assert requests == ["/v3/kv/txn"] * 80
+
+
+@pytest.mark.parametrize("compacted", [False, True], ids=["history kept", "history compacted"])
+def test_an_add_whose_answer_was_lost_is_applied_once(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch,
+                                                      compacted: bool) -> None:
+    """Note [a counter without contention]: etcd applies the first attempt, its
+    answer is lost, the gateway sends the same request again, after other adds
+    (and, in one case, after the members compacted the revision it was applied
+    at): the call returns the count its first attempt made."""
     import tandem.store.etcd_gateway as gateway_module
 
-    store = _etcd_store(cluster)
+    store, other = _etcd_store(cluster), None
     store.add("n", 5)
+    other = store.clone()
     real = EtcdGateway._post
     lost: list[bytes] = []
 
@@ -214,17 +267,33 @@ def test_an_add_whose_answer_was_lost_is_applied_once(cluster: EtcdCluster, monk
         answer = real(self, i, path, data, timeout_s)
         if path == "/v3/kv/txn" and b"request_put" in data and not lost:
             lost.append(data)
+            assert other is not None and other.add("n", 1) == 8 and other.add("n", 1) == 9  # applied after
+            if compacted:
+                revision = int(real(self, i, "/v3/kv/range", b'{"key": "AA=="}', timeout_s)["header"]["revision"])
+                real(self, i, "/v3/kv/compaction", json.dumps({"revision": revision}).encode(), timeout_s)
             raise gateway_module._NoAnswer("the answer was lost")
         return answer
 
     monkeypatch.setattr(EtcdGateway, "_post", post_and_lose_the_answer)
     assert store.add("n", 2) == 7 and lost
-    assert store.get("n") == b"7"
+    assert store.get("n") == b"9"
+
+
+def test_an_add_to_a_key_that_holds_no_count_is_refused_and_changes_nothing(cluster: EtcdCluster) -> None:
+    """``TCPStore`` drops the connection (its server fails to parse the value);
+    this store says which key holds what, and leaves it as it was."""
+    store = _etcd_store(cluster)
+    store.set("w", "abc")
+    for amount in (1, 3, 0):
+        with pytest.raises(ValueError, match=r"add to 'w': it holds b'abc', not a decimal count"):
+            store.add("w", amount)
+    assert store.get("w") == b"abc" and store.compare_set("w", "abc", "2") == b"2" and store.add("w", 1) == 3
 
 
 def test_an_add_of_zero_to_a_count_only_reads_it(cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [adds that collide]: reading a count writes nothing (a write would
-    collide with the adds under way); a missing key is still created at 0."""
+    """Note [a counter without contention]: reading a count writes nothing (a
+    transaction that could write goes through Raft); a missing key is still
+    created at 0."""
     store = _etcd_store(cluster)
     store.add("n", 3)
     real = EtcdGateway.call
