@@ -25,7 +25,8 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``latest``                the newest generation number
 ``gen/<g>/cand/<id>``     a member of ``g - 1`` that is alive and wants in ``g``
 ``gen/<g>/step/<s>``      ``.../done`` counts the members that finished step ``s``'s
-                          reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``
+                          reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``;
+                          both deleted once every member counted itself done with ``s + 1``
 ``joiners``               how many replacements ever asked to join (ids ``j1..jN``)
 ``join/<id>``             a replacement's request
 ``admitted/<id>``         set when a generation admits the replacement, which waits on it
@@ -491,6 +492,11 @@ class Membership:
         if done == self.generation.world_size:
             wanted = Decision.GROW if self.waiting_joiners() else Decision.COMMIT
             self.store.compare_set(f"{base}/decision", "", wanted.value)
+            # Every member has counted itself done with this step, so each has read the step before's
+            # decision and none reads its keys again: they go (on etcd, a count is a key per member).
+            before = f"{PREFIX}/gen/{self.generation.number}/step/{step - 1}"
+            self.store.delete_key(f"{before}/done")
+            self.store.delete_key(f"{before}/decision")
         decision = self._await_decision(base)
         if decision is not Decision.ABORT:
             self._step = step + 1

@@ -441,26 +441,33 @@ class EtcdStore(dist.Store):
         return self._read_at(keys, values, deadline)[0]
 
     def _read_at(self, keys: Sequence[str], values: bool, deadline: float) -> tuple[list[bytes | None], int]:
-        """:meth:`_read`, and the store's revision it saw (the oldest, over several transactions). A value
-        is read with the key's count (Note [a counter without contention]); whether a key exists, from its
-        base alone."""
+        """:meth:`_read`, and the store's revision it saw (the oldest, over several transactions). Whether a
+        key exists is read from its base; a value with the number of the key's adds, and where it has any,
+        read again with its count (Note [a counter without contention]): a count read later is as valid
+        an answer as one read at once."""
         out: list[bytes | None] = []
         revision = 0
-        per_key = _Count.READS if values else 1
+        per_key = 2 if values else 1
         step = _TXN_OPS // per_key
         for start in range(0, len(keys), step):
             chunk = [self._count(k) for k in keys[start:start + step]]
-            reads = ([op for count in chunk for op in count.reads()] if values else
-                     [_range(count.base, count_only=True) for count in chunk])
+            reads = ([op for count in chunk for op in (_range(count.base), _range(count.adds, prefix=True,
+                                                                                 count_only=True))]
+                     if values else [_range(count.base, count_only=True) for count in chunk])
             answer = self._txn([], reads, [], f"read of {len(keys)} keys", deadline)
             seen = _revision(answer)
             revision = seen if revision == 0 else min(revision, seen)
             responses = answer.get("responses", [])
-            for i in range(len(chunk)):
-                if values:
-                    out.append(_Count.value(responses[i * per_key:(i + 1) * per_key])[1])
-                else:
+            for i, count in enumerate(chunk):
+                if not values:
                     out.append(b"" if _counted(responses[i]) else None)
+                    continue
+                base = _ranged(responses[2 * i])
+                if base is not None and _counted(responses[2 * i + 1]):
+                    counted = self._txn([], count.reads(), [], f"read of {len(keys)} keys", deadline)
+                    out.append(_Count.value(counted["responses"])[1])
+                else:
+                    out.append(None if base is None else base.value)
         return out, revision
 
     def _wait_for(self, keys: Sequence[str], timeout: datetime.timedelta, values: bool) -> list[bytes]:

@@ -68,13 +68,19 @@ def _in_thread(fn, *args):
 
 
 @pytest.mark.parametrize("kind", ["plain", "signed"])
-def test_every_member_reads_commit_once_all_are_done(kind: str) -> None:
-    _, (m0, m1, m2) = _members(3, Clock(), _store(kind))
-    threads = [_in_thread(m.decide_step, 0) for m in (m1, m2)]
-    assert m0.decide_step(0) is Decision.COMMIT
-    for t, out in threads:
-        t.join(5)
-        assert out == [Decision.COMMIT]
+def test_every_member_reads_commit_once_all_are_done_and_a_steps_keys_go_a_step_later(kind: str) -> None:
+    store, (m0, m1, m2) = _members(3, Clock(), _store(kind))
+
+    def keys(step: int) -> list[bool]:
+        return [store.check([f"{PREFIX}/gen/0/step/{step}/{what}"]) for what in ("done", "decision")]
+
+    for step in range(3):
+        threads = [_in_thread(m.decide_step, step) for m in (m1, m2)]
+        assert m0.decide_step(step) is Decision.COMMIT
+        for t, out in threads:
+            t.join(5)
+            assert out == [Decision.COMMIT]
+        assert keys(step) == [True, True] and (step == 0 or keys(step - 1) == [False, False]), step
     for m in (m0, m1, m2):
         m.stop()
 
