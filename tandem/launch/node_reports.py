@@ -5,8 +5,17 @@ The store's host may be another node, over a link that may be cut: a store
 call there can stall for its timeout, and the agent's health check, which saw
 an exit, must not stall with it. So one thread of its own writes the reports,
 in order, through a client of its own: the node's beat every
-:data:`NODE_BEAT_S`, and at once when a worker ends (the beat then names its
-pid), with the worker's exit notice beside it.
+:data:`NODE_BEAT_S` (:data:`NODE_BEAT_ON_ETCD_S` on etcd), and at once when a
+worker ends (the beat then names its pid), with the worker's exit notice
+beside it.
+
+On etcd a beat is a write through Raft, a few milliseconds of the members'
+CPU: at 128 nodes, four beats a second each would be about a core and a half
+of it (BENCHMARKS.md, the control plane on etcd). A beat only has to land
+well within the liveness window, and the window on etcd is at least
+:data:`~tandem.control.elastic_group.MIN_STALE_ON_ETCD_S` (Note [a window
+longer than a failover] in tandem/control/elastic_group.py): a beat a second
+is six to a window there. A worker's end is written at once either way.
 """
 
 from __future__ import annotations
@@ -22,16 +31,19 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from tandem.store.job_secret import SignedStore
-from tandem.store.store_address import StoreAddress, connect, describe
+from tandem.control.elastic_group import MIN_STALE_ON_ETCD_S
+from tandem.store.store_address import EtcdAddress, StoreAddress, connect, describe
 from tandem.comm.process_id import NodeBeat, ProcessId, node_beat_key, write_exit_notice
 
-__all__ = ["NODE_BEAT_S", "NodeReports"]
+__all__ = ["NODE_BEAT_ON_ETCD_S", "NODE_BEAT_S", "NodeReports", "beat_period"]
 
 logger = logging.getLogger(__name__)
 
 _CONNECT_S = 5.0
 NODE_BEAT_S = 0.25
 """How often a node's launcher beats for its workers (the members' default ``beat_s``)."""
+NODE_BEAT_ON_ETCD_S = MIN_STALE_ON_ETCD_S / 6
+"""How often it beats in a store on etcd (the module's docstring)."""
 
 _Address = StoreAddress
 
@@ -121,7 +133,7 @@ class NodeReports:
                 self._write(_set, node_beat_key(self.node), NodeBeat(time.time(), dict(self._ended)).encode())
             if isinstance(item, _Ended):
                 self._write(write_exit_notice, item.pid, item.what)
-            next_beat = time.monotonic() + NODE_BEAT_S
+            next_beat = time.monotonic() + beat_period(self._address)
 
     def _write(self, call: Callable[..., None], *args: object) -> None:
         """``call(the store, *args)``; a failure is logged and the next call connects again."""
@@ -139,6 +151,11 @@ class NodeReports:
             self._client = (address, store if self._secret is None
                             else SignedStore(store, self._secret, f"the workers' store at {describe(address)}"))
         return self._client[1]
+
+
+def beat_period(address: _Address | None) -> float:
+    """How often a node beats in the store at ``address`` (the module's docstring)."""
+    return NODE_BEAT_ON_ETCD_S if isinstance(address, EtcdAddress) else NODE_BEAT_S
 
 
 def _set(store: dist.Store, key: str, value: str) -> None:

@@ -20,7 +20,9 @@ from tandem.control.generation import PREFIX, ElasticConfig
 from tandem.control.membership import Membership
 from tandem.comm.peers import PeerLostError, PeerWatch, heartbeat_key, last_beat, process_key
 from tandem.comm.process_id import NodeBeat, ProcessId, exit_notice_key, exit_words, node_beat_key
-from tandem.launch.node_reports import NodeReports
+from tandem.control.elastic_group import MIN_STALE_ON_ETCD_S
+from tandem.launch.node_reports import NODE_BEAT_S, NodeReports, beat_period
+from tandem.store.store_address import EtcdAddress
 
 pytestmark = pytest.mark.skipif(ProcessId.this_process() is None, reason="needs Linux's /proc")
 
@@ -114,6 +116,14 @@ def test_the_launcher_beats_for_its_node_and_posts_an_exit_to_the_workers_store(
         assert beat is not None and beat.ended == {1234: "exited with -9, seen by its launcher"}
     finally:
         reports.stop()
+
+
+def test_a_node_beats_less_often_on_etcd_and_still_several_times_a_window() -> None:
+    """A beat on etcd is a write through Raft (tandem/launch/node_reports.py): a
+    node beats there once a second, six times in the shortest window etcd allows."""
+    on_etcd = beat_period(EtcdAddress(("10.0.0.1:2379",), "jobs/j"))
+    assert beat_period(("127.0.0.1", 29500)) == NODE_BEAT_S == 0.25
+    assert on_etcd == 1.0 and MIN_STALE_ON_ETCD_S / on_etcd >= 6
 
 
 def test_a_reaped_process_is_worded_by_its_launchers_notice_when_there_is_one() -> None:
