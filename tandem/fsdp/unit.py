@@ -110,7 +110,7 @@ reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -129,6 +129,19 @@ from tandem.quantized.collectives import all_gather_quantized, reduce_scatter_qu
 __all__ = ["UNIT_ATTR", "ShardedUnit", "unit_of"]
 
 UNIT_ATTR = "_tandem_fsdp_unit"  # the attribute a fully_shard module holds its unit in
+
+
+class RootSchedule(Protocol):
+    """What a unit's holders call on the root's :class:`~tandem.fsdp.schedule.Schedule`
+    (schedule.py imports this file, so the unit names it by what it does)."""
+
+    root: ShardedUnit
+
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]: ...
+
+    def post_forward(self, unit: ShardedUnit, module: nn.Module, output: Any) -> Any: ...
+
+    def reset(self) -> None: ...
 
 
 class ShardedUnit:
@@ -172,8 +185,8 @@ class ShardedUnit:
         # set_reduce_scatter_max_input_buffers; None: by the backend (Note [reductions in flight] in schedule.py)
         self.max_reduce_buffers: int | None = None
         self.divide_factor: float | None = None
-        # The root's Schedule, set at the root's first forward; Any: schedule.py imports this file.
-        self.schedule: Any = None
+        # The root's Schedule, set at the root's first forward.
+        self.schedule: RootSchedule | None = None
         self.modules: tuple[nn.Module, ...] = ()  # the module(s) fully_shard was called on
         self.pending_forward: set[int] = set()    # ids of modules of the group yet to run forward
         self.mergeable = False                # below min_unit_bytes (Note [tiny units] in api.py)
