@@ -31,7 +31,11 @@ deciding:
   half ``stale_after_s``, 5 s at most) and proposes ``abort`` itself when it
   names another member dead (the judge may not know the step yet); one that
   sees no verdict newer than ``stale_after_s`` plus :data:`DEPUTIES` beats
-  judges for itself, as before.
+  judges for itself when every judging seat is dead, or after three windows
+  without a verdict whatever the seats. A late verdict from a living seat
+  means a store that answers slowly, and a thousand members each reading
+  every member's keys at once would keep it slow (1,024 simulated ranks on
+  etcd did until every request timed out).
 
 The store's load per beat is a few operations for the judge, one beat per node
 and, while a decision is late, one read per member and slice: linear in
@@ -139,9 +143,9 @@ class Judge:
             return None
         return verdict
 
-    def waited_long(self) -> bool:
-        """Long enough since this seat was taken for a verdict to have come."""
-        return time.monotonic() - self._since > self._stale_after_s
+    def waited_long(self, windows: int = 1) -> bool:
+        """Long enough since this seat was taken for a verdict to have come (``windows`` liveness windows)."""
+        return time.monotonic() - self._since > windows * self._stale_after_s
 
     def _latest(self) -> Verdict | None:
         try:

@@ -97,6 +97,7 @@ __all__ = ["NEVER_BEATEN", "Membership", "RollCall", "waited"]
 logger = logging.getLogger(__name__)
 
 _DECISION_SLICE_S = 5.0  # the longest wait on a key the judge writes before a look of its own (Note [judge once])
+_SEATS_WAITED_WINDOWS = 3  # liveness windows without a verdict after which a member judges, judges alive or not
 
 NEVER_BEATEN = "has never beaten"
 """What :meth:`Membership.dead` says of a member with no beat yet: dead to a
@@ -525,14 +526,23 @@ class Membership:
             if verdict is not None:
                 lost = {m: why for m, why in verdict.dead.items()
                         if m != self.member and self.generation.has(m)}
-            elif judge.waited_long():  # no judge has judged for a while: judge for itself, in one read
-                lost = self.judged(self.generation.members)
+            elif judge.waited_long() and (judge.waited_long(windows=_SEATS_WAITED_WINDOWS)
+                                          or self._seats_gone(self.generation)):
+                lost = self.judged(self.generation.members)  # the judges are gone: judge for itself, in one read
             else:
                 continue
             if lost:
                 logger.warning("elastic: %s", ", ".join(f"member {m} {why}" for m, why in lost.items()))
                 won = self.store.compare_set(key, "", Decision.ABORT.value)
                 return Decision(won.decode())
+
+    def _seats_gone(self, generation: Generation) -> bool:
+        """Whether every judging seat but this member's is dead (Note [judge once] in judge.py): a verdict
+        that is late while a seat lives is a slow judge, and members that all swept every member at once
+        would slow it further (a store that answers slowly is what makes a judge late)."""
+        seats = [generation.members[r] for r in judging_ranks(generation.world_size)]
+        others = [m for m in seats if m != self.member]
+        return len(self.judged(others)) == len(others)
 
     def departed(self, ranks: Sequence[int]) -> dict[int, str]:
         """The ranks of this generation, among ``ranks``, whose member has asked

@@ -483,6 +483,75 @@ def test_the_judge_aborts_the_step_the_others_wait_on_and_a_deputy_takes_over_wh
         m.stop()
 
 
+class Sweeper(Membership):
+    """A member that counts its sweeps of the whole generation and its looks at the judging seats."""
+
+    sweeps = 0
+    looks = 0
+
+    def judged(self, members):
+        self.sweeps += len(members) > len(judging_ranks(8))
+        return super().judged(members)
+
+    def _seats_gone(self, generation):
+        self.looks += 1
+        return super()._seats_gone(generation)
+
+
+def _late_verdict(monkeypatch: pytest.MonkeyPatch, windows_waited: float) -> tuple[dist.Store, Clock, list[Sweeper]]:
+    """8 members on 2 nodes whose judging seats (ranks 0, 4, 7) stopped judging
+    while their nodes beat on; the others have waited ``windows_waited``
+    liveness windows for a verdict, and wait on step 0, which cannot commit."""
+    monkeypatch.setattr(membership_module, "_DECISION_SLICE_S", 0.02)
+    clock, store = Clock(), _store()
+    for k in range(2):
+        store.set(node_beat_key(f"node{k}"), NodeBeat(clock(), {}).encode())
+    members = [cast(Sweeper, Sweeper.founding(store, r, 8, JUDGED, clock=clock, node=f"node{r // 4}"))
+               for r in range(8)]
+    for r in range(8):
+        store.set(f"{PREFIX}/node_of/{r}", f"node{r // 4} {7000 + r}")
+    for r in judging_ranks(8):
+        members[r].stop()
+    readers = [m for m in members if int(m.member) not in judging_ranks(8)]
+    for m in readers:
+        m._judge_of(m.generation)._since -= windows_waited * JUDGED.stale_after_s
+    return store, clock, readers
+
+
+def test_a_late_verdict_from_living_judges_is_waited_for_and_dead_judges_are_judged_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [judge once]: past a window without a verdict, a member judges for
+    itself only when every judging seat is dead: a thousand members sweeping
+    at once are what keeps a slow store's judge late."""
+    store, clock, readers = _late_verdict(monkeypatch, 1.1)
+    threads = [_in_thread(m.decide_step, 0) for m in readers]
+    deadline = time.monotonic() + 10
+    while min(m.looks for m in readers) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert min(m.looks for m in readers) >= 3 and [m.sweeps for m in readers] == [0] * len(readers)
+    _ended(store, clock, "node0", 7000)  # the seats' processes end, and their launchers say so
+    store.set(node_beat_key("node1"), NodeBeat(clock(), {7004: "killed", 7007: "killed"}).encode())
+    for t, out in threads:
+        t.join(10)
+        assert out == [Decision.ABORT]
+    assert max(m.sweeps for m in readers) >= 1  # no judge lives: the abort is a reader's
+
+
+def test_past_three_windows_without_a_verdict_a_member_judges_for_itself_whatever_the_seats(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seat whose node beats may still be a process that no longer judges: the wait on it is bounded."""
+    store, _, readers = _late_verdict(monkeypatch, 3.1)
+    threads = [_in_thread(m.decide_step, 0) for m in readers]
+    deadline = time.monotonic() + 10
+    while min(m.sweeps for m in readers) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert min(m.sweeps for m in readers) >= 1 and max(m.looks for m in readers) == 0
+    store.set(f"{PREFIX}/gen/0/step/0/decision", Decision.ABORT.value)  # no one is dead: end the wait
+    for t, out in threads:
+        t.join(10)
+        assert out == [Decision.ABORT]
+
+
 def test_a_member_whose_node_stopped_beating_is_dead_and_junk_under_a_node_beat_is_skipped() -> None:
     clock, store = Clock(), _store("signed")
     assert isinstance(store, SignedStore)
