@@ -441,11 +441,14 @@ class Membership:
     def roll_period(self, generation: Generation, since: float) -> float | None:
         """How often this member reads a roll call of ``generation`` (Note [a roll call]):
         often when it judges; once a slice when the judges have not answered for
-        longer than their window (every member may then read it: not often); None: it waits."""
+        longer than their window and are dead, or for three windows whatever they are
+        (every member may then read it: not often); None: it waits."""
         seats = judging_ranks(generation.world_size)
         if generation.rank_of(self.member) in seats:
             return min(self.config.beat_s, 0.05)
-        if time.monotonic() - since > self.config.stale_after_s + len(seats) * self.config.beat_s:
+        waited_s = time.monotonic() - since
+        window = self.config.stale_after_s + len(seats) * self.config.beat_s
+        if waited_s > window and (waited_s > _SEATS_WAITED_WINDOWS * window or self._seats_gone(generation)):
             return self.slice_s()
         return None
 
@@ -636,8 +639,10 @@ class Membership:
 #   stands);
 # - every other member waits on that key, which the store answers when it is
 #   written; one that has waited longer than the judges' window reads the roll
-#   itself (the judges are gone), once a wait slice, not often: every member may
-#   be doing the same.
+#   itself when the judges are dead, or after three windows whatever they are,
+#   once a wait slice, not often: every member may be doing the same (a judge
+#   that is late because the store answers slowly is not helped by a thousand
+#   members reading every arrival).
 
 
 def waited(store: dist.Store, keys: list[str], timeout_s: float) -> bool:

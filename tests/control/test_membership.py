@@ -552,6 +552,23 @@ def test_past_three_windows_without_a_verdict_a_member_judges_for_itself_whateve
         assert out == [Decision.ABORT]
 
 
+def test_a_member_reads_a_late_roll_call_itself_only_when_its_judges_are_dead_or_three_windows_late(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [a roll call]: the same bound on a world change's roll as on a step's verdict."""
+    store, clock, readers = _late_verdict(monkeypatch, 0)
+    member, generation = readers[0], readers[0].generation
+    window = JUDGED.stale_after_s + len(judging_ranks(8)) * JUDGED.beat_s
+    now = time.monotonic()
+    periods = [member.roll_period(generation, now - late * window) for late in (0.5, 1.1, 3.1)]
+    assert periods == [None, None, member.slice_s()]  # within the window; the judges live; three windows
+    _ended(store, clock, "node0", 7000)
+    store.set(node_beat_key("node1"), NodeBeat(clock(), {7004: "killed", 7007: "killed"}).encode())
+    assert member.roll_period(generation, now - 1.1 * window) == member.slice_s()  # the judges are dead
+    assert member.roll_period(generation, now - 0.5 * window) is None
+    for m in readers:
+        m.stop()
+
+
 def test_a_member_whose_node_stopped_beating_is_dead_and_junk_under_a_node_beat_is_skipped() -> None:
     clock, store = Clock(), _store("signed")
     assert isinstance(store, SignedStore)
