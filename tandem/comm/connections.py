@@ -41,6 +41,14 @@ group an elastic job builds over every member (fully_shard's reduce-scatter
 group, ``new_world_group`` in tandem/control/elastic_group.py) is recorded with the default
 group, and cut with it. Other groups (``new_group``, an adopted group) are not
 recorded.
+
+"At once" is a moment: the wait that fails must still be scheduled and take
+the GIL, and a script that ends right after the world change (its last step)
+can reach finalization first, with the same SIGABRT. So the cut also has the
+interpreter wait, at exit and for a few seconds at most, for tandem's threaded
+waits that were in flight when it was made
+(:func:`~tandem.comm.peers.settle_before_exit`): by then they have long
+returned, and nothing waits.
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ error add a guess at the cause (killed, out of memory, or crashed).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import queue
@@ -78,7 +79,7 @@ from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
            "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "departure", "heartbeat_key", "last_beat",
-           "wait_watching_peers"]
+           "settle_before_exit", "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -387,6 +388,7 @@ class ThreadedWait:
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             self._error = e
         self._done.set()
+        _IN_FLIGHT.discard(self)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._done.wait(None if timeout is None else timeout.total_seconds()):
@@ -400,6 +402,29 @@ class ThreadedWait:
 
     def get_future(self) -> Any:
         return self._work.get_future()
+
+
+_IN_FLIGHT: set[ThreadedWait] = set()  # the threaded waits of this process not returned yet (any Waiter's)
+_SETTLE_S = 5.0
+
+
+def settle_before_exit() -> None:
+    """Have the interpreter, before it finalizes, let the threaded waits in
+    flight now return, for :data:`_SETTLE_S` at most: their group's connections
+    were just cut (Note [severing a forgotten group] in connections.py), so
+    each fails in a moment; one that came back from torch while the interpreter
+    finalizes would abort the process (SIGABRT), as a process whose script ends
+    right after a world change could. Nothing waits while they return in time."""
+    waits = list(_IN_FLIGHT)
+    if waits:
+        atexit.register(_settle, waits)
+
+
+def _settle(waits: list[ThreadedWait]) -> None:
+    deadline = time.monotonic() + _SETTLE_S
+    for wait in waits:
+        if not wait._done.wait(max(0.0, deadline - time.monotonic())):
+            return
 
 
 class Waiter:
@@ -416,6 +441,7 @@ class Waiter:
     def submit(self, work: Any) -> ThreadedWait:
         """Start waiting on ``work`` now; wait on what this returns."""
         threaded = ThreadedWait(work)
+        _IN_FLIGHT.add(threaded)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tandem-waiter", daemon=True)
             self._thread.start()

@@ -128,3 +128,37 @@ def test_a_rank_with_a_wait_left_in_a_forgotten_group_exits_cleanly(tmp_path: Pa
     for rank, (p, out) in enumerate(zip(ranks, outputs)):
         assert p.returncode == 0, (rank, p.returncode, out[-3000:])
         assert "terminate called" not in out, (rank, out[-3000:])
+
+
+_SETTLE = textwrap.dedent("""
+    import datetime, time
+    import torch.distributed as dist
+    from tandem.comm.peers import Waiter, settle_before_exit
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    class CutWork:
+        # A wait that blocks in torch with the GIL released and fails in a moment,
+        # as a wait does once its group's connections were cut.
+        def wait(self):
+            store.wait(["never"], datetime.timedelta(seconds=0.3))
+
+    Waiter().submit(CutWork())
+    settle_before_exit()   # what enter_generation calls after the cut
+
+    class Finalizing:
+        def __del__(self, time=time):
+            time.sleep(1.0)   # the interpreter finalizes while the wait comes back
+
+    finalizing = Finalizing()
+""")
+
+
+def test_a_wait_that_fails_as_the_script_ends_is_let_return_before_the_interpreter_finalizes() -> None:
+    """Note [severing a forgotten group]: without ``settle_before_exit`` this
+    process aborts ("terminate called without an active exception", exit -6:
+    checked), its script finished."""
+    done = subprocess.run([sys.executable, "-c", _SETTLE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0 and "terminate called" not in done.stdout, (done.returncode, done.stdout[-3000:])
+
