@@ -11,8 +11,10 @@ agrees in), below every wrapper (fully_shard builds its second group here).
 - generation.py: what the members agree on (a :class:`Generation`, a step's
   ``Decision``), by which settings (:class:`ElasticConfig`), and the errors of
   the agreement (:class:`MembershipError`);
-- membership.py: who is in an elastic job, agreed through its store, and the
-  roll calls of a world change (Note [elastic membership], Note [a roll call]);
+- membership.py: who is in an elastic job, agreed through its store (Note
+  [elastic membership]);
+- roll_call.py: the barriers of a world change, which thousands of members
+  can pass (Note [a roll call]);
 - judge.py: one member judges who is dead, for every member (Note [judge once]);
 - join_requests.py: the asks to join as the members read them, and a
   stranger's refused (Note [a stranger asks to join]);
@@ -23,7 +25,7 @@ agrees in), below every wrapper (fully_shard builds its second group here).
 An elastic world change reads, in order: tandem/elastic/run.py
 (``ElasticRun.change_world``: the step aborted), membership.py
 (``next_generation``: the members agree on the next generation, through a roll
-call), elastic_group.py (``enter_generation``: the members arrive, the old
+call: roll_call.py), elastic_group.py (``enter_generation``: the members arrive, the old
 group is left, the new one built), group_record.py (``start_watch``: the
 monitor and the record move onto the new group). The death that starts it is
 found during a step's decision: membership.py (``decide_step``), judge.py (the

@@ -25,7 +25,8 @@ from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.control.generation import PREFIX, ElasticConfig, Generation, MembershipError, NothingToJoin
-from tandem.control.membership import Membership, RollCall
+from tandem.control.membership import Membership
+from tandem.control.roll_call import RollCall
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.peers import PeerLostError, settle_before_exit
 from tandem.comm.process_id import below_prefixes
@@ -49,7 +50,7 @@ failure, and nothing for a launcher to replace."""
 
 logger = logging.getLogger(__name__)
 
-_ALL_ARRIVED = "all"  # a roll call's outcome when every member came (Note [a roll call] in membership.py)
+_ALL_ARRIVED = "all"  # a roll call's outcome when every member came (Note [a roll call] in roll_call.py)
 
 # Note [elastic default group]
 # An elastic job (Note [elastic membership] in membership.py) changes its world
@@ -190,7 +191,7 @@ def await_members(membership: Membership, generation: Generation, what: str = "g
     connected, for the group's whole timeout: a replacement admitted and then
     killed before it connected, or a member killed between the agreement and
     the group, left the others there for as long. So each member first puts
-    itself on a roll call in the store (Note [a roll call] in membership.py)
+    itself on a roll call in the store (Note [a roll call] in roll_call.py)
     and waits for its outcome: the last to arrive says all came; the judges
     watch the missing ones for death, and a dead one fails the change with a
     PeerLostError on every member, and the next change leaves it out.
@@ -209,7 +210,7 @@ def await_members(membership: Membership, generation: Generation, what: str = "g
     """
     roll = RollCall(membership.store, f"{PREFIX}/gen/{generation.number}/arrived/{what}")
     if roll.arrive(membership.member) == generation.world_size:
-        roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in membership.py)
+        roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in roll_call.py)
     during = f"the arrival of generation {generation.number}'s members ({what})"
     started = time.monotonic()
     while True:

@@ -48,7 +48,7 @@ write is a revision, and beats write several times a second.
 etcd has no increment. Counting with one key would make an ``add`` a
 compare-and-swap: when every member of a job adds to one key at once (a
 step's commit, each arrival at a roll call, Note [a roll call] in
-tandem/control/membership.py), all but one find the key changed and try
+tandem/control/roll_call.py), all but one find the key changed and try
 again, one after the other through Raft: at 256 ranks an ``add`` waited
 seconds. So a count is kept as keys, one per ``add``, and nothing is compared:
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from tandem.control.membership import RollCall, waited
+from tandem.control.roll_call import RollCall, waited
 
 
 def test_an_arrival_whose_id_is_not_written_hides_no_later_one() -> None:
