@@ -56,7 +56,7 @@ class not_traced_forward:  # noqa: N801 - a decorator, named as one
     adds a graph break at the top of a compiled module's forward. This
     descriptor stands in the class until the method is first looked up with
     dynamo loaded (``torch.compile(module)`` looks it up before it traces, and
-    so does the wrapper's constructor, :meth:`settle`), and then puts the
+    so does the wrapper's constructor, :meth:`apply_if_loaded`), and then puts the
     function decorated as torch decorates it in its place: what dynamo traces
     is the decorated forward, and a compiled model stays one graph. Before
     that, the plain function runs (nothing can trace it without dynamo).
@@ -78,7 +78,7 @@ class not_traced_forward:  # noqa: N801 - a decorator, named as one
         return fn if obj is None else types.MethodType(fn, obj)
 
     @staticmethod
-    def settle(owner: type, name: str = "forward") -> None:
+    def apply_if_loaded(owner: type, name: str = "forward") -> None:
         """Decorate now if dynamo is loaded (a lookup does it)."""
         getattr(owner, name)
 

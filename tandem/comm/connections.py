@@ -47,7 +47,7 @@ the GIL, and a script that ends right after the world change (its last step)
 can reach finalization first, with the same SIGABRT. So the cut also has the
 interpreter wait, at exit and for a few seconds at most, for tandem's threaded
 waits that were in flight when it was made
-(:func:`~tandem.comm.peers.settle_before_exit`): by then they have long
+(:func:`~tandem.comm.peers.drain_at_exit`): by then they have long
 returned, and nothing waits.
 """
 

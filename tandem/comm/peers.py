@@ -79,7 +79,7 @@ from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
 __all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
            "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "departure", "heartbeat_key", "last_beat",
-           "settle_before_exit", "wait_watching_peers"]
+           "drain_at_exit", "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -405,23 +405,23 @@ class ThreadedWait:
 
 
 _IN_FLIGHT: set[ThreadedWait] = set()  # the threaded waits of this process not returned yet (any Waiter's)
-_SETTLE_S = 5.0
+_DRAIN_S = 5.0
 
 
-def settle_before_exit() -> None:
+def drain_at_exit() -> None:
     """Have the interpreter, before it finalizes, let the threaded waits in
-    flight now return, for :data:`_SETTLE_S` at most: their group's connections
+    flight now return, for :data:`_DRAIN_S` at most: their group's connections
     were just cut (Note [severing a forgotten group] in connections.py), so
     each fails in a moment; one that came back from torch while the interpreter
     finalizes would abort the process (SIGABRT), as a process whose script ends
     right after a world change could. Nothing waits while they return in time."""
     waits = list(_IN_FLIGHT)
     if waits:
-        atexit.register(_settle, waits)
+        atexit.register(_drain, waits)
 
 
-def _settle(waits: list[ThreadedWait]) -> None:
-    deadline = time.monotonic() + _SETTLE_S
+def _drain(waits: list[ThreadedWait]) -> None:
+    deadline = time.monotonic() + _DRAIN_S
     for wait in waits:
         if not wait._done.wait(max(0.0, deadline - time.monotonic())):
             return

@@ -28,7 +28,7 @@ from tandem.control.generation import PREFIX, ElasticConfig, Generation, Members
 from tandem.control.membership import Membership
 from tandem.control.roll_call import RollCall
 from tandem.comm.monitor import current_monitor, stop_monitor
-from tandem.comm.peers import PeerLostError, settle_before_exit
+from tandem.comm.peers import PeerLostError, drain_at_exit
 from tandem.comm.process_id import below_prefixes
 from tandem.store.store_address import EtcdAddress, etcd_client, store_ports
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
@@ -173,7 +173,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
         # Every member of the new world is here, so done with the old group:
         # Note [severing a forgotten group] in tandem/comm/connections.py.
         severed = sever(record.connections)
-        settle_before_exit()
+        drain_at_exit()
         logger.debug("tandem: elastic generation %d: cut %d connection(s) of the old group",
                      generation.number, severed)
     logger.info("tandem: elastic generation %d: member %s is rank %d of %d", generation.number,

@@ -179,7 +179,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)
-        not_traced_forward.settle(DistributedDataParallel)  # Note [torch.compile] in compile.py
+        not_traced_forward.apply_if_loaded(DistributedDataParallel)  # Note [torch.compile] in compile.py
         Joinable.__init__(self)
         reject_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
                             param_to_hook_all_reduce=param_to_hook_all_reduce,
@@ -328,7 +328,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """``nn.Module.compile``, with :meth:`forward` decorated for dynamo first
         (``_compat.not_traced_forward``: it loads dynamo, and traces the forward next)."""
         super().compile(*args, **kwargs)
-        not_traced_forward.settle(DistributedDataParallel)
+        not_traced_forward.apply_if_loaded(DistributedDataParallel)
 
     # Note [torch.compile] in compile.py. Not with _compat.not_traced: torch's lazy wrapper would add
     # a graph break to torch.compile(DDP(model)), which is one graph without it.

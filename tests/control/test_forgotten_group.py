@@ -130,10 +130,10 @@ def test_a_rank_with_a_wait_left_in_a_forgotten_group_exits_cleanly(tmp_path: Pa
         assert "terminate called" not in out, (rank, out[-3000:])
 
 
-_SETTLE = textwrap.dedent("""
+_DRAIN = textwrap.dedent("""
     import datetime, time
     import torch.distributed as dist
-    from tandem.comm.peers import Waiter, settle_before_exit
+    from tandem.comm.peers import Waiter, drain_at_exit
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
@@ -144,7 +144,7 @@ _SETTLE = textwrap.dedent("""
             store.wait(["never"], datetime.timedelta(seconds=0.3))
 
     Waiter().submit(CutWork())
-    settle_before_exit()   # what enter_generation calls after the cut
+    drain_at_exit()   # what enter_generation calls after the cut
 
     class Finalizing:
         def __del__(self, time=time):
@@ -155,10 +155,10 @@ _SETTLE = textwrap.dedent("""
 
 
 def test_a_wait_that_fails_as_the_script_ends_is_let_return_before_the_interpreter_finalizes() -> None:
-    """Note [severing a forgotten group]: without ``settle_before_exit`` this
+    """Note [severing a forgotten group]: without ``drain_at_exit`` this
     process aborts ("terminate called without an active exception", exit -6:
     checked), its script finished."""
-    done = subprocess.run([sys.executable, "-c", _SETTLE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    done = subprocess.run([sys.executable, "-c", _DRAIN], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0 and "terminate called" not in done.stdout, (done.returncode, done.stdout[-3000:])
 
