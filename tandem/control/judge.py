@@ -34,8 +34,7 @@ deciding:
   judges for itself when every judging seat is dead, or after three windows
   without a verdict whatever the seats. A late verdict from a living seat
   means a store that answers slowly, and a thousand members each reading
-  every member's keys at once would keep it slow (1,024 simulated ranks on
-  etcd did until every request timed out).
+  every member's keys at once would keep it slow.
 
 The store's load per beat is a few operations for the judge, one beat per node
 and, while a decision is late, one read per member and slice: linear in

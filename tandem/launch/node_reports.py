@@ -9,9 +9,9 @@ in order, through a client of its own: the node's beat every
 worker ends (the beat then names its pid), with the worker's exit notice
 beside it.
 
-On etcd a beat is a write through Raft, a few milliseconds of the members'
-CPU: at 128 nodes, four beats a second each would be about a core and a half
-of it (BENCHMARKS.md, the control plane on etcd). A beat only has to land
+On etcd a beat is a write through Raft, which costs the members far more
+than a TCPStore's ``set`` costs its server (BENCHMARKS.md, the control plane
+on etcd). A beat only has to land
 well within the liveness window, and the window on etcd is at least
 :data:`~tandem.control.elastic_group.MIN_STALE_ON_ETCD_S` (Note [a window
 longer than a failover] in tandem/control/elastic_group.py): a beat a second
