@@ -142,9 +142,9 @@ class Judge:
             return None
         return verdict
 
-    def waited_long(self, windows: int = 1) -> bool:
-        """Long enough since this seat was taken for a verdict to have come (``windows`` liveness windows)."""
-        return time.monotonic() - self._since > windows * self._stale_after_s
+    def seated_s(self) -> float:
+        """Seconds since this seat was taken: how long a verdict has had to come."""
+        return time.monotonic() - self._since
 
     def _latest(self) -> Verdict | None:
         try:

@@ -447,11 +447,8 @@ class Membership:
         seats = judging_ranks(generation.world_size)
         if generation.rank_of(self.member) in seats:
             return min(self.config.beat_s, 0.05)
-        waited_s = time.monotonic() - since
         window = self.config.stale_after_s + len(seats) * self.config.beat_s
-        if waited_s > window and (waited_s > _SEATS_WAITED_WINDOWS * window or self._seats_gone(generation)):
-            return self.slice_s()
-        return None
+        return self.slice_s() if self._judges_gone(generation, time.monotonic() - since, window) else None
 
     def slice_s(self) -> float:
         """How long a member waits on a key the judge writes before it looks for itself."""
@@ -530,9 +527,8 @@ class Membership:
             if verdict is not None:
                 lost = {m: why for m, why in verdict.dead.items()
                         if m != self.member and self.generation.has(m)}
-            elif judge.waited_long() and (judge.waited_long(windows=_SEATS_WAITED_WINDOWS)
-                                          or self._seats_gone(self.generation)):
-                lost = self.judged(self.generation.members)  # the judges are gone: judge for itself, in one read
+            elif self._judges_gone(self.generation, judge.seated_s(), self.config.stale_after_s):
+                lost = self.judged(self.generation.members)  # judge for itself, in one read
             else:
                 continue
             if lost:
@@ -540,10 +536,16 @@ class Membership:
                 won = self.store.compare_set(key, "", Decision.ABORT.value)
                 return Decision(won.decode())
 
+    def _judges_gone(self, generation: Generation, waited_s: float, window: float) -> bool:
+        """Whether a member that has waited ``waited_s`` for the judges of ``generation``
+        (a verdict, a roll call's outcome) looks for itself: past ``window`` when every
+        judging seat is dead, past three windows whatever they are (Note [judge once] in judge.py)."""
+        return waited_s > window and (waited_s > _SEATS_WAITED_WINDOWS * window or self._seats_gone(generation))
+
     def _seats_gone(self, generation: Generation) -> bool:
-        """Whether every judging seat but this member's is dead (Note [judge once] in judge.py): a verdict
-        that is late while a seat lives is a slow judge, and members that all swept every member at once
-        would slow it further (a store that answers slowly is what makes a judge late)."""
+        """Whether every judging seat but this member's is dead: a verdict that is late while a
+        seat lives is a slow judge, and members that all swept every member at once would slow it
+        further (a store that answers slowly is what makes a judge late)."""
         seats = [generation.members[r] for r in judging_ranks(generation.world_size)]
         others = [m for m in seats if m != self.member]
         return len(self.judged(others)) == len(others)

@@ -205,13 +205,15 @@ class _Count:
     its base, and under ``adds`` one key per ``add`` (``ones`` of one,
     ``others`` of any other amount)."""
 
-    READS = 3  # the operations of :meth:`reads`
-
     def __init__(self, base: bytes, adds: bytes) -> None:
         self.base = base
         self.adds = adds
         self.ones = adds + b"1/"
         self.others = adds + b"v/"
+
+    def glance(self) -> list[dict[str, Any]]:
+        """The base, and how many adds there are (two operations: what a read of a value needs first)."""
+        return [_range(self.base), _range(self.adds, prefix=True, count_only=True)]
 
     def reads(self, revision: int = 0) -> list[dict[str, Any]]:
         """The base, the number of adds of one and the other adds, at ``revision`` (0: now)."""
@@ -451,9 +453,8 @@ class EtcdStore(dist.Store):
         step = _TXN_OPS // per_key
         for start in range(0, len(keys), step):
             chunk = [self._count(k) for k in keys[start:start + step]]
-            reads = ([op for count in chunk for op in (_range(count.base), _range(count.adds, prefix=True,
-                                                                                 count_only=True))]
-                     if values else [_range(count.base, count_only=True) for count in chunk])
+            reads = ([op for count in chunk for op in count.glance()] if values else
+                     [_range(count.base, count_only=True) for count in chunk])
             answer = self._txn([], reads, [], f"read of {len(keys)} keys", deadline)
             seen = _revision(answer)
             revision = seen if revision == 0 else min(revision, seen)
