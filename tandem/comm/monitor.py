@@ -175,7 +175,9 @@ class Monitor:
         if self._cut_off is not None:
             self._cut_off.stop()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=JOIN_S)
+            if self._thread.is_alive():  # Note [a beat in flight at exit]
+                atexit.register(_let_return, self._thread)
             self._thread = None
         if left:  # Note [finishing] in tandem/launch/watchdog.py: the last word, marked as such
             self._write_progress(finished=True)
@@ -259,6 +261,29 @@ class Monitor:
             self._progress_store.set(progress_key(self.rank), json.dumps(snapshot))
         except Exception as e:  # noqa: BLE001 - a lost store is reported by the waits
             logger.debug("rank %d: cannot post progress: %s", self.rank, e)
+
+
+# Note [a beat in flight at exit]
+# The monitor's thread beats with a store call that waits for the store's answer
+# with the GIL released. :meth:`Monitor.stop` waits JOIN_S for the thread; on a
+# loaded host, or with a slow store, the answer can come later than that. Were
+# the script to end meanwhile, the call would come back from torch while the
+# interpreter finalizes, and the process would abort with SIGABRT, "terminate
+# called without an active exception" (Note [exit on an uncaught exception] in
+# exit.py), after its work was done. So a thread still beating after JOIN_S is
+# waited on once more at exit, before the interpreter finalizes, for at most
+# EXIT_JOIN_S: a store call that fails ends at once, and one to a live store
+# returns when the store answers. A script that goes on after
+# ``tandem.shutdown()`` does not wait.
+JOIN_S = 2.0
+EXIT_JOIN_S = 30.0
+
+
+def _let_return(thread: threading.Thread) -> None:
+    thread.join(timeout=EXIT_JOIN_S)
+    if thread.is_alive():
+        logger.warning("tandem: the monitor's last heartbeat is still waiting for the job's store after %g s; "
+                       "the process exits without its answer", JOIN_S + EXIT_JOIN_S)
 
 
 PROGRESS_POST_S = 1.0
