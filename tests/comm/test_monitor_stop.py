@@ -12,14 +12,14 @@ import textwrap
 TIMEOUT_S = 60.0
 
 _SCRIPT = textwrap.dedent("""
-    import datetime, sys, time
+    import datetime, threading, time
     import torch.distributed as dist
     from tandem.comm import monitor as monitor_module
     from tandem.comm.monitor import Monitor
     from tandem.comm.peers import Liveness
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    beating, waits = [], {"n": 0}
+    beating, waits = threading.Event(), {"n": 0}
 
     class SlowStore:
         # A beat that waits in torch, with the GIL released, for an answer that
@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent("""
         def set(self, key, value):
             waits["n"] += 1
             if waits["n"] > 1:   # the first beat is the one start() makes
-                beating.append(True)
+                beating.set()
                 try:
                     store.wait(["never"], datetime.timedelta(seconds=0.5))
                 except Exception:
@@ -40,8 +40,7 @@ _SCRIPT = textwrap.dedent("""
     monitor._beat_store = SlowStore()
     monitor_module.JOIN_S = 0.05   # stop() gives up on the beat long before its answer
     monitor.start()
-    while not beating:
-        time.sleep(0.001)
+    assert beating.wait(30)
     monitor.stop(left=False)
     print("STOPPED", monitor_module.JOIN_S, flush=True)
 
