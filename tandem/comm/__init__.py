@@ -9,7 +9,7 @@
 - the watch over collectives: the ledger, the heartbeat and dead peers, debug
   mode, a rank cut off from the store, a clean exit (monitor.py, ledger.py,
   peers.py, process_id.py, fingerprint.py, wait_board.py, cut_off.py,
-  watched_call.py, exit.py), and a rank's collectives as a trace (trace.py);
+  watched_call.py, exit.py, thread_exit.py), and a rank's collectives as a trace (trace.py);
 - point-to-point messages that carry their own shapes (:func:`send`,
   :func:`recv`; p2p.py, plain_data.py).
 

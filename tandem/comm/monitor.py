@@ -51,6 +51,7 @@ from tandem.comm.fingerprint import FingerprintCheck, debug_flags
 from tandem.store.job_secret import signed, signed_like
 from tandem.comm.ledger import Ledger
 from tandem.store.store_address import etcd_client
+from tandem.comm.thread_exit import join_before_exit
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key, last_beat
 
@@ -175,9 +176,7 @@ class Monitor:
         if self._cut_off is not None:
             self._cut_off.stop()
         if self._thread is not None:
-            self._thread.join(timeout=JOIN_S)
-            if self._thread.is_alive():  # Note [a beat in flight at exit]
-                atexit.register(_let_return, self._thread)
+            join_before_exit(self._thread, JOIN_S)  # Note [a store call in flight at exit]
             self._thread = None
         if left:  # Note [finishing] in tandem/launch/watchdog.py: the last word, marked as such
             self._write_progress(finished=True)
@@ -263,27 +262,8 @@ class Monitor:
             logger.debug("rank %d: cannot post progress: %s", self.rank, e)
 
 
-# Note [a beat in flight at exit]
-# The monitor's thread beats with a store call that waits for the store's answer
-# with the GIL released. :meth:`Monitor.stop` waits JOIN_S for the thread; on a
-# loaded host, or with a slow store, the answer can come later than that. Were
-# the script to end meanwhile, the call would come back from torch while the
-# interpreter finalizes, and the process would abort with SIGABRT, "terminate
-# called without an active exception" (Note [exit on an uncaught exception] in
-# exit.py), after its work was done. So a thread still beating after JOIN_S is
-# waited on once more at exit, before the interpreter finalizes, for at most
-# EXIT_JOIN_S: a store call that fails ends at once, and one to a live store
-# returns when the store answers. A script that goes on after
-# ``tandem.shutdown()`` does not wait.
 JOIN_S = 2.0
-EXIT_JOIN_S = 30.0
-
-
-def _let_return(thread: threading.Thread) -> None:
-    thread.join(timeout=EXIT_JOIN_S)
-    if thread.is_alive():
-        logger.warning("tandem: the monitor's last heartbeat is still waiting for the job's store after %g s; "
-                       "the process exits without its answer", JOIN_S + EXIT_JOIN_S)
+"""How long :meth:`Monitor.stop` waits for the heartbeat's thread before leaving it to exit."""
 
 
 PROGRESS_POST_S = 1.0

@@ -110,7 +110,9 @@ def with_elastic(member: GroupRecord, elastic: Membership) -> None:
 # crash as one (Note [a crash after finishing] in tandem/launch/elastic_agent.py).
 # So the beat stops, and its thread is joined, at tandem.shutdown() and at the
 # process's exit (atexit; after an uncaught exception too, Note [exit on an
-# uncaught exception] in tandem/comm/exit.py), as the monitor's thread does.
+# uncaught exception] in tandem/comm/exit.py), as the monitor's thread does; a
+# beat still waiting for the store then is waited on before the interpreter
+# finalizes (Note [a store call in flight at exit] in tandem/comm/thread_exit.py).
 
 @atexit.register
 def stop_elastic_at_exit() -> None:

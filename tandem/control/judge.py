@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from tandem.comm.thread_exit import join_before_exit
 from tandem.store.job_secret import ForgedValueError
 
 __all__ = ["DEPUTIES", "Judge", "Verdict", "judging_ranks"]
@@ -196,4 +197,4 @@ class Judge:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            join_before_exit(self._thread, 5.0)  # Note [a store call in flight at exit]

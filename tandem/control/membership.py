@@ -92,6 +92,7 @@ from tandem.control.judge import Judge, judging_ranks
 from tandem.control.roll_call import RollCall, waited
 from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
+from tandem.comm.thread_exit import join_before_exit
 
 __all__ = ["NEVER_BEATEN", "Membership"]
 
@@ -248,7 +249,7 @@ class Membership:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            join_before_exit(self._thread, 5.0)  # Note [a store call in flight at exit]
         self._stop_judging()
 
     def _run(self) -> None:
