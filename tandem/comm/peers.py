@@ -380,6 +380,7 @@ class ThreadedWait:
         self._work = work
         self._done = threading.Event()
         self._error: BaseException | None = None
+        _IN_FLIGHT.add(self)  # until run() returns; made to be run at once, by a Waiter or a thread of its own
 
     def run(self) -> None:
         """Wait for the work (in the waiter thread)."""
@@ -404,7 +405,7 @@ class ThreadedWait:
         return self._work.get_future()
 
 
-_IN_FLIGHT: set[ThreadedWait] = set()  # the threaded waits of this process not returned yet (any Waiter's)
+_IN_FLIGHT: set[ThreadedWait] = set()  # the threaded waits of this process not returned yet
 _DRAIN_S = 5.0
 
 
@@ -441,7 +442,6 @@ class Waiter:
     def submit(self, work: Any) -> ThreadedWait:
         """Start waiting on ``work`` now; wait on what this returns."""
         threaded = ThreadedWait(work)
-        _IN_FLIGHT.add(threaded)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tandem-waiter", daemon=True)
             self._thread.start()

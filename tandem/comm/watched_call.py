@@ -15,7 +15,10 @@ it in slices as on any collective, so a peer that died is named within a slice
 (:class:`~tandem.comm.peers.PeerLostError`) and the rebuild fails over to the
 next regroup, or the replacement leaves. A call abandoned that way stays
 blocked in its thread, in a group that is forgotten (Note [elastic default
-group] in tandem/control/elastic_group.py), until the group's timeout.
+group] in tandem/control/elastic_group.py), until the next world change cuts
+that group's connections; its wait is among the threaded waits in flight that
+the interpreter lets return before it finalizes (Note [severing a forgotten
+group] in connections.py).
 """
 
 from __future__ import annotations

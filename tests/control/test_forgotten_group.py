@@ -131,9 +131,9 @@ def test_a_rank_with_a_wait_left_in_a_forgotten_group_exits_cleanly(tmp_path: Pa
 
 
 _DRAIN = textwrap.dedent("""
-    import datetime, time
+    import datetime, sys, threading, time
     import torch.distributed as dist
-    from tandem.comm.peers import Waiter, drain_at_exit
+    from tandem.comm.peers import ThreadedWait, Waiter, drain_at_exit
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
@@ -143,7 +143,11 @@ _DRAIN = textwrap.dedent("""
         def wait(self):
             store.wait(["never"], datetime.timedelta(seconds=0.3))
 
-    Waiter().submit(CutWork())
+    if sys.argv[1] == "waiter":   # a reduce-scatter's, a send's or a receive's
+        Waiter().submit(CutWork())
+    else:   # an object collective's, abandoned: a thread of its own (tandem.comm.watched_call)
+        work = ThreadedWait(CutWork())
+        threading.Thread(target=work.run, daemon=True).start()
     drain_at_exit()   # what enter_generation calls after the cut
 
     class Finalizing:
@@ -154,11 +158,13 @@ _DRAIN = textwrap.dedent("""
 """)
 
 
-def test_a_wait_that_fails_as_the_script_ends_is_let_return_before_the_interpreter_finalizes() -> None:
+@pytest.mark.parametrize("waited_by", ["waiter", "watched_call"])
+def test_a_wait_that_fails_as_the_script_ends_is_let_return_before_the_interpreter_finalizes(waited_by: str) -> None:
     """Note [severing a forgotten group]: without ``drain_at_exit`` this
     process aborts ("terminate called without an active exception", exit -6:
-    checked), its script finished."""
-    done = subprocess.run([sys.executable, "-c", _DRAIN], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT_S)
+    checked), its script finished; so does the watched call's without its wait
+    counted in flight."""
+    done = subprocess.run([sys.executable, "-c", _DRAIN, waited_by], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0 and "terminate called" not in done.stdout, (done.returncode, done.stdout[-3000:])
 
