@@ -11,9 +11,11 @@ process would abort with SIGABRT, "terminate called without an active
 exception", after its work was done (Note [exit on an uncaught exception] in
 exit.py). So a thread still running after its ``stop`` gave up on it is joined
 once more at exit, before the interpreter finalizes, for at most
-:data:`EXIT_JOIN_S`: a call to a store that is gone fails at once, and one to a
-live store returns when the store answers. A script that goes on after
-``tandem.shutdown()`` does not wait.
+:data:`EXIT_JOIN_S` for all of them together (a process that changed worlds
+many times with a store out of reach does not wait that long for each). A
+call to a store that is gone fails at once, and one to a live store returns
+when the store answers. A script that goes on after ``tandem.shutdown()``
+does not wait.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 
 __all__ = ["EXIT_JOIN_S", "join_before_exit"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_JOIN_S = 30.0
-"""How long the interpreter waits at exit for a thread that its ``stop`` gave up on."""
+"""How long the interpreter waits at exit, in all, for the threads that their ``stop`` gave up on."""
+
+_left: list[threading.Thread] = []   # given up on by their stop and still running when last looked at
 
 
 def join_before_exit(thread: threading.Thread, timeout_s: float) -> None:
@@ -35,11 +40,17 @@ def join_before_exit(thread: threading.Thread, timeout_s: float) -> None:
     at exit, before the interpreter finalizes (Note [a store call in flight at exit])."""
     thread.join(timeout=timeout_s)
     if thread.is_alive():
-        atexit.register(_join_at_exit, thread)
+        if not _left:
+            atexit.register(_join_at_exit)
+        _left[:] = [t for t in _left if t.is_alive()] + [thread]
 
 
-def _join_at_exit(thread: threading.Thread) -> None:
-    thread.join(timeout=EXIT_JOIN_S)
-    if thread.is_alive():
-        logger.warning("tandem: thread %s still waits for the job's store after %g s at exit; the process "
-                       "exits without its answer", thread.name, EXIT_JOIN_S)
+def _join_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread in _left:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    waiting = [t.name for t in _left if t.is_alive()]
+    _left.clear()
+    if waiting:
+        logger.warning("tandem: %s still wait(s) for the job's store after %g s at exit; the process exits "
+                       "without the answer", ", ".join(waiting), EXIT_JOIN_S)

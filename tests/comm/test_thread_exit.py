@@ -92,3 +92,38 @@ def test_a_store_call_in_flight_when_the_script_ends_is_let_return_before_the_in
                           text=True, timeout=TIMEOUT_S)
     assert "STOPPED" in done.stdout, done.stdout[-3000:]
     assert done.returncode == 0 and "terminate called" not in done.stdout, (done.returncode, done.stdout[-3000:])
+
+
+_STUCK = """
+    import datetime, logging, threading
+    import torch.distributed as dist
+    from tandem.comm import thread_exit
+    from tandem.comm.thread_exit import join_before_exit
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    thread_exit.EXIT_JOIN_S = 1.0
+    logging.basicConfig()   # tandem's warnings shown, as a job that configures logging sees them
+
+    def stuck():
+        try:   # a store that does not answer for a minute
+            store.wait(["never"], datetime.timedelta(seconds=60))
+        except Exception:
+            pass
+
+    for name in ("first", "second", "third"):
+        thread = threading.Thread(target=stuck, name=name, daemon=True)
+        thread.start()
+        join_before_exit(thread, 0.01)
+    print("EXITING", flush=True)
+"""
+
+
+def test_threads_that_never_return_hold_the_exit_for_the_bound_in_all_and_are_named() -> None:
+    """Three threads whose store calls outlast the exit: the process waits
+    EXIT_JOIN_S for all of them together, not for each, and names them in one
+    warning when it gives up."""
+    script = textwrap.dedent(_STUCK)
+    done = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0 and "terminate called" not in done.stdout, (done.returncode, done.stdout[-3000:])
+    assert "first, second, third still wait(s) for the job's store after 1 s at exit" in done.stdout, done.stdout
