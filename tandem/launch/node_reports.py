@@ -12,8 +12,7 @@ beside it.
 On etcd a beat is a write through Raft, which costs the members far more
 than a TCPStore's ``set`` costs its server (BENCHMARKS.md, the control plane
 on etcd). A beat only has to land well within the liveness window, and the
-window on etcd is at least
-:data:`~tandem.control.elastic_group.MIN_STALE_ON_ETCD_S` (Note [a window
+window on etcd is at least :data:`~tandem.control.elastic_group.MIN_STALE_ON_ETCD_S` (Note [a window
 longer than a failover] in tandem/control/elastic_group.py): a beat a second
 is six to a window there. A worker's end is written at once either way.
 """

@@ -50,7 +50,8 @@ compare-and-swap: when every member of a job adds to one key at once (a
 step's commit, each arrival at a roll call, Note [a roll call] in
 tandem/control/roll_call.py), all but one find the key changed and try
 again, one after the other through Raft, so each ``add`` waits longer the
-more members there are. So a count is kept as keys, one per ``add``, and nothing is compared:
+more members there are. So a count is kept as keys, one per ``add``, and
+nothing is compared:
 
 * store key ``k``'s count lives in ``<prefix>/kv/<k>`` (its *base*: ``0`` when
   an ``add`` created it, or what ``set`` wrote) and in one key per ``add``
