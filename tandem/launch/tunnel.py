@@ -69,6 +69,7 @@ _START_S = 10.0
 _PROBE_S = 5.0
 _MAX_BACKOFF_S = 1.0
 _MAX_LINES = 8  # refused addresses named in the log; the rest are counted
+_READER_JOIN_S = 5.0  # close() waits this long for the log's reader to reach the log's end
 _PR_SET_PDEATHSIG = 1
 
 STUNNEL_MISSING = (
@@ -138,6 +139,7 @@ class _Stunnel:
                                       stderr=subprocess.STDOUT, text=True, errors="replace",
                                       preexec_fn=_die_with_parent)
         self._tail: list[str] = []
+        self._reader: threading.Thread | None = None
         self._ready(name)
         self._reader = threading.Thread(target=self._read, name=f"tandem-tls-{name}", daemon=True)
         self._reader.start()
@@ -163,11 +165,22 @@ class _Stunnel:
 
     # ------------------------------------------------------------------ the log
     def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            match = _LINE.search(line)
-            if match is not None:
-                self._event(match.group(2), match.group(3).strip())
+        """Note [the log's reader owns the pipe]: a file closed by one thread
+        while another reads it raises ``ValueError: I/O operation on closed
+        file`` in the reader, printed as an unhandled thread's error at the
+        end of the launcher's output. So only this thread closes the log, at
+        its end (the process exited); :meth:`close` ends the process and waits
+        for this thread, bounded, and never closes the pipe under it."""
+        stdout = self._proc.stdout
+        assert stdout is not None
+        try:
+            for line in stdout:
+                match = _LINE.search(line)
+                if match is not None:
+                    self._event(match.group(2), match.group(3).strip())
+        finally:
+            with contextlib.suppress(OSError):
+                stdout.close()
 
     def _event(self, conn: str, text: str) -> None:
         accepted = _ACCEPTED.search(text)
@@ -223,7 +236,9 @@ class _Stunnel:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        if self._proc.stdout is not None:
+        if self._reader is not None:  # it closes the log at its end (Note [the log's reader owns the pipe])
+            self._reader.join(_READER_JOIN_S)
+        elif self._proc.stdout is not None:  # no reader yet: the service never came up
             with contextlib.suppress(OSError):
                 self._proc.stdout.close()
 

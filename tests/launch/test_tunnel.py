@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import pickle
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import cast
@@ -26,6 +27,7 @@ from tandem.store.listening_store import listening_store
 from tandem.launch.agent import _tunnels
 from tandem.launch.config import LaunchConfig
 from tandem.launch.signed_rendezvous import rendezvous_handler
+from tandem.launch import tunnel
 from tandem.launch.tunnel import STUNNEL_MISSING, SecretDiffersError, TunnelError, Tunnels
 
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -107,6 +109,38 @@ def test_a_store_not_up_yet_is_waited_for_and_one_never_up_fails_naming_it() -> 
         assert dist.TCPStore(*local, None, False, TIMEOUT).add("up", 1) == 1
         # The node that serves it reaches it on loopback, with no tunnel of its own.
         assert hosting.reach("127.0.0.1", port, "the rendezvous store", timeout_s=1) == ("127.0.0.1", store.port)
+
+
+def test_a_tunnel_closed_while_its_log_is_read_raises_nothing_in_the_reader(monkeypatch) -> None:
+    """Note [the log's reader owns the pipe] in tandem/launch/tunnel.py: the
+    reader is held inside a log line while the launcher closes the tunnel; when
+    it goes on, the log it reads is still open, it reads to the end and closes
+    it, and no thread dies of "I/O operation on closed file" (printed last in
+    the output of a launcher whose rendezvous gave up)."""
+    inside, release = threading.Event(), threading.Event()
+    event = tunnel._Stunnel._event
+
+    def held(self: tunnel._Stunnel, conn: str, text: str) -> None:
+        inside.set()
+        assert release.wait(30)
+        event(self, conn, text)
+
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    monkeypatch.setattr(tunnel._Stunnel, "_event", held)
+    monkeypatch.setattr(tunnel, "_READER_JOIN_S", 0.05)  # close() gives up on the held reader at once
+    store = listening_store("127.0.0.1", 0, timeout=TIMEOUT)
+    hosting = Tunnels(SECRET)
+    public = hosting.serve("127.0.0.1", 0, store.port, "the store")
+    served = hosting._served[("127.0.0.1", public)][0]
+    with socket.create_connection(("127.0.0.1", public), timeout=10):
+        assert inside.wait(10), "the tunnel logged no line for a connection"
+    hosting.close()
+    assert served._reader is not None and served._reader.is_alive()
+    release.set()
+    served._reader.join(10)
+    assert not served._reader.is_alive() and died == []
+    assert served._proc.stdout is not None and served._proc.stdout.closed
 
 
 def test_without_stunnel_a_job_of_several_nodes_says_what_to_do(monkeypatch) -> None:
