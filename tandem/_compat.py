@@ -483,6 +483,57 @@ def own_tcp_client(store: torch.distributed.Store, *, below_prefixes: bool = Fal
     return (base if below_prefixes else store).clone(), f"{base.host}:{base.port}"
 
 
+class _GivenGloo:
+    """Stands for ``ProcessGroupGloo`` in torch's ``distributed_c10d`` while
+    :func:`given_gloo_backend` holds: called, it returns the backend given
+    (once), else builds one as the class does; ``isinstance`` and attributes
+    answer as the class's."""
+
+    def __init__(self, real: Any, backend: Any) -> None:
+        self.real = real
+        self.given = [backend]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.given.pop() if self.given else self.real(*args, **kwargs)
+
+    def __instancecheck__(self, obj: object) -> bool:
+        return isinstance(obj, self.real)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@contextlib.contextmanager
+def given_gloo_backend(backend: Any) -> Iterator[None]:
+    """Within the block, the next gloo group torch creates
+    (``init_process_group``, ``new_group``) takes ``backend``, a
+    ``ProcessGroupGloo`` already connected, as its backend instead of
+    connecting one of its own; everything else about the group is torch's.
+    Raises RuntimeError at the block's end if torch did not take it.
+
+    Why: building a gloo backend waits, without a way to stop it, until every
+    rank has connected or its timeout has passed; built on a thread of its
+    own, it can be given up when a rank is found dead meanwhile
+    (Note [a death while the group is built] in tandem/control/elastic_group.py).
+    Every torch from 2.4 on creates a group's gloo backend in
+    ``_new_process_group_helper`` by calling the module's ``ProcessGroupGloo``
+    with the group's store, rank, size and timeout, and checks the result
+    with ``isinstance`` against the same name.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    real = c10d.ProcessGroupGloo
+    stand_in = _GivenGloo(real, backend)
+    c10d.ProcessGroupGloo = stand_in  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = real  # type: ignore[misc]
+    if stand_in.given:
+        raise RuntimeError("torch created no gloo backend where tandem gave it one: this torch builds groups "
+                           "otherwise (tandem._compat.given_gloo_backend)")
+
+
 def group_label(group: torch.distributed.ProcessGroup | None) -> str:
     """A name for ``group`` that is the same on every member rank.
 

@@ -13,14 +13,15 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import NoReturn
 
 import torch.distributed as dist
 
-from tandem._compat import (bind_group_defaults_before_init, default_store, forget_default_group, reset_group_names,
-                            set_group_timeout)
+from tandem._compat import (bind_group_defaults_before_init, default_store, forget_default_group, given_gloo_backend,
+                            own_tcp_client, reset_group_names, set_group_timeout)
 from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
@@ -34,7 +35,8 @@ from tandem.store.store_address import EtcdAddress, etcd_client, store_ports
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 from tandem.comm.plain_data import all_gather_object
-from tandem.store.job_secret import signed
+from tandem.comm.thread_exit import join_before_exit
+from tandem.store.job_secret import SignedStore, signed
 
 __all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "await_members", "below_prefixes",
            "default_group_connections", "elastic_membership", "enter_generation", "join_elastic", "job_store",
@@ -152,8 +154,12 @@ def enter_generation(membership: Membership, generation: Generation, *,
     try:
         with default_group_connections(backend) as connections:
             # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
-            dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
-                                    timeout=_connect_timeout(membership))
+            built = _built_watching(membership, generation, "group", backend)
+            with given_gloo_backend(built) if built is not None else contextlib.nullcontext():
+                dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
+                                        timeout=_connect_timeout(membership))
+    except PeerLostError:
+        raise
     except Exception as e:
         raise _not_built(membership, generation, "group", e) from e
     set_group_timeout(timeout_td, None)
@@ -181,10 +187,13 @@ def enter_generation(membership: Membership, generation: Generation, *,
     return info
 
 
-def await_members(membership: Membership, generation: Generation, what: str = "group") -> None:
+def await_members(membership: Membership, generation: Generation, what: str = "group",
+                  building: _GlooBuild | None = None) -> None:
     """Mark ``membership``'s member arrived to build ``generation``'s group (or another group
     over its members, named by ``what``), and wait until every member has
-    (Note [arrivals]).
+    (Note [arrivals]). With ``building``, the member arrives once its backend
+    is built, and the roll call is of the built ones (Note [a death while the
+    group is built]).
 
     # Note [arrivals]
     Building a generation's gloo group waits, in torch, until every member has
@@ -198,24 +207,37 @@ def await_members(membership: Membership, generation: Generation, what: str = "g
     The same goes for a second group over the members (fully_shard's
     reduce-scatter group, built at the first forward in a new world:
     :func:`new_world_group`).
-    A death after a member's mark and before it connects (milliseconds, hit
-    in the 5 s soak) is seen when building the group times out: it is built
-    with ``connect_timeout_s`` as its timeout and then given the group's
-    own, and a member then found dead fails the change the same way
+    A death after a member's mark and before it connects is seen the same
+    way, by a second roll call, of the members whose gloo backend is built
+    (Note [a death while the group is built]); where the backend cannot be
+    built so, when building the group times out: it is built with
+    ``connect_timeout_s`` as its timeout and then given the group's own, and
+    a member then found dead fails the change the same way
     (:func:`enter_generation`).
 
     Raises:
         PeerLostError: a member that had not arrived is dead (ranks of ``generation``).
         MembershipError: not every member arrived within ``regroup_timeout_s``.
+        Exception: ``building`` failed.
     """
     roll = RollCall(membership.store, f"{PREFIX}/gen/{generation.number}/arrived/{what}")
-    if roll.arrive(membership.member) == generation.world_size:
-        roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in roll_call.py)
+    here = building is None
+    if here:
+        _arrive(roll, membership.member, generation)
     during = f"the arrival of generation {generation.number}'s members ({what})"
     started = time.monotonic()
     while True:
         period = membership.roll_period(generation, started)
-        outcome = roll.outcome(period if period is not None else membership.slice_s())
+        wait_s = period if period is not None else membership.slice_s()
+        if building is not None and not here:  # wait on the build; look at the outcome each beat meanwhile
+            if building.done.wait(min(wait_s, membership.config.beat_s)):
+                building.result()  # raises its failure
+                _arrive(roll, membership.member, generation)
+                here = True
+                continue
+            outcome = roll.outcome_now()
+        else:
+            outcome = roll.outcome(wait_s)
         if outcome == _ALL_ARRIVED:
             return
         if outcome is not None:
@@ -235,6 +257,11 @@ def await_members(membership: Membership, generation: Generation, what: str = "g
                 f"members "
                 f"{[m for m in generation.members if m not in arrived]} to build generation "
                 f"{generation.number}'s {what}; raise ElasticConfig.regroup_timeout_s if they are slow")
+
+
+def _arrive(roll: RollCall, member: str, generation: Generation) -> None:
+    if roll.arrive(member) == generation.world_size:
+        roll.decide(_ALL_ARRIVED)  # the last to arrive (Note [a roll call] in roll_call.py)
 
 
 # Note [a replacement builds first]
@@ -269,14 +296,113 @@ def new_world_group(what: str) -> dist.ProcessGroup:
             # a wait left in it would otherwise end only as the process finalizes (Note
             # [severing a forgotten group] in tandem/comm/connections.py).
             with default_group_connections(str(dist.get_backend())) as connections:
-                group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
-                                       timeout=_connect_timeout(membership))
+                built = _built_watching(membership, membership.generation, what, str(dist.get_backend()))
+                with given_gloo_backend(built) if built is not None else contextlib.nullcontext():
+                    group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
+                                           timeout=_connect_timeout(membership))
+        except PeerLostError:
+            raise
         except Exception as e:
             raise _not_built(membership, membership.generation, what, e) from e
         group_record.add_connections(tuple(connections))
         set_group_timeout((record.timeout if record is not None else None) or DEFAULT_TIMEOUT, group)
     assert group is not None, "every rank is a member"
     return group
+
+
+# Note [a death while the group is built]
+# Building a gloo group waits in torch, with no way to stop it, until every
+# member has connected or connect_timeout_s has passed: a member killed after
+# its arrival (Note [arrivals]) and before it connected held every other member
+# there for that long (30 s in a soak, a tenth of its run). So each member
+# builds the group's gloo backend on a thread of its own (:class:`_GlooBuild`),
+# over a connection of its own to the store, and meanwhile takes part in a
+# roll call of the members whose backend is built, judged as the arrivals
+# are: a member found dead before its backend was built fails the change at
+# once, on every member, with a PeerLostError naming it, and the next change
+# leaves it out. The thread is left to end at its own timeout (joined at exit
+# if it has not: Note [a store call in flight at exit] in
+# tandem/comm/thread_exit.py); what it builds then is dropped. Once every
+# member's backend is built, torch builds the group around it
+# (tandem._compat.given_gloo_backend), so the group is torch's own in every
+# other respect. A death after every member has connected fails the group's
+# first collective instead, as any death in a step does. nccl groups, and a
+# TCP store on a torch without ``Store.clone`` (before 2.7), are built as torch
+# builds them, and wait out connect_timeout_s for such a death.
+
+
+class _GlooBuild:
+    """A gloo backend over ``store`` built on a thread of its own (Note [a death
+    while the group is built]): :attr:`done` is set when it is built or has
+    failed; :meth:`result` returns it or raises the failure."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, name: str) -> None:
+        self.done = threading.Event()
+        self._backend: dist.ProcessGroupGloo | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build, args=(store, rank, size, timeout),
+                                        name=f"tandem-build-{name}", daemon=True)
+        self._thread.start()
+
+    def _build(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        try:
+            self._backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by result()
+            self._error = e
+        finally:
+            self.done.set()
+
+    def result(self) -> dist.ProcessGroupGloo:
+        if self._error is not None:
+            raise self._error
+        assert self._backend is not None, "result() before done"
+        return self._backend
+
+    def abandon(self) -> None:
+        """Leave the thread to end at its timeout (Note [a store call in flight at exit])."""
+        join_before_exit(self._thread, 0.0)
+
+
+def _built_watching(membership: Membership, generation: Generation, what: str,
+                    backend: str) -> dist.ProcessGroupGloo | None:
+    """The gloo backend of ``what`` over ``generation``'s members, built while
+    the members watch each other (Note [a death while the group is built]); None
+    where it is built as torch builds it (another backend, no store of its own).
+
+    Raises:
+        PeerLostError: a member died before its backend was built.
+        MembershipError: not every member's was built within ``regroup_timeout_s``.
+    """
+    store = _own_connection(membership.store) if backend == "gloo" else None
+    if store is None:
+        return None
+    prefix = f"{PREFIX}/gen/{generation.number}/gloo/{what}"
+    build = _GlooBuild(dist.PrefixStore(prefix, store), generation.rank_of(membership.member),
+                       generation.world_size, _connect_timeout(membership), what)
+    try:
+        await_members(membership, generation, f"{what} connected", building=build)
+    except BaseException:
+        build.abandon()
+        raise
+    return build.result()
+
+
+def _own_connection(store: dist.Store) -> dist.Store | None:
+    """A client of the job's ``store`` whose waits hold no other thread's calls:
+    a connection of its own to a TCP store (whose client holds its one socket
+    through a wait), None where torch cannot open one; any other store itself
+    (a file store's wait polls, taking its lock for each look; etcd's calls go
+    through connections of each thread's own)."""
+    raw = store.inner if isinstance(store, SignedStore) else store
+    base = raw
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        own = own_tcp_client(raw)
+        if own is None:
+            return None
+        raw = own[0]
+    return store.over(raw) if isinstance(store, SignedStore) else raw
 
 
 def _connect_timeout(membership: Membership) -> datetime.timedelta:

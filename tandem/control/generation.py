@@ -39,8 +39,10 @@ class ElasticConfig:
     or dead) before giving up."""
     connect_timeout_s: float = 30.0  # Note [arrivals] in elastic_group.py
     """How long building a generation's group may take once every member has
-    arrived: a member that dies between its arrival and its connection fails
-    the change after this long, not after the group's timeout."""
+    arrived. A member that dies between its arrival and its connection fails
+    the change at once where the group's backend is built on a thread of its
+    own (gloo; Note [a death while the group is built] in elastic_group.py),
+    else after this long, not after the group's timeout."""
 
     def __post_init__(self) -> None:
         if self.min_world_size < 1:

@@ -103,6 +103,12 @@ class RollCall:
             return None
         return self._store.get(self.outcome_key).decode()
 
+    def outcome_now(self) -> str | None:
+        """The outcome if one is written, without waiting."""
+        if not self._store.check([self.outcome_key]):
+            return None
+        return self._store.get(self.outcome_key).decode()
+
     def decide(self, outcome: str) -> str:
         """Write ``outcome`` unless one stands; returns the one that stands."""
         return self._store.compare_set(self.outcome_key, "", outcome).decode()

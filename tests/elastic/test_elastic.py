@@ -80,9 +80,9 @@ def _die_once_admitted(when: str = "admitted") -> None:
         from tandem.control.membership import Membership
         arrive = group_module.await_members
 
-        def gone(membership: Membership, generation: Any, what: str = "group") -> None:
+        def gone(membership: Membership, generation: Any, what: str = "group", building: Any = None) -> None:
             if when == "arrived":
-                arrive(membership, generation, what)
+                arrive(membership, generation, what, building)
             os.kill(os.getpid(), signal.SIGKILL)
 
         group_module.await_members = gone
@@ -178,10 +178,10 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         from tandem.control.membership import Membership
         arrive = group_module.await_members
 
-        def miscount(membership: Membership, generation: Any, what: str = "group") -> None:
+        def miscount(membership: Membership, generation: Any, what: str = "group", building: Any = None) -> None:
             from torch.distributed import distributed_c10d as c10d
             c10d._world.group_count += 1
-            arrive(membership, generation, what)
+            arrive(membership, generation, what, building)
         group_module.await_members = miscount
     if leaves_at is not None and rank == 2 and not joining:
         # Rank 2 leaves for a regroup, alive, as it would send its copy of step leaves_at:
@@ -691,13 +691,14 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
 
 @pytest.mark.parametrize(("scenario", "seen"), [
     ("lost-connecting", "the arrival of generation 2's members"),
-    ("lost-after-arriving", "building generation 2's group"),
+    ("lost-after-arriving", "the arrival of generation 2's members (group connected)"),
 ])
 def test_a_replacement_lost_before_it_connects_holds_no_one(scenarios: dict, scenario: str, seen: str) -> None:
     # Note [arrivals] in tandem/control/elastic_group.py: admitted, j1 dies before it marks itself
     # arrived, or after, before it connects; the members see it dead as they wait for its
-    # mark, or when building the group times out (connect_timeout_s), and go on without it
-    # (they waited in torch's group creation for the group's timeout before).
+    # mark, or as they build the group's backend on threads of their own (Note [a death while
+    # the group is built]: the roll call of the connected ones names it, not building's timeout,
+    # connect_timeout_s), and go on without it.
     tmp_path, results = _launched(scenarios, scenario)
     live = [r for r in results if r is not None]
     assert sorted(r["member"] for r in live) == ["0", "2"]
