@@ -31,12 +31,16 @@ checkpoint save (``save``), in the world's rebuild after a regroup
 (``regroup``: the step is the one the job goes on from), or, for a replacement
 (``"member": "j1"``), as soon as it is admitted (``join``). A kill with
 ``"after": n`` waits until n kills on purpose have happened (their ``killed``
-events): a death that must come alone, not in the same step or rebuild as
-another, waits for the others.
+events) and the generation has changed since the last of them: a death that
+must come alone, not in the same step or rebuild as another, waits for the
+others to have been seen (a count alone let a member die in the step in
+which another did: ZeRO-2's parameter all-gather, where a ``gather`` kill
+falls, runs on while the step commits).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -135,22 +139,35 @@ def main() -> None:
     def generation() -> int:
         return trainer._elastic.membership.generation.number if trainer is not None and trainer._elastic else -1
 
-    def killed_so_far() -> int:
-        return sum(p.read_text().count('"e": "killed"') for p in out.glob("events-*.jsonl"))
+    def kills_so_far() -> list[dict[str, Any]]:
+        """The ``killed`` events written so far (a line being written is left out)."""
+        done = []
+        for path in out.glob("events-*.jsonl"):
+            for line in path.read_text().splitlines():
+                if '"e": "killed"' in line:
+                    with contextlib.suppress(json.JSONDecodeError):
+                        done.append(json.loads(line))
+        return done
 
     def due(phase: str, step: int) -> bool:
         """A kill of this member at this point is due (a world at full size: one loss at a time)."""
         if dist.get_world_size() < full:
             return False  # a kill waits for the world to have grown back
         mine = [k for k in kills if k["member"] == member() and k["phase"] == phase and k["step"] <= step]
-        return bool(mine) and any(k.get("after", 0) <= killed_so_far() for k in mine)
+        if not mine:
+            return False
+        if all(k.get("after", 0) == 0 for k in mine):
+            return True
+        done = kills_so_far()
+        since = max((d.get("gen", -1) for d in done), default=-1)  # the generation of the last kill
+        return any(k.get("after", 0) <= len(done) and generation() > since for k in mine)
 
     def kill_if(phase: str, step: int | None = None) -> None:
         if trainer is None:
             return
         step = trainer.state.step if step is None else step
         if due(phase, step):
-            events.write("killed", member=member(), phase=phase, step=step)
+            events.write("killed", member=member(), phase=phase, step=step, gen=generation())
             os.kill(os.getpid(), signal.SIGKILL)
 
     joined = os.environ.get("TANDEM_ELASTIC_JOIN") == "1"
@@ -166,7 +183,7 @@ def main() -> None:
 
             def admitted_then_gone(membership: Any) -> Any:
                 admit(membership)
-                events.write("killed", member=me, phase="join", step=-1)
+                events.write("killed", member=me, phase="join", step=-1, gen=membership.generation.number)
                 os.kill(os.getpid(), signal.SIGKILL)
 
             run_module.ask_to_join = admitted_then_gone
