@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -154,10 +154,12 @@ def enter_generation(membership: Membership, generation: Generation, *,
     try:
         with default_group_connections(backend) as connections:
             # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
-            built = _built_watching(membership, generation, "group", backend)
-            with given_gloo_backend(built) if built is not None else contextlib.nullcontext():
+            build = _built_watching(membership, generation, "group", backend)
+            with given_gloo_backend(build.result()) if build is not None else contextlib.nullcontext():
                 dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
                                         timeout=_connect_timeout(membership))
+            if build is not None:
+                build.store.release()
     except PeerLostError:
         raise
     except Exception as e:
@@ -296,10 +298,12 @@ def new_world_group(what: str) -> dist.ProcessGroup:
             # a wait left in it would otherwise end only as the process finalizes (Note
             # [severing a forgotten group] in tandem/comm/connections.py).
             with default_group_connections(str(dist.get_backend())) as connections:
-                built = _built_watching(membership, membership.generation, what, str(dist.get_backend()))
-                with given_gloo_backend(built) if built is not None else contextlib.nullcontext():
+                build = _built_watching(membership, membership.generation, what, str(dist.get_backend()))
+                with given_gloo_backend(build.result()) if build is not None else contextlib.nullcontext():
                     group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
                                            timeout=_connect_timeout(membership))
+                if build is not None:
+                    build.store.release()
         except PeerLostError:
             raise
         except Exception as e:
@@ -325,10 +329,64 @@ def new_world_group(what: str) -> dist.ProcessGroup:
 # tandem/comm/thread_exit.py); what it builds then is dropped. Once every
 # member's backend is built, torch builds the group around it
 # (tandem._compat.given_gloo_backend), so the group is torch's own in every
-# other respect. A death after every member has connected fails the group's
+# other respect, and the build's store connection is released
+# (:class:`_BuildStore`). A death after every member has connected fails the group's
 # first collective instead, as any death in a step does. nccl groups, and a
 # TCP store on a torch without ``Store.clone`` (before 2.7), are built as torch
 # builds them, and wait out connect_timeout_s for such a death.
+
+
+class _BuildStore(dist.Store):
+    """The store a group's gloo backend is built over (Note [a death while the
+    group is built]): ``store``'s calls, until :meth:`release` lets its
+    connection go. The backend keeps its store for as long as it lives, and a
+    generation's group lives as long as the process (forgotten, never
+    destroyed: tandem._compat.forget_default_group); without the release,
+    each world change would leave one more connection per member open on the
+    store's host."""
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()
+        self._store: Any = store
+
+    def release(self) -> None:
+        self._store = None
+
+    def _inner(self) -> Any:
+        if self._store is None:
+            raise RuntimeError("tandem: this group's store connection was released once the group was built "
+                               "(Note [a death while the group is built])")
+        return self._store
+
+    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        self._inner().set(key, value)
+
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        return bytes(self._inner().get(key))
+
+    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        return int(self._inner().add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+        return bool(self._inner().check(keys))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # type: ignore[override]
+        return bytes(self._inner().compare_set(key, expected, desired))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        return [bytes(v) for v in self._inner().multi_get(keys)]
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
+        if timeout is None:
+            self._inner().wait(keys)
+        else:
+            self._inner().wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        return bool(self._inner().delete_key(key))
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        return int(self._inner().num_keys())
 
 
 class _GlooBuild:
@@ -336,8 +394,9 @@ class _GlooBuild:
     while the group is built]): :attr:`done` is set when it is built or has
     failed; :meth:`result` returns it or raises the failure."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, name: str) -> None:
+    def __init__(self, store: _BuildStore, rank: int, size: int, timeout: datetime.timedelta, name: str) -> None:
         self.done = threading.Event()
+        self.store = store
         self._backend: dist.ProcessGroupGloo | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._build, args=(store, rank, size, timeout),
@@ -363,8 +422,7 @@ class _GlooBuild:
         join_before_exit(self._thread, 0.0)
 
 
-def _built_watching(membership: Membership, generation: Generation, what: str,
-                    backend: str) -> dist.ProcessGroupGloo | None:
+def _built_watching(membership: Membership, generation: Generation, what: str, backend: str) -> _GlooBuild | None:
     """The gloo backend of ``what`` over ``generation``'s members, built while
     the members watch each other (Note [a death while the group is built]); None
     where it is built as torch builds it (another backend, no store of its own).
@@ -377,14 +435,14 @@ def _built_watching(membership: Membership, generation: Generation, what: str,
     if store is None:
         return None
     prefix = f"{PREFIX}/gen/{generation.number}/gloo/{what}"
-    build = _GlooBuild(dist.PrefixStore(prefix, store), generation.rank_of(membership.member),
+    build = _GlooBuild(_BuildStore(dist.PrefixStore(prefix, store)), generation.rank_of(membership.member),
                        generation.world_size, _connect_timeout(membership), what)
     try:
         await_members(membership, generation, f"{what} connected", building=build)
     except BaseException:
         build.abandon()
         raise
-    return build.result()
+    return build
 
 
 def _own_connection(store: dist.Store) -> dist.Store | None:
