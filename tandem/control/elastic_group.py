@@ -318,22 +318,21 @@ def new_world_group(what: str) -> dist.ProcessGroup:
 # Building a gloo group waits in torch, with no way to stop it, until every
 # member has connected or connect_timeout_s has passed: a member killed after
 # its arrival (Note [arrivals]) and before it connected held every other member
-# there for that long (30 s in a soak, a tenth of its run). So each member
-# builds the group's gloo backend on a thread of its own (:class:`_GlooBuild`),
-# over a connection of its own to the store, and meanwhile takes part in a
-# roll call of the members whose backend is built, judged as the arrivals
-# are: a member found dead before its backend was built fails the change at
-# once, on every member, with a PeerLostError naming it, and the next change
-# leaves it out. The thread is left to end at its own timeout (joined at exit
-# if it has not: Note [a store call in flight at exit] in
-# tandem/comm/thread_exit.py); what it builds then is dropped. Once every
+# there for that long. So each member builds the group's gloo backend on a
+# thread of its own (:class:`_GlooBuild`), over a connection of its own to the
+# store, and meanwhile takes part in a roll call of the members whose backend is
+# built, judged as the arrivals are: a member found dead before its backend was
+# built fails the change at once, on every member, with a PeerLostError naming
+# it, and the next change leaves it out. The thread is left to end at its own
+# timeout (joined at exit if it has not: Note [a store call in flight at exit]
+# in tandem/comm/thread_exit.py); what it builds then is dropped. Once every
 # member's backend is built, torch builds the group around it
 # (tandem._compat.given_gloo_backend), so the group is torch's own in every
 # other respect, and the build's store connection is released
-# (:class:`_BuildStore`). A death after every member has connected fails the group's
-# first collective instead, as any death in a step does. nccl groups, and a
-# TCP store on a torch without ``Store.clone`` (before 2.7), are built as torch
-# builds them, and wait out connect_timeout_s for such a death.
+# (:class:`_BuildStore`). A death after every member has connected fails the
+# group's first collective instead, as any death in a step does. nccl groups,
+# and a TCP store on a torch without ``Store.clone`` (before 2.7), are built as
+# torch builds them, and wait out connect_timeout_s for such a death.
 
 
 class _BuildStore(dist.Store):
