@@ -21,12 +21,12 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from tandem._compat import (bind_group_defaults_before_init, default_store, forget_default_group, given_gloo_backend,
-                            own_tcp_client, reset_group_names, set_group_timeout)
+                            reset_group_names, set_group_timeout)
 from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.control.generation import PREFIX, ElasticConfig, Generation, MembershipError, NothingToJoin
-from tandem.control.membership import Membership
+from tandem.control.membership import Membership, own_connection
 from tandem.control.roll_call import RollCall
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.peers import PeerLostError, drain_at_exit
@@ -36,7 +36,7 @@ from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
 from tandem.comm.plain_data import all_gather_object
 from tandem.comm.thread_exit import join_before_exit
-from tandem.store.job_secret import SignedStore, signed
+from tandem.store.job_secret import signed
 
 __all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "await_members", "below_prefixes",
            "default_group_connections", "elastic_membership", "enter_generation", "join_elastic", "job_store",
@@ -154,12 +154,9 @@ def enter_generation(membership: Membership, generation: Generation, *,
     try:
         with default_group_connections(backend) as connections:
             # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
-            build = _built_watching(membership, generation, "group", backend)
-            with given_gloo_backend(build.result()) if build is not None else contextlib.nullcontext():
+            with _built_while_watched(membership, generation, "group", backend):
                 dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
                                         timeout=_connect_timeout(membership))
-            if build is not None:
-                build.store.release()
     except PeerLostError:
         raise
     except Exception as e:
@@ -298,12 +295,9 @@ def new_world_group(what: str) -> dist.ProcessGroup:
             # a wait left in it would otherwise end only as the process finalizes (Note
             # [severing a forgotten group] in tandem/comm/connections.py).
             with default_group_connections(str(dist.get_backend())) as connections:
-                build = _built_watching(membership, membership.generation, what, str(dist.get_backend()))
-                with given_gloo_backend(build.result()) if build is not None else contextlib.nullcontext():
+                with _built_while_watched(membership, membership.generation, what, str(dist.get_backend())):
                     group = dist.new_group(list(range(dist.get_world_size())), use_local_synchronization=True,
                                            timeout=_connect_timeout(membership))
-                if build is not None:
-                    build.store.release()
         except PeerLostError:
             raise
         except Exception as e:
@@ -421,18 +415,22 @@ class _GlooBuild:
         join_before_exit(self._thread, 0.0)
 
 
-def _built_watching(membership: Membership, generation: Generation, what: str, backend: str) -> _GlooBuild | None:
-    """The gloo backend of ``what`` over ``generation``'s members, built while
-    the members watch each other (Note [a death while the group is built]); None
-    where it is built as torch builds it (another backend, no store of its own).
+@contextlib.contextmanager
+def _built_while_watched(membership: Membership, generation: Generation, what: str, backend: str) -> Iterator[None]:
+    """Around torch's creation of ``what``, a group over ``generation``'s members:
+    its gloo backend built first while the members watch each other, then given
+    to torch, then its store connection released (Note [a death while the
+    group is built]); torch builds it all where that cannot be (another
+    backend, a TCP store torch cannot open a second connection to).
 
     Raises:
         PeerLostError: a member died before its backend was built.
         MembershipError: not every member's was built within ``regroup_timeout_s``.
     """
-    store = _own_connection(membership.store) if backend == "gloo" else None
+    store = own_connection(membership.store) if backend == "gloo" else None
     if store is None:
-        return None
+        yield
+        return
     prefix = f"{PREFIX}/gen/{generation.number}/gloo/{what}"
     build = _GlooBuild(_BuildStore(dist.PrefixStore(prefix, store)), generation.rank_of(membership.member),
                        generation.world_size, _connect_timeout(membership), what)
@@ -441,25 +439,9 @@ def _built_watching(membership: Membership, generation: Generation, what: str, b
     except BaseException:
         build.abandon()
         raise
-    return build
-
-
-def _own_connection(store: dist.Store) -> dist.Store | None:
-    """A client of the job's ``store`` whose waits hold no other thread's calls:
-    a connection of its own to a TCP store (whose client holds its one socket
-    through a wait), None where torch cannot open one; any other store itself
-    (a file store's wait polls, taking its lock for each look; etcd's calls go
-    through connections of each thread's own)."""
-    raw = store.inner if isinstance(store, SignedStore) else store
-    base = raw
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
-    if isinstance(base, dist.TCPStore):
-        own = own_tcp_client(raw)
-        if own is None:
-            return None
-        raw = own[0]
-    return store.over(raw) if isinstance(store, SignedStore) else raw
+    with given_gloo_backend(build.result()):
+        yield
+    build.store.release()
 
 
 def _connect_timeout(membership: Membership) -> datetime.timedelta:

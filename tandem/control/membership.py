@@ -94,7 +94,7 @@ from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
 from tandem.comm.thread_exit import join_before_exit
 
-__all__ = ["NEVER_BEATEN", "Membership"]
+__all__ = ["NEVER_BEATEN", "Membership", "own_connection"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,24 @@ NEVER_BEATEN = "has never beaten"
 """What :meth:`Membership.dead` says of a member with no beat yet: dead to a
 regroup, which waits for members that beat before, but not to an arrival
 (Note [arrivals] in elastic_group.py), where a member may not have started beating yet."""
+
+
+def own_connection(store: dist.Store) -> dist.Store | None:
+    """A client of the job's ``store`` whose waits hold no other thread's calls:
+    a connection of its own to a TCP store (whose client holds its one socket
+    through a wait), None where torch cannot open one; any other store itself
+    (a file store's wait polls, taking its lock for each look; etcd's calls go
+    through connections of each thread's own). Signed as ``store`` is."""
+    raw = store.inner if isinstance(store, SignedStore) else store
+    base = raw
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        own = own_tcp_client(raw)
+        if own is None:
+            return None
+        raw = own[0]
+    return store.over(raw) if isinstance(store, SignedStore) else raw
 
 
 class Membership:
@@ -144,10 +162,8 @@ class Membership:
         # wait slice, which on a timeout logs with a reverse DNS lookup held under
         # the client's lock) must not delay them (Note [cut off] in tandem/comm/cut_off.py).
         # Under a job secret the keys are signed (Note [signed store] in tandem/store/job_secret.py).
-        raw = store.inner if isinstance(store, SignedStore) else store
-        own = own_tcp_client(raw)
-        beats = own[0] if own is not None else raw
-        self._beat_store = store.over(beats) if isinstance(store, SignedStore) else beats
+        own = own_connection(store)
+        self._beat_store = own if own is not None else store
         self._judge: Judge | None = None  # this member's seat in judging its generation (Note [judge once])
 
     # ------------------------------------------------------------------ construction
