@@ -19,9 +19,10 @@ agrees in), below every wrapper (fully_shard builds its second group here).
 - join_requests.py: the asks to join as the members read them, and a
   stranger's refused (Note [a stranger asks to join]);
 - elastic_group.py: each generation's default group, built once its members
-  have arrived, its backend on a thread a death can abandon, and a replacement
-  joining (Note [elastic default group], Note [arrivals], Note [a death while
-  the group is built]).
+  have arrived, its backend on a thread a death can abandon (for a
+  replacement, while the members train their last step without it), and a
+  replacement joining (Note [elastic default group], Note [arrivals], Note [a
+  death while the group is built], Note [a group built ahead]).
 
 An elastic world change reads, in order: tandem/elastic/run.py
 (``ElasticRun.change_world``: the step aborted), membership.py

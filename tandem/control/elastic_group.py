@@ -26,7 +26,7 @@ from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.control.generation import PREFIX, ElasticConfig, Generation, MembershipError, NothingToJoin
-from tandem.control.membership import Membership, own_connection
+from tandem.control.membership import Membership, arrival_roll, has_own_connection, own_connection
 from tandem.control.roll_call import RollCall
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.peers import PeerLostError, drain_at_exit
@@ -38,9 +38,9 @@ from tandem.comm.plain_data import all_gather_object
 from tandem.comm.thread_exit import join_before_exit
 from tandem.store.job_secret import signed
 
-__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "ask_to_join", "await_members", "below_prefixes",
-           "default_group_connections", "elastic_membership", "enter_generation", "join_elastic", "job_store",
-           "new_world_group", "nothing_to_join"]
+__all__ = ["JOIN_ENV", "NOTHING_TO_JOIN_EXITCODE", "GroupAhead", "ask_to_join", "await_members",
+           "below_prefixes", "default_group_connections", "elastic_membership", "enter_generation", "join_elastic",
+           "job_store", "new_world_group", "nothing_to_join"]
 
 JOIN_ENV = "TANDEM_ELASTIC_JOIN"
 """Set to ``1`` for a replacement worker: :func:`tandem.init` then joins the running
@@ -105,6 +105,7 @@ def elastic_membership(config: ElasticConfig) -> Membership:
             group_record.with_elastic(member, elastic)
     if monitor.peers is not None:
         monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
+    elastic.builds_ahead = _builds_on_a_thread(elastic, str(dist.get_backend()))  # Note [a group built ahead]
     return elastic
 
 
@@ -133,10 +134,16 @@ def _window_on(config: ElasticConfig, store: dist.Store) -> ElasticConfig:
 
 
 def enter_generation(membership: Membership, generation: Generation, *,
-                     timeout: datetime.timedelta | None = None, backend: str | None = None) -> WorldInfo:
+                     timeout: datetime.timedelta | None = None, backend: str | None = None,
+                     ahead: GroupAhead | None = None) -> WorldInfo:
     """Replace the default group by one of ``generation``'s members (Note [elastic
     default group]); a collective of the generation's members. Returns this
-    process's new :class:`WorldInfo`."""
+    process's new :class:`WorldInfo`. ``ahead``: this member's build of a
+    generation's group begun while it trained (Note [a group built ahead]),
+    taken if it is ``generation``'s, else abandoned."""
+    if ahead is not None and ahead.generation != generation:
+        ahead.abandon()
+        ahead = None
     record = group_record.last()
     previous = record.info if record is not None else None
     if backend is None:
@@ -147,14 +154,16 @@ def enter_generation(membership: Membership, generation: Generation, *,
     if dist.is_initialized():
         forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
     rank = generation.rank_of(membership.member)
-    await_members(membership, generation)  # Note [arrivals]
+    if ahead is None:
+        await_members(membership, generation)  # Note [arrivals]; built ahead, it arrived as the build began
     bind_group_defaults_before_init()
     reset_group_names()  # a failed attempt may have counted a group on some members only
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
     try:
         with default_group_connections(backend) as connections:
             # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
-            with _built_while_watched(membership, generation, "group", backend):
+            with _built_while_watched(membership, generation, "group", backend,
+                                      ahead.build if ahead is not None else None):
                 dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
                                         timeout=_connect_timeout(membership))
     except PeerLostError:
@@ -219,7 +228,7 @@ def await_members(membership: Membership, generation: Generation, what: str = "g
         MembershipError: not every member arrived within ``regroup_timeout_s``.
         Exception: ``building`` failed.
     """
-    roll = RollCall(membership.store, f"{PREFIX}/gen/{generation.number}/arrived/{what}")
+    roll = arrival_roll(membership.store, generation.number, what)
     here = building is None
     if here:
         _arrive(roll, membership.member, generation)
@@ -410,38 +419,120 @@ class _GlooBuild:
         assert self._backend is not None, "result() before done"
         return self._backend
 
-    def abandon(self) -> None:
-        """Leave the thread to end at its timeout (Note [a store call in flight at exit])."""
+    def join_at_exit(self) -> None:
+        """Leave the thread to end at its timeout, joined at exit if it has not
+        (Note [a store call in flight at exit])."""
         join_before_exit(self._thread, 0.0)
 
 
 @contextlib.contextmanager
-def _built_while_watched(membership: Membership, generation: Generation, what: str, backend: str) -> Iterator[None]:
+def _built_while_watched(membership: Membership, generation: Generation, what: str, backend: str,
+                         ahead: _GlooBuild | None = None) -> Iterator[None]:
     """Around torch's creation of ``what``, a group over ``generation``'s members:
-    its gloo backend built first while the members watch each other, then given
-    to torch, then its store connection released (Note [a death while the
-    group is built]); torch builds it all where that cannot be (another
-    backend, a TCP store torch cannot open a second connection to).
+    its gloo backend built first while the members watch each other (or the
+    build begun ``ahead``: Note [a group built ahead]), then given to torch,
+    then its store connection released (Note [a death while the group is
+    built]); torch builds it all where that cannot be (another backend, a TCP
+    store torch cannot open a second connection to).
 
     Raises:
         PeerLostError: a member died before its backend was built.
         MembershipError: not every member's was built within ``regroup_timeout_s``.
     """
-    store = own_connection(membership.store) if backend == "gloo" else None
-    if store is None:
-        yield
-        return
-    prefix = f"{PREFIX}/gen/{generation.number}/gloo/{what}"
-    build = _GlooBuild(_BuildStore(dist.PrefixStore(prefix, store)), generation.rank_of(membership.member),
-                       generation.world_size, _connect_timeout(membership), what)
+    if ahead is not None:
+        build = ahead
+    else:
+        store = own_connection(membership.store) if backend == "gloo" else None
+        if store is None:
+            yield
+            return
+        build = _GlooBuild(_BuildStore(dist.PrefixStore(_build_prefix(generation, what), store)),
+                           generation.rank_of(membership.member), generation.world_size, _connect_timeout(membership),
+                           what)
     try:
         await_members(membership, generation, f"{what} connected", building=build)
     except BaseException:
-        build.abandon()
+        build.join_at_exit()
         raise
     with given_gloo_backend(build.result()):
         yield
     build.store.release()
+
+
+# Note [a group built ahead]
+# Admitting a replacement stops the members while they build the next
+# generation's group with it. Where its gloo backend is built on a thread (Note
+# [a death while the group is built]), the members build it during a step
+# instead:
+#
+# 1. The member whose count completes a step's decision, finding replacements
+#    waiting, proposes the next generation (the members, then the replacements)
+#    and decides ``prepare`` (Membership._growth): every member steps, arrives
+#    at the new generation (Note [arrivals]) and starts building its backend
+#    on a thread (:class:`GroupAhead`). The proposal admits the replacements,
+#    which enter the generation as they always do. The members train the next
+#    step in the old group meanwhile.
+# 2. That step's decision is ``grow``: every member switches at its boundary.
+#    Its enter_generation takes the backend built ahead, waiting for what is
+#    left of the build on the roll call of the connected members, which finds
+#    a death as it always does (Note [a death while the group is built]). So
+#    the switch comes one step after the replacement was seen, always, and a
+#    build no longer than a step costs the members nothing.
+# 3. A loss in the old group meanwhile changes the world to the proposed
+#    generation, with the backend built ahead; the change then finds the dead
+#    member and fails, and the next leaves it out (Note [a join cut short] in
+#    tandem/elastic/run.py). A job that ends at the step it prepared leaves its
+#    replacement with nothing to join (exit 76), as one that ends before a
+#    replacement is seen does.
+#
+# Where torch builds the group (nccl; a TCP store torch cannot open a second
+# connection to), the decision is ``grow`` at once, as it always was.
+
+
+class GroupAhead:
+    """This member's build of the proposed next generation's default group's
+    backend, begun as it trains (Note [a group built ahead]): it arrives at the
+    generation (Note [arrivals]) and starts the build."""
+
+    def __init__(self, membership: Membership, step: int) -> None:
+        self.step = step
+        """The steps committed when it began."""
+        self.generation = generation = membership.proposed()
+        _arrive(arrival_roll(membership.store, generation.number, "group"), membership.member, generation)
+        store = own_connection(membership.store)
+        assert store is not None, "a member builds ahead only where it has a connection of its own"
+        # Held here: a store of Python's (a signed one) below torch's PrefixStore answers only while it lives.
+        self._connection = store
+        self.build = _GlooBuild(_BuildStore(dist.PrefixStore(_build_prefix(generation, "group"), store)),
+                                generation.rank_of(membership.member), generation.world_size,
+                                _connect_timeout(membership), "group-ahead")
+        self.build.join_at_exit()  # a job that ends before the switch leaves it
+
+    def abandon(self) -> None:
+        """The world changed to another generation: what this builds is dropped."""
+        self.build.join_at_exit()
+
+
+def _builds_on_a_thread(membership: Membership, backend: str) -> bool:
+    """Whether the members' groups are built on a thread, watched (Note [a death
+    while the group is built]), and so can be built ahead (Note [a group built ahead])."""
+    return backend == "gloo" and has_own_connection(membership.store)
+
+
+def _build_prefix(generation: Generation, what: str) -> str:
+    return f"{PREFIX}/gen/{generation.number}/gloo/{what}"
+
+
+def _admitters_ended(membership: Membership, generation: Generation) -> NothingToJoin | None:
+    """Why there is nothing to join when every member of the generation that
+    admitted this replacement into ``generation`` has ended; else None."""
+    admitting = membership.generation_numbered(generation.number - 1).members
+    if len(membership.judged(admitting)) < len(admitting):
+        return None
+    return NothingToJoin(
+        f"elastic: replacement {membership.member} was admitted to generation {generation.number}, and every "
+        f"member of generation {generation.number - 1} ({list(admitting)}) ended before entering it: the job "
+        "has ended (or died); nothing to join")
 
 
 def _connect_timeout(membership: Membership) -> datetime.timedelta:
@@ -498,9 +589,15 @@ def ask_to_join(membership: Membership) -> Generation:
     that generation's."""
     try:
         generation = membership.ask_to_join()
+        try:
+            enter_generation(membership, generation)
+        except PeerLostError as e:
+            admitting = _admitters_ended(membership, generation)
+            if admitting is not None:  # they finished as it built its group (Note [a group built ahead], 3)
+                raise admitting from e
+            raise
     except NothingToJoin as e:
         nothing_to_join(e)
-    enter_generation(membership, generation)
     return generation
 
 

@@ -67,7 +67,8 @@ class Decision(Enum):
     """What every member does with a step whose reduction it finished."""
 
     COMMIT = "commit"    # step the optimizer
-    GROW = "grow"        # step, then admit the replacements that wait
+    PREPARE = "prepare"  # step, and build the next generation's group, with the replacements that wait, meanwhile
+    GROW = "grow"        # step, then admit the replacements that wait (their group is built, where it can be)
     ABORT = "abort"      # a member is gone: drop the gradients, regroup, redo the step
 
 

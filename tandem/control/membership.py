@@ -25,7 +25,8 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``latest``                the newest generation number
 ``gen/<g>/cand/<id>``     a member of ``g - 1`` that is alive and wants in ``g``
 ``gen/<g>/step/<s>``      ``.../done`` counts the members that finished step ``s``'s
-                          reduction; ``.../decision`` is ``commit``, ``grow`` or ``abort``;
+                          reduction; ``.../decision`` is ``commit``, ``prepare``, ``grow``
+                          or ``abort``;
                           both deleted once every member counted itself done with ``s + 1``
 ``joiners``               how many replacements ever asked to join (ids ``j1..jN``)
 ``join/<id>``             a replacement's request
@@ -41,9 +42,10 @@ Why a step needs a decision: a dead peer can fail a ring all-reduce on one rank
 after another rank already has its result. If the one stepped its optimizer and
 the other did not, the replicas would differ from then on. So a rank steps only
 once every member has finished the step's reduction: each adds to ``done``, the
-one that brings it to the world size writes ``commit`` (or ``grow`` when a
-replacement waits); a rank that sees a member dead (or fails a collective)
-writes ``abort``. ``compare_set`` keeps the first, so every member reads the
+one that brings it to the world size writes ``commit`` (or, when a
+replacement waits, ``prepare`` and a step later ``grow``: Note [a group built
+ahead] in elastic_group.py); a rank that sees a member dead (or fails a
+collective) writes ``abort``. ``compare_set`` keeps the first, so every member reads the
 same decision: all step, or none does (a member that died after counting itself
 has delivered its gradients; the survivors step and notice the loss in the next
 step's collectives).
@@ -94,7 +96,7 @@ from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
 from tandem.comm.thread_exit import join_before_exit
 
-__all__ = ["NEVER_BEATEN", "Membership", "own_connection"]
+__all__ = ["NEVER_BEATEN", "Membership", "arrival_roll", "has_own_connection", "own_connection"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,9 @@ class Membership:
         own = own_connection(store)
         self._beat_store = own if own is not None else store
         self._judge: Judge | None = None  # this member's seat in judging its generation (Note [judge once])
+        # Whether the members build the next generation's group while they train
+        # (Note [a group built ahead] in elastic_group.py); every member's is the same.
+        self.builds_ahead = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -441,6 +446,14 @@ class Membership:
             return None
         return self._read(int(self.store.get(key).decode()))
 
+    def proposed(self) -> Generation:
+        """The next generation, proposed already (a ``prepare`` decision: Note [a group built ahead])."""
+        return self._read(self.generation.number + 1)
+
+    def generation_numbered(self, number: int) -> Generation:
+        """Generation ``number``, agreed already."""
+        return self._read(number)
+
     def _read(self, number: int) -> Generation:
         members = json.loads(self.store.get(f"{PREFIX}/gen/{number}/members").decode())
         return Generation(number, tuple(members))
@@ -509,7 +522,7 @@ class Membership:
         base = f"{PREFIX}/gen/{self.generation.number}/step/{step}"
         done = self.store.add(f"{base}/done", 1)
         if done == self.generation.world_size:
-            wanted = Decision.GROW if self.waiting_joiners() else Decision.COMMIT
+            wanted = self._growth()
             self.store.compare_set(f"{base}/decision", "", wanted.value)
             # Every member has counted itself done with this step, so each has read the step before's
             # decision and none reads its keys again: they go (on etcd, a count is a key per member).
@@ -520,6 +533,23 @@ class Membership:
         if decision is not Decision.ABORT:
             self._step = step + 1
         return decision
+
+    def _growth(self) -> Decision:
+        """A step's decision when every member is done with it and none is lost
+        (Note [a group built ahead] in elastic_group.py): ``grow`` when the next
+        generation was proposed at the step before (its group is being built),
+        or when replacements wait and the members cannot build ahead; ``prepare``,
+        with the next generation proposed, when replacements wait; else ``commit``."""
+        number = self.generation.number + 1
+        if self.store.check([f"{PREFIX}/gen/{number}/members"]):  # prepared at the step before
+            return Decision.GROW
+        joiners = self.waiting_joiners()
+        if not joiners:
+            return Decision.COMMIT
+        if not self.builds_ahead:
+            return Decision.GROW
+        self._propose(Generation(number, self.generation.members + tuple(joiners)))
+        return Decision.PREPARE
 
     def abort_step(self, step: int) -> Decision:
         """Propose that ``step`` be dropped (this member saw a collective fail);
@@ -600,14 +630,15 @@ class Membership:
         self._stop_judging()
         self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in tandem/comm/peers.py
         roll = RollCall(self.store, f"{base}/regroup")  # Note [a roll call]
-        roll.arrive(self.member)
+        # The last to arrive proposes at once; the judges would a read later (Note [a roll call]).
+        last = roll.arrive(self.member) == current.world_size
         started = time.monotonic()
         while True:
             if self.store.check([f"{base}/members"]):
                 chosen = self._read(number)
                 break
             period = self.roll_period(current, started)
-            if period is None:
+            if period is None and not last:
                 waited(self.store, [f"{base}/members"], self.slice_s())
                 continue
             arrived = set(roll.arrived())
@@ -628,7 +659,7 @@ class Membership:
                     f"elastic: member {self.member} waited {self.config.regroup_timeout_s:.0f} s for "
                     f"members {sorted(set(missing) - set(lost))} of generation {current.number} to "
                     "arrive or be seen dead; raise ElasticConfig.regroup_timeout_s if they are slow")
-            time.sleep(period)
+            waited(self.store, [f"{base}/members"], period if period is not None else self.config.beat_s)
         if self.member not in chosen.members:
             raise MembershipError(
                 f"elastic: member {self.member} is not in generation {number} ({list(chosen.members)}): "
@@ -640,6 +671,21 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+def arrival_roll(store: dist.Store, number: int, what: str) -> RollCall:
+    """The roll call of generation ``number``'s members that arrived to build
+    ``what`` ("group"), or whose backend of it is built ("group connected")
+    (Note [arrivals] in elastic_group.py)."""
+    return RollCall(store, f"{PREFIX}/gen/{number}/arrived/{what}")
+
+
+def has_own_connection(store: dist.Store) -> bool:
+    """Whether :func:`own_connection` of ``store`` is not None (opening none)."""
+    base = store.inner if isinstance(store, SignedStore) else store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    return not isinstance(base, dist.TCPStore) or hasattr(base, "clone")
 
 
 def _node_and_pid(value: bytes | None) -> tuple[str, int] | None:

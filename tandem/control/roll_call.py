@@ -28,6 +28,10 @@ __all__ = ["RollCall", "waited"]
 #   only the missing ones; the one that finds the roll complete, or a missing
 #   member dead, writes the outcome under one key (``compare_set``: the first
 #   stands);
+# - the member whose ``add`` completes the roll (its count is the number of
+#   members called) writes the outcome itself, at once: the judges would
+#   see the roll complete only at their next read, a poll later, and each
+#   world change would wait that long;
 # - every other member waits on that key, which the store answers when it is
 #   written; one that has waited longer than the judges' window reads the roll
 #   itself when the judges are dead, or after three windows whatever they are,

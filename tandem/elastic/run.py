@@ -23,8 +23,10 @@ flight, and nothing is read from disk:
 4. A replacement builds its model, optimizer and Trainer in a world of its own,
    then asks to join (Note [a replacement builds first] in
    tandem/control/elastic_group.py); the member that completes a step's count sees
-   it and decides ``grow``. After that step every member, and the replacement,
-   enter the next generation and rebuild for it; rank 0 (a member that trained
+   it and decides ``prepare``: the members build the new group with it while
+   they train the next step, whose decision is ``grow`` (Note [a group built
+   ahead] there). After that step every member, and the replacement, enter
+   the next generation and rebuild for it; rank 0 (a member that trained
    all along) sends the whole training state (model, optimizer, scheduler,
    scaler, counters, RNG) to every rank over the new group (:func:`share_state`;
    a fully-sharded model's shards come from every live rank instead: Note
@@ -60,7 +62,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem.control.elastic_group import ask_to_join, enter_generation
+from tandem.control.elastic_group import GroupAhead, ask_to_join, enter_generation
 from tandem.control.generation import Decision, ElasticConfig, Generation, MembershipError
 from tandem.control.membership import Membership
 from tandem.comm.peers import PeerLostError
@@ -164,6 +166,10 @@ class WorldChange:
     connect_s: float = 0.0
     """The part of ``regroup_s`` spent agreeing on the new generation and
     building its group; the rest rebuilt what depends on the world and shared the state."""
+    built_ahead_from: int | None = None
+    """The steps committed when the members began building the new group while
+    they trained (Note [a group built ahead] in tandem/control/elastic_group.py);
+    None where it was built in the change."""
 
     def describe(self) -> str:
         what = []
@@ -174,7 +180,9 @@ class WorldChange:
         head = (f"elastic: {'; '.join(what) or 'regrouped'} -> world {self.previous_world_size} -> "
                 f"{self.world_size} (generation {self.generation}), going on with step {self.step + 1}; ")
         if not self.lost:  # a replacement admitted: no failure to see, nothing redone
-            return f"{head}admitting took {self.regroup_s:.2f} s{self._fallback()}"
+            ahead = (f" (its group built ahead from step {self.built_ahead_from + 1} on)"
+                     if self.built_ahead_from is not None else "")
+            return f"{head}admitting took {self.regroup_s:.2f} s{ahead}{self._fallback()}"
         return (f"{head}failure seen after {self.detect_s:.2f} s, regroup took {self.regroup_s:.2f} s, "
                 f"{self.steps_lost} step(s) redone{self._fallback()}. Cause: {self.cause}")
 
@@ -192,7 +200,7 @@ class WorldChange:
                 "world_size": self.world_size, "previous_world_size": self.previous_world_size,
                 "detect_s": self.detect_s, "regroup_s": self.regroup_s, "steps_lost": self.steps_lost,
                 "cause": self.cause, "checkpoint_step": self.checkpoint_step, "stepped_back": self.stepped_back,
-                "seen_at": self.seen_at, "connect_s": self.connect_s}
+                "seen_at": self.seen_at, "connect_s": self.connect_s, "built_ahead_from": self.built_ahead_from}
 
 
 class ElasticRun:
@@ -210,6 +218,7 @@ class ElasticRun:
         # A replacement (ids j1, j2, ...) gets the training state from a live peer.
         self.needs_state = membership.member.startswith("j")
         self._step_started = time.monotonic()
+        self._ahead: GroupAhead | None = None  # the next generation's group, built as this trains
 
     def step_started(self) -> None:
         self._step_started = time.monotonic()
@@ -234,6 +243,8 @@ class ElasticRun:
         if decision is Decision.ABORT:
             raise StepAbandoned(f"member {self.membership.member}: step {step + 1} was abandoned: a member "
                                 "of the group is gone")
+        if decision is Decision.PREPARE:  # Note [a group built ahead] in tandem/control/elastic_group.py
+            self._ahead = GroupAhead(self.membership, step + 1)
         self.grow_pending = decision is Decision.GROW
 
     def change_world(self, cause: BaseException | None, step: int, *, in_step: bool,
@@ -250,7 +261,9 @@ class ElasticRun:
         known = ([before.members[r] for r in cause.lost if 0 <= r < before.world_size]
                  if isinstance(cause, PeerLostError) else [])
         generation = self.membership.next_generation(known_dead=known)
-        enter_generation(self.membership, generation)
+        ahead, self._ahead = self._ahead, None
+        enter_generation(self.membership, generation, ahead=ahead)
+        built_ahead_from = ahead.step if ahead is not None and ahead.generation == generation else None
         connected = time.monotonic()
         text = "replacement waiting" if cause is None else first_sentence(cause)
         change = WorldChange(
@@ -260,7 +273,7 @@ class ElasticRun:
             previous_world_size=before.world_size, cause=text,
             detect_s=seen - self._step_started if cause is not None else 0.0,
             regroup_s=time.monotonic() - seen, steps_lost=int(in_step and cause is not None),
-            seen_at=seen_at, connect_s=connected - seen)
+            seen_at=seen_at, connect_s=connected - seen, built_ahead_from=built_ahead_from)
         self.changes.append(change)  # recorded even if a peer is lost again while rebuilding
         resumed = rebuild(before, generation)
         self.grow_pending = False

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tandem.store.job_secret import ForgedValueError, SignedStore, job_secret, secret_for_workers
 import tandem.control.membership as membership_module
 from tandem.control.judge import Verdict, judging_ranks
-from tandem.control.generation import PREFIX, Decision, ElasticConfig, MembershipError
+from tandem.control.generation import PREFIX, Decision, ElasticConfig, Generation, MembershipError
 from tandem.control.membership import Membership
 from tandem.comm.process_id import NodeBeat, node_beat_key
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
@@ -123,6 +123,61 @@ def test_a_member_that_arrived_and_died_since_is_left_out() -> None:
     generation, out = _both(m0, m1, lambda m: m.next_generation())
     assert generation.members == ("0", "1") and out == [generation]
     for m in (m0, m1):
+        m.stop()
+
+
+def test_members_that_build_ahead_prepare_a_replacements_generation_and_grow_into_it_a_step_later() -> None:
+    # Note [a group built ahead]: the decision that finds j1 waiting is `prepare`, with the
+    # next generation proposed, which admits j1; the next step's is `grow`, into that one.
+    clock = Clock()
+    store, (m0, m1) = _members(2, clock)
+    m0.builds_ahead = m1.builds_ahead = True
+    t, joined = _in_thread(lambda: Membership.joining(store, CONFIG, clock=clock))
+    deadline = time.monotonic() + 5
+    while not m0.waiting_joiners():
+        assert time.monotonic() < deadline, "the replacement never asked to join"
+        time.sleep(0.01)
+    decisions = []
+    for step in (0, 1):
+        t1, out = _in_thread(m1.decide_step, step)
+        decisions.append(m0.decide_step(step))
+        t1.join(5)
+        assert out == [decisions[-1]]
+        if step == 0:
+            t.join(5)
+            proposed = Generation(1, ("0", "1", "j1"))
+            assert joined[0].generation == proposed and m0.proposed() == proposed and m0.generation.number == 0
+    assert decisions == [Decision.PREPARE, Decision.GROW]
+    t1, out = _in_thread(m1.next_generation)
+    generation = m0.next_generation()
+    t1.join(5)
+    assert generation == proposed and out == [proposed]
+    for m in (m0, m1, joined[0]):
+        m.stop()
+
+
+def test_the_last_member_to_arrive_proposes_the_next_generation_without_a_judges_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [a roll call]: no member reads the roll (no judge polls), so only the
+    # last to arrive, which knows from its count that every member is there, can
+    # propose; before it did, the change waited for a judge's next read.
+    store, members = _members(3, Clock())
+    monkeypatch.setattr(Membership, "roll_period", lambda self, generation, since: None)
+    threads = []
+    for m in members[1:]:
+        threads.append(_in_thread(m.next_generation))
+    deadline = time.monotonic() + 5
+    while store.add(f"{PREFIX}/gen/1/regroup/count", 0) < 2:
+        assert time.monotonic() < deadline, "the first two never arrived"
+        time.sleep(0.01)
+    threads.append(_in_thread(members[0].next_generation))
+    for t, _ in threads:
+        t.join(5)
+    if any(t.is_alive() for t, _ in threads):
+        store.set(f"{PREFIX}/gen/1/members", '["0", "1", "2"]')  # let them go before failing
+    assert [out for _, out in threads] == [[members[0].generation]] * 3
+    assert members[0].generation.members == ("0", "1", "2")
+    for m in members:
         m.stop()
 
 

@@ -484,6 +484,8 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     # Local steps (Note [elastic local steps]): rank 1 dies in step 4, after the sync of step 3.
     "local-steps": ({1: 4}, {"local_steps": 3}),
     "local-steps-replacement": ({1: 4}, {**JOIN, "join_at": 5, "local_steps": 3}),
+    # Rank 2 dies in step 6, while j1's group is built ahead (Note [a group built ahead]).
+    "lost-while-built-ahead": ({1: 2, 2: 5}, JOIN),
 }
 
 
@@ -539,7 +541,10 @@ def test_replacement_joins_and_gets_the_state(scenarios: dict) -> None:
     changes = live[0]["changes"]
     assert [c["lost_ranks"] for c in changes] == [[1], []]
     grow = changes[1]
-    assert grow["joined"] == ["j1"] and grow["world_size"] == 3 and grow["step"] == 5
+    assert grow["joined"] == ["j1"] and grow["world_size"] == 3
+    # It asked before step 5's decision: the members began its group then, and trained
+    # on for a step in the old world meanwhile (Note [a group built ahead]).
+    assert grow["built_ahead_from"] == 5 and grow["step"] == 6
     _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
@@ -689,6 +694,23 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
+def test_a_loss_while_a_replacements_group_is_built_ahead(scenarios: dict) -> None:
+    # Note [a group built ahead]: j1 was seen at step 5's decision; rank 2 dies in step 6,
+    # as the members build the new group. The change goes to the generation proposed for
+    # j1 (generation 2: 0, 2, j1), finds rank 2 gone, and the next (3) leaves it out, rank 1
+    # of generation 2: 0 and j1 go on from step 5's commit, equal to one process on the
+    # committed global batches, every sample once.
+    tmp_path, results = _launched(scenarios, "lost-while-built-ahead")
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "j"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["generation"], c["lost_ranks"], c["joined"], c["world_size"], c["step"]) for c in changes] == \
+        [(1, [1], [], 2, 2), (3, [1], [], 2, 5)], changes
+    _check_reference(live, _schedule(changes))
+    assert _used_samples(tmp_path, {"1": 2, "2": 5}) == list(range(N))
+
+
 @pytest.mark.parametrize(("scenario", "seen"), [
     ("lost-connecting", "the arrival of generation 2's members"),
     ("lost-after-arriving", "the arrival of generation 2's members (group connected)"),
@@ -822,7 +844,8 @@ def test_an_epochs_end_seen_apart_is_ended_again_together(scenarios: dict) -> No
 def test_local_steps_go_back_to_the_last_sync_and_admit_at_one(scenarios: dict) -> None:
     """The Trainer with LocalSGD (H=3): the survivors of a loss in step 4 go back to
     the sync of step 3 and train the window again; a replacement held for at step 5
-    is admitted at the sync of step 6. Each ends equal to LocalSGD written from what
+    has its group built during step 7 (Note [a group built ahead]) and is admitted
+    at the next sync, step 9's. Each ends equal to LocalSGD written from what
     every process trained, with every sample once."""
     for name in ("local-steps", "local-steps-replacement"):
         tmp_path, results = _launched(scenarios, name)
@@ -831,7 +854,8 @@ def test_local_steps_go_back_to_the_last_sync_and_admit_at_one(scenarios: dict) 
         changes = live[0]["changes"]
         assert (changes[0]["step"], changes[0]["lost_ranks"], changes[0]["stepped_back"]) == (3, [1], True), changes
         if name == "local-steps-replacement":
-            assert [c["joined"] for c in changes] == [[], ["j1"]] and changes[1]["step"] == 6, changes
+            assert [c["joined"] for c in changes] == [[], ["j1"]] and changes[1]["built_ahead_from"] == 6 \
+                and changes[1]["step"] == 9, changes
             assert sorted(r["member"] for r in live) == ["0", "2", "j"]
         else:
             assert len(changes) == 1 and [r["member"] for r in live] == ["0", "2"]

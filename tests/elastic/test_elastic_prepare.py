@@ -185,7 +185,8 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     # 36 samples left take steps 2 to 10 at world 2 (4 a step).
     # Or through the second epoch's first step (Note [an epoch's last step] in
     # tandem/elastic/loop.py): issue 61's points of a world change, under each strategy.
-    **{f"replacement-at-epoch-{point}-{s}": ({1: 2}, {**JOIN, "join_at": at, "epochs": 2, "strategy": s})
+    # Held a step before: its group is built during the step before it (Note [a group built ahead]).
+    **{f"replacement-at-epoch-{point}-{s}": ({1: 2}, {**JOIN, "join_at": at - 1, "epochs": 2, "strategy": s})
        for s in ("ddp", "zero2", "fsdp") for point, at in (("end", 10), ("start", 11))},
     # Rank 1 dies as it would send its copy of step 3 (mid-epoch) or of step 8 (an
     # epoch's last: 48 samples, 6 a step): the survivors go back a step.
@@ -254,7 +255,8 @@ def test_own_loop_admits_a_replacement_that_gets_the_state(scenarios: dict) -> N
     _check_equal_replicas(live)
     changes = live[0]["changes"]
     assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == [([1], [], 2), ([], ["j1"], 3)]
-    assert changes[1]["step"] == 5 and changes[1]["steps_lost"] == 0
+    # Seen at step 5's decision, its group built during step 6 (Note [a group built ahead]).
+    assert changes[1]["built_ahead_from"] == 5 and changes[1]["step"] == 6 and changes[1]["steps_lost"] == 0
     schedule = _schedule(changes)
     # The replacement counted from the members' step, and ran the rest of their epochs only.
     assert [r["steps"] for r in live] == [len(schedule) + N // 6] * 3
@@ -367,9 +369,10 @@ def test_own_sharded_loop_admits_a_replacement_at_an_epochs_end(scenarios: dict,
 @pytest.mark.parametrize("point", ["end", "start"])
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
 def test_own_loop_admits_a_replacement_at_an_epochs_end_or_start(scenarios: dict, strategy: str, point: str) -> None:
-    # Held at the first epoch's last step (10) or the second's first (11): j1 is admitted
-    # through that step's decision, and the world of 3 goes on with the next. The three end
-    # equal, at one process on the committed global batches, every sample once an epoch.
+    # Admitted through the first epoch's last step (10) or the second's first (11), its
+    # group built during that step (Note [a group built ahead]): the world of 3 goes on with
+    # the next. The three end equal, at one process on the committed global batches, every
+    # sample once an epoch.
     tmp_path, live = _launched(scenarios, f"replacement-at-epoch-{point}-{strategy}")
     assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
     _check_equal_replicas(live)
@@ -377,6 +380,7 @@ def test_own_loop_admits_a_replacement_at_an_epochs_end_or_start(scenarios: dict
     held = 10 if point == "end" else 11
     assert [(c["step"], c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
         [(2, [1], [], 2), (held + 1, [], ["j1"], 3)]
+    assert changes[1]["built_ahead_from"] == held
     batches = global_batches(tmp_path, {"1": 2})
     # 2 steps of 3 ranks, the first epoch's 36 other samples at 2, then 3 ranks from step 12.
     assert [len(b) for b in batches[:held + 1]] == [6, 6] + [4] * (held - 1), batches

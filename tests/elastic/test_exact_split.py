@@ -152,10 +152,11 @@ def test_a_world_change_mid_epoch_trains_each_sample_once_and_equals_one_process
 # ---------------------------------------------------------------------- the launcher's way
 # Issue 34's job itself, through the elastic machinery (Note [elastic trainer],
 # Note [elastic prepare]): 3 ranks, rank 1 SIGKILLed in step 2's backward (world 2),
-# a replacement admitted after step 4: 2 * 12 + 3 * 8 = 48 samples consumed, and
-# the world grows to 3 with 164 left, 4 per rank. Padding them to 165 trained a
+# a replacement held for after step 3 and admitted after step 5 (its group built
+# during step 5: Note [a group built ahead]): 2 * 12 + 3 * 8 = 48 samples consumed,
+# and the world grows to 3 with 164 left, 4 per rank. Padding them to 165 trained a
 # sample twice; now each one is trained once and the parameters equal one process.
-JOB_N, JOB_BATCH, JOB_DEATH, JOB_JOIN_AT = 212, 4, 2, 4
+JOB_N, JOB_BATCH, JOB_DEATH, JOB_JOIN_AT = 212, 4, 2, 3
 
 
 def _job_rank(rank: int, world_size: int, out: str, mode: str) -> dict:
@@ -273,8 +274,8 @@ def test_issue_34_a_join_with_164_left_trains_each_sample_once(jobs: dict, mode:
     live = future.result()
     assert sorted(r["member"] for r in live) == ["0", "2", "j"] and all(r["world_size"] == 3 for r in live)
     changes = live[0]["changes"]
-    assert [(c["step"], c["world_size"]) for c in changes] == [(JOB_DEATH, 2), (JOB_JOIN_AT + 1, 3)]
-    schedule = [3] * JOB_DEATH + [2] * (JOB_JOIN_AT + 1 - JOB_DEATH)
+    assert [(c["step"], c["world_size"]) for c in changes] == [(JOB_DEATH, 2), (JOB_JOIN_AT + 2, 3)]
+    schedule = [3] * JOB_DEATH + [2] * (JOB_JOIN_AT + 2 - JOB_DEATH)
     assert JOB_N - sum(w * JOB_BATCH for w in schedule) == 164  # left when the replacement joins
     schedule += [3] * -(-164 // (3 * JOB_BATCH))
     used = _used_samples(out, {"1": JOB_DEATH})
