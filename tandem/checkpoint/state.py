@@ -73,27 +73,31 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else to keep (tensors, numbers, strings, containers of them)."""
 
-    def state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
+    def state_dict(self, group: dist.ProcessGroup | None = None, *, rng: bool = True) -> dict[str, Any] | None:
+        """The whole training state, on rank 0 (None elsewhere); a collective. Without
+        ``rng``, no rank's RNG state: a rank given it keeps its own stream (a state shared
+        with a replacement: Note [elastic trainer] in tandem/elastic/run.py)."""
         model: dict[str, Any] | None = None
         optimizer = None
         if is_fully_sharded(self.model):
             model, optimizer = full_state_dicts(self.model, self.optimizer)
         elif self.optimizer is not None:
             optimizer = self.optimizer.state_dict()  # a collective for ZeroOptimizer
-        loop = self.loop_state_dict(group)
+        loop = self.loop_state_dict(group, rng=rng)
         if loop is None:
             return None
         return {**loop, "format": FORMAT,
                 "model": unwrap_model(self.model).state_dict() if model is None else model,
                 "optimizer": optimizer}
 
-    def loop_state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
+    def loop_state_dict(self, group: dist.ProcessGroup | None = None, *, rng: bool = True,
+                        ) -> dict[str, Any] | None:
         """Everything but the model and the optimizer: the scheduler, the scaler,
-        the counters, every rank's RNG state and ``extra``. A collective (it
-        gathers the RNG states); the dict on rank 0, None elsewhere. What goes
-        beside a sharded checkpoint's DCP files."""
+        the counters, every rank's RNG state (unless not ``rng``) and ``extra``. A
+        collective (it gathers the RNG states); the dict on rank 0, None
+        elsewhere. What goes beside a sharded checkpoint's DCP files."""
         # Note [sharded trainer checkpoints] in tandem/train/sharded_checkpoint.py.
-        rng = _gather(capture_rng_state(), group)
+        states = _gather(capture_rng_state(), group) if rng else None
         if _rank(group) != 0:
             return None
         return {
@@ -103,7 +107,7 @@ class TrainingState:
             "step": self.step,
             "epoch": self.epoch,
             "consumed": self.consumed,
-            "rng": rng,
+            "rng": states,
             "extra": self.extra,
         }
 
@@ -142,6 +146,8 @@ class TrainingState:
                 getattr(self, name).load_state_dict(state[name])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
         self.extra = state["extra"]
+        if state["rng"] is None:  # shared without: each rank keeps its own stream
+            return
         rank, size, saved_ranks = _rank(group), _size(group), len(state["rng"])
         if saved_ranks != size:
             logger.warning("the checkpoint was saved by %d rank(s) and is resumed on %d: random "

@@ -25,6 +25,7 @@ torch's own helpers, by the user's choice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -33,8 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RefusedObjectError", "all_gather_object", "broadcast_object_list", "decode", "encode",
-           "gather_payloads"]
+from tandem._tree import map_tensors
+
+__all__ = ["RefusedObjectError", "all_gather_object", "broadcast_object_list", "broadcast_with_tensors", "decode",
+           "encode", "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -118,6 +121,82 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: dist.Proc
             raise RefusedObjectError(f"rank {dist.get_rank()} refused a broadcast_object_list from rank {src}: "
                                      f"it holds {type(received).__name__}, not a list of {len(object_list)}")
         object_list[:] = received
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of a :func:`broadcast_with_tensors` object is in its buffer."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """In bytes, a multiple of :data:`_ALIGN`."""
+    device: str
+
+
+_ALIGN = 16  # bytes: every dtype's elements can be viewed at such an offset
+
+
+def broadcast_with_tensors(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """``obj`` of rank ``src`` (read there only), returned on every rank: as
+    :func:`broadcast_object_list` sends it, but with its dense tensors sent as
+    they are, in one buffer of bytes, and the rest as plain data (Note [plain
+    data]). A training state's bytes are nearly all tensors, which are then
+    neither pickled nor unpickled. Each rank gets tensors of its own, on the
+    devices they were on at ``src``."""
+    device = _device(group)
+    mine = dist.get_rank() == src
+    parts: list[torch.Tensor] = []
+    end = 0
+
+    def slot(t: torch.Tensor) -> Any:
+        nonlocal end
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+            return t  # sent as plain data (Note [plain data])
+        offset = -(-end // _ALIGN) * _ALIGN
+        if offset > end:
+            parts.append(torch.zeros(offset - end, dtype=torch.uint8, device=device))
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+        parts.append(data)
+        end = offset + data.numel()
+        return _Slot(t.dtype, tuple(t.shape), offset, str(t.device))
+
+    payload = encode(map_tensors(slot, obj)).to(device) if mine else None
+    buffer = (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)) if mine else None
+    lengths = torch.tensor([0, 0] if payload is None or buffer is None else [payload.numel(), buffer.numel()],
+                           dtype=torch.int64, device=device)
+    dist.broadcast(lengths, src=src, group=group)
+    sizes = [int(n) for n in lengths.tolist()]
+    data = payload if payload is not None else torch.empty(sizes[0], dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    if buffer is None:
+        buffer = torch.empty(sizes[1], dtype=torch.uint8, device=device)
+    if sizes[1]:
+        dist.broadcast(buffer, src=src, group=group)
+    if mine:
+        return obj
+    skeleton = decode(data, sender=f"rank {src}", what="a broadcast object's tensor-free part", allow=(_Slot,))
+    held = buffer
+    return _walk_slots(skeleton, lambda s: held[s.offset:s.offset + _nbytes(s)].view(s.dtype).view(s.shape)
+                       .to(s.device, copy=True))
+
+
+def _nbytes(slot: _Slot) -> int:
+    numel = 1
+    for n in slot.shape:
+        numel *= n
+    return numel * torch.empty(0, dtype=slot.dtype).element_size()
+
+
+def _walk_slots(obj: Any, fn: Callable[[_Slot], Any]) -> Any:
+    """``obj`` with ``fn`` applied to each slot in it (dicts, lists and tuples rebuilt)."""
+    if isinstance(obj, _Slot):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _walk_slots(v, fn)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_walk_slots(v, fn) for v in obj)
+    return obj
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

@@ -68,7 +68,7 @@ from tandem.control.membership import Membership
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import all_gather_object, broadcast_object_list
+from tandem.comm.plain_data import all_gather_object, broadcast_with_tensors
 
 __all__ = ["ElasticRun", "Resumed", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence",
            "is_peer_failure", "share_state"]
@@ -113,11 +113,10 @@ def first_sentence(error: BaseException) -> str:
 
 def share_state(state: TrainingState) -> None:
     """Rank 0's whole training state, on every rank: a replacement joined (Note
-    [elastic trainer], 4). A collective of the new group (every rank's RNG state
-    is gathered first); each rank keeps its own RNG stream."""
-    box: list[Any] = [state.state_dict()]
-    watched("broadcast_object_list of the training state", broadcast_object_list, box, src=0)
-    state.load_state_dict(box[0])
+    [elastic trainer], 4). A collective of the new group; each rank keeps its
+    own RNG stream, so no rank's is sent."""
+    shared = watched("broadcast of the training state", broadcast_with_tensors, state.state_dict(rng=False), src=0)
+    state.load_state_dict(shared)
 
 
 @dataclass(frozen=True)
@@ -223,12 +222,15 @@ class ElasticRun:
     def step_started(self) -> None:
         self._step_started = time.monotonic()
 
-    def state_wanted(self) -> bool:
+    def state_wanted(self, wants: list[bool] | None = None) -> bool:
         """Whether a rank of the current group has no training state yet: a
         replacement admitted in this change, or in an earlier one whose rebuild a
-        loss cut short (Note [a join cut short]). A collective of the group."""
-        wants: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of who wants the state", all_gather_object, wants, self.needs_state)
+        loss cut short (Note [a join cut short]). A collective of the group,
+        unless the caller gathered each rank's ``needs_state`` already (``wants``)."""
+        if wants is None:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            watched("all_gather_object of who wants the state", all_gather_object, gathered, self.needs_state)
+            wants = [bool(w) for w in gathered]
         if wants[0]:
             raise MembershipError(
                 f"elastic: rank 0 (member {self.membership.generation.members[0]}) of generation "

@@ -253,7 +253,7 @@ class ElasticWorld:
         model, optimizer, state = self._model, self._optimizer, self._state
         if is_fully_sharded(model):
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            box: list[Any] = [(state.loop_state_dict(), groups)]  # a collective: every rank's RNG state
+            box: list[Any] = [(state.loop_state_dict(rng=False), groups)]  # each rank keeps its own RNG stream
             watched("broadcast_object_list of the loop state", broadcast_object_list, box, src=0)
             loop, groups = box[0]
             state.load_loop_state_dict(loop)

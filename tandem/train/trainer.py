@@ -540,18 +540,19 @@ class Trainer:
             resumed = self._restore_shards(own)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
-        self._agree_on_the_place()
+        wants = self._agree_on_the_place()
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
-        self._share_state_if_wanted()
+        self._share_state_if_wanted(wants)
         self._refresh_buddy()  # copies for the new world, before its first step
         if self._syncs is not None:
             self._syncs.capture()  # every rank at the sync: the new world's first point
         return resumed
 
-    def _agree_on_the_place(self) -> None:
+    def _agree_on_the_place(self) -> list[bool]:
         """Every member goes on from the same epoch and sample (Note [an epoch's end
-        seen apart] in tandem/elastic/epoch_end.py). A collective of the new world."""
+        seen apart] in tandem/elastic/epoch_end.py). A collective of the new world;
+        returns which ranks have no place, and so no state (a replacement)."""
         assert self._elastic is not None
         state = self.state
         mine = None if self._elastic.run.needs_state else (state.epoch, state.consumed)
@@ -562,6 +563,7 @@ class Trainer:
             state.epoch, state.consumed = agreed_place(places, end)
         except RuntimeError as e:
             raise MembershipError(f"rank {self.rank}: {e}") from None
+        return [place is None for place in places]
 
     def _join(self) -> None:
         """A replacement's start, in its world of one: join the job, and rebuild
@@ -570,10 +572,10 @@ class Trainer:
         assert self._elastic is not None
         self._elastic.run.join(self._rebuild, report=lambda change: self._report(change, None, None))
 
-    def _share_state_if_wanted(self) -> None:
-        """Rank 0's state on every rank when a rank has none (a replacement)."""
+    def _share_state_if_wanted(self, wants: list[bool]) -> None:
+        """Rank 0's state on every rank when a rank has none (``wants``: a replacement)."""
         assert self._elastic is not None
-        if self._elastic.run.state_wanted():
+        if self._elastic.run.state_wanted(wants):
             receiving = self._elastic.run.needs_state
             if self._diloco is not None:  # the synced parameters and the outer optimizer with it
                 self.state.extra["diloco"] = self._diloco.state_dict()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import tandem
 from tandem.comm.group import GroupComm
-from tandem.comm.plain_data import RefusedObjectError, all_gather_object, broadcast_object_list
+from tandem.comm.plain_data import RefusedObjectError, all_gather_object, broadcast_object_list, broadcast_with_tensors
 from tandem.testing import Case, CaseResults, run_cases
 
 Point = collections.namedtuple("Point", "x y")
@@ -74,6 +74,34 @@ def _elastic_collectives(rank: int, world_size: int, marker: str) -> dict[str, o
     return out
 
 
+def _state() -> dict[str, Any]:
+    """A state with a tensor of each kind broadcast_with_tensors sends as bytes, and the rest."""
+    return {"model": {"w": torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4),
+                      "b": torch.arange(5, dtype=torch.int32)},
+            "flags": torch.tensor([True, False, True]), "scalar": torch.tensor(7.5),
+            "half": torch.tensor([1.5, -2.0, 3.25], dtype=torch.float16), "empty": torch.empty(0, 3),
+            "transposed": torch.arange(12.0).reshape(3, 4).t(), "rest": [3, "x", None, (1, 2.5)],
+            "dtype": torch.bfloat16}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                and a.untyped_storage().nbytes() == a.numel() * a.element_size())  # its own storage, no view
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _with_tensors(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    got = broadcast_with_tensors(_state() if rank == 1 else None, src=1)
+    evil = {"t": torch.ones(2), "evil": Marker(marker)} if rank == 1 else None
+    return {"same": _same(got, _state()) if rank == 0 else got is not None,
+            "refused": _refused(functools.partial(broadcast_with_tensors, evil, 1))}
+
+
 def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
     if rank == 1:
         tandem.send({"t": torch.ones(2), "p": Point(torch.zeros(1), 5)}, dst=0)
@@ -94,7 +122,7 @@ def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     m = str(marker)
     out = run_cases({"group_gather": Case(_group_gather, args=(m,)),
                      "elastic_collectives": Case(_elastic_collectives, args=(m,)),
-                     "recv": Case(_recv, args=(m,))}, 2)
+                     "recv": Case(_recv, args=(m,)), "with_tensors": Case(_with_tensors, args=(m,))}, 2)
     return out, marker
 
 
@@ -123,4 +151,15 @@ def test_recv_refuses_a_spec_that_is_not_plain_data(results) -> None:
     r0 = out["recv"][0]
     assert r0["plain"]  # a namedtuple of this module still arrives as one
     assert "rank 0 refused the spec of a tandem.recv message from rank 1" in r0["refused"], r0
+    assert not marker.exists()
+
+
+def test_an_object_broadcast_with_its_tensors_as_bytes_arrives_equal_and_refuses_code(results) -> None:
+    # broadcast_with_tensors: every kind of tensor (bool, int, half, 0-d, empty, not contiguous)
+    # arrives equal, of its dtype and shape, in a storage of its own; code is refused as elsewhere.
+    out, marker = results
+    r0, r1 = out["with_tensors"]
+    assert r0["same"] and r1["same"]
+    assert "rank 0 refused a broadcast object's tensor-free part from rank 1" in r0["refused"], r0
+    assert r1["refused"] == "not refused"
     assert not marker.exists()
