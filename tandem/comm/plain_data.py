@@ -16,7 +16,10 @@ torch's restricted unpickler, which builds only those (and the few classes a
 caller names, e.g. tandem.recv's own spec): an object that names anything else
 (a function, a class's constructor, ``os.system``) is refused with
 :class:`RefusedObjectError`, naming the rank it came from, before anything of
-it is built. User objects passed through tandem (the Trainer's ``extra``
+it is built. The training state a replacement receives goes by
+:func:`broadcast_with_tensors`: its dense tensors as raw bytes, which build
+nothing but tensors of the dtypes and shapes named beside them, and the rest
+so. User objects passed through tandem (the Trainer's ``extra``
 state, a loop's registered objects) must be plain data too, as they must be
 for ``weights_only`` checkpoints; exchanging other objects stays possible with
 torch's own helpers, by the user's choice.
