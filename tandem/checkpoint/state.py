@@ -94,7 +94,7 @@ class TrainingState:
                         ) -> dict[str, Any] | None:
         """Everything but the model and the optimizer: the scheduler, the scaler,
         the counters, every rank's RNG state (unless not ``rng``) and ``extra``. A
-        collective (it gathers the RNG states); the dict on rank 0, None
+        collective when it gathers the RNG states; the dict on rank 0, None
         elsewhere. What goes beside a sharded checkpoint's DCP files."""
         # Note [sharded trainer checkpoints] in tandem/train/sharded_checkpoint.py.
         states = _gather(capture_rng_state(), group) if rng else None

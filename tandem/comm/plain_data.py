@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -164,31 +165,26 @@ def broadcast_with_tensors(obj: Any, src: int = 0, group: dist.ProcessGroup | No
         end = offset + data.numel()
         return _Slot(t.dtype, tuple(t.shape), offset, str(t.device))
 
-    payload = encode(map_tensors(slot, obj)).to(device) if mine else None
-    buffer = (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)) if mine else None
-    lengths = torch.tensor([0, 0] if payload is None or buffer is None else [payload.numel(), buffer.numel()],
-                           dtype=torch.int64, device=device)
+    if mine:  # the plain part (its tensors replaced by their slots), then the bytes of the tensors
+        sent = [encode(map_tensors(slot, obj)).to(device)]
+        sent.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device))
+    lengths = torch.tensor([t.numel() for t in sent] if mine else [0, 0], dtype=torch.int64, device=device)
     dist.broadcast(lengths, src=src, group=group)
-    sizes = [int(n) for n in lengths.tolist()]
-    data = payload if payload is not None else torch.empty(sizes[0], dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
-    if buffer is None:
-        buffer = torch.empty(sizes[1], dtype=torch.uint8, device=device)
-    if sizes[1]:
-        dist.broadcast(buffer, src=src, group=group)
+    if not mine:
+        sent = [torch.empty(int(n), dtype=torch.uint8, device=device) for n in lengths.tolist()]
+    for part in sent:
+        if part.numel():
+            dist.broadcast(part, src=src, group=group)
     if mine:
         return obj
+    data, buffer = sent
     skeleton = decode(data, sender=f"rank {src}", what="a broadcast object's tensor-free part", allow=(_Slot,))
-    held = buffer
-    return _walk_slots(skeleton, lambda s: held[s.offset:s.offset + _nbytes(s)].view(s.dtype).view(s.shape)
+    return _walk_slots(skeleton, lambda s: buffer[s.offset:s.offset + _nbytes(s)].view(s.dtype).view(s.shape)
                        .to(s.device, copy=True))
 
 
 def _nbytes(slot: _Slot) -> int:
-    numel = 1
-    for n in slot.shape:
-        numel *= n
-    return numel * torch.empty(0, dtype=slot.dtype).element_size()
+    return math.prod(slot.shape) * torch.empty(0, dtype=slot.dtype).element_size()
 
 
 def _walk_slots(obj: Any, fn: Callable[[_Slot], Any]) -> Any:

@@ -42,7 +42,7 @@ def join_before_exit(thread: threading.Thread, timeout_s: float) -> None:
     if thread.is_alive():
         if not _left:
             atexit.register(_join_at_exit)
-        _left[:] = [t for t in _left if t.is_alive()] + [thread]
+        _left[:] = [t for t in _left if t.is_alive() and t is not thread] + [thread]
 
 
 def _join_at_exit() -> None:

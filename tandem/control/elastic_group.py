@@ -142,8 +142,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     generation's group begun while it trained (Note [a group built ahead]),
     taken if it is ``generation``'s, else abandoned."""
     if ahead is not None and ahead.generation != generation:
-        ahead.abandon()
-        ahead = None
+        ahead = None  # the world changed to another generation: its build is dropped (joined at exit)
     record = group_record.last()
     previous = record.info if record is not None else None
     if backend is None:
@@ -340,19 +339,23 @@ def new_world_group(what: str) -> dist.ProcessGroup:
 
 class _BuildStore(dist.Store):
     """The store a group's gloo backend is built over (Note [a death while the
-    group is built]): ``store``'s calls, until :meth:`release` lets its
-    connection go. The backend keeps its store for as long as it lives, and a
-    generation's group lives as long as the process (forgotten, never
+    group is built]): the calls of ``connection`` (a member's own), below the
+    build's prefix for ``what`` in ``generation``, until :meth:`release` lets
+    the connection go. The backend keeps its store for as long as it lives, and
+    a generation's group lives as long as the process (forgotten, never
     destroyed: tandem._compat.forget_default_group); without the release,
     each world change would leave one more connection per member open on the
     store's host."""
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, connection: dist.Store, generation: Generation, what: str) -> None:
         super().__init__()
-        self._store: Any = store
+        # Held here as well: a store of Python's (a signed one) below torch's
+        # PrefixStore answers only while its Python object lives.
+        self._connection: Any = connection
+        self._store: Any = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/gloo/{what}", connection)
 
     def release(self) -> None:
-        self._store = None
+        self._store = self._connection = None
 
     def _inner(self) -> Any:
         if self._store is None:
@@ -446,9 +449,8 @@ def _built_while_watched(membership: Membership, generation: Generation, what: s
         if store is None:
             yield
             return
-        build = _GlooBuild(_BuildStore(dist.PrefixStore(_build_prefix(generation, what), store)),
-                           generation.rank_of(membership.member), generation.world_size, _connect_timeout(membership),
-                           what)
+        build = _GlooBuild(_BuildStore(store, generation, what), generation.rank_of(membership.member),
+                           generation.world_size, _connect_timeout(membership), what)
     try:
         await_members(membership, generation, f"{what} connected", building=build)
     except BaseException:
@@ -497,30 +499,19 @@ class GroupAhead:
     def __init__(self, membership: Membership, step: int) -> None:
         self.step = step
         """The steps committed when it began."""
-        self.generation = generation = membership.proposed()
+        self.generation = generation = membership.generation_numbered(membership.generation.number + 1)
         _arrive(arrival_roll(membership.store, generation.number, "group"), membership.member, generation)
         store = own_connection(membership.store)
         assert store is not None, "a member builds ahead only where it has a connection of its own"
-        # Held here: a store of Python's (a signed one) below torch's PrefixStore answers only while it lives.
-        self._connection = store
-        self.build = _GlooBuild(_BuildStore(dist.PrefixStore(_build_prefix(generation, "group"), store)),
-                                generation.rank_of(membership.member), generation.world_size,
-                                _connect_timeout(membership), "group-ahead")
-        self.build.join_at_exit()  # a job that ends before the switch leaves it
-
-    def abandon(self) -> None:
-        """The world changed to another generation: what this builds is dropped."""
-        self.build.join_at_exit()
+        self.build = _GlooBuild(_BuildStore(store, generation, "group"), generation.rank_of(membership.member),
+                                generation.world_size, _connect_timeout(membership), "group-ahead")
+        self.build.join_at_exit()  # a job that ends before the switch, or a world changed elsewhere, leaves it
 
 
 def _builds_on_a_thread(membership: Membership, backend: str) -> bool:
     """Whether the members' groups are built on a thread, watched (Note [a death
     while the group is built]), and so can be built ahead (Note [a group built ahead])."""
     return backend == "gloo" and has_own_connection(membership.store)
-
-
-def _build_prefix(generation: Generation, what: str) -> str:
-    return f"{PREFIX}/gen/{generation.number}/gloo/{what}"
 
 
 def _admitters_ended(membership: Membership, generation: Generation) -> NothingToJoin | None:

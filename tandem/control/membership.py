@@ -115,10 +115,7 @@ def own_connection(store: dist.Store) -> dist.Store | None:
     through a wait), None where torch cannot open one; any other store itself
     (a file store's wait polls, taking its lock for each look; etcd's calls go
     through connections of each thread's own). Signed as ``store`` is."""
-    raw = store.inner if isinstance(store, SignedStore) else store
-    base = raw
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
+    raw, base = _unwrapped(store)
     if isinstance(base, dist.TCPStore):
         own = own_tcp_client(raw)
         if own is None:
@@ -446,12 +443,9 @@ class Membership:
             return None
         return self._read(int(self.store.get(key).decode()))
 
-    def proposed(self) -> Generation:
-        """The next generation, proposed already (a ``prepare`` decision: Note [a group built ahead])."""
-        return self._read(self.generation.number + 1)
-
     def generation_numbered(self, number: int) -> Generation:
-        """Generation ``number``, agreed already."""
+        """Generation ``number``, proposed already: one agreed, or the next at a
+        ``prepare`` decision (Note [a group built ahead] in elastic_group.py)."""
         return self._read(number)
 
     def _read(self, number: int) -> Generation:
@@ -682,10 +676,17 @@ def arrival_roll(store: dist.Store, number: int, what: str) -> RollCall:
 
 def has_own_connection(store: dist.Store) -> bool:
     """Whether :func:`own_connection` of ``store`` is not None (opening none)."""
-    base = store.inner if isinstance(store, SignedStore) else store
+    raw, base = _unwrapped(store)
+    return not isinstance(base, dist.TCPStore) or hasattr(raw, "clone")  # as own_tcp_client asks
+
+
+def _unwrapped(store: dist.Store) -> tuple[dist.Store, dist.Store]:
+    """``store`` without its signature (Note [signed store]), and the store below its prefixes."""
+    raw = store.inner if isinstance(store, SignedStore) else store
+    base = raw
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
-    return not isinstance(base, dist.TCPStore) or hasattr(base, "clone")
+    return raw, base
 
 
 def _node_and_pid(value: bytes | None) -> tuple[str, int] | None:

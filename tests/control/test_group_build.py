@@ -15,8 +15,11 @@ import torch.distributed as dist
 from tandem._compat import given_gloo_backend, own_tcp_client
 from tandem.comm.connections import _is_same, opened_connections
 from tandem.control.elastic_group import _BuildStore, _GlooBuild
+from tandem.control.generation import Generation
+from tandem.store.job_secret import SignedStore
 
 TIMEOUT = datetime.timedelta(seconds=10)
+GENERATION = Generation(1, ("0",))
 
 
 def _client_of(server: dist.TCPStore) -> dist.Store:
@@ -32,7 +35,7 @@ def test_a_built_backend_lets_its_store_connection_go() -> None:
     the process, and its backend holds its store."""
     server = dist.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT)
     with opened_connections() as opened:
-        build = _GlooBuild(_BuildStore(dist.PrefixStore("g/1/gloo/group", _client_of(server))), 0, 1, TIMEOUT, "group")
+        build = _GlooBuild(_BuildStore(_client_of(server), GENERATION, "group"), 0, 1, TIMEOUT, "group")
         assert build.done.wait(10)
     backend = build.result()
     to_store = [c for c in opened if c.ports[1] == server.port]
@@ -47,7 +50,7 @@ def test_a_built_backend_lets_its_store_connection_go() -> None:
 
 def test_torch_builds_the_group_around_the_given_backend() -> None:
     server = dist.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT)
-    build = _GlooBuild(_BuildStore(dist.PrefixStore("g/1/gloo/group", _client_of(server))), 0, 1, TIMEOUT, "group")
+    build = _GlooBuild(_BuildStore(_client_of(server), GENERATION, "group"), 0, 1, TIMEOUT, "group")
     assert build.done.wait(10)
     given = build.result()
     with given_gloo_backend(given):
@@ -64,3 +67,15 @@ def test_a_group_torch_built_otherwise_is_said_so() -> None:
         with given_gloo_backend(object()):
             pass  # nothing built: the backend given was never taken
     assert dist.distributed_c10d.ProcessGroupGloo is dist.ProcessGroupGloo
+
+
+def test_a_build_over_a_signed_connection_answers_after_its_maker_let_it_go() -> None:
+    """A signed store is a store of Python's: below torch's PrefixStore it answers
+    only while its Python object lives. A member building ahead keeps no reference
+    of its own to its connection (Note [a group built ahead]); the build's store does."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT)
+    store = _BuildStore(SignedStore(_client_of(server), b"a job secret for the tests", "the test's store"),
+                        GENERATION, "group")
+    gc.collect()
+    store.set("key", "value")
+    assert store.get("key") == b"value"

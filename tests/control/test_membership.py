@@ -146,7 +146,8 @@ def test_members_that_build_ahead_prepare_a_replacements_generation_and_grow_int
         if step == 0:
             t.join(5)
             proposed = Generation(1, ("0", "1", "j1"))
-            assert joined[0].generation == proposed and m0.proposed() == proposed and m0.generation.number == 0
+            assert joined[0].generation == proposed and m0.generation_numbered(1) == proposed
+            assert m0.generation.number == 0
     assert decisions == [Decision.PREPARE, Decision.GROW]
     t1, out = _in_thread(m1.next_generation)
     generation = m0.next_generation()
