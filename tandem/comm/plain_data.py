@@ -17,9 +17,10 @@ caller names, e.g. tandem.recv's own spec): an object that names anything else
 (a function, a class's constructor, ``os.system``) is refused with
 :class:`RefusedObjectError`, naming the rank it came from, before anything of
 it is built. The training state a replacement receives goes by
-:func:`broadcast_with_tensors`: its dense tensors as raw bytes, which build
-nothing but tensors of the dtypes and shapes named beside them, and the rest
-so. User objects passed through tandem (the Trainer's ``extra``
+:func:`broadcast_with_tensors`, and the shards the survivors of a world
+change gather by :func:`all_gather_with_tensors`: their dense tensors as raw
+bytes, which build nothing but tensors of the dtypes and shapes named beside
+them, and the rest so. User objects passed through tandem (the Trainer's ``extra``
 state, a loop's registered objects) must be plain data too, as they must be
 for ``weights_only`` checkpoints; exchanging other objects stays possible with
 torch's own helpers, by the user's choice.
@@ -40,8 +41,8 @@ import torch.distributed as dist
 
 from tandem._tree import map_tensors
 
-__all__ = ["RefusedObjectError", "all_gather_object", "broadcast_object_list", "broadcast_with_tensors", "decode",
-           "encode", "gather_payloads"]
+__all__ = ["RefusedObjectError", "all_gather_object", "all_gather_with_tensors", "broadcast_object_list",
+           "broadcast_with_tensors", "decode", "encode", "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -150,24 +151,8 @@ def broadcast_with_tensors(obj: Any, src: int = 0, group: dist.ProcessGroup | No
     devices they were on at ``src``."""
     device = _device(group)
     mine = dist.get_rank() == src
-    parts: list[torch.Tensor] = []
-    end = 0
-
-    def slot(t: torch.Tensor) -> Any:
-        nonlocal end
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
-            return t  # sent as plain data (Note [plain data])
-        offset = -(-end // _ALIGN) * _ALIGN
-        if offset > end:
-            parts.append(torch.zeros(offset - end, dtype=torch.uint8, device=device))
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
-        parts.append(data)
-        end = offset + data.numel()
-        return _Slot(t.dtype, tuple(t.shape), offset, str(t.device))
-
     if mine:  # the plain part (its tensors replaced by their slots), then the bytes of the tensors
-        sent = [encode(map_tensors(slot, obj)).to(device)]
-        sent.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device))
+        sent = list(_pack(obj, device))
     lengths = torch.tensor([t.numel() for t in sent] if mine else [0, 0], dtype=torch.int64, device=device)
     dist.broadcast(lengths, src=src, group=group)
     if not mine:
@@ -177,9 +162,65 @@ def broadcast_with_tensors(obj: Any, src: int = 0, group: dist.ProcessGroup | No
             dist.broadcast(part, src=src, group=group)
     if mine:
         return obj
-    data, buffer = sent
-    skeleton = decode(data, sender=f"rank {src}", what="a broadcast object's tensor-free part", allow=(_Slot,))
-    return _walk_slots(skeleton, lambda s: buffer[s.offset:s.offset + _nbytes(s)].view(s.dtype).view(s.shape)
+    return _unpack(*sent, sender=f"rank {src}", what="a broadcast object's tensor-free part")
+
+
+def all_gather_with_tensors(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, in group rank order: as :func:`all_gather_object`
+    gathers it, but with the dense tensors sent as they are and the rest as plain
+    data, as :func:`broadcast_with_tensors` sends its object. Each rank's entry,
+    its own included, holds tensors of their own."""
+    device = _device(group)
+    size = dist.get_world_size(group)
+    skeleton, data = _pack(obj, device)
+    mine = torch.tensor([skeleton.numel(), data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(sizes, mine, group=group)
+    lengths = [(int(n[0]), int(n[1])) for n in sizes]
+    # one payload a rank: its plain part, padded to _ALIGN, then its tensors' bytes; all padded to the longest
+    longest = max(_aligned(head) + body for head, body in lengths)
+    payload = torch.zeros(longest, dtype=torch.uint8, device=device)
+    payload[:skeleton.numel()] = skeleton
+    payload[_aligned(skeleton.numel()):_aligned(skeleton.numel()) + data.numel()] = data
+    out = [torch.empty_like(payload) for _ in range(size)]
+    dist.all_gather(out, payload, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    return [_unpack(got[:head], got[_aligned(head):_aligned(head) + body], sender=f"rank {ranks[r]}",
+                    what="an all_gather's tensor-free part")
+            for r, (got, (head, body)) in enumerate(zip(out, lengths))]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _pack(obj: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``obj`` in two parts of bytes on ``device``: its plain part, with each dense
+    tensor replaced by its :class:`_Slot`, and the bytes of those tensors, each at
+    an offset of a multiple of :data:`_ALIGN`."""
+    parts: list[torch.Tensor] = []
+    end = 0
+
+    def slot(t: torch.Tensor) -> Any:
+        nonlocal end
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+            return t  # sent as plain data (Note [plain data])
+        offset = _aligned(end)
+        if offset > end:
+            parts.append(torch.zeros(offset - end, dtype=torch.uint8, device=device))
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+        parts.append(data)
+        end = offset + data.numel()
+        return _Slot(t.dtype, tuple(t.shape), offset, str(t.device))
+
+    skeleton = encode(map_tensors(slot, obj)).to(device)
+    return skeleton, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _unpack(skeleton: torch.Tensor, buffer: torch.Tensor, *, sender: str, what: str) -> Any:
+    """The object :func:`_pack` made these two parts of, each tensor a copy of its own."""
+    tree = decode(skeleton, sender=sender, what=what, allow=(_Slot,))
+    return _walk_slots(tree, lambda s: buffer[s.offset:s.offset + _nbytes(s)].view(s.dtype).view(s.shape)
                        .to(s.device, copy=True))
 
 

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from tandem.comm.p2p import isend, recv
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import all_gather_object
+from tandem.comm.plain_data import all_gather_object, all_gather_with_tensors
 
 __all__ = ["BuddyCopies", "Located", "ShardsLost"]
 
@@ -188,9 +188,8 @@ class BuddyCopies:
     def gather_part(self, located: Located, part: Callable[[dict[str, Any]], Any]) -> list[Any]:
         """``part(shard)`` of every old rank's shard, in old rank order, on every
         rank. A collective of the new group."""
-        gathered: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of lost shards", all_gather_object, gathered,
-                [(old, part(shard)) for old, shard in located.provided.items()])
+        gathered = watched("all_gather of the old world's shards", all_gather_with_tensors,
+                           [(old, part(shard)) for old, shard in located.provided.items()])
         parts = dict(p for c in gathered for p in c)
         return [parts[r] for r in range(located.old_world)]
 

@@ -29,9 +29,9 @@ from tandem.elastic.run import ElasticRun, Resumed, share_state
 from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
-from tandem.checkpoint.state import TrainingState
+from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import broadcast_object_list
+from tandem.comm.plain_data import broadcast_with_tensors
 
 __all__ = ["ElasticWorld", "Fallback", "LoopPoints", "TrainingStatePoints"]
 
@@ -247,19 +247,41 @@ class ElasticWorld:
                        "going back to step %d", rank, step)
 
     def share_state(self) -> None:
-        """Rank 0's whole training state, on every rank (a replacement joined). A
-        fully-sharded model's shards are in place already (Note [elastic
-        fully_shard] in tandem/elastic/fsdp_shards.py): the rest, and its buffers, come from rank 0."""
-        model, optimizer, state = self._model, self._optimizer, self._state
-        if is_fully_sharded(model):
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            box: list[Any] = [(state.loop_state_dict(rng=False), groups)]  # each rank keeps its own RNG stream
-            watched("broadcast_object_list of the loop state", broadcast_object_list, box, src=0)
-            loop, groups = box[0]
-            state.load_loop_state_dict(loop)
-            for group, saved in zip(optimizer.param_groups, groups):
-                group.update(saved)  # the scheduler's current learning rate, say
-            for buffer in model.buffers():
-                watched("broadcast of a buffer", dist.broadcast, buffer, src=0)
+        """Rank 0's whole training state, on every rank (a replacement joined).
+        With buddy copies, what the shards hold is in place already
+        (:meth:`restore_shards`): the optimizer's state, and the parameters it
+        steps (ZeRO's rows, fully_shard's shards: Note [elastic fully_shard] in
+        tandem/elastic/fsdp_shards.py). Then only the rest comes from rank 0, in
+        one broadcast: the loop state, the optimizer's hyper-parameters, and the
+        model's buffers and the parameters no shard holds (frozen ones)."""
+        optimizer, state = self._optimizer, self._state
+        if self.buddy is None:
+            share_state(state)
             return
-        share_state(state)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        rest = self._not_in_shards()
+        sent = {"loop": state.loop_state_dict(rng=False),  # each rank keeps its own RNG stream
+                "groups": groups, "rest": rest}
+        got = watched("broadcast of the loop state", broadcast_with_tensors, sent, src=0)
+        if dist.get_rank() == 0:
+            return
+        if sorted(got["rest"]) != sorted(rest):
+            raise MembershipError(f"rank {dist.get_rank()}: rank 0's model has buffers and parameters "
+                                  f"{sorted(got['rest'])} beside the shards, this rank's {sorted(rest)}: every "
+                                  "rank must build the same model")
+        state.load_loop_state_dict(got["loop"])
+        for group, saved in zip(optimizer.param_groups, got["groups"]):
+            group.update(saved)  # the scheduler's current learning rate, say
+        with torch.no_grad():
+            for name, tensor in rest.items():
+                tensor.copy_(got["rest"][name])
+
+    def _not_in_shards(self) -> dict[str, torch.Tensor]:
+        """The model's tensors that no shard holds, by name: its buffers, and
+        (beside a ZeRO optimizer) the parameters the optimizer does not step."""
+        module = unwrap_model(self._model)
+        rest: dict[str, torch.Tensor] = dict(module.named_buffers())
+        if not is_fully_sharded(self._model):  # fully_shard's shards hold every parameter
+            stepped = {id(p) for g in self._optimizer.param_groups for p in g["params"]}
+            rest.update((n, p) for n, p in module.named_parameters() if id(p) not in stepped)
+        return rest

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 import tandem
 from tandem.comm.group import GroupComm
-from tandem.comm.plain_data import RefusedObjectError, all_gather_object, broadcast_object_list, broadcast_with_tensors
+from tandem.comm.plain_data import (RefusedObjectError, all_gather_object, all_gather_with_tensors,
+                                    broadcast_object_list, broadcast_with_tensors)
 from tandem.testing import Case, CaseResults, run_cases
 
 Point = collections.namedtuple("Point", "x y")
@@ -102,6 +103,15 @@ def _with_tensors(rank: int, world_size: int, marker: str) -> dict[str, object]:
             "refused": _refused(functools.partial(broadcast_with_tensors, evil, 1))}
 
 
+def _gathered_with_tensors(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    # Rank 0 sends a state of every kind, rank 1 one without tensors: payloads of unequal lengths.
+    mine: Any = _state() if rank == 0 else {"rank": 1, "rest": [None, (2, "y")]}
+    got = all_gather_with_tensors(mine)
+    evil = {"t": torch.ones(3), "evil": Marker(marker)} if rank == 1 else {"t": torch.ones(1)}
+    return {"same": _same(got[0], _state()) and got[1] == {"rank": 1, "rest": [None, (2, "y")]},
+            "refused": _refused(functools.partial(all_gather_with_tensors, evil))}
+
+
 def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
     if rank == 1:
         tandem.send({"t": torch.ones(2), "p": Point(torch.zeros(1), 5)}, dst=0)
@@ -122,7 +132,8 @@ def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     m = str(marker)
     out = run_cases({"group_gather": Case(_group_gather, args=(m,)),
                      "elastic_collectives": Case(_elastic_collectives, args=(m,)),
-                     "recv": Case(_recv, args=(m,)), "with_tensors": Case(_with_tensors, args=(m,))}, 2)
+                     "recv": Case(_recv, args=(m,)), "with_tensors": Case(_with_tensors, args=(m,)),
+                     "gathered_with_tensors": Case(_gathered_with_tensors, args=(m,))}, 2)
     return out, marker
 
 
@@ -162,4 +173,14 @@ def test_an_object_broadcast_with_its_tensors_as_bytes_arrives_equal_and_refuses
     assert r0["same"] and r1["same"]
     assert "rank 0 refused a broadcast object's tensor-free part from rank 1" in r0["refused"], r0
     assert r1["refused"] == "not refused"
+    assert not marker.exists()
+
+
+def test_objects_gathered_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(results) -> None:
+    # all_gather_with_tensors: every rank gets every rank's object, its own included, each
+    # tensor equal, of its dtype and shape, in a storage of its own; code is refused on every rank.
+    out, marker = results
+    for rank, r in enumerate(out["gathered_with_tensors"]):
+        assert r["same"], rank
+        assert f"rank {rank} refused an all_gather's tensor-free part from rank 1" in r["refused"], r
     assert not marker.exists()

@@ -1,0 +1,115 @@
+"""What a replacement of a sharded elastic job receives from rank 0 beside the
+shards (``ElasticWorld.share_state``): the shards put the optimizer's state and
+the parameters it steps in place (ZeRO's rows, fully_shard's shards), and one
+broadcast brings the rest: the loop state, the optimizer's hyper-parameters,
+the model's buffers and the parameters no shard holds (under ZeRO, a frozen
+layer; fully_shard's shards hold every parameter).
+
+Rank 1 plays the replacement: its frozen layer, buffer, counters and learning
+rate differ from rank 0's, and after the call they are rank 0's, while the
+parameters the shards hold are left as they were. A replacement whose model
+has a buffer rank 0's lacks is refused, naming both (under fully_shard:
+under ZeRO, DDP's check of the model refuses it before). One spawned group of 2
+ranks runs every case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.testing import Case, CaseResults, run_cases
+
+
+class WithFrozenAndBuffer(nn.Module):
+    seen: torch.Tensor
+
+    def __init__(self, seed: int, extra_buffer: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.trained = nn.Linear(4, 2)
+        self.register_buffer("seen", torch.full((3,), float(seed)))
+        if extra_buffer:
+            self.register_buffer("other", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trained(self.frozen(x)) + self.seen.sum()
+
+
+def _share(rank: int, world_size: int, strategy: str, extra_buffer: bool) -> dict[str, Any]:
+    import tandem
+    from tandem.checkpoint.state import TrainingState
+    from tandem.elastic.world import ElasticWorld, TrainingStatePoints
+
+    # rank 1, the replacement, is built with another seed
+    module = WithFrozenAndBuffer(seed=rank, extra_buffer=extra_buffer and rank == 1)
+    if strategy == "zero2":
+        model: nn.Module = tandem.DistributedDataParallel(module, zero_stage=2)
+        optimizer: Any = tandem.ZeroOptimizer(model, torch.optim.Adam, lr=0.01 * (rank + 1))
+    else:
+        tandem.fully_shard(module)
+        model = module
+        optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=0.01 * (rank + 1))
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    if rank == 1:  # built in a world of its own, as a replacement is: nothing of rank 0's reached it
+        with torch.no_grad():
+            for p in module.frozen.parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).fill_(5.0)
+            module.seen.fill_(9.0)
+    trained_before = [full(p) for p in module.trained.parameters()]
+    state = TrainingState(model=model, optimizer=optimizer, step=7 if rank == 0 else 0,
+                          epoch=1 if rank == 0 else 0, consumed=40 if rank == 0 else 0)
+    world = ElasticWorld(run=None, model=model, optimizer=optimizer, state=state,  # type: ignore[arg-type]
+                         points=TrainingStatePoints(state), fallback=None, sharded=True)
+    try:
+        world.share_state()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    if extra_buffer:  # rank 1 refused: no collective follows
+        return {"error": None}
+    return {"error": None, "frozen": [full(p) for p in module.frozen.parameters()], "seen": module.seen.clone(),
+            "frozen_local": [(p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                             for p in module.frozen.parameters()],
+            "trained_kept": all(torch.equal(full(p), b) for p, b in zip(module.trained.parameters(), trained_before)),
+            "counters": (state.step, state.epoch, state.consumed), "lr": optimizer.param_groups[0]["lr"]}
+
+
+# Under ZeRO a replacement with another model is refused before, by DDP's check of the model.
+CASES = {"zero2": Case(_share, args=("zero2", False)), "fsdp": Case(_share, args=("fsdp", False)),
+         "fsdp-extra": Case(_share, args=("fsdp", True))}
+
+
+@pytest.fixture(scope="module")
+def results() -> CaseResults:
+    return run_cases(CASES, 2)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_the_replacement_gets_the_loop_state_buffers_and_frozen_parameters_beside_the_shards(
+        results: CaseResults, strategy: str) -> None:
+    r0, r1 = results[strategy]
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    if strategy == "zero2":  # ZeRO's rows hold the parameters it steps only
+        for a, b in zip(r0["frozen"], r1["frozen"]):
+            assert torch.equal(a, b)
+    else:  # fully_shard's shards hold every parameter, the frozen ones too: not sent again
+        assert all(bool((t == 5.0).all()) for t in r1["frozen_local"]), r1["frozen_local"]
+    assert torch.equal(r1["seen"], torch.zeros(3)), r1["seen"]  # rank 0's, built with seed 0
+    assert r1["counters"] == (7, 1, 40)
+    assert r1["lr"] == r0["lr"] == 0.01
+    assert r0["trained_kept"] and r1["trained_kept"]  # what the shards hold is not sent again
+
+
+def test_a_fully_sharded_replacement_with_another_model_is_refused_naming_both(results: CaseResults) -> None:
+    r0, r1 = results["fsdp-extra"]
+    assert r0["error"] is None  # the sender does not compare
+    assert "rank 1: rank 0's model has buffers and parameters" in r1["error"], r1["error"]
+    assert "'other'" in r1["error"] and "every rank must build the same model" in r1["error"], r1["error"]
