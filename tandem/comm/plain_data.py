@@ -18,7 +18,8 @@ caller names, e.g. tandem.recv's own spec): an object that names anything else
 :class:`RefusedObjectError`, naming the rank it came from, before anything of
 it is built. The training state a replacement receives goes by
 :func:`broadcast_with_tensors`, and the shards the survivors of a world
-change gather by :func:`all_gather_with_tensors`: their dense tensors as raw
+change exchange by :func:`all_gather_with_tensors` and
+:func:`all_to_all_with_tensors`: their dense tensors as raw
 bytes, which build nothing but tensors of the dtypes and shapes named beside
 them, and the rest so. User objects passed through tandem (the Trainer's ``extra``
 state, a loop's registered objects) must be plain data too, as they must be
@@ -41,8 +42,8 @@ import torch.distributed as dist
 
 from tandem._tree import map_tensors
 
-__all__ = ["RefusedObjectError", "all_gather_object", "all_gather_with_tensors", "broadcast_object_list",
-           "broadcast_with_tensors", "decode", "encode", "gather_payloads"]
+__all__ = ["RefusedObjectError", "all_gather_object", "all_gather_with_tensors", "all_to_all_with_tensors",
+           "broadcast_object_list", "broadcast_with_tensors", "decode", "encode", "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -188,6 +189,40 @@ def all_gather_with_tensors(obj: Any, group: dist.ProcessGroup | None = None) ->
     return [_unpack(got[:head], got[_aligned(head):_aligned(head) + body], sender=f"rank {ranks[r]}",
                     what="an all_gather's tensor-free part")
             for r, (got, (head, body)) in enumerate(zip(out, lengths))]
+
+
+def all_to_all_with_tensors(objs: Sequence[Any], group: dist.ProcessGroup | None = None) -> list[Any]:
+    """``objs[j]`` to group rank j, from every rank: returns what each rank sent
+    this one, in group rank order. Sent as :func:`all_gather_with_tensors` sends
+    (dense tensors as they are, the rest as plain data), in one all-to-all of
+    bytes after one of their lengths; each tensor received is a copy of its own."""
+    device = _device(group)
+    size = dist.get_world_size(group)
+    if len(objs) != size:
+        raise ValueError(f"all_to_all_with_tensors: {len(objs)} object(s) for a group of {size} rank(s)")
+    packed = [_pack(obj, device) for obj in objs]
+    sent_lengths = torch.tensor([n for head, body in packed for n in (head.numel(), body.numel())],
+                                dtype=torch.int64, device=device)
+    got_lengths = torch.empty_like(sent_lengths)
+    dist.all_to_all_single(got_lengths, sent_lengths, group=group)
+    ins = [_aligned(head.numel()) + body.numel() for head, body in packed]
+    payload = torch.zeros(sum(ins), dtype=torch.uint8, device=device)
+    at = 0
+    for (head, body), n in zip(packed, ins):
+        payload[at:at + head.numel()] = head
+        payload[at + _aligned(head.numel()):at + n] = body
+        at += n
+    heads = [int(h) for h in got_lengths.view(size, 2)[:, 0].tolist()]
+    outs = [_aligned(h) + int(b) for h, b in zip(heads, got_lengths.view(size, 2)[:, 1].tolist())]
+    out = torch.empty(sum(outs), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, payload, output_split_sizes=outs, input_split_sizes=ins, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    received, at = [], 0
+    for r, (h, n) in enumerate(zip(heads, outs)):
+        received.append(_unpack(out[at:at + h], out[at + _aligned(h):at + n], sender=f"rank {ranks[r]}",
+                                what="an all_to_all's tensor-free part"))
+        at += n
+    return received
 
 
 def _aligned(n: int) -> int:

@@ -11,7 +11,8 @@ and one received per step. ZeRO's shard is its optimizer's
 ``sharded_state_dict()``, and every rank receives every old shard at once
 (:meth:`BuddyCopies.recover`); fully_shard's is the parameters' and their
 state's rows (Note [elastic fully_shard] in fsdp_shards.py), which travel one
-unit at a time (:meth:`BuddyCopies.locate`, :meth:`BuddyCopies.gather_part`).
+unit at a time, each row only to the rank that holds it next
+(:meth:`BuddyCopies.locate`, :meth:`BuddyCopies.exchange`).
 A lost rank's shard is then read from its buddy; any set of losses that does
 not take a rank and the next one together is recovered from memory (one step
 back when the rank died before its copy of the last step arrived: Note [one
@@ -56,7 +57,7 @@ import torch.distributed as dist
 
 from tandem.comm.p2p import isend, recv
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import all_gather_object, all_gather_with_tensors
+from tandem.comm.plain_data import all_gather_object, all_gather_with_tensors, all_to_all_with_tensors
 
 __all__ = ["BuddyCopies", "Located", "ShardsLost"]
 
@@ -145,7 +146,7 @@ class BuddyCopies:
         """
         mine = self._offered(own, survivors, complete=True)
         located = self._locate(mine)
-        shards = self.gather_part(located, lambda shard: shard)
+        shards = self._gather(located)
         self.held = None
         self._complete = [(located.step, shard) for shard in shards]
         return located.step, shards
@@ -155,7 +156,7 @@ class BuddyCopies:
         which step: its own (``own``, each with its step, Note [one step back];
         None on a replacement) or its copy of a lost rank's. A collective of the
         new group (small: stamps and ranks only); the shards then travel part by
-        part (:meth:`gather_part`), so that no rank holds every shard at once.
+        part (:meth:`exchange`), so that no rank holds every shard at once.
         The held copy is kept until the next :meth:`refresh`: a loss during the
         change is recovered from the same copies.
 
@@ -185,14 +186,25 @@ class BuddyCopies:
         here = dist.get_rank()
         return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here}, step)
 
-    def gather_part(self, located: Located, part: Callable[[dict[str, Any]], Any]) -> list[Any]:
-        """``part(shard)`` of every old rank's shard, in old rank order, on every
-        rank. A collective of the new group."""
+    def _gather(self, located: Located) -> list[dict[str, Any]]:
+        """Every old rank's shard, in old rank order, on every rank. A collective of the new group."""
         gathered = watched("all_gather of the old world's shards", all_gather_with_tensors,
-                           [(old, part(shard)) for old, shard in located.provided.items()])
-        parts = dict(p for c in gathered for p in c)
-        return [parts[r] for r in range(located.old_world)]
+                           list(located.provided.items()))
+        shards = dict(p for c in gathered for p in c)
+        return [shards[r] for r in range(located.old_world)]
 
+    def exchange(self, located: Located, parts: Callable[[int, dict[str, Any]], list[Any]]) -> dict[int, Any]:
+        """What of every old rank's shard goes to this rank: ``parts(old, shard)[j]``
+        is what of old rank ``old``'s shard new rank j takes, cut by the rank that
+        provides the shard. Returns ``{old rank: part}`` for every old rank. A
+        collective of the new group, in which each part travels once."""
+        outgoing: list[list[tuple[int, Any]]] = [[] for _ in range(dist.get_world_size())]
+        for old, shard in located.provided.items():
+            for j, part in enumerate(parts(old, shard)):
+                outgoing[j].append((old, part))
+        received = watched("all_to_all of the old world's shards", all_to_all_with_tensors, outgoing)
+        parts_here = dict(p for c in received for p in c)
+        return {r: parts_here[r] for r in range(located.old_world)}
 
 @dataclass(frozen=True)
 class Located:

@@ -20,11 +20,12 @@ every rank of the new world
    falls back to the last checkpoint;
 2. lays the units out for the new world (Note [regrouped units] in
    tandem/fsdp/regroup.py);
-3. unit by unit, receives every old rank's piece of that unit
-   (``BuddyCopies.gather_part``), concatenates each parameter's and each
-   state tensor's rows in old rank order (the full tensor: old chunks are
-   consecutive rows) and keeps its own new rows. At most one unit is ever
-   whole on a rank, never the whole model.
+3. unit by unit, receives from each old rank's provider the rows of each
+   parameter and of each state tensor that fall in its own new rows
+   (``BuddyCopies.exchange``, one all-to-all: the old chunks are consecutive
+   rows, and so are the new, so each row travels once, to the rank that holds
+   it next), and concatenates them in old rank order: its new rows. No unit
+   is ever whole on a rank.
 
 The optimizer keeps its parameter objects: regroup.py re-points each sharded
 parameter in place, so ``param_groups`` and the keys of ``optimizer.state``
@@ -50,7 +51,8 @@ import torch
 from torch import nn
 
 from tandem._compat import dtensor_api, dtensor_local
-from tandem.fsdp.regroup import rows_of, units_of
+from tandem.fsdp.regroup import units_of
+from tandem.fsdp.unit import ShardedUnit
 
 __all__ = ["fsdp_shard", "load_fsdp_shards"]
 
@@ -80,30 +82,31 @@ def fsdp_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     gather_unit: Callable[[Callable[[dict[str, Any]], Any]], list[Any]]) -> None:
+                     exchange: Callable[[Callable[[int, dict[str, Any]], list[Any]]], dict[int, Any]]) -> None:
     """Load every old rank's shard into ``model`` (laid out for the new world
     already: ``reset_process_group``) and ``optimizer``, one unit at a time
-    (Note [elastic fully_shard]). ``gather_unit(part)`` returns ``part(shard)``
-    of every old rank's shard, in old rank order (a collective).
+    (Note [elastic fully_shard]). ``exchange(parts)`` returns, for every old
+    rank, ``parts(old, shard)[r]`` of its shard, r being this rank (a collective).
 
     Raises:
         ValueError: the shards name other parameters than the model's.
     """
     for index, unit in enumerate(units_of(model)):
-        pieces = gather_unit(functools.partial(_unit_piece, index=index))
+        received = exchange(functools.partial(_rows_for_each_rank, unit=unit, index=index))
+        pieces = [received[old] for old in sorted(received)]
         for k, m in enumerate(unit.params.managed):
             old = [piece[k] for piece in pieces]
-            if old[0]["fqn"] != m.fqn:
-                raise ValueError(f"rank {unit.comm.rank}: the old world's shard holds '{old[0]['fqn']}' "
+            wrong = next((o["fqn"] for o in old if o["fqn"] != m.fqn), None)
+            if wrong is not None:
+                raise ValueError(f"rank {unit.comm.rank}: the old world's shard holds '{wrong}' "
                                  f"where unit '{unit.name}' has '{m.fqn}': every rank must build and "
                                  "fully_shard the same model")
             d = m.spec.shard_dim
             with torch.no_grad():
-                dtensor_local(m.sharded).copy_(rows_of(torch.cat([o["param"] for o in old], d), m.spec))
+                dtensor_local(m.sharded).copy_(torch.cat([o["param"] for o in old], d))
             state: dict[str, Any] = {}
             for key in old[0]["rows"]:
-                full = torch.cat([o["rows"][key] for o in old], d)
-                local = rows_of(full, m.spec).to(unit.config.shard_device).contiguous()
+                local = torch.cat([o["rows"][key] for o in old], d).to(unit.config.shard_device).contiguous()
                 state[key] = unit.params.to_dtensor(local, m.spec)
             for key, value in old[0]["values"].items():
                 state[key] = value.clone() if torch.is_tensor(value) else value
@@ -113,6 +116,27 @@ def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
                 optimizer.state.pop(m.sharded, None)
 
 
-def _unit_piece(shard: dict[str, Any], index: int) -> Any:
-    """The piece of unit ``index`` in a shard of :func:`fsdp_shard`."""
-    return shard["units"][index]
+def _rows_for_each_rank(old: int, shard: dict[str, Any], *, unit: ShardedUnit, index: int) -> list[Any]:
+    """What of old rank ``old``'s piece of unit ``index`` (in ``shard``, of
+    :func:`fsdp_shard`) each new rank holds: per new rank, per parameter, the
+    rows of the parameter and of each per-element state that fall in that rank's
+    new chunk (none, where they do not meet), with the per-tensor values."""
+    piece = shard["units"][index]
+    managed = unit.params.managed
+    if len(piece) != len(managed):
+        raise ValueError(f"rank {unit.comm.rank}: old rank {old}'s shard holds {len(piece)} parameter(s) in unit "
+                         f"'{unit.name}', which has {len(managed)}: every rank must build and fully_shard the "
+                         "same model")
+    out: list[list[dict[str, Any]]] = [[] for _ in range(unit.comm.size)]
+    for m, p in zip(managed, piece):
+        d = m.spec.shard_dim
+        rows = m.spec.shape[d]
+        start = min(old * -(-rows // shard["world_size"]), rows)  # the old chunk's first row
+        held = p["param"].shape[d]
+        for j, to in enumerate(out):
+            first = min(j * m.spec.chunk_rows, rows)  # new rank j's chunk
+            lo, hi = max(start, first), min(start + held, first + m.spec.chunk_rows, rows)
+            at, n = (lo - start, hi - lo) if hi > lo else (0, 0)
+            to.append({"fqn": p["fqn"], "param": p["param"].narrow(d, at, n),
+                       "rows": {key: v.narrow(d, at, n) for key, v in p["rows"].items()}, "values": p["values"]})
+    return out

@@ -213,7 +213,7 @@ class ElasticWorld:
             self._forget_kept()
             return Resumed(self._state.step, checkpoint=True)
         if fsdp:
-            load_fsdp_shards(self._model, self._optimizer, functools.partial(self.buddy.gather_part, located))
+            load_fsdp_shards(self._model, self._optimizer, functools.partial(self.buddy.exchange, located))
         else:
             optimizer: Any = self._optimizer
             optimizer.load_param_rows([shard["param_rows"] for shard in shards])

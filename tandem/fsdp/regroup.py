@@ -25,8 +25,8 @@ for the new group, in place:
 - collectives of the old group still pending (a gather, a reduce-scatter of
   the abandoned step) are dropped, not waited on: their peers may be gone.
 
-The new shards hold zeros: the caller loads the values, one parameter at a
-time (:func:`rows_of`), from the old world's shards (the survivors' own and
+The new shards hold zeros: the caller loads the values, each rank its new
+rows, from the old world's shards (the survivors' own and
 their buddy copies: Note [elastic fully_shard] in
 tandem/elastic/fsdp_shards.py) or from a checkpoint. Only the 1-D default mesh
 is laid out again (not HSDP, tensor parallelism or a mesh of the caller's):
@@ -37,17 +37,15 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from tandem._compat import clear_dtensor_sharding_cache
 from tandem.comm.group import GroupComm
 from tandem.fsdp.arguments import default_mesh
-from tandem.fsdp.layout import ParamShard
 from tandem.fsdp.unit import ShardedUnit, unit_of
 
-__all__ = ["check_regroupable", "reset_process_group", "rows_of", "units_of"]
+__all__ = ["check_regroupable", "reset_process_group", "units_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +97,6 @@ def reset_process_group(module: nn.Module) -> None:
     for unit in units:
         _relayout(unit, mesh, comm)
     logger.info("fully_shard: %d unit(s) laid out again over %d rank(s)", len(units), comm.size)
-
-
-def rows_of(full: torch.Tensor, spec: ParamShard) -> torch.Tensor:
-    """This rank's rows of ``full`` (a whole parameter, or a per-element state of
-    it) under the layout ``spec``: its local shard, unpadded."""
-    return full.narrow(spec.shard_dim, spec.row_start, spec.local_rows)
 
 
 def _relayout(unit: ShardedUnit, mesh: object, comm: GroupComm) -> None:

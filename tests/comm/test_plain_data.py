@@ -23,7 +23,7 @@ import torch.distributed as dist
 import tandem
 from tandem.comm.group import GroupComm
 from tandem.comm.plain_data import (RefusedObjectError, all_gather_object, all_gather_with_tensors,
-                                    broadcast_object_list, broadcast_with_tensors)
+                                    all_to_all_with_tensors, broadcast_object_list, broadcast_with_tensors)
 from tandem.testing import Case, CaseResults, run_cases
 
 Point = collections.namedtuple("Point", "x y")
@@ -112,6 +112,20 @@ def _gathered_with_tensors(rank: int, world_size: int, marker: str) -> dict[str,
             "refused": _refused(functools.partial(all_gather_with_tensors, evil))}
 
 
+def _exchanged_with_tensors(rank: int, world_size: int, marker: str) -> dict[str, object]:
+    # objs[j] goes to rank j: rank 0 sends rank 1 a state of every kind, each rank itself a
+    # tensor of a length of its own, and rank 1 sends rank 0 no tensor at all.
+    mine: list[Any] = ([{"self": torch.arange(3.0)}, _state()] if rank == 0
+                       else [{"from": 1, "rest": (None, "y")}, {"self": torch.arange(5, dtype=torch.int64)}])
+    got = all_to_all_with_tensors(mine)
+    if rank == 0:
+        same = _same(got[0], {"self": torch.arange(3.0)}) and got[1] == {"from": 1, "rest": (None, "y")}
+    else:
+        same = _same(got[0], _state()) and _same(got[1], {"self": torch.arange(5, dtype=torch.int64)})
+    evil = [{"t": torch.ones(2), "evil": Marker(marker)}] * 2 if rank == 1 else [{"t": torch.ones(1)}] * 2
+    return {"same": same, "refused": _refused(functools.partial(all_to_all_with_tensors, evil))}
+
+
 def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
     if rank == 1:
         tandem.send({"t": torch.ones(2), "p": Point(torch.zeros(1), 5)}, dst=0)
@@ -133,7 +147,8 @@ def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     out = run_cases({"group_gather": Case(_group_gather, args=(m,)),
                      "elastic_collectives": Case(_elastic_collectives, args=(m,)),
                      "recv": Case(_recv, args=(m,)), "with_tensors": Case(_with_tensors, args=(m,)),
-                     "gathered_with_tensors": Case(_gathered_with_tensors, args=(m,))}, 2)
+                     "gathered_with_tensors": Case(_gathered_with_tensors, args=(m,)),
+                     "exchanged_with_tensors": Case(_exchanged_with_tensors, args=(m,))}, 2)
     return out, marker
 
 
@@ -183,4 +198,14 @@ def test_objects_gathered_with_their_tensors_as_bytes_arrive_equal_and_refuse_co
     for rank, r in enumerate(out["gathered_with_tensors"]):
         assert r["same"], rank
         assert f"rank {rank} refused an all_gather's tensor-free part from rank 1" in r["refused"], r
+    assert not marker.exists()
+
+
+def test_objects_exchanged_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(results) -> None:
+    # all_to_all_with_tensors: each rank gets what every rank sent it, of unequal lengths, each
+    # tensor equal, of its dtype and shape, in a storage of its own; code is refused by its receivers.
+    out, marker = results
+    for rank, r in enumerate(out["exchanged_with_tensors"]):
+        assert r["same"], rank
+        assert f"rank {rank} refused an all_to_all's tensor-free part from rank 1" in r["refused"], r
     assert not marker.exists()
