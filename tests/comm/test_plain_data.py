@@ -191,21 +191,15 @@ def test_an_object_broadcast_with_its_tensors_as_bytes_arrives_equal_and_refuses
     assert not marker.exists()
 
 
-def test_objects_gathered_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(results) -> None:
-    # all_gather_with_tensors: every rank gets every rank's object, its own included, each
-    # tensor equal, of its dtype and shape, in a storage of its own; code is refused on every rank.
-    out, marker = results
-    for rank, r in enumerate(out["gathered_with_tensors"]):
-        assert r["same"], rank
-        assert f"rank {rank} refused an all_gather's tensor-free part from rank 1" in r["refused"], r
-    assert not marker.exists()
-
-
-def test_objects_exchanged_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(results) -> None:
-    # all_to_all_with_tensors: each rank gets what every rank sent it, of unequal lengths, each
+@pytest.mark.parametrize("case, what", [("gathered_with_tensors", "an all_gather's"),
+                                        ("exchanged_with_tensors", "an all_to_all's")])
+def test_objects_gathered_or_exchanged_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(
+        results, case: str, what: str) -> None:
+    # all_gather_with_tensors (every rank gets every rank's object, its own included) and
+    # all_to_all_with_tensors (each rank gets what every rank sent it, of unequal lengths): each
     # tensor equal, of its dtype and shape, in a storage of its own; code is refused by its receivers.
     out, marker = results
-    for rank, r in enumerate(out["exchanged_with_tensors"]):
+    for rank, r in enumerate(out[case]):
         assert r["same"], rank
-        assert f"rank {rank} refused an all_to_all's tensor-free part from rank 1" in r["refused"], r
+        assert f"rank {rank} refused {what} tensor-free part from rank 1" in r["refused"], r
     assert not marker.exists()
