@@ -37,15 +37,17 @@ class ModelSync:
         # Buffers may have been reassigned (module.running_mean = ...): looked up each time.
         return [(n, b) for n, b in self.module.named_buffers() if n not in self.ignored]
 
-    def start(self, *, buffers: bool, options: Mapping[str, object]) -> None:
+    def start(self, *, buffers: bool, options: Mapping[str, object], broadcast: bool = True) -> None:
         """Check that every rank wraps the same model (and ``options`` that change a
-        step's collectives), then give all of them rank 0's parameters (and buffers)."""
+        step's collectives), then (``broadcast``) give all of them rank 0's
+        parameters (and buffers)."""
         if self.comm.size == 1:
             return
         named_params = self._params()
         named_buffers = self._buffers() if buffers else []
         check_same_model_on_all_ranks(model_signature(named_params, named_buffers, dict(options)), self.comm)
-        broadcast_module_state([p for _, p in named_params] + [b for _, b in named_buffers], self.comm, src=0)
+        if broadcast:
+            broadcast_module_state([p for _, p in named_params] + [b for _, b in named_buffers], self.comm, src=0)
 
     def buffers(self, src: int) -> None:
         """Broadcast the buffers from group rank ``src`` (before a forward)."""

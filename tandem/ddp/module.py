@@ -260,12 +260,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
 
-    def _sync_initial_state(self) -> None:
-        """Check that every rank wraps the same model, then give all of them rank 0's
-        parameters (and buffers, when they are synced)."""
+    def _sync_initial_state(self, *, broadcast: bool = True) -> None:
+        """Check that every rank wraps the same model, then (``broadcast``) give all of
+        them rank 0's parameters (and buffers, when they are synced)."""
         # check_finite changes a step's collectives (Note [check_finite] in finite.py): it must agree too.
         options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
-        self._sync.start(buffers=self._init_sync_buffers, options=options)
+        self._sync.start(buffers=self._init_sync_buffers, options=options, broadcast=broadcast)
 
     def _needs_reducer(self) -> bool:
         # A world of one needs no reducer, unless ZeRO's optimizer reads its
@@ -278,14 +278,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._reducer.failure_handler = self._failure_handler
         return self._reducer
 
-    def reset_process_group(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def reset_process_group(self, process_group: dist.ProcessGroup | None = None, *,
+                            broadcast: bool = True) -> None:
         """Go on over another process group: after an elastic job's world changed
         (the default group was rebuilt), or to move the model to a new group.
 
         The step in progress is dropped (its gradients and pending reductions),
         the buckets are planned again for the new world, and the parameters and
         buffers are broadcast from the new group's rank 0 after checking that
-        every rank holds the same model. A collective of the new group. A
+        every rank holds the same model. A collective of the new group. With
+        ``broadcast=False`` the check only: an elastic job's rebuild, whose
+        members hold equal models, and whose replacement receives the whole
+        training state next (Note [elastic trainer] in tandem/elastic/run.py). A
         communication hook is kept when its state is this model's own
         communicator, or says it follows the default group into a new world
         (``follows_world``, as :class:`tandem.comm_hooks.QuantizedState` and
@@ -303,7 +307,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = process_group
         self._comm = GroupComm(process_group)
         self._sync = ModelSync(self.module, self._ignored, self._comm)
-        self._sync_initial_state()
+        self._sync_initial_state(broadcast=broadcast)
         if self._needs_reducer():
             self._make_reducer()
         if self._fused is not None:

@@ -171,6 +171,31 @@ def _mismatch_buffer_shape(rank: int, ws: int) -> None:
     DDP(_WithBuffer(buffer_len=5 if rank == 1 else 4))
 
 
+def _reset_keeps_or_broadcasts(rank: int, ws: int) -> None:
+    # An elastic rebuild's reset (broadcast=False) checks the model and keeps each rank's values;
+    # the default reset gives every rank rank 0's.
+    module = _WithBuffer()
+    model = DDP(module)
+    tensors = [*module.parameters(), module.scale]
+    with torch.no_grad():
+        for t in tensors:
+            t.fill_(float(rank + 1))
+    model.reset_process_group(broadcast=False)
+    if not all(torch.equal(t, torch.full_like(t, rank + 1)) for t in tensors):
+        raise AssertionError(f"rank {rank}: reset_process_group(broadcast=False) changed this rank's values")
+    model.reset_process_group()
+    if not all(torch.equal(t, torch.ones_like(t)) for t in tensors):
+        raise AssertionError(f"rank {rank}: reset_process_group() did not give this rank rank 0's values")
+
+
+def _reset_without_broadcast_still_checks(rank: int, ws: int) -> None:
+    module = _WithBuffer()
+    model = DDP(module)
+    if rank == 1:  # a buffer reassigned, as a replacement with another model would hold
+        module.scale = torch.ones(5)
+    model.reset_process_group(broadcast=False)
+
+
 def _build_with(**kwargs: Any) -> Callable[[int, int], None]:
     def build(rank: int, ws: int) -> None:
         DDP(_mlp(), **kwargs)
@@ -247,6 +272,8 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
     "dtype": _mismatch_dtype,
     "requires_grad": _mismatch_requires_grad,
     "buffer_shape": _mismatch_buffer_shape,
+    "reset_keeps_or_broadcasts": _reset_keeps_or_broadcasts,
+    "reset_checks": _reset_without_broadcast_still_checks,
     "mixed_precision": _build_with(mixed_precision=object()),
     "delay_all_reduce_named_params": _build_with(delay_all_reduce_named_params=object()),
     "param_to_hook_all_reduce": _build_with(param_to_hook_all_reduce=object()),
@@ -352,6 +379,12 @@ def test_buffer_shape_mismatch(built2):
     text = _same_message_on_every_rank(_raised_everywhere(built2, "buffer_shape", "ValueError"))
     assert "buffer 'scale' of shape (4,) and float32 on ranks [0]" in text, text
     assert "buffer 'scale' of shape (5,) and float32 on ranks [1]" in text
+
+
+def test_a_reset_without_broadcast_keeps_each_ranks_values_and_still_checks_the_model(built2):
+    assert [r["reset_keeps_or_broadcasts"] for r in built2] == [None, None]
+    text = _same_message_on_every_rank(_raised_everywhere(built2, "reset_checks", "ValueError"))
+    assert "buffer 'scale' of shape (5,) and float32 on ranks [1]" in text, text
 
 
 # ---------------------------------------------------------------- torch arguments not supported yet
