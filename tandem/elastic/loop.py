@@ -48,9 +48,9 @@ The pieces are the Trainer's, placed where that loop already calls in:
    the end of ``step()``; a loop that stops without asking for another batch
    leaves the replacement waiting until it sees the members gone). It then
    rebuilds for the new world as the members do in their regroup (agreeing on
-   the loaders, DDP's model check and broadcast), and rank 0 sends the whole
-   state (:func:`~tandem.elastic.run.share_state`: model, optimizer, step
-   count, RNG, each loader's epoch and position, and what the loop registered:
+   the loaders, DDP's model check), and rank 0 sends the whole state
+   (:func:`~tandem.elastic.run.share_state`: model, optimizer, step count,
+   each loader's epoch and position, and what the loop registered:
    ``optimizer.register_for_replacements(scheduler)``), so the replacement's
    first iteration starts where the members' goes on. That is why the epoch
    loop above starts at ``train_loader.epoch`` (0 in a job's first world, the
@@ -390,8 +390,8 @@ class ElasticLoop:
 
     def _share_state(self) -> None:
         """Rank 0's state on every rank, the loaders' positions with it; a
-        replacement takes them up. A fully-sharded model's shards are in place
-        already (Note [elastic fully_shard] in fsdp_shards.py)."""
+        replacement takes them up. Under ZeRO and fully_shard the shards are in
+        place already, and rank 0 sends the rest (``ElasticWorld.share_state``)."""
         self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
                             "objects": [obj.state_dict() for obj in self.registered],
                             "diloco": None if self.diloco is None else self.diloco.state_dict()}
