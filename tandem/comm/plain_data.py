@@ -84,34 +84,16 @@ def decode(data: bytes | torch.Tensor, *, sender: str, what: str = "an object",
             "is not of this job, or a peer sending an object of its own class, is refused") from None
 
 
-FIRST_ROUND_BYTES = 2048
-"""Bytes of each rank's payload that :func:`gather_payloads` sends in its first
-round, beside the payload's length: a small object's whole (an encoded tuple of
-numbers or a short string takes about 1.3 KB), so that it takes one collective."""
-
-
 def gather_payloads(obj: Any, all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
                     device: torch.device) -> list[torch.Tensor]:
     """Every rank's :func:`encode` of its ``obj``, in rank order, through
-    ``all_gather`` (one tensor in, every rank's out): each payload's length and
-    its first :data:`FIRST_ROUND_BYTES`, then, only where a payload is longer,
-    the rest of each, padded to the longest."""
-    payload = encode(obj)
-    n = payload.numel()
-    first = torch.zeros(8 + FIRST_ROUND_BYTES, dtype=torch.uint8)
-    first[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-    first[8:8 + min(n, FIRST_ROUND_BYTES)] = payload[:FIRST_ROUND_BYTES]
-    got = [g.cpu() for g in all_gather(first.to(device))]
-    lengths = [int(g[:8].view(torch.int64)[0]) for g in got]
-    heads = [g[8:8 + min(length, FIRST_ROUND_BYTES)] for g, length in zip(got, lengths)]
-    longest = max(lengths)
-    if longest <= FIRST_ROUND_BYTES:
-        return heads
-    rest = torch.zeros(longest - FIRST_ROUND_BYTES, dtype=torch.uint8)
-    rest[:max(n - FIRST_ROUND_BYTES, 0)] = payload[FIRST_ROUND_BYTES:]
-    tails = [t.cpu() for t in all_gather(rest.to(device))]
-    return [torch.cat([head, tail[:max(length - FIRST_ROUND_BYTES, 0)]])
-            for head, tail, length in zip(heads, tails, lengths)]
+    ``all_gather`` (one tensor in, every rank's out): the lengths first, then
+    the payloads padded to the longest."""
+    payload = encode(obj).to(device)
+    lengths = [int(n.item()) for n in all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device))]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    return [chunk[:n] for chunk, n in zip(all_gather(padded), lengths)]
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> None:

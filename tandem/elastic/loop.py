@@ -379,23 +379,25 @@ class ElasticLoop:
             resumed = self.world.restore_shards(own, rank)  # no checkpoint to fall back to
         if self._syncs is not None:  # Note [elastic local steps]
             resumed = self._syncs.regroup(has_state=not self.run.needs_state)
-        if self.run.state_wanted():  # Note [a join cut short] in tandem/elastic/run.py
-            self._share_state()
+        wanting = self.run.ranks_wanting_state()  # Note [a join cut short] in tandem/elastic/run.py
+        if wanting:
+            self._share_state(wanting)
         for loader in self.loaders:
             loader.regroup(dist.get_world_size(), rank)
         self.world.refresh_buddy(rank)  # copies for the new world, before its first step
         if self._syncs is not None:
             self._syncs.capture()  # every rank at the sync: the new world's first point
+        self.run.needs_state = False  # only now: Note [a join cut short] in tandem/elastic/run.py
         return resumed
 
-    def _share_state(self) -> None:
-        """Rank 0's state on every rank, the loaders' positions with it; a
-        replacement takes them up. Under ZeRO and fully_shard the shards are in
+    def _share_state(self, wanting: list[int]) -> None:
+        """Rank 0's state on the ranks ``wanting`` it, the loaders' positions with
+        it; a replacement takes them up. Under ZeRO and fully_shard the shards are in
         place already, and rank 0 sends the rest (``ElasticWorld.share_state``)."""
         self.state.extra = {"loaders": [loader.position() for loader in self.loaders],
                             "objects": [obj.state_dict() for obj in self.registered],
                             "diloco": None if self.diloco is None else self.diloco.state_dict()}
-        self.world.share_state()
+        self.world.share_state(wanting)
         if self.run.needs_state:
             if self.diloco is not None:
                 self.diloco.load_state_dict(self.state.extra["diloco"])
@@ -403,7 +405,6 @@ class ElasticLoop:
                 # Mid-epoch the members split the rest exactly (DistributedLoader.regroup): so does this rank.
                 loader.set_epoch(epoch, start, exact=start > 0)
             self._received = self.state.extra["objects"]
-            self.run.needs_state = False
 
     def _report(self, change: WorldChange) -> None:
         """Log the change, and print it on the new world's rank 0 (the Trainer's

@@ -39,13 +39,17 @@ flight, and nothing is read from disk:
 # Note [a join cut short]
 A member can die while a replacement is being admitted: the members' rebuild
 fails, and so does the replacement's wait for its state (the shards, or rank
-0's broadcast). Both are a peer's failure: the replacement takes part in the
+0's message). Both are a peer's failure: the replacement takes part in the
 next change like a member, with no state of its own to offer, and the rebuild
 of that change sends the state to whoever still has none. Which ranks want it
-is asked of the group (:meth:`ElasticRun.state_wanted`), not read from who
+is asked of the group (:meth:`ElasticRun.ranks_wanting_state`), not read from who
 joined in this change, as a rank whose rebuild completed just before the loss
 was seen would disagree with one whose rebuild did not. A replacement that
-dies as it is admitted is the same case seen from the members.
+dies as it is admitted is the same case seen from the members. A replacement
+counts as holding the state only once the whole rebuild has completed: the
+state reaches it from rank 0 alone, so a member lost after that (while the
+new world's buddy copies are sent, say) leaves it with a state whose shards
+no other rank's recovery would match; it then wants the state again.
 
 A loop the user writes gets the same through ``tandem.prepare(elastic=...)``
 (Note [elastic prepare] in loop.py), with this module's pieces.
@@ -60,7 +64,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +76,8 @@ from tandem.control.membership import Membership
 from tandem.comm.peers import PeerLostError
 from tandem.checkpoint.state import TrainingState
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import all_gather_object, broadcast_with_tensors
+from tandem.comm.p2p import isend, recv
+from tandem.comm.plain_data import all_gather_object
 
 __all__ = ["ElasticRun", "Resumed", "StepAbandoned", "WorldChange", "elastic_config", "first_sentence",
            "is_peer_failure", "share_state"]
@@ -115,12 +120,19 @@ def first_sentence(error: BaseException) -> str:
     return text.split(". The collective cannot complete")[0]
 
 
-def share_state(state: TrainingState) -> None:
-    """Rank 0's whole training state, on every rank: a replacement joined (Note
-    [elastic trainer], 4). A collective of the new group; each rank keeps its
-    own RNG stream, so no rank's is sent."""
-    shared = watched("broadcast of the training state", broadcast_with_tensors, state.state_dict(rng=False), src=0)
-    state.load_state_dict(shared)
+def share_state(state: TrainingState, wanting: Sequence[int]) -> None:
+    """Rank 0's whole training state, on the ranks ``wanting`` it (replacements
+    that joined: Note [elastic trainer], 4), sent to each point to point, its
+    tensors as bytes (tandem.send); the other members, which hold it, do
+    nothing. Each rank keeps its own RNG stream, so no rank's is sent. Not for a
+    sharded state, whose ``state_dict`` is a collective (``ElasticWorld.share_state``)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        sent = state.state_dict(rng=False)
+        for pending in [isend(sent, r) for r in wanting]:
+            pending.wait()
+    elif rank in wanting:
+        state.load_state_dict(recv(0))
 
 
 @dataclass(frozen=True)
@@ -226,8 +238,8 @@ class ElasticRun:
     def step_started(self) -> None:
         self._step_started = time.monotonic()
 
-    def state_wanted(self, wants: list[bool] | None = None) -> bool:
-        """Whether a rank of the current group has no training state yet: a
+    def ranks_wanting_state(self, wants: list[bool] | None = None) -> list[int]:
+        """The ranks of the current group that have no training state yet: a
         replacement admitted in this change, or in an earlier one whose rebuild a
         loss cut short (Note [a join cut short]). A collective of the group,
         unless the caller gathered each rank's ``needs_state`` already (``wants``)."""
@@ -240,7 +252,7 @@ class ElasticRun:
                 f"elastic: rank 0 (member {self.membership.generation.members[0]}) of generation "
                 f"{self.membership.generation.number} is a replacement whose state never arrived: every member "
                 "that held the training state is gone; resume the job from its last checkpoint")
-        return any(wants)
+        return [r for r, wanted in enumerate(wants) if wanted]
 
     def decide(self, step: int) -> None:
         """Wait for the decision of the step after ``step`` committed steps; raises

@@ -30,8 +30,7 @@ from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState, unwrap_model
-from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import broadcast_with_tensors
+from tandem.comm.p2p import isend, recv
 
 __all__ = ["ElasticWorld", "Fallback", "LoopPoints", "TrainingStatePoints"]
 
@@ -246,27 +245,33 @@ class ElasticWorld:
         logger.warning("rank %d: a copy of the last step's shard did not arrive before the loss: "
                        "going back to step %d", rank, step)
 
-    def share_state(self) -> None:
-        """Rank 0's whole training state, on every rank (a replacement joined).
-        With buddy copies, what the shards hold is in place already
-        (:meth:`restore_shards`): the optimizer's state, and the parameters it
-        steps (ZeRO's rows, fully_shard's shards: Note [elastic fully_shard] in
-        tandem/elastic/fsdp_shards.py). Then only the rest comes from rank 0, in
-        one broadcast: the loop state, the optimizer's hyper-parameters, and the
-        model's buffers and the parameters no shard holds (frozen ones)."""
+    def share_state(self, wanting: list[int]) -> None:
+        """Rank 0's whole training state, on the ranks ``wanting`` it (replacements
+        that joined), sent to each point to point. With buddy copies, what the
+        shards hold is in place already (:meth:`restore_shards`): the
+        optimizer's state, and the parameters it steps (ZeRO's rows,
+        fully_shard's shards: Note [elastic fully_shard] in
+        tandem/elastic/fsdp_shards.py). Then only the rest comes from rank 0: the
+        loop state, the optimizer's hyper-parameters, and the model's buffers and
+        the parameters no shard holds (frozen ones)."""
         optimizer, state = self._optimizer, self._state
         if self.buddy is None:
-            share_state(state)
+            share_state(state, wanting)
             return
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         rest = self._not_in_shards()
-        sent = {"loop": state.loop_state_dict(rng=False),  # each rank keeps its own RNG stream
-                "groups": groups, "rest": rest}
-        got = watched("broadcast of the loop state", broadcast_with_tensors, sent, src=0)
-        if dist.get_rank() == 0:
+        rank = dist.get_rank()
+        if rank == 0:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            sent = {"loop": state.loop_state_dict(rng=False),  # each rank keeps its own RNG stream
+                    "groups": groups, "rest": rest}
+            for pending in [isend(sent, r) for r in wanting]:
+                pending.wait()
             return
+        if rank not in wanting:
+            return
+        got = recv(0)
         if sorted(got["rest"]) != sorted(rest):
-            raise MembershipError(f"rank {dist.get_rank()}: rank 0's model has buffers and parameters "
+            raise MembershipError(f"rank {rank}: rank 0's model has buffers and parameters "
                                   f"{sorted(got['rest'])} beside the shards, this rank's {sorted(rest)}: every "
                                   "rank must build the same model")
         state.load_loop_state_dict(got["loop"])

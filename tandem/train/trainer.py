@@ -548,6 +548,7 @@ class Trainer:
         self._refresh_buddy()  # copies for the new world, before its first step
         if self._syncs is not None:
             self._syncs.capture()  # every rank at the sync: the new world's first point
+        elastic.run.needs_state = False  # only now: Note [a join cut short] in tandem/elastic/run.py
         return resumed
 
     def _agree_on_the_place(self) -> list[bool]:
@@ -574,17 +575,17 @@ class Trainer:
         self._elastic.run.join(self._rebuild, report=lambda change: self._report(change, None, None))
 
     def _share_state_if_wanted(self, wants: list[bool]) -> None:
-        """Rank 0's state on every rank when a rank has none (``wants``: a replacement)."""
+        """Rank 0's state on the ranks that have none (``wants``: a replacement)."""
         assert self._elastic is not None
-        if self._elastic.run.state_wanted(wants):
+        wanting = self._elastic.run.ranks_wanting_state(wants)
+        if wanting:
             receiving = self._elastic.run.needs_state
             if self._diloco is not None:  # the synced parameters and the outer optimizer with it
                 self.state.extra["diloco"] = self._diloco.state_dict()
-            self._elastic.share_state()
+            self._elastic.share_state(wanting)
             diloco = self.state.extra.pop("diloco", None)
             if self._diloco is not None and receiving:
                 self._diloco.load_state_dict(diloco)
-            self._elastic.run.needs_state = False
 
     def _report(self, change: WorldChange, history: History | None, progress: Progress | None) -> None:
         logger.warning("rank %d: %s", self.rank, change.describe())

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import tandem
 from tandem.comm.group import GroupComm
-from tandem.comm.plain_data import (FIRST_ROUND_BYTES, RefusedObjectError, all_gather_object, all_gather_with_tensors,
+from tandem.comm.plain_data import (RefusedObjectError, all_gather_object, all_gather_with_tensors,
                                     all_to_all_with_tensors, broadcast_object_list, broadcast_with_tensors)
 from tandem.testing import Case, CaseResults, run_cases
 
@@ -68,8 +68,8 @@ def _elastic_collectives(rank: int, world_size: int, marker: str) -> dict[str, o
     box: list[object] = [PLAIN if rank == 1 else None]
     broadcast_object_list(box, src=1)
     out["plain"] = [g["rank"] for g in gathered] == [0, 1] and box[0]["name"] == "x"  # type: ignore[index]
-    # one payload past the first round's bytes, one within: both whole, in one call and in a GroupComm's
-    sizes = {"small": 10, "at": FIRST_ROUND_BYTES, "long": 3 * FIRST_ROUND_BYTES}
+    # payloads of unequal lengths on the two ranks: each whole, in one call and in a GroupComm's
+    sizes = {"small": 10, "medium": 2048, "long": 6144}
     for name, length in sizes.items():
         mixed: list[object] = [None] * world_size
         all_gather_object(mixed, "x" * (length if rank == 0 else 5))
@@ -172,7 +172,7 @@ def test_object_collectives_refuse_code_from_the_sender(results) -> None:
     out, marker = results
     r0, r1 = out["elastic_collectives"]
     assert r0["plain"] and r1["plain"]
-    for name in ("small", "at", "long"):  # payloads shorter and longer than the first round's bytes
+    for name in ("small", "medium", "long"):  # payloads of unequal lengths
         assert r0[f"mixed_{name}"] and r1[f"mixed_{name}"], name
     assert "rank 0 refused a broadcast_object_list's objects from rank 1" in r0["broadcast"], r0
     assert r1["broadcast"] == "not refused"  # the sender keeps its own objects

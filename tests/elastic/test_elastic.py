@@ -170,7 +170,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         schedule.new_world_group = die_in_a_smaller_world
     if rank == admitting_dies and not joining:
         from tandem.elastic.world import ElasticWorld
-        ElasticWorld.share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+        ElasticWorld.share_state = lambda self, wanting: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
     if rank == miscounts and not joining:  # as a failed attempt to build a group on this rank only would

@@ -57,7 +57,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_at:
     joining = join_or_found(rank, world_size, out, join_dies)
     if rank == admitting_dies and not joining:
         from tandem.elastic.loop import ElasticLoop
-        ElasticLoop._share_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+        ElasticLoop._share_state = lambda self, wanting: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
     member = "j" if joining else str(rank)

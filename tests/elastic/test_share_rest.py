@@ -70,7 +70,7 @@ def _share(rank: int, world_size: int, strategy: str, extra_buffer: bool) -> dic
     world = ElasticWorld(run=None, model=model, optimizer=optimizer, state=state,  # type: ignore[arg-type]
                          points=TrainingStatePoints(state), fallback=None, sharded=True)
     try:
-        world.share_state()
+        world.share_state([1])
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     if extra_buffer:  # rank 1 refused: no collective follows
@@ -113,3 +113,41 @@ def test_a_fully_sharded_replacement_with_another_model_is_refused_naming_both(r
     assert r0["error"] is None  # the sender does not compare
     assert "rank 1: rank 0's model has buffers and parameters" in r1["error"], r1["error"]
     assert "'other'" in r1["error"] and "every rank must build the same model" in r1["error"], r1["error"]
+
+
+def _share_plain(rank: int, world_size: int) -> dict[str, Any]:
+    """Without shards (DDP): rank 2 wants the state and gets all of rank 0's; rank 1, a
+    member, holds its own (here made to differ) and receives nothing."""
+    import tandem
+    from tandem.checkpoint.state import TrainingState
+    from tandem.elastic.world import ElasticWorld, TrainingStatePoints
+
+    module = WithFrozenAndBuffer(seed=0)
+    model = tandem.DistributedDataParallel(module)
+    optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=0.01)
+    model(torch.ones(2, 4)).sum().backward()  # a step, so that Adam holds moments (DDP: every rank)
+    optimizer.step()
+    if rank == 2:  # the replacement: no optimizer state of its own
+        optimizer.state.clear()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(float(rank))  # each rank's values its own
+    state = TrainingState(model=model, optimizer=optimizer, step=7 if rank < 2 else 0)
+    world = ElasticWorld(run=None, model=model, optimizer=optimizer, state=state,  # type: ignore[arg-type]
+                         points=TrainingStatePoints(state), fallback=None, sharded=False)
+    world.share_state([2])
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    return {"params": [p.detach().clone() for p in module.parameters()], "moments": moments, "step": state.step}
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[dict[str, Any]]:
+    return run_cases({"plain": Case(_share_plain)}, 3)["plain"]
+
+
+def test_without_shards_only_the_ranks_wanting_the_state_receive_all_of_rank_0s(plain: list[dict[str, Any]]) -> None:
+    r0, r1, r2 = plain
+    assert r2["step"] == 7 and len(r2["moments"]) == len(r0["moments"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"] + r0["moments"], r2["params"] + r2["moments"]))
+    # rank 1 wanted nothing and kept its own parameters
+    assert all(torch.equal(a + 1, b) for a, b in zip(r0["params"], r1["params"]))
