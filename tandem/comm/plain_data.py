@@ -17,11 +17,11 @@ caller names, e.g. tandem.recv's own spec): an object that names anything else
 (a function, a class's constructor, ``os.system``) is refused with
 :class:`RefusedObjectError`, naming the rank it came from, before anything of
 it is built. The training state a replacement receives goes by
-:func:`broadcast_with_tensors`, and the shards the survivors of a world
+``tandem.send`` (tandem/comm/p2p.py), and the shards the survivors of a world
 change exchange by :func:`all_gather_with_tensors` and
-:func:`all_to_all_with_tensors`: their dense tensors as raw
-bytes, which build nothing but tensors of the dtypes and shapes named beside
-them, and the rest so. User objects passed through tandem (the Trainer's ``extra``
+:func:`all_to_all_with_tensors`: their dense tensors as raw bytes, which
+build nothing but tensors of the dtypes and shapes named beside them, and the
+rest so. User objects passed through tandem (the Trainer's ``extra``
 state, a loop's registered objects) must be plain data too, as they must be
 for ``weights_only`` checkpoints; exchanging other objects stays possible with
 torch's own helpers, by the user's choice.
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from tandem._tree import map_tensors
 
 __all__ = ["RefusedObjectError", "all_gather_object", "all_gather_with_tensors", "all_to_all_with_tensors",
-           "broadcast_object_list", "broadcast_with_tensors", "decode", "encode", "gather_payloads"]
+           "broadcast_object_list", "decode", "encode", "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -131,7 +131,8 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: dist.Proc
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    """Where a tensor of a :func:`broadcast_with_tensors` object is in its buffer."""
+    """Where a tensor of an object sent by :func:`all_gather_with_tensors` or
+    :func:`all_to_all_with_tensors` is in its buffer of bytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -143,34 +144,13 @@ class _Slot:
 _ALIGN = 16  # bytes: every dtype's elements can be viewed at such an offset
 
 
-def broadcast_with_tensors(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
-    """``obj`` of rank ``src`` (read there only), returned on every rank: as
-    :func:`broadcast_object_list` sends it, but with its dense tensors sent as
-    they are, in one buffer of bytes, and the rest as plain data (Note [plain
-    data]). A training state's bytes are nearly all tensors, which are then
-    neither pickled nor unpickled. Each rank gets tensors of its own, on the
-    devices they were on at ``src``."""
-    device = _device(group)
-    mine = dist.get_rank() == src
-    if mine:  # the plain part (its tensors replaced by their slots), then the bytes of the tensors
-        sent = list(_pack(obj, device))
-    lengths = torch.tensor([t.numel() for t in sent] if mine else [0, 0], dtype=torch.int64, device=device)
-    dist.broadcast(lengths, src=src, group=group)
-    if not mine:
-        sent = [torch.empty(int(n), dtype=torch.uint8, device=device) for n in lengths.tolist()]
-    for part in sent:
-        if part.numel():
-            dist.broadcast(part, src=src, group=group)
-    if mine:
-        return obj
-    return _unpack(*sent, sender=f"rank {src}", what="a broadcast object's tensor-free part")
-
-
 def all_gather_with_tensors(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj``, in group rank order: as :func:`all_gather_object`
-    gathers it, but with the dense tensors sent as they are and the rest as plain
-    data, as :func:`broadcast_with_tensors` sends its object. Each rank's entry,
-    its own included, holds tensors of their own."""
+    gathers it, but with its dense tensors sent as they are, in one buffer of
+    bytes, and the rest as plain data (Note [plain data]): a shard's bytes are
+    nearly all tensors, which are then neither pickled nor unpickled. Each
+    rank's entry, its own included, holds tensors of their own, on the devices
+    they were on at their sender."""
     device = _device(group)
     size = dist.get_world_size(group)
     skeleton, data = _pack(obj, device)
