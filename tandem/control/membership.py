@@ -369,7 +369,10 @@ class Membership:
 
     def _nodes_of(self, members: Sequence[str]) -> dict[str, tuple[str, int] | None]:
         """Each member's node and pid where its launcher beats for it, else None;
-        read once a member (one read for all that are new, where all posted)."""
+        read once a member has posted either (one read for all that are new, where
+        all posted). A member that has posted neither is starting: read again
+        next time, or one that starts after the judge's first read would be
+        judged by a beat of its own that it never writes."""
         new = [m for m in members if m not in self._nodes]
         if new:
             keys = [f"{PREFIX}/node_of/{m}" for m in new]
@@ -381,8 +384,10 @@ class Membership:
             except ForgedValueError:
                 values = [None] * len(keys)  # junk under one: its member beats for itself, as read
             for m, value in zip(new, values):
-                self._nodes[m] = _node_and_pid(value)
-        return {m: self._nodes[m] for m in members}
+                where = _node_and_pid(value)
+                if where is not None or store.check([f"{PREFIX}/beat/{m}"]):
+                    self._nodes[m] = where  # its node's launcher beats for it, or it beats itself
+        return {m: self._nodes.get(m) for m in members}
 
     def _good_node(self, node: str, value: bytes) -> NodeBeat:
         """The node beat ``value`` read under ``node``'s key, or, when it is junk,

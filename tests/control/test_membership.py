@@ -654,3 +654,19 @@ def test_a_member_whose_node_does_not_beat_beats_for_itself() -> None:
     assert m.node is None and store.get(f"{PREFIX}/beat/0") == repr(clock.now).encode()
     assert not store.check([f"{PREFIX}/node_of/0"])
     m.stop()
+
+
+def test_a_member_that_starts_after_the_judge_first_read_it_is_judged_by_its_nodes_beat() -> None:
+    # The judge read member 1 before it posted whose node beats for it: then it had never beaten
+    # (it may be starting), but that read is not kept, or member 1 would be read by a beat of
+    # its own that it never writes, "never beaten" at every verdict: the steps aborted one after
+    # another at a job's start, and member 1 left the job (a soak's first seconds on 2 cores).
+    clock, store = Clock(), _store()
+    store.set(node_beat_key("node0"), NodeBeat(clock(), {}).encode())
+    judge = Membership.founding(store, 0, 2, JUDGED, clock=clock, node="node0")
+    assert judge.judged(["1"]) == {"1": membership_module.NEVER_BEATEN}  # not started yet
+    late = Membership.founding(store, 1, 2, JUDGED, clock=clock, node="node0")
+    assert late.node == "node0" and not store.check([f"{PREFIX}/beat/1"])
+    assert judge.judged(["1"]) == {} and judge.dead(["1"]) == {}
+    for m in (judge, late):
+        m.stop()
