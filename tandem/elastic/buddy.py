@@ -206,6 +206,7 @@ class BuddyCopies:
         parts_here = dict(p for c in received for p in c)
         return {r: parts_here[r] for r in range(located.old_world)}
 
+
 @dataclass(frozen=True)
 class Located:
     """Where the old world's shards are (:meth:`BuddyCopies.locate`)."""
