@@ -117,7 +117,6 @@ from tandem.comm.monitor import current_monitor_if_any
 from tandem.comm.watched_call import watched
 from tandem.data.loader import DistributedLoader
 from tandem.ddp.batch_weight import weigh_gradients
-from tandem.ddp.module import DistributedDataParallel
 from tandem.diloco import DiLoCo
 from tandem.elastic.run import ElasticRun, Resumed, WorldChange, first_sentence, is_peer_failure
 from tandem.elastic.sync_points import SyncPoints
@@ -367,11 +366,7 @@ class ElasticLoop:
         self._confirm_at = []  # Note [an epoch's last step]: the new world's copies are sent below
         self.optimizer.zero_grad(set_to_none=True)
         self._agree()  # a replacement's prepare agrees, one whose join was cut short too
-        model: Any = self.model
-        if hasattr(model, "reset_process_group"):  # not a bare model (DiLoCo)
-            # fully_shard: issues collectives again (Note [a broken step goes on]); DDP: the members'
-            # models are equal, and a replacement gets the state below
-            model.reset_process_group(**({"broadcast": False} if isinstance(model, DistributedDataParallel) else {}))
+        self.world.reset_model()
         resumed = None
         if self.world.buddy is not None:
             if self._zero:

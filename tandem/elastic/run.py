@@ -11,7 +11,7 @@ flight, and nothing is read from disk:
 2. The survivors catch the failure (:func:`is_peer_failure`), agree on the next
    generation, rebuild the default group (tandem.control.elastic_group.enter_generation), and
    the Trainer rebuilds what depends on the world: the DDP reducer
-   (``reset_process_group(broadcast=False)``, which checks that every rank
+   (``ElasticWorld.reset_model``: ``reset_process_group(broadcast=False)``, which checks that every rank
    holds the same model and keeps each rank's values: the members' are equal,
    and a replacement gets the state next), the sampler and the loaders.
 3. The epoch goes on from ``state.consumed``, the positions of the epoch's
@@ -29,8 +29,8 @@ flight, and nothing is read from disk:
    ahead] there). After that step every member, and the replacement, enter
    the next generation and rebuild for it; rank 0 (a member that trained
    all along) sends the training state (model, optimizer, scheduler, scaler,
-   counters; each rank keeps its own RNG stream) to every rank over the new
-   group, its tensors as bytes (:func:`share_state`). Under ZeRO and
+   counters; each rank keeps its own RNG stream) to each rank that has none,
+   point to point, its tensors as bytes (:func:`share_state`). Under ZeRO and
    fully_shard the shards come from every live rank instead, a fully-sharded
    model's rows each to the rank that holds them next (Note [buddy copies] in
    buddy.py, Note [elastic fully_shard] in fsdp_shards.py), and rank 0 sends

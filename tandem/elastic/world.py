@@ -31,6 +31,7 @@ from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.comm.p2p import isend, recv
+from tandem.ddp.module import DistributedDataParallel
 
 __all__ = ["ElasticWorld", "Fallback", "LoopPoints", "TrainingStatePoints"]
 
@@ -244,6 +245,19 @@ class ElasticWorld:
         self._state.step = step
         logger.warning("rank %d: a copy of the last step's shard did not arrive before the loss: "
                        "going back to step %d", rank, step)
+
+    def reset_model(self) -> None:
+        """The model over the new default group, where it has one to reset (a bare
+        model, as local steps train, has none). DDP checks that every rank holds
+        the same model and keeps each rank's values: the members' are equal, and a
+        replacement gets the state next (Note [elastic trainer] in run.py).
+        fully_shard lays its units out again, and issues collectives again (Note
+        [a broken step goes on] in loop.py)."""
+        model: Any = self._model
+        if isinstance(model, DistributedDataParallel):
+            model.reset_process_group(broadcast=False)
+        elif hasattr(model, "reset_process_group"):
+            model.reset_process_group()
 
     def share_state(self, wanting: list[int]) -> None:
         """Rank 0's whole training state, on the ranks ``wanting`` it (replacements

@@ -531,9 +531,7 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._runner.rank = self.rank
         self.optimizer.zero_grad(set_to_none=True)
-        if self._diloco is None:  # DDP: the members' models are equal; a replacement gets the state below
-            no_broadcast = {"broadcast": False} if is_ddp(self.model) else {}
-            self.model.reset_process_group(**no_broadcast)  # type: ignore[operator]
+        elastic.reset_model()
         resumed = None
         if elastic.buddy is not None:
             if not is_fully_sharded(self.model):

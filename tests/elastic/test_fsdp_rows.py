@@ -45,6 +45,9 @@ def test_each_new_rank_receives_exactly_its_new_chunk(shape: tuple[int, ...], di
                 "rows": {"exp_avg": _chunk(moment, dim, old, old_world)}, "values": {"step": 3}}]]}
                 for old in range(old_world)]
             sent = [_rows_for_each_rank(old, shard, unit=unit, index=0) for old, shard in enumerate(shards)]
+            for old in range(old_world):  # each row travels once: to one new rank, no more
+                held = _chunk(full, dim, old, old_world).shape[dim]
+                assert sum(sent[old][j][0]["param"].shape[dim] for j in range(new_world)) == held
             for j in range(new_world):
                 pieces = [sent[old][j][0] for old in range(old_world)]
                 assert all(p["fqn"] == "w" and p["values"] == {"step": 3} for p in pieces)
@@ -52,8 +55,6 @@ def test_each_new_rank_receives_exactly_its_new_chunk(shape: tuple[int, ...], di
                 assert torch.equal(got, _chunk(full, dim, j, new_world)), (shape, old_world, new_world, j)
                 state = torch.cat([p["rows"]["exp_avg"] for p in pieces], dim)
                 assert torch.equal(state, _chunk(moment, dim, j, new_world)), (shape, old_world, new_world, j)
-                # each row travels once: the pieces for new rank j add up to its chunk, no more
-                assert sum(p["param"].shape[dim] for p in pieces) == got.shape[dim]
 
 
 def test_a_shard_of_another_model_is_refused_naming_the_old_rank() -> None:
