@@ -18,8 +18,8 @@ caller names, e.g. tandem.recv's own spec): an object that names anything else
 :class:`RefusedObjectError`, naming the rank it came from, before anything of
 it is built. The training state a replacement receives goes by
 ``tandem.send`` (tandem/comm/p2p.py), and the shards the survivors of a world
-change exchange by :func:`all_gather_with_tensors` and
-:func:`all_to_all_with_tensors`: their dense tensors as raw bytes, which
+change exchange by :func:`all_to_all_with_tensors`: their dense tensors as
+raw bytes, which
 build nothing but tensors of the dtypes and shapes named beside them, and the
 rest so. User objects passed through tandem (the Trainer's ``extra``
 state, a loop's registered objects) must be plain data too, as they must be
@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from tandem._tree import map_tensors
 
-__all__ = ["RefusedObjectError", "all_gather_object", "all_gather_with_tensors", "all_to_all_with_tensors",
-           "broadcast_object_list", "decode", "encode", "gather_payloads"]
+__all__ = ["RefusedObjectError", "all_gather_object", "all_to_all_with_tensors", "broadcast_object_list",
+           "decode", "encode", "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -131,8 +131,7 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: dist.Proc
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    """Where a tensor of an object sent by :func:`all_gather_with_tensors` or
-    :func:`all_to_all_with_tensors` is in its buffer of bytes."""
+    """Where a tensor of an object sent by :func:`all_to_all_with_tensors` is in its buffer of bytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -144,38 +143,13 @@ class _Slot:
 _ALIGN = 16  # bytes: every dtype's elements can be viewed at such an offset
 
 
-def all_gather_with_tensors(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's ``obj``, in group rank order: as :func:`all_gather_object`
-    gathers it, but with its dense tensors sent as they are, in one buffer of
-    bytes, and the rest as plain data (Note [plain data]): a shard's bytes are
-    nearly all tensors, which are then neither pickled nor unpickled. Each
-    rank's entry, its own included, holds tensors of their own, on the devices
-    they were on at their sender."""
-    device = _device(group)
-    size = dist.get_world_size(group)
-    skeleton, data = _pack(obj, device)
-    mine = torch.tensor([skeleton.numel(), data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(sizes, mine, group=group)
-    lengths = [(int(n[0]), int(n[1])) for n in sizes]
-    # one payload a rank: its plain part, padded to _ALIGN, then its tensors' bytes; all padded to the longest
-    longest = max(_aligned(head) + body for head, body in lengths)
-    payload = torch.zeros(longest, dtype=torch.uint8, device=device)
-    payload[:skeleton.numel()] = skeleton
-    payload[_aligned(skeleton.numel()):_aligned(skeleton.numel()) + data.numel()] = data
-    out = [torch.empty_like(payload) for _ in range(size)]
-    dist.all_gather(out, payload, group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    return [_unpack(got[:head], got[_aligned(head):_aligned(head) + body], sender=f"rank {ranks[r]}",
-                    what="an all_gather's tensor-free part")
-            for r, (got, (head, body)) in enumerate(zip(out, lengths))]
-
-
 def all_to_all_with_tensors(objs: Sequence[Any], group: dist.ProcessGroup | None = None) -> list[Any]:
     """``objs[j]`` to group rank j, from every rank: returns what each rank sent
-    this one, in group rank order. Sent as :func:`all_gather_with_tensors` sends
-    (dense tensors as they are, the rest as plain data), in one all-to-all of
-    bytes after one of their lengths; each tensor received is a copy of its own."""
+    this one, in group rank order. Each object's dense tensors go as they are,
+    in one buffer of bytes, and the rest as plain data (Note [plain data]): a
+    shard's bytes are nearly all tensors, which are then neither pickled nor
+    unpickled. One all-to-all of bytes after one of their lengths; each tensor
+    received is a copy of its own, on the device it was on at its sender."""
     device = _device(group)
     size = dist.get_world_size(group)
     if len(objs) != size:

@@ -17,7 +17,8 @@ Read in this order:
   sharded state survives the loss of its owner (Note [buddy copies]).
 - fsdp_shards.py: a fully_shard model's shards out of a world and back into a
   new one (Note [elastic fully_shard]); the units themselves are laid out again
-  by tandem/fsdp/regroup.py.
+  by tandem/fsdp/regroup.py. zero_shards.py: the same for a ZeRO optimizer's
+  (Note [elastic ZeRO]).
 - world.py: one rank's part, which the Trainer and a prepared loop both hold
   (:class:`ElasticWorld`: the decisions, the buddy copies, one step back).
 

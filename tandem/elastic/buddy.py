@@ -7,12 +7,12 @@ elastic job (Note [elastic trainer] in run.py) the survivors could not go
 on without reading a checkpoint. So each rank also keeps a copy of the shard of
 the rank before it (rank r holds rank r-1's, modulo the world size), refreshed
 after every committed step: one more shard of memory per rank, one shard sent
-and one received per step. ZeRO's shard is its optimizer's
-``sharded_state_dict()``, and every rank receives every old shard at once
-(:meth:`BuddyCopies.recover`); fully_shard's is the parameters' and their
-state's rows (Note [elastic fully_shard] in fsdp_shards.py), which travel one
-unit at a time, each row only to the rank that holds it next
-(:meth:`BuddyCopies.locate`, :meth:`BuddyCopies.exchange`).
+and one received per step. ZeRO's shard is its rows of the optimizer state and
+of the parameters (Note [elastic ZeRO] in zero_shards.py), fully_shard's its
+rows of the parameters and their state (Note [elastic fully_shard] in
+fsdp_shards.py). In a world change the ranks agree who provides each old
+shard (:meth:`BuddyCopies.locate`), and each row of state then travels once,
+to the rank that holds it next (:meth:`BuddyCopies.exchange`).
 A lost rank's shard is then read from its buddy; any set of losses that does
 not take a rank and the next one together is recovered from memory (one step
 back when the rank died before its copy of the last step arrived: Note [one
@@ -40,7 +40,8 @@ k when every copy of step k arrived, else step k-1, from the survivors' kept
 shards and the copies of step k-1 that the rank after the lost one still
 holds (it replaces a copy only when the new one has arrived). The trainer then
 goes back one step: the loop state of step k-1 (kept at each commit), and
-under ZeRO the parameters, whose rows of step k-1 travel with each shard.
+under ZeRO the parameters, whose rows of step k-1 travel with each shard to
+the ranks whose parameters are not of the step recovered.
 That costs a second shard of memory per rank: the kept one, which replaces
 the last at each step.
 """
@@ -57,7 +58,7 @@ import torch.distributed as dist
 
 from tandem.comm.p2p import isend, recv
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import all_gather_object, all_gather_with_tensors, all_to_all_with_tensors
+from tandem.comm.plain_data import all_gather_object, all_to_all_with_tensors
 
 __all__ = ["BuddyCopies", "Located", "ShardsLost"]
 
@@ -83,11 +84,6 @@ class BuddyCopies:
         self.held: _Held | None = None
         # Note [one step back]: this rank's shard before the latest update, and its step.
         self.kept: tuple[int, dict[str, Any]] | None = None
-        # Every old rank's shard, from the last recovery, until the next refresh: a
-        # loss during the change itself (a replacement dying as it joins) is then
-        # recovered from these rather than from shards laid out for a world that
-        # never trained.
-        self._complete: list[tuple[int, dict[str, Any]]] | None = None
         # This rank's own shards as the change began: a failed attempt may have
         # dropped the optimizer's state before the shards were recovered.
         self._own: list[tuple[int, dict[str, Any]]] | None = None
@@ -110,14 +106,13 @@ class BuddyCopies:
         the previous rank's. A collective of the current group."""
         world = len(members)
         if world == 1:  # nobody to hold a copy; the change that led here is complete
-            self.held, self._complete, self._own = None, None, None
+            self.held, self._own = None, None
             return
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         sending = isend({"step": step, "shard": shard}, nxt)  # a dead peer raises PeerLostError
         received = recv(prev)
         sending.wait()
         # The copies are current: a later loss starts a new change from these.
-        self._complete = None
         self._own = None
         self.held = _Held(members[prev], received["step"], received["shard"])
 
@@ -132,66 +127,39 @@ class BuddyCopies:
         """Memory the kept shard's per-element tensors take (Note [one step back])."""
         return 0 if self.kept is None else _tensor_bytes(self.kept[1])
 
-    def recover(self, own: list[tuple[int, dict[str, Any]]] | None,
-                survivors: tuple[str, ...]) -> tuple[int, list[dict[str, Any]]]:
-        """Every shard of the old world, in old rank order, and the step they are
-        of, from the survivors' own shards (``own``, each with its step: the live
-        one and the kept one, Note [one step back]; None on a replacement, which
-        has none) and their copies of the lost ones. A collective of the new
-        group, whose old members are ``survivors``. Every rank receives every
-        shard (ZeRO's optimizer state; fully_shard's goes by :meth:`locate`).
-
-        Raises:
-            ShardsLost: on every rank, naming the old ranks whose shard is gone.
-        """
-        mine = self._offered(own, survivors, complete=True)
-        located = self._locate(mine)
-        shards = self._gather(located)
-        self.held = None
-        self._complete = [(located.step, shard) for shard in shards]
-        return located.step, shards
-
-    def locate(self, own: list[tuple[int, dict[str, Any]]] | None, survivors: tuple[str, ...]) -> Located:
+    def locate(self, own: list[tuple[int, dict[str, Any]]] | None, survivors: tuple[str, ...],
+               current: int | None = None) -> Located:
         """Which rank of the new group provides each old rank's shard, and at
         which step: its own (``own``, each with its step, Note [one step back];
-        None on a replacement) or its copy of a lost rank's. A collective of the
-        new group (small: stamps and ranks only); the shards then travel part by
-        part (:meth:`exchange`), so that no rank holds every shard at once.
-        The held copy is kept until the next :meth:`refresh`: a loss during the
-        change is recovered from the same copies.
+        None on a replacement) or its copy of a lost rank's; and the step each
+        rank's own replicated state is of (``current``: None where it has none,
+        or where an update may have changed it). A collective of the new group
+        (small: stamps and ranks only); the shards then travel part by part
+        (:meth:`exchange`), so that no rank holds every shard at once. The held
+        copy is kept until the next :meth:`refresh`: a loss during the change
+        is recovered from the same copies.
 
         Raises:
             ShardsLost: on every rank, naming the old ranks whose shard is gone.
         """
-        return self._locate(self._offered(own, survivors, complete=False))
+        mine = self._offered(own, survivors)
+        headers: list[Any] = [None] * dist.get_world_size()
+        watched("all_gather_object of shard headers", all_gather_object, headers,
+                ([(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine], current))
+        step, chosen = _choose([offers for offers, _ in headers])
+        here = dist.get_rank()
+        return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here}, step,
+                       [c for _, c in headers])
 
-    def _offered(self, own: list[tuple[int, dict[str, Any]]] | None, survivors: tuple[str, ...], *,
-                 complete: bool) -> list[tuple[int, dict[str, Any]]]:
-        """What this rank can provide: its own shards and its copy of a lost rank's
-        (or, within a change, every shard the last recovery assembled)."""
+    def _offered(self, own: list[tuple[int, dict[str, Any]]] | None,
+                 survivors: tuple[str, ...]) -> list[tuple[int, dict[str, Any]]]:
+        """What this rank can provide: its own shards and its copy of a lost rank's."""
         if own is None:
             return []
-        if complete and self._complete is not None:
-            return self._complete
         mine = list(own)
         if self.held is not None and self.held.member not in survivors:
             mine.append((self.held.step, self.held.shard))
         return mine
-
-    def _locate(self, mine: list[tuple[int, dict[str, Any]]]) -> Located:
-        headers: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of shard headers", all_gather_object, headers,
-                [(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine])
-        step, chosen = _choose(headers)
-        here = dist.get_rank()
-        return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here}, step)
-
-    def _gather(self, located: Located) -> list[dict[str, Any]]:
-        """Every old rank's shard, in old rank order, on every rank. A collective of the new group."""
-        gathered = watched("all_gather of the old world's shards", all_gather_with_tensors,
-                           list(located.provided.items()))
-        shards = dict(p for c in gathered for p in c)
-        return [shards[r] for r in range(located.old_world)]
 
     def exchange(self, located: Located, parts: Callable[[int, dict[str, Any]], list[Any]]) -> dict[int, Any]:
         """What of every old rank's shard goes to this rank: ``parts(old, shard)[j]``
@@ -217,6 +185,13 @@ class Located:
     """The shards this rank provides, by old rank."""
     step: int
     """The step every provided shard is of (Note [one step back])."""
+    current: list[int | None]
+    """Per rank of the new group, the step its own replicated state (ZeRO's
+    parameters) is of; None where it has none."""
+
+    def behind(self) -> list[int]:
+        """The ranks of the new group whose replicated state is not of :attr:`step`."""
+        return [r for r, c in enumerate(self.current) if c != self.step]
 
 
 def _choose(headers: list[list[tuple[int, int, int]]]) -> tuple[int, dict[int, tuple[int, int]]]:

@@ -16,7 +16,7 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,13 @@ from tandem.control.membership import Membership
 from tandem.elastic.buddy import BuddyCopies, ShardsLost
 from tandem.elastic.run import ElasticRun, Resumed, share_state
 from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
+from tandem.elastic.zero_shards import load_zero_shards, zero_shard
 from tandem.checkpoint.full_state import is_fully_sharded
 from tandem.checkpoint.rng import capture_rng_state, restore_rng_state
 from tandem.checkpoint.state import TrainingState, unwrap_model
 from tandem.comm.p2p import isend, recv
 from tandem.ddp.module import DistributedDataParallel
+from tandem.zero.optimizer import ZeroOptimizer
 
 __all__ = ["ElasticWorld", "Fallback", "LoopPoints", "TrainingStatePoints"]
 
@@ -143,8 +145,7 @@ class ElasticWorld:
         fully_shard] in tandem/elastic/fsdp_shards.py)."""
         if is_fully_sharded(self._model):
             return fsdp_shard(self._model, self._optimizer)
-        optimizer: Any = self._optimizer
-        return {**optimizer.sharded_state_dict(), "param_rows": optimizer.param_rows()}
+        return zero_shard(cast(ZeroOptimizer, self._optimizer))
 
     def _own_shards(self) -> list[tuple[int, dict[str, Any]]]:
         """This rank's shards with their steps: the live one unless the optimizer
@@ -189,12 +190,10 @@ class ElasticWorld:
         assert self.buddy is not None
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
+        # The step this rank's parameters are of, where it holds them (ZeRO's are replicated).
+        current = None if own is None or self._updating else self._state.step
         try:
-            if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py: unit by unit
-                located = self.buddy.locate(own, members)
-                step = located.step
-            else:
-                step, shards = self.buddy.recover(own, members)
+            located = self.buddy.locate(own, members, current)
         except ShardsLost as e:
             fallback = self._fallback
             if fallback is None:
@@ -212,14 +211,13 @@ class ElasticWorld:
             self.run.needs_state = False  # every rank's state is the checkpoint's
             self._forget_kept()
             return Resumed(self._state.step, checkpoint=True)
-        if fsdp:
-            load_fsdp_shards(self._model, self._optimizer, functools.partial(self.buddy.exchange, located))
-        else:
-            optimizer: Any = self._optimizer
-            optimizer.load_param_rows([shard["param_rows"] for shard in shards])
-            optimizer.load_sharded_state_dicts([{k: v for k, v in shard.items() if k != "param_rows"}
-                                                for shard in shards])
+        exchange = functools.partial(self.buddy.exchange, located)
+        if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py: unit by unit
+            load_fsdp_shards(self._model, self._optimizer, exchange)
+        else:  # Note [elastic ZeRO] in tandem/elastic/zero_shards.py
+            load_zero_shards(cast(ZeroOptimizer, self._optimizer), exchange, located.behind(), rank)
         self._forget_kept()
+        step = located.step
         if own is None or step == self._state.step:
             return None  # a replacement's loop state comes from rank 0 (share_state)
         self._go_back(step, rank)

@@ -63,6 +63,7 @@ from tandem.checkpoint.agree import agree
 from tandem.checkpoint.atomic import atomic_save
 from tandem.checkpoint.commit import CheckpointError, committed_steps, load_committed, save_committed
 from tandem.zero.fused import ZeroFusedStep
+from tandem.zero.layout import shard_bucket
 from tandem.zero.param_gather import ParamGather
 from tandem.zero.shards import ZeroShards
 from tandem.zero.state_dict import SHARD_FORMAT, Entry, assemble_state, check_shards, entries_of_run, \
@@ -383,6 +384,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for k, slot in state.items():
                 flat[k].copy_(slot["param"].view_as(flat[k]))
+
+    def rows_of_ranks(self) -> list[list[tuple[int, int, int]]]:
+        """Each group rank's rows of every parameter this optimizer steps, at the
+        group's world size, as ``(state index, start, length)``: what of any
+        world's :meth:`sharded_state_dict` entries that rank holds (an elastic
+        job cuts the old world's entries to them). No communication."""
+        index, world = self._param_index(), self._comm.size
+        shards = [shard_bucket(spec, world) for spec in self._reducer.plan.buckets]
+        return [[(index[p.param], p.param_start, p.length) for bucket in shards
+                 for p in bucket[rank].pieces if p.param in index] for rank in range(world)]
+
+    def load_rank_state(self, entries: list[Entry], param_groups: list[dict[str, Any]],
+                        shapes: dict[int, tuple[int, ...]], source: str) -> None:
+        """Load this rank's shard of the optimizer state from ``entries`` that hold
+        its rows of every parameter with state (cut from another world's
+        shards: :meth:`rows_of_ranks`), with
+        ``param_groups``' hyper-parameters.
+
+        Raises:
+            ValueError: naming ``source``, when the entries were taken with
+                parameters of other shapes, or leave a row of this rank without state.
+        """
+        mine = self._shapes()
+        theirs = {int(k): tuple(v) for k, v in shapes.items()}
+        if theirs != mine:
+            wrong = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
+            raise ValueError(f"rank {self._comm.rank}: {source}: parameter '{self._param_names().get(wrong)}' "
+                             f"(index {wrong}) has shape {theirs.get(wrong)} there, {mine.get(wrong)} here: "
+                             "every rank must build the same model")
+        have: dict[int, int] = {}
+        for idx, _, length, _ in entries:
+            have[idx] = have.get(idx, 0) + length
+        need: dict[int, int] = {}
+        for idx, _, length in self.rows_of_ranks()[self._comm.rank]:
+            need[idx] = need.get(idx, 0) + length
+        short = [k for k in sorted(have) if have[k] != need.get(k, 0)]
+        if short:
+            raise ValueError(f"rank {self._comm.rank}: {source}: state for {have[short[0]]} elements of "
+                             f"parameter '{self._param_names().get(short[0])}' (index {short[0]}), where this "
+                             f"rank's rows hold {need.get(short[0], 0)}")
+        self.load_state_dict(assemble_state([entries], param_groups, mine))
 
     def load_sharded_state_dicts(self, shards: list[dict[str, Any]], *,
                                  sources: list[str] | None = None) -> None:

@@ -22,7 +22,8 @@ import torch
 
 from tandem.zero.layout import ShardRun
 
-__all__ = ["SHARD_FORMAT", "Entry", "assemble_state", "check_shards", "entries_of_run", "run_state_from"]
+__all__ = ["SHARD_FORMAT", "Entry", "assemble_state", "check_shards", "cut_entries", "entries_of_run",
+           "run_state_from"]
 
 SHARD_FORMAT = "tandem.zero.sharded/1"
 
@@ -48,6 +49,26 @@ def entries_of_run(run: ShardRun, run_state: dict[str, Any], index: dict[int, in
                 values[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
         entries.append((index[piece.param], piece.param_start, piece.length, values))
     return entries
+
+
+def cut_entries(entries: Sequence[Entry], rows: Sequence[tuple[int, int, int]]) -> list[Entry]:
+    """What of ``entries`` falls in ``rows`` (``(state index, start, length)``:
+    a rank's pieces at another world size): each entry cut to its overlap with
+    each row of its parameter, element-wise values as views, per-parameter
+    scalars as they are. Entries that cover a parameter's elements once, cut to
+    rows that do, cover each element of the rows once."""
+    by_param: dict[int, list[tuple[int, int]]] = {}
+    for idx, start, length in rows:
+        by_param.setdefault(idx, []).append((start, start + length))
+    out: list[Entry] = []
+    for idx, start, length, values in entries:
+        for lo, hi in by_param.get(idx, ()):
+            first, end = max(start, lo), min(start + length, hi)
+            if first < end:
+                out.append((idx, first, end - first,
+                            {k: v.narrow(0, first - start, end - first) if _is_elementwise(v, length) else v
+                             for k, v in values.items()}))
+    return out
 
 
 def assemble_state(per_rank: list[list[Entry]], param_groups: list[dict[str, Any]],

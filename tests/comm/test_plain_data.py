@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import tandem
 from tandem.comm.group import GroupComm
-from tandem.comm.plain_data import (RefusedObjectError, all_gather_object, all_gather_with_tensors,
-                                    all_to_all_with_tensors, broadcast_object_list)
+from tandem.comm.plain_data import RefusedObjectError, all_gather_object, all_to_all_with_tensors, \
+    broadcast_object_list
 from tandem.testing import Case, CaseResults, run_cases
 
 Point = collections.namedtuple("Point", "x y")
@@ -104,15 +104,6 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _gathered_with_tensors(rank: int, world_size: int, marker: str) -> dict[str, object]:
-    # Rank 0 sends a state of every kind, rank 1 one without tensors: payloads of unequal lengths.
-    mine: Any = _state() if rank == 0 else {"rank": 1, "rest": [None, (2, "y")]}
-    got = all_gather_with_tensors(mine)
-    evil = {"t": torch.ones(3), "evil": Marker(marker)} if rank == 1 else {"t": torch.ones(1)}
-    return {"same": _same(got[0], _state()) and got[1] == {"rank": 1, "rest": [None, (2, "y")]},
-            "refused": _refused(functools.partial(all_gather_with_tensors, evil))}
-
-
 def _exchanged_with_tensors(rank: int, world_size: int, marker: str) -> dict[str, object]:
     # objs[j] goes to rank j: rank 0 sends rank 1 a state of every kind, each rank itself a
     # tensor of a length of its own, and rank 1 sends rank 0 no tensor at all.
@@ -148,7 +139,6 @@ def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     out = run_cases({"group_gather": Case(_group_gather, args=(m,)),
                      "elastic_collectives": Case(_elastic_collectives, args=(m,)),
                      "recv": Case(_recv, args=(m,)),
-                     "gathered_with_tensors": Case(_gathered_with_tensors, args=(m,)),
                      "exchanged_with_tensors": Case(_exchanged_with_tensors, args=(m,))}, 2)
     return out, marker
 
@@ -183,15 +173,11 @@ def test_recv_refuses_a_spec_that_is_not_plain_data(results) -> None:
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("case, what", [("gathered_with_tensors", "an all_gather's"),
-                                        ("exchanged_with_tensors", "an all_to_all's")])
-def test_objects_gathered_or_exchanged_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(
-        results, case: str, what: str) -> None:
-    # all_gather_with_tensors (every rank gets every rank's object, its own included) and
-    # all_to_all_with_tensors (each rank gets what every rank sent it, of unequal lengths): each
+def test_objects_exchanged_with_their_tensors_as_bytes_arrive_equal_and_refuse_code(results) -> None:
+    # all_to_all_with_tensors: each rank gets what every rank sent it, of unequal lengths, each
     # tensor equal, of its dtype and shape, in a storage of its own; code is refused by its receivers.
     out, marker = results
-    for rank, r in enumerate(out[case]):
+    for rank, r in enumerate(out["exchanged_with_tensors"]):
         assert r["same"], rank
-        assert f"rank {rank} refused {what} tensor-free part from rank 1" in r["refused"], r
+        assert f"rank {rank} refused an all_to_all's tensor-free part from rank 1" in r["refused"], r
     assert not marker.exists()

@@ -442,6 +442,16 @@ def _errors(rank: int, world_size: int) -> None:
     opt = ZeroOptimizer(ddp, torch.optim.SGD, lr=0.1)
     with pytest.raises(NotImplementedError, match="param groups"):
         opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+    # A shard of another world cut to this rank's rows (Note [elastic ZeRO]): of another model, or short.
+    saved = opt.sharded_state_dict()
+    other = {**saved["shapes"], 0: (1,)}
+    with pytest.raises(ValueError, match=rf"rank {rank}: old rank 3's shard: parameter '.+' \(index 0\) has shape "
+                                         r"\(1,\) there, .+ here: every rank must build the same model"):
+        opt.load_rank_state([], saved["param_groups"], other, "old rank 3's shard")
+    with pytest.raises(ValueError, match=rf"rank {rank}: the shards: state for 1 elements of parameter '.+' "
+                                         r"\(index 0\), where this rank's rows hold \d+"):
+        opt.load_rank_state([(0, 0, 1, {"momentum_buffer": torch.zeros(1)})], saved["param_groups"],
+                            saved["shapes"], "the shards")
 
 
 def test_bad_zero_arguments_fail_clearly(groups) -> None:
