@@ -20,12 +20,15 @@ every rank of the new world
    falls back to the last checkpoint;
 2. lays the units out for the new world (Note [regrouped units] in
    tandem/fsdp/regroup.py);
-3. unit by unit, receives from each old rank's provider the rows of each
-   parameter and of each state tensor that fall in its own new rows
-   (``BuddyCopies.exchange``, one all-to-all: the old chunks are consecutive
-   rows, and so are the new, so each row travels once, to the rank that holds
-   it next), and concatenates them in old rank order: its new rows. No unit
-   is ever whole on a rank.
+3. receives from each old rank's provider the rows of each parameter of each
+   unit, and of each state tensor, that fall in its own new rows
+   (``BuddyCopies.exchange``, one all-to-all for the whole model: the old
+   chunks are consecutive rows, and so are the new, so each row travels once,
+   to the rank that holds it next), and, unit by unit, concatenates them in
+   old rank order: its new rows. No unit is ever whole on a rank; what a rank
+   receives is its new shard, one shard more of memory until it is loaded
+   (fewer rounds than an all-to-all a unit, whose latency a world change
+   waits on).
 
 The optimizer keeps its parameter objects: regroup.py re-points each sharded
 parameter in place, so ``param_groups`` and the keys of ``optimizer.state``
@@ -84,16 +87,19 @@ def fsdp_shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
                      exchange: Callable[[Callable[[int, dict[str, Any]], list[Any]]], dict[int, Any]]) -> None:
     """Load every old rank's shard into ``model`` (laid out for the new world
-    already: ``reset_process_group``) and ``optimizer``, one unit at a time
-    (Note [elastic fully_shard]). ``exchange(parts)`` returns, for every old
-    rank, ``parts(old, shard)[r]`` of its shard, r being this rank (a collective).
+    already: ``reset_process_group``) and ``optimizer`` (Note [elastic
+    fully_shard]). ``exchange(parts)`` returns, for every old rank,
+    ``parts(old, shard)[r]`` of its shard, r being this rank (a collective).
 
     Raises:
-        ValueError: the shards name other parameters than the model's.
+        ValueError: the shards name other units or parameters than the model's.
     """
-    for index, unit in enumerate(units_of(model)):
-        received = exchange(functools.partial(_rows_for_each_rank, unit=unit, index=index))
-        pieces = [received[old] for old in sorted(received)]
+    units = units_of(model)
+    if not units:
+        return
+    received = exchange(functools.partial(_rows_of_every_unit, units=units))
+    for index, unit in enumerate(units):
+        pieces = [received[old][index] for old in sorted(received)]
         for k, m in enumerate(unit.params.managed):
             old = [piece[k] for piece in pieces]
             wrong = next((o["fqn"] for o in old if o["fqn"] != m.fqn), None)
@@ -114,6 +120,16 @@ def load_fsdp_shards(model: nn.Module, optimizer: torch.optim.Optimizer,
                 optimizer.state[m.sharded] = state
             else:
                 optimizer.state.pop(m.sharded, None)
+
+
+def _rows_of_every_unit(old: int, shard: dict[str, Any], *, units: list[ShardedUnit]) -> list[Any]:
+    """What of old rank ``old``'s shard each new rank holds: per new rank, per
+    unit, :func:`_rows_for_each_rank`'s part."""
+    if len(shard["units"]) != len(units):
+        raise ValueError(f"rank {units[0].comm.rank}: old rank {old}'s shard holds {len(shard['units'])} "
+                         f"unit(s), the model {len(units)}: every rank must build and fully_shard the same model")
+    per_unit = [_rows_for_each_rank(old, shard, unit=unit, index=i) for i, unit in enumerate(units)]
+    return [list(parts) for parts in zip(*per_unit)]
 
 
 def _rows_for_each_rank(old: int, shard: dict[str, Any], *, unit: ShardedUnit, index: int) -> list[Any]:

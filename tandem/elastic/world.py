@@ -212,7 +212,7 @@ class ElasticWorld:
             self._forget_kept()
             return Resumed(self._state.step, checkpoint=True)
         exchange = functools.partial(self.buddy.exchange, located)
-        if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py: unit by unit
+        if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py
             load_fsdp_shards(self._model, self._optimizer, exchange)
         else:  # Note [elastic ZeRO] in tandem/elastic/zero_shards.py
             load_zero_shards(cast(ZeroOptimizer, self._optimizer), exchange, located.behind(), rank)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.elastic.fsdp_shards import _rows_for_each_rank
+from tandem.elastic.fsdp_shards import _rows_for_each_rank, _rows_of_every_unit
 
 
 def _chunk(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -62,3 +62,18 @@ def test_a_shard_of_another_model_is_refused_naming_the_old_rank() -> None:
     shard = {"world_size": 2, "units": [[{"fqn": "w", "param": full[:2], "rows": {}, "values": {}}] * 2]}
     with pytest.raises(ValueError, match="old rank 1's shard holds 2 parameter"):
         _rows_for_each_rank(1, shard, unit=_unit(full, 0, 3), index=0)
+    with pytest.raises(ValueError, match="old rank 1's shard holds 1 unit"):
+        _rows_of_every_unit(1, shard, units=[_unit(full, 0, 3)] * 2)
+
+
+def test_each_new_rank_gets_a_part_of_every_unit_in_unit_order() -> None:
+    # Two units of other shapes, from old world 2 to new world 3: per new rank, one part a unit.
+    a, b = torch.arange(10.0).reshape(5, 2), torch.arange(21.0).reshape(7, 3)
+    shards = [{"world_size": 2, "units": [[{"fqn": "w", "param": _chunk(t, 0, old, 2), "rows": {},
+                                            "values": {}}] for t in (a, b)]} for old in range(2)]
+    units = [_unit(a, 0, 3), _unit(b, 0, 3)]
+    sent = [_rows_of_every_unit(old, shard, units=units) for old, shard in enumerate(shards)]
+    for j in range(3):
+        for k, full in enumerate((a, b)):
+            got = torch.cat([sent[old][j][k][0]["param"] for old in range(2)])
+            assert torch.equal(got, _chunk(full, 0, j, 3)), (j, k)
