@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from tandem._tree import map_tensors
 
-__all__ = ["RefusedObjectError", "all_gather_object", "all_to_all_with_tensors", "broadcast_object_list",
-           "decode", "encode", "gather_payloads"]
+__all__ = ["RefusedObjectError", "all_gather_ints", "all_gather_object", "all_to_all_with_tensors",
+           "broadcast_object_list", "decode", "encode", "gather_payloads"]
 
 
 class RefusedObjectError(RuntimeError):
@@ -109,6 +109,20 @@ def all_gather_object(object_list: list[Any], obj: Any, group: dist.ProcessGroup
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
     for r, payload in enumerate(gather_payloads(obj, all_gather, _device(group))):
         object_list[r] = decode(payload, sender=f"rank {ranks[r]}", what="an all_gather_object's object")
+
+
+def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (as many on every rank, each fits an int64), in
+    group rank order: one all-gather of a tensor, where :func:`all_gather_object`
+    needs two (the lengths, then the payloads) and decodes each rank's. For the
+    few numbers a world change agrees on, whose latency its members wait on."""
+    if not values:
+        raise ValueError("all_gather_ints: no values to gather")
+    size = dist.get_world_size(group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=_device(group))
+    out = torch.empty(size, mine.numel(), dtype=torch.int64, device=mine.device)
+    dist.all_gather(list(out.unbind(0)), mine, group=group)
+    return [[int(v) for v in row] for row in out.tolist()]
 
 
 def broadcast_object_list(object_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None) -> None:

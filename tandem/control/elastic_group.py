@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from tandem.comm.process_id import below_prefixes
 from tandem.store.store_address import EtcdAddress, etcd_client, store_ports
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
 from tandem.comm.world import WorldInfo
-from tandem.comm.plain_data import all_gather_object
+from tandem.comm.plain_data import all_gather_ints
 from tandem.comm.thread_exit import join_before_exit
 from tandem.store.job_secret import signed
 
@@ -133,6 +134,12 @@ def _window_on(config: ElasticConfig, store: dist.Store) -> ElasticConfig:
     return dataclasses.replace(config, stale_after_s=MIN_STALE_ON_ETCD_S)
 
 
+def _host_key(host: str) -> int:
+    """``host`` as an int64 (the first 8 bytes of its SHA-256), gathered in one
+    round where a name would take two: equal on the members of one host."""
+    return int.from_bytes(hashlib.sha256(host.encode()).digest()[:8], "little", signed=True)
+
+
 def enter_generation(membership: Membership, generation: Generation, *,
                      timeout: datetime.timedelta | None = None, backend: str | None = None,
                      ahead: GroupAhead | None = None) -> WorldInfo:
@@ -174,8 +181,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     # size are this process's place among the generation's members on its host.
     device = previous.device if previous is not None else bind_device(
         backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
-    hosts: list[str] = [""] * generation.world_size
-    all_gather_object(hosts, socket.gethostname())
+    hosts = [h for (h,) in all_gather_ints([_host_key(socket.gethostname())])]
     here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     local_rank, local_size = here.index(rank), len(here)
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,

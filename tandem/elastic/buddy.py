@@ -58,11 +58,16 @@ import torch.distributed as dist
 
 from tandem.comm.p2p import isend, recv
 from tandem.comm.watched_call import watched
-from tandem.comm.plain_data import all_gather_object, all_to_all_with_tensors
+from tandem.comm.plain_data import all_gather_ints, all_to_all_with_tensors
 
 __all__ = ["BuddyCopies", "Located", "ShardsLost"]
 
 logger = logging.getLogger(__name__)
+
+
+# What a rank can offer in a world change: its own shard, live and as kept before
+# the last update (Note [one step back]), and its copy of the previous rank's.
+_MOST_OFFERS = 3
 
 
 class ShardsLost(RuntimeError):
@@ -143,13 +148,16 @@ class BuddyCopies:
             ShardsLost: on every rank, naming the old ranks whose shard is gone.
         """
         mine = self._offered(own, survivors)
-        headers: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of shard headers", all_gather_object, headers,
-                ([(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine], current))
-        step, chosen = _choose([offers for offers, _ in headers])
+        offers = [(stamp, shard["rank"], shard["world_size"]) for stamp, shard in mine]
+        # One round of numbers: whether ``current`` is set and it, then up to _MOST_OFFERS offers.
+        assert len(offers) <= _MOST_OFFERS, f"a rank offers at most {_MOST_OFFERS} shards, got {offers}"
+        header = [int(current is not None), current or 0, len(offers)]
+        header += [n for offer in offers for n in offer] + [0] * 3 * (_MOST_OFFERS - len(offers))
+        gathered = watched("all_gather of shard headers", all_gather_ints, header)
+        step, chosen = _choose([[(h[3 + 3 * k], h[4 + 3 * k], h[5 + 3 * k]) for k in range(h[2])] for h in gathered])
         here = dist.get_rank()
         return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here}, step,
-                       [c for _, c in headers])
+                       [h[1] if h[0] else None for h in gathered])
 
     def _offered(self, own: list[tuple[int, dict[str, Any]]] | None,
                  survivors: tuple[str, ...]) -> list[tuple[int, dict[str, Any]]]:

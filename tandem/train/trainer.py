@@ -85,7 +85,7 @@ from tandem.train.strategy import Strategy, apply_strategy
 from tandem.comm.watched_call import watched
 from tandem.comm.monitor import current_monitor_if_any
 from tandem.comm.trace import StepSpan, write_trace
-from tandem.comm.plain_data import all_gather_object
+from tandem.comm.plain_data import all_gather_ints, all_gather_object
 
 __all__ = ["FitResult", "Metric", "Trainer"]
 
@@ -555,9 +555,9 @@ class Trainer:
         returns which ranks have no place, and so no state (a replacement)."""
         assert self._elastic is not None
         state = self.state
-        mine = None if self._elastic.run.needs_state else (state.epoch, state.consumed)
-        places: list[Any] = [None] * dist.get_world_size()
-        watched("all_gather_object of each rank's place in the data", all_gather_object, places, mine)
+        mine = [0, 0, 0] if self._elastic.run.needs_state else [1, state.epoch, state.consumed]
+        gathered = watched("all_gather of each rank's place in the data", all_gather_ints, mine)
+        places = [(epoch, consumed) if held else None for held, epoch, consumed in gathered]
         end = self._split.end if self._split is not None else self.sampler.dataset_size
         try:
             state.epoch, state.consumed = agreed_place(places, end)

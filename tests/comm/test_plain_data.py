@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import tandem
 from tandem.comm.group import GroupComm
-from tandem.comm.plain_data import RefusedObjectError, all_gather_object, all_to_all_with_tensors, \
-    broadcast_object_list
+from tandem.comm.plain_data import RefusedObjectError, all_gather_ints, all_gather_object, \
+    all_to_all_with_tensors, broadcast_object_list
 from tandem.testing import Case, CaseResults, run_cases
 
 Point = collections.namedtuple("Point", "x y")
@@ -132,6 +132,12 @@ def _recv(rank: int, world_size: int, marker: str) -> dict[str, object]:
     return {"plain": plain, "refused": refused}
 
 
+def _ints(rank: int, world_size: int) -> dict[str, object]:
+    with pytest.raises(ValueError, match="no values to gather"):
+        all_gather_ints([])
+    return {"one": all_gather_ints([rank + 5]), "wide": all_gather_ints([rank, -rank << 62, 2**63 - 1 - rank])}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     marker = tmp_path_factory.mktemp("stranger") / "MARKER"
@@ -139,7 +145,8 @@ def results(tmp_path_factory) -> tuple[CaseResults, Path]:
     out = run_cases({"group_gather": Case(_group_gather, args=(m,)),
                      "elastic_collectives": Case(_elastic_collectives, args=(m,)),
                      "recv": Case(_recv, args=(m,)),
-                     "exchanged_with_tensors": Case(_exchanged_with_tensors, args=(m,))}, 2)
+                     "exchanged_with_tensors": Case(_exchanged_with_tensors, args=(m,)),
+                     "ints": Case(_ints)}, 2)
     return out, marker
 
 
@@ -181,3 +188,10 @@ def test_objects_exchanged_with_their_tensors_as_bytes_arrive_equal_and_refuse_c
         assert r["same"], rank
         assert f"rank {rank} refused an all_to_all's tensor-free part from rank 1" in r["refused"], r
     assert not marker.exists()
+
+
+def test_all_gather_ints_gives_every_rank_each_ranks_numbers_in_rank_order(results) -> None:
+    out, _ = results
+    for r in out["ints"]:
+        assert r["one"] == [[5], [6]]
+        assert r["wide"] == [[0, 0, 2**63 - 1], [1, -1 << 62, 2**63 - 2]]
