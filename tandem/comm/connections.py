@@ -32,7 +32,8 @@ the process is alive. Nothing still needs the old group then: every member of
 the new world got that far, so each has finished (or given up) its collectives
 in the old one, and the members that are not in the new world are dead. A
 group's sockets are the connected TCP sockets that its creation opened
-(:func:`opened_connections`), the store's left out; each is recorded with its
+(:func:`opened_connections`; a group built ahead records them on its build's
+thread, as it was built before it was taken), the store's left out; each is recorded with its
 inode, so that a number that gloo closed (a dead peer's pair) and the kernel
 reused is not touched. The group's listening socket is left alone: gloo's
 accept loop aborts the process when accept fails. Sockets are read from

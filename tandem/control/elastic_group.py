@@ -176,6 +176,9 @@ def enter_generation(membership: Membership, generation: Generation, *,
         raise
     except Exception as e:
         raise _not_built(membership, generation, "group", e) from e
+    if ahead is not None:  # built before the block began: its connections were opened then
+        connections.extend(c for c in ahead.build.connections if c not in connections and
+                           not set(c.ports) & store_ports(job_store()))
     set_group_timeout(timeout_td, None)
     # The device stays the one the launcher gave this process; the local rank and
     # size are this process's place among the generation's members on its host.
@@ -408,6 +411,9 @@ class _GlooBuild:
     def __init__(self, store: _BuildStore, rank: int, size: int, timeout: datetime.timedelta, name: str) -> None:
         self.done = threading.Event()
         self.store = store
+        self.connections: list[Connection] = []
+        """The TCP connections opened while the backend was built: its own, and
+        any another thread opened meanwhile (Note [severing a forgotten group])."""
         self._backend: dist.ProcessGroupGloo | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._build, args=(store, rank, size, timeout),
@@ -416,7 +422,9 @@ class _GlooBuild:
 
     def _build(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
         try:
-            self._backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+            with opened_connections() as opened:
+                self._backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self.connections = opened
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by result()
             self._error = e
         finally:

@@ -48,6 +48,25 @@ def test_a_built_backend_lets_its_store_connection_go() -> None:
     del backend
 
 
+def test_a_build_records_the_connections_it_opened() -> None:
+    """A group built ahead is taken after its connections were opened, so the
+    build records them: else a forgotten group built ahead would never be cut
+    (Note [severing a forgotten group] in tandem/comm/connections.py), and a
+    collective left in it would end when its peer exits, maybe as this process
+    finalizes (SIGABRT)."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT)
+    generation = Generation(1, ("0", "1"))
+    clients = [_client_of(server) for _ in range(2)]
+    builds = [_GlooBuild(_BuildStore(client, generation, "group"), r, 2, TIMEOUT, "group")
+              for r, client in enumerate(clients)]
+    assert all(build.done.wait(10) for build in builds)
+    backends = [build.result() for build in builds]
+    for build in builds:  # the pair between the two ranks, seen from each side, and still open
+        assert build.connections and all(_is_same(c) for c in build.connections), build.connections
+        assert all(server.port not in c.ports for c in build.connections)
+    del backends
+
+
 def test_torch_builds_the_group_around_the_given_backend() -> None:
     server = dist.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT)
     build = _GlooBuild(_BuildStore(_client_of(server), GENERATION, "group"), 0, 1, TIMEOUT, "group")
