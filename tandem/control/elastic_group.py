@@ -75,15 +75,17 @@ def job_store() -> dist.Store:
 
 
 @contextlib.contextmanager
-def default_group_connections(backend: str) -> Iterator[list[Connection]]:
+def default_group_connections(backend: str, built: _GlooBuild | None = None) -> Iterator[list[Connection]]:
     """Around the creation of the default group: its gloo connections, in the
     list this yields, once the block ends (Note [severing a forgotten group] in
-    tandem/comm/connections.py); the job's store's are left out. Empty for another backend."""
+    tandem/comm/connections.py), with those ``built`` opened before the block
+    began (a group built ahead); the job's store's are left out. Empty for another backend."""
     connections: list[Connection] = []
     with opened_connections() as opened:
         yield connections
     if backend == "gloo" and dist.is_initialized():
-        connections.extend(c for c in opened if not set(c.ports) & store_ports(job_store()))
+        earlier = [c for c in built.connections if c not in opened] if built is not None else []
+        connections.extend(c for c in opened + earlier if not set(c.ports) & store_ports(job_store()))
 
 
 def elastic_membership(config: ElasticConfig) -> Membership:
@@ -166,7 +168,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     reset_group_names()  # a failed attempt may have counted a group on some members only
     store = dist.PrefixStore(f"{PREFIX}/gen/{generation.number}/pg", membership.store)
     try:
-        with default_group_connections(backend) as connections:
+        with default_group_connections(backend, ahead.build if ahead is not None else None) as connections:
             # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
             with _built_while_watched(membership, generation, "group", backend,
                                       ahead.build if ahead is not None else None):
@@ -176,9 +178,6 @@ def enter_generation(membership: Membership, generation: Generation, *,
         raise
     except Exception as e:
         raise _not_built(membership, generation, "group", e) from e
-    if ahead is not None:  # built before the block began: its connections were opened then
-        connections.extend(c for c in ahead.build.connections if c not in connections and
-                           not set(c.ports) & store_ports(job_store()))
     set_group_timeout(timeout_td, None)
     # The device stays the one the launcher gave this process; the local rank and
     # size are this process's place among the generation's members on its host.

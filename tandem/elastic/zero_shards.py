@@ -50,7 +50,7 @@ def load_zero_shards(optimizer: ZeroOptimizer,
     the parameters on the ranks ``rows_to`` (Note [elastic ZeRO]).
     ``exchange(parts)`` returns, for every old rank, ``parts(old, shard)[r]`` of
     its shard, r being this rank (a collective)."""
-    received = exchange(functools.partial(_parts_for_each_rank, optimizer=optimizer, rows_to=rows_to))
+    received = exchange(functools.partial(_parts_for_each_rank, rows=optimizer.rows_of_ranks(), rows_to=rows_to))
     parts = [received[old] for old in sorted(received)]
     if rank in rows_to:
         optimizer.load_param_rows([part["rows"] for part in parts])
@@ -58,12 +58,12 @@ def load_zero_shards(optimizer: ZeroOptimizer,
                               parts[0]["shapes"], "the old world's shards")
 
 
-def _parts_for_each_rank(old: int, shard: dict[str, Any], *, optimizer: ZeroOptimizer,
+def _parts_for_each_rank(old: int, shard: dict[str, Any], *, rows: list[list[tuple[int, int, int]]],
                          rows_to: Collection[int]) -> list[dict[str, Any]]:
     """What of old rank ``old``'s shard each new rank takes: its entries cut to
-    that rank's rows, the parameter rows where it sets its parameters, and the
-    hyper-parameters and shapes the entries were taken with."""
-    return [{"entries": cut_entries(shard["entries"], rows),
+    that rank's ``rows``, the parameter rows where it sets its parameters, and
+    the hyper-parameters and shapes the entries were taken with."""
+    return [{"entries": cut_entries(shard["entries"], mine),
              "rows": shard["param_rows"] if r in rows_to else None,
              "param_groups": shard["param_groups"], "shapes": shard["shapes"]}
-            for r, rows in enumerate(optimizer.rows_of_ranks())]
+            for r, mine in enumerate(rows)]
