@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from tandem.control import group_record
 from tandem.comm.connections import Connection, opened_connections, sever
 from tandem.comm.device import bind_device, default_backend
 from tandem.control.generation import PREFIX, ElasticConfig, Generation, MembershipError, NothingToJoin
-from tandem.control.membership import Membership, arrival_roll, has_own_connection, own_connection
+from tandem.control.membership import Membership, arrival_roll, has_own_connection, host_key, own_connection
 from tandem.control.roll_call import RollCall
 from tandem.comm.monitor import current_monitor, stop_monitor
 from tandem.comm.peers import PeerLostError, drain_at_exit
@@ -136,10 +135,18 @@ def _window_on(config: ElasticConfig, store: dist.Store) -> ElasticConfig:
     return dataclasses.replace(config, stale_after_s=MIN_STALE_ON_ETCD_S)
 
 
-def _host_key(host: str) -> int:
-    """``host`` as an int64 (the first 8 bytes of its SHA-256), gathered in one
-    round where a name would take two: equal on the members of one host."""
-    return int.from_bytes(hashlib.sha256(host.encode()).digest()[:8], "little", signed=True)
+def _hosts(membership: Membership, generation: Generation) -> list[int]:
+    """Each member's :func:`host_key`, in rank order. The first change after the
+    founding world gathers them (a collective: no member knows the others'
+    yet, and reading every key on every member would be N² reads); a later
+    one reads only the keys of members new to this process from the store (a
+    replacement's, on the members; every key, on the replacement) and none
+    after a loss (:meth:`Membership.hosts_of`)."""
+    if generation.number > 1:
+        return membership.hosts_of(generation.members)
+    hosts = [h for (h,) in all_gather_ints([host_key(socket.gethostname())])]
+    membership.know_hosts(dict(zip(generation.members, hosts)))
+    return hosts
 
 
 def enter_generation(membership: Membership, generation: Generation, *,
@@ -183,7 +190,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     # size are this process's place among the generation's members on its host.
     device = previous.device if previous is not None else bind_device(
         backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
-    hosts = [h for (h,) in all_gather_ints([_host_key(socket.gethostname())])]
+    hosts = _hosts(membership, generation)
     here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     local_rank, local_size = here.index(rank), len(here)
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,

@@ -34,6 +34,8 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``gen/<g>/arrived/...``   ``.../<what>/<id>``: the member is about to build a group
                           over ``g``'s members (Note [arrivals] in elastic_group.py)
 ``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
+``host/<id>``             the member's host, as an int64 key (:func:`host_key`); a world
+                          change reads only those of members new to this process
 ``gen/<g>/verdict``       who is dead, as the generation's judge saw it at a time
                           (Note [judge once] in judge.py)
 ========================  ==========================================================
@@ -75,12 +77,14 @@ refused: Note [a stranger asks to join] in join_requests.py.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -96,7 +100,7 @@ from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
 from tandem.comm.thread_exit import join_before_exit
 
-__all__ = ["NEVER_BEATEN", "Membership", "arrival_roll", "has_own_connection", "own_connection"]
+__all__ = ["NEVER_BEATEN", "Membership", "arrival_roll", "has_own_connection", "host_key", "own_connection"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +158,7 @@ class Membership:
         self._good_beats: dict[str, float] = {}  # each member's last beat read well
         self._good_nodes: dict[str, NodeBeat] = {}  # each node's last beat read well
         self._nodes: dict[str, tuple[str, int] | None] = {}  # member -> (its node, its pid), None: beats itself
+        self._hosts: dict[str, int] = {}  # member -> its host_key, as read or gathered
         self._step: int | None = None  # the step this member works on, once it knows (Note [judge once])
         self._requests = JoinRequests(store, member)  # Note [a stranger asks to join] in join_requests.py
         # The beats go through a connection of their own where the store is a TCP one:
@@ -284,6 +289,37 @@ class Membership:
         process = ProcessId.this_process()
         if process is not None:
             self.store.set(f"{PREFIX}/process/{self.member}", process.encode())
+        self.store.set(f"{PREFIX}/host/{self.member}", str(host_key(socket.gethostname())))
+
+    def know_hosts(self, hosts: Mapping[str, int]) -> None:
+        """Keep the hosts of members learnt otherwise (the founding world's gather)."""
+        self._hosts.update(hosts)
+
+    def hosts_of(self, members: Sequence[str]) -> list[int]:
+        """Each member's :func:`host_key`, in order: read from the store (one read of
+        all) for members this process has not met, else kept. Every member posts
+        its own as it starts, before it can be in a generation. A member whose key
+        is missing or junk counts as alone on a host of its own (a key made of its
+        id), with a warning: the local ranks it changes decide no collective."""
+        new = [m for m in members if m not in self._hosts]
+        if new:
+            keys = [f"{PREFIX}/host/{m}" for m in new]
+            values: list[bytes | None]
+            try:
+                values = list(self.store.multi_get(keys)) if self.store.check(keys) else \
+                    [self.store.get(k) if self.store.check([k]) else None for k in keys]
+            except ForgedValueError:
+                values = [None] * len(keys)
+            for m, value in zip(new, values):
+                try:
+                    self._hosts[m] = int(value.decode()) if value is not None else host_key(f"member {m}")
+                except ValueError:
+                    self._hosts[m] = host_key(f"member {m}")
+                    value = None
+                if value is None:
+                    logger.warning("tandem: elastic member %s: the host of member %s is not in the store "
+                                   "(or is not a number): counted as alone on its host", self.member, m)
+        return [self._hosts[m] for m in members]
 
     def dead(self, members: Sequence[str]) -> dict[str, str]:
         """The members among ``members`` whose process has ended, or whose beat
@@ -670,6 +706,12 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+def host_key(host: str) -> int:
+    """``host`` as an int64 (the first 8 bytes of its SHA-256): equal on the
+    members of one host, and gathered in one round where a name takes two."""
+    return int.from_bytes(hashlib.sha256(host.encode()).digest()[:8], "little", signed=True)
 
 
 def arrival_roll(store: dist.Store, number: int, what: str) -> RollCall:

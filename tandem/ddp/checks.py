@@ -17,7 +17,8 @@ from tandem.comm.group import GroupComm
 from tandem.dtensor import is_distributed, local_tensor
 
 __all__ = ["NonFinite", "NonFiniteReport", "broadcast_module_state", "check_same_model_on_all_ranks",
-           "check_tensor_parallel", "model_signature", "nonfinite_mark", "nonfinite_names"]
+           "check_tensor_parallel", "model_signature", "nonfinite_mark", "nonfinite_names",
+           "signature_digest"]
 
 Entry = tuple[str, str, tuple[int, ...], str, bool]  # kind, name, shape, dtype, requires_grad
 
@@ -38,16 +39,25 @@ def model_signature(named_params: Sequence[tuple[str, torch.Tensor]],
     return sig
 
 
-def check_same_model_on_all_ranks(signature: list[Entry], comm: GroupComm) -> None:
+def signature_digest(signature: list[Entry]) -> list[int]:
+    """``signature``'s SHA-256 as four int64s: what the ranks compare."""
+    digest = hashlib.sha256(repr(signature).encode()).digest()
+    return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def check_same_model_on_all_ranks(signature: list[Entry], comm: GroupComm,
+                                  digests: Sequence[Sequence[int]] | None = None) -> None:
     """Raise the same ValueError on every rank if the signatures differ.
 
-    One small all-gather of a digest in the common case; the full signatures are
-    gathered only when the digests differ, to name the first difference.
+    One small all-gather of a digest in the common case (or none: ``digests``,
+    every rank's :func:`signature_digest`, gathered by the caller with numbers of
+    its own); the full signatures are gathered only when the digests differ,
+    to name the first difference.
     """
-    digest = hashlib.sha256(repr(signature).encode()).digest()
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(torch.int64)
-    digests = comm.all_gather(mine.to(comm.device), tag="model check")
-    if all(torch.equal(d, digests[0]) for d in digests):
+    if digests is None:
+        mine = torch.tensor(signature_digest(signature), dtype=torch.int64, device=comm.device)
+        digests = [d.tolist() for d in comm.all_gather(mine, tag="model check")]
+    if all(list(d) == list(digests[0]) for d in digests):
         return
     everyone = comm.all_gather_object(signature, tag="model check")
     raise ValueError(f"rank {comm.rank}: " + describe_first_difference(everyone))

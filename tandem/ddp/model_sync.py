@@ -5,7 +5,7 @@ uneven inputs, the agreements a joined rank mirrors and the final model (Note
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from torch import nn
 
 from tandem._compat import preserve_version_counters
 from tandem.comm.group import GroupComm
-from tandem.ddp.checks import broadcast_module_state, check_same_model_on_all_ranks, model_signature
+from tandem.ddp.checks import Entry, broadcast_module_state, check_same_model_on_all_ranks, model_signature
 
 __all__ = ["ModelSync"]
 
@@ -37,17 +37,29 @@ class ModelSync:
         # Buffers may have been reassigned (module.running_mean = ...): looked up each time.
         return [(n, b) for n, b in self.module.named_buffers() if n not in self.ignored]
 
-    def start(self, *, buffers: bool, options: Mapping[str, object], broadcast: bool = True) -> None:
+    def signature(self, *, buffers: bool, options: Mapping[str, object]) -> list[Entry]:
+        """What must agree across ranks: the parameters, the buffers (``buffers``)
+        and ``options`` that change a step's collectives."""
+        return model_signature(self._params(), self._buffers() if buffers else [], dict(options))
+
+    def start(self, *, buffers: bool, options: Mapping[str, object], broadcast: bool = True,
+              check: bool = True) -> None:
         """Check that every rank wraps the same model (and ``options`` that change a
-        step's collectives), then (``broadcast``) give all of them rank 0's
-        parameters (and buffers)."""
+        step's collectives; unless not ``check``: the caller checks, :meth:`check`),
+        then (``broadcast``) give all of them rank 0's parameters (and buffers)."""
         if self.comm.size == 1:
             return
-        named_params = self._params()
-        named_buffers = self._buffers() if buffers else []
-        check_same_model_on_all_ranks(model_signature(named_params, named_buffers, dict(options)), self.comm)
+        if check:
+            self.check(buffers=buffers, options=options)
         if broadcast:
-            broadcast_module_state([p for _, p in named_params] + [b for _, b in named_buffers], self.comm, src=0)
+            tensors = [p for _, p in self._params()] + ([b for _, b in self._buffers()] if buffers else [])
+            broadcast_module_state(tensors, self.comm, src=0)
+
+    def check(self, *, buffers: bool, options: Mapping[str, object],
+              digests: Sequence[Sequence[int]] | None = None) -> None:
+        """Raise the same ValueError on every rank unless all wrap the same model:
+        ``digests`` (every rank's :func:`signature_digest`) gathered by the caller, else here."""
+        check_same_model_on_all_ranks(self.signature(buffers=buffers, options=options), self.comm, digests)
 
     def buffers(self, src: int) -> None:
         """Broadcast the buffers from group rank ``src`` (before a forward)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from tandem._compat import enter_ddp_forward, exit_ddp_forward, not_traced, not_
 from tandem._tree import to_device
 from tandem.comm.group import GroupComm
 from tandem.ddp.batch_weight import check_batch_weight, weigh_gradients
-from tandem.ddp.checks import NonFinite, NonFiniteReport, check_tensor_parallel
+from tandem.ddp.checks import NonFinite, NonFiniteReport, check_tensor_parallel, signature_digest
 from tandem.ddp.compile import split_hint
 from tandem.ddp.fused import FusedOptimizer, ShardedStepSource, check_fusable, patch_step, unpatch_step
 from tandem.ddp.join import DDPJoinHook, join
@@ -260,12 +260,29 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._make_reducer()
         self._split_hint = split_hint(caps, self._reducer_options.overlap, self._comm.size)
 
-    def _sync_initial_state(self, *, broadcast: bool = True) -> None:
-        """Check that every rank wraps the same model, then (``broadcast``) give all of
-        them rank 0's parameters (and buffers, when they are synced)."""
+    def _checked_options(self) -> dict[str, object]:
         # check_finite changes a step's collectives (Note [check_finite] in finite.py): it must agree too.
-        options = {"check_finite": None if self.check_finite is None else self.check_finite.value}
-        self._sync.start(buffers=self._init_sync_buffers, options=options, broadcast=broadcast)
+        return {"check_finite": None if self.check_finite is None else self.check_finite.value}
+
+    def _sync_initial_state(self, *, broadcast: bool = True, check: bool = True) -> None:
+        """Check that every rank wraps the same model (unless not ``check``), then
+        (``broadcast``) give all of them rank 0's parameters (and buffers, when they are synced)."""
+        self._sync.start(buffers=self._init_sync_buffers, options=self._checked_options(), broadcast=broadcast,
+                         check=check)
+
+    def model_digest(self) -> list[int]:
+        """What the model check compares across ranks (the parameters' and buffers'
+        names, shapes, dtypes and options), as four int64s: for a caller that
+        gathers them with numbers of its own and then calls :meth:`check_model`
+        (an elastic world change's)."""
+        return signature_digest(self._sync.signature(buffers=self._init_sync_buffers,
+                                                     options=self._checked_options()))
+
+    def check_model(self, digests: Sequence[Sequence[int]]) -> None:
+        """Raise the same ValueError on every rank, naming the first difference,
+        unless ``digests`` (every rank's :meth:`model_digest`, in rank order) agree;
+        a collective only when they do not."""
+        self._sync.check(buffers=self._init_sync_buffers, options=self._checked_options(), digests=digests)
 
     def _needs_reducer(self) -> bool:
         # A world of one needs no reducer, unless ZeRO's optimizer reads its
@@ -279,7 +296,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._reducer
 
     def reset_process_group(self, process_group: dist.ProcessGroup | None = None, *,
-                            broadcast: bool = True) -> None:
+                            broadcast: bool = True, check: bool = True) -> None:
         """Go on over another process group: after an elastic job's world changed
         (the default group was rebuilt), or to move the model to a new group.
 
@@ -289,7 +306,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         every rank holds the same model. A collective of the new group. With
         ``broadcast=False`` the check only: an elastic job's rebuild, whose
         members hold equal models, and whose replacement receives the whole
-        training state next (Note [elastic trainer] in tandem/elastic/run.py). A
+        training state next (Note [elastic trainer] in tandem/elastic/run.py).
+        With ``check=False`` not even the check: its caller checks, with
+        :meth:`model_digest` and :meth:`check_model`. A
         communication hook is kept when its state is this model's own
         communicator, or says it follows the default group into a new world
         (``follows_world``, as :class:`tandem.comm_hooks.QuantizedState` and
@@ -307,7 +326,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = process_group
         self._comm = GroupComm(process_group)
         self._sync = ModelSync(self.module, self._ignored, self._comm)
-        self._sync_initial_state(broadcast=broadcast)
+        self._sync_initial_state(broadcast=broadcast, check=check)
         if self._needs_reducer():
             self._make_reducer()
         if self._fused is not None:

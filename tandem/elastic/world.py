@@ -244,18 +244,31 @@ class ElasticWorld:
         logger.warning("rank %d: a copy of the last step's shard did not arrive before the loss: "
                        "going back to step %d", rank, step)
 
-    def reset_model(self) -> None:
+    def reset_model(self, *, check: bool = True) -> None:
         """The model over the new default group, where it has one to reset (a bare
         model, as local steps train, has none). DDP checks that every rank holds
-        the same model and keeps each rank's values: the members' are equal, and a
-        replacement gets the state next (Note [elastic trainer] in run.py).
-        fully_shard lays its units out again, and issues collectives again (Note
-        [a broken step goes on] in loop.py)."""
+        the same model (unless not ``check``: the caller gathers
+        :meth:`model_digest` and calls :meth:`check_model`) and keeps each rank's
+        values: the members' are equal, and a replacement gets the state next
+        (Note [elastic trainer] in run.py). fully_shard lays its units out again,
+        and issues collectives again (Note [a broken step goes on] in loop.py)."""
         model: Any = self._model
         if isinstance(model, DistributedDataParallel):
-            model.reset_process_group(broadcast=False)
+            model.reset_process_group(broadcast=False, check=check)
         elif hasattr(model, "reset_process_group"):
             model.reset_process_group()
+
+    def model_digest(self) -> list[int]:
+        """What DDP's model check compares (:meth:`DistributedDataParallel.model_digest`);
+        none for a model DDP does not wrap."""
+        model = self._model
+        return model.model_digest() if isinstance(model, DistributedDataParallel) else []
+
+    def check_model(self, digests: list[list[int]]) -> None:
+        """DDP's model check of every rank's :meth:`model_digest`, gathered by the caller."""
+        model = self._model
+        if isinstance(model, DistributedDataParallel):
+            model.check_model(digests)
 
     def share_state(self, wanting: list[int]) -> None:
         """Rank 0's whole training state, on the ranks ``wanting`` it (replacements

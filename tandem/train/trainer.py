@@ -531,7 +531,10 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._runner.rank = self.rank
         self.optimizer.zero_grad(set_to_none=True)
-        elastic.reset_model()
+        # Note [one gather for a world change's numbers]: with no shards to move, DDP's
+        # model check rides on the place's gather.
+        check_late = elastic.buddy is None
+        elastic.reset_model(check=not check_late)
         resumed = None
         if elastic.buddy is not None:
             if not is_fully_sharded(self.model):
@@ -539,7 +542,7 @@ class Trainer:
             resumed = self._restore_shards(own)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
-        wants = self._agree_on_the_place()
+        wants = self._agree_on_the_place(check_model=check_late)
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted(wants)
@@ -549,15 +552,33 @@ class Trainer:
         elastic.run.needs_state = False  # only now: Note [a join cut short] in tandem/elastic/run.py
         return resumed
 
-    def _agree_on_the_place(self) -> list[bool]:
+    def _agree_on_the_place(self, *, check_model: bool) -> list[bool]:
         """Every member goes on from the same epoch and sample (Note [an epoch's end
         seen apart] in tandem/elastic/epoch_end.py). A collective of the new world;
-        returns which ranks have no place, and so no state (a replacement)."""
-        assert self._elastic is not None
+        returns which ranks have no place, and so no state (a replacement). With
+        ``check_model``, DDP's model check too, in the same gather.
+
+        # Note [one gather for a world change's numbers]
+        A world change stops every member until its last collective, and each
+        small agreement in it is a round that waits for the slowest member. So
+        what is known before the first of them goes in one gather of int64s
+        (``all_gather_ints``): each rank's place in the data, and, where no shard
+        is moved before it (no buddy copies: a replicated DDP model), the digest
+        DDP's model check compares (``reset_model(check=False)``, then
+        ``check_model``; a replacement built another model raises the same error
+        on every rank, naming the difference). Each member's host is known
+        without a collective after the first change (``Membership.hosts_of``).
+        Under ZeRO the check stays in the reset, before the shards are moved."""
+        elastic = self._elastic
+        assert elastic is not None
         state = self.state
-        mine = [0, 0, 0] if self._elastic.run.needs_state else [1, state.epoch, state.consumed]
+        mine = [0, 0, 0] if elastic.run.needs_state else [1, state.epoch, state.consumed]
+        if check_model:
+            mine += elastic.model_digest()
         gathered = watched("all_gather of each rank's place in the data", all_gather_ints, mine)
-        places = [(epoch, consumed) if held else None for held, epoch, consumed in gathered]
+        if check_model:
+            elastic.check_model([row[3:] for row in gathered])
+        places = [(row[1], row[2]) if row[0] else None for row in gathered]  # held, epoch, consumed
         end = self._split.end if self._split is not None else self.sampler.dataset_size
         try:
             state.epoch, state.consumed = agreed_place(places, end)

@@ -4,6 +4,8 @@ replacement arriving after the job ended. No processes, no waiting on real time.
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +18,7 @@ from tandem.store.job_secret import ForgedValueError, SignedStore, job_secret, s
 import tandem.control.membership as membership_module
 from tandem.control.judge import Verdict, judging_ranks
 from tandem.control.generation import PREFIX, Decision, ElasticConfig, Generation, MembershipError
-from tandem.control.membership import Membership
+from tandem.control.membership import Membership, host_key
 from tandem.comm.process_id import NodeBeat, node_beat_key
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
@@ -212,6 +214,29 @@ def test_a_replacement_is_admitted_at_a_grow_decision(kind: str) -> None:
     t1.join(5), t.join(5)
     assert generation.members == ("0", "1", "j1") and joined[0].generation == generation
     for m in (m0, m1, joined[0]):
+        m.stop()
+
+
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_a_members_host_is_read_once_and_a_missing_or_junk_one_is_a_host_of_its_own(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    store, (m0, m1) = _members(2, Clock(), _store(kind))
+    here, elsewhere = host_key(socket.gethostname()), host_key("another host")
+    assert here != elsewhere
+    assert m0.hosts_of(["0", "1"]) == [here, here]  # each posted its own as it started
+    store.set(f"{PREFIX}/host/1", str(elsewhere))
+    assert m0.hosts_of(["1", "0"]) == [here, here]  # read once: kept, not read again
+    assert m1.hosts_of(["1"]) == [elsewhere]  # a process that had not read it reads it now
+    m1.know_hosts({"0": elsewhere})  # gathered: taken as it is, not read
+    assert m1.hosts_of(["0", "1"]) == [elsewhere, elsewhere]
+    assert not caplog.records
+    raw = store.inner if isinstance(store, SignedStore) else store
+    raw.set(f"{PREFIX}/host/j9", "not a number")
+    with caplog.at_level(logging.WARNING):
+        hosts = m0.hosts_of(["0", "j8", "j9"])  # j8 posted none
+    assert hosts == [here, host_key("member j8"), host_key("member j9")]
+    assert sum("counted as alone on its host" in r.getMessage() for r in caplog.records) == 2
+    for m in (m0, m1):
         m.stop()
 
 

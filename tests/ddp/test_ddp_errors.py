@@ -196,6 +196,28 @@ def _reset_without_broadcast_still_checks(rank: int, ws: int) -> None:
     model.reset_process_group(broadcast=False)
 
 
+def _reset_checked_by_the_caller(rank: int, ws: int, differ: bool) -> None:
+    # An elastic change's reset (check=False) issues no collective: rank 1 resets twice and
+    # rank 0 once, and the gather after it still pairs up. The caller gathers the digests with
+    # numbers of its own, and check_model raises (on every rank) where the models differ.
+    from tandem.comm.plain_data import all_gather_ints
+    module = _WithBuffer()
+    model = DDP(module)
+    if differ and rank == 1:  # a buffer reassigned, as a replacement with another model would hold
+        module.scale = torch.ones(5)
+    with torch.no_grad():
+        for t in [*module.parameters(), module.scale]:
+            t.fill_(float(rank + 1))
+    for _ in range(rank + 1):
+        model.reset_process_group(broadcast=False, check=False)
+    gathered = all_gather_ints([7 + rank, *model.model_digest()])
+    if [row[0] for row in gathered] != [7, 8]:
+        raise AssertionError(f"rank {rank}: a reset without the check issued a collective: {gathered}")
+    model.check_model([row[1:] for row in gathered])
+    if not torch.equal(module.scale, torch.full_like(module.scale, rank + 1)):
+        raise AssertionError(f"rank {rank}: reset_process_group(broadcast=False, check=False) changed a value")
+
+
 def _build_with(**kwargs: Any) -> Callable[[int, int], None]:
     def build(rank: int, ws: int) -> None:
         DDP(_mlp(), **kwargs)
@@ -274,6 +296,8 @@ BUILD_CASES: dict[str, Callable[[int, int], None]] = {
     "buffer_shape": _mismatch_buffer_shape,
     "reset_keeps_or_broadcasts": _reset_keeps_or_broadcasts,
     "reset_checks": _reset_without_broadcast_still_checks,
+    "reset_checked_by_the_caller": functools.partial(_reset_checked_by_the_caller, differ=False),
+    "reset_checked_by_the_caller_differs": functools.partial(_reset_checked_by_the_caller, differ=True),
     "mixed_precision": _build_with(mixed_precision=object()),
     "delay_all_reduce_named_params": _build_with(delay_all_reduce_named_params=object()),
     "param_to_hook_all_reduce": _build_with(param_to_hook_all_reduce=object()),
@@ -384,6 +408,13 @@ def test_buffer_shape_mismatch(built2):
 def test_a_reset_without_broadcast_keeps_each_ranks_values_and_still_checks_the_model(built2):
     assert [r["reset_keeps_or_broadcasts"] for r in built2] == [None, None]
     text = _same_message_on_every_rank(_raised_everywhere(built2, "reset_checks", "ValueError"))
+    assert "buffer 'scale' of shape (5,) and float32 on ranks [1]" in text, text
+
+
+def test_a_reset_without_the_check_leaves_it_to_the_callers_gather(built2):
+    assert [r["reset_checked_by_the_caller"] for r in built2] == [None, None]
+    text = _same_message_on_every_rank(_raised_everywhere(built2, "reset_checked_by_the_caller_differs",
+                                                          "ValueError"))
     assert "buffer 'scale' of shape (5,) and float32 on ranks [1]" in text, text
 
 

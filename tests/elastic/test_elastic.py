@@ -288,12 +288,21 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     return {"params": [p.detach().clone() for p in params],
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
+            "rank": dist.get_rank(), "local": _local_place(),
             "buddy_bytes": (trainer._elastic.buddy.nbytes  # type: ignore[union-attr]
                             if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "kept_bytes": (trainer._elastic.buddy.kept_nbytes  # type: ignore[union-attr]
                            if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "steps": result.steps,
             "hook_steps": None if hook_state is None else getattr(hook_state, "iter", QUANTIZED_STEPS[0])}
+
+
+def _local_place() -> tuple[int, int]:
+    """This process's local rank and local world size, as the last world change made them."""
+    from tandem.control import group_record
+    record = group_record.current()
+    assert record is not None
+    return record.info.local_rank, record.info.local_world_size
 
 
 QUANTIZED_STEPS = [0]  # backwards whose last bucket this process's int8 hook reduced
@@ -545,6 +554,9 @@ def test_replacement_joins_and_gets_the_state(scenarios: dict) -> None:
     # It asked before step 5's decision: the members began its group then, and trained
     # on for a step in the old world meanwhile (Note [a group built ahead]).
     assert grow["built_ahead_from"] == 5 and grow["step"] == 6
+    # One host: every member is local to every other, after the loss (gathered) and the
+    # admission (read from the store: the replacement every member's host, the members its).
+    assert all(r["local"] == (r["rank"], 3) for r in live), [(r["rank"], r["local"]) for r in live]
     _check_reference(live, _schedule(changes))
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
