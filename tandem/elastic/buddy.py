@@ -49,7 +49,7 @@ the last at each step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +133,8 @@ class BuddyCopies:
         return 0 if self.kept is None else _tensor_bytes(self.kept[1])
 
     def locate(self, own: list[tuple[int, dict[str, Any]]] | None, survivors: tuple[str, ...],
-               current: int | None = None) -> Located:
+               current: int | None = None, *, rider: Sequence[int] = (),
+               check_riders: Callable[[list[list[int]]], None] | None = None) -> Located:
         """Which rank of the new group provides each old rank's shard, and at
         which step: its own (``own``, each with its step, Note [one step back];
         None on a replacement) or its copy of a lost rank's; and the step each
@@ -142,7 +143,11 @@ class BuddyCopies:
         (small: stamps and ranks only); the shards then travel part by part
         (:meth:`exchange`), so that no rank holds every shard at once. The held
         copy is kept until the next :meth:`refresh`: a loss during the change
-        is recovered from the same copies.
+        is recovered from the same copies. ``rider``: numbers of the caller's
+        that go in the same gather (as many on every rank), every rank's of which
+        ``check_riders`` is given, in rank order, before the shards are chosen
+        (DDP's model check under ZeRO: Note [one gather for a world change's
+        numbers] in tandem/train/trainer.py).
 
         Raises:
             ShardsLost: on every rank, naming the old ranks whose shard is gone.
@@ -153,7 +158,9 @@ class BuddyCopies:
         assert len(offers) <= _MOST_OFFERS, f"a rank offers at most {_MOST_OFFERS} shards, got {offers}"
         header = [int(current is not None), current or 0, len(offers)]
         header += [n for offer in offers for n in offer] + [0] * 3 * (_MOST_OFFERS - len(offers))
-        gathered = watched("all_gather of shard headers", all_gather_ints, header)
+        gathered = watched("all_gather of shard headers", all_gather_ints, header + list(rider))
+        if check_riders is not None:
+            check_riders([h[len(header):] for h in gathered])
         step, chosen = _choose([[(h[3 + 3 * k], h[4 + 3 * k], h[5 + 3 * k]) for k in range(h[2])] for h in gathered])
         here = dist.get_rank()
         return Located(len(chosen), {old: mine[k][1] for old, (new, k) in chosen.items() if new == here}, step,

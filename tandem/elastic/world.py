@@ -180,20 +180,24 @@ class ElasticWorld:
             self.buddy.refresh(shard, state.step, members, rank)
 
     def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
-                       share_all: Callable[[Any], list[Any]] | None = None) -> Resumed | None:
+                       share_all: Callable[[Any], list[Any]] | None = None, *,
+                       check_model: bool = False) -> Resumed | None:
         """Every rank's shard of a ZeRO optimizer's state (and the parameters),
         or of a fully-sharded model and its optimizer's state, laid out for the
         new world: from the survivors and their buddy copies, one step back where
         a copy of the last step did not arrive (Note [one step back]), else from
         the last checkpoint (``share_all`` gathers an object of every rank for it:
-        given with a fall-back). Returns where the loop state went back to, if it did."""
+        given with a fall-back). Returns where the loop state went back to, if it did.
+        ``check_model``: DDP's model check (:meth:`check_model`) rides on the
+        shards' headers, before any shard moves (the model reset without it)."""
         assert self.buddy is not None
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
         # The step this rank's parameters are of, where it holds them (ZeRO's are replicated).
         current = None if own is None or self._updating else self._state.step
         try:
-            located = self.buddy.locate(own, members, current)
+            located = self.buddy.locate(own, members, current, rider=self.model_digest() if check_model else (),
+                                        check_riders=self.check_model if check_model else None)
         except ShardsLost as e:
             fallback = self._fallback
             if fallback is None:

@@ -531,10 +531,9 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._runner.rank = self.rank
         self.optimizer.zero_grad(set_to_none=True)
-        # Note [one gather for a world change's numbers]: with no shards to move, DDP's
-        # model check rides on the place's gather.
-        check_late = elastic.buddy is None
-        elastic.reset_model(check=not check_late)
+        # Note [one gather for a world change's numbers]: DDP's model check rides on the
+        # change's first gather: the shards' headers, else the place.
+        elastic.reset_model(check=False)
         resumed = None
         if elastic.buddy is not None:
             if not is_fully_sharded(self.model):
@@ -542,7 +541,7 @@ class Trainer:
             resumed = self._restore_shards(own)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
-        wants = self._agree_on_the_place(check_model=check_late)
+        wants = self._agree_on_the_place(check_model=elastic.buddy is None)
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted(wants)
@@ -561,14 +560,15 @@ class Trainer:
         # Note [one gather for a world change's numbers]
         A world change stops every member until its last collective, and each
         small agreement in it is a round that waits for the slowest member. So
-        what is known before the first of them goes in one gather of int64s
-        (``all_gather_ints``): each rank's place in the data, and, where no shard
-        is moved before it (no buddy copies: a replicated DDP model), the digest
-        DDP's model check compares (``reset_model(check=False)``, then
-        ``check_model``; a replacement built another model raises the same error
-        on every rank, naming the difference). Each member's host is known
-        without a collective after the first change (``Membership.hosts_of``).
-        Under ZeRO the check stays in the reset, before the shards are moved."""
+        DDP's model check (every rank wraps the same model: a replacement built
+        another one raises the same error on every rank, naming the difference)
+        is no round of its own: the model is reset without it
+        (``reset_model(check=False)``) and the digest it compares rides on the
+        change's first gather of int64s (``all_gather_ints``), checked on its
+        return (``check_model``): under ZeRO the shards' headers
+        (``BuddyCopies.locate``'s rider), before any shard moves; else each
+        rank's place in the data, here. Each member's host is known without a
+        collective after the first change (``Membership.hosts_of``)."""
         elastic = self._elastic
         assert elastic is not None
         state = self.state
@@ -618,7 +618,7 @@ class Trainer:
 
     def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None) -> Resumed | None:
         assert self._elastic is not None
-        resumed = self._elastic.restore_shards(own, self.rank, self._share_all)
+        resumed = self._elastic.restore_shards(own, self.rank, self._share_all, check_model=True)
         self._runner.scaled = self._scaled()  # a ZeroOptimizer laid out again: its new shards
         return resumed
 

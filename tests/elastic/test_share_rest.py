@@ -82,9 +82,32 @@ def _share(rank: int, world_size: int, strategy: str, extra_buffer: bool) -> dic
             "counters": (state.step, state.epoch, state.consumed), "lr": optimizer.param_groups[0]["lr"]}
 
 
-# Under ZeRO a replacement with another model is refused before, by DDP's check of the model.
+def _locate_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, Any]:
+    """The shards' headers carry the caller's numbers (under ZeRO, DDP's model digest),
+    checked on every rank before the shards are chosen."""
+    from tandem.elastic.buddy import BuddyCopies
+
+    shard = {"rank": rank, "world_size": 2, "x": torch.full((2,), float(rank))}
+    seen: list[list[list[int]]] = []
+
+    def check(riders: list[list[int]]) -> None:
+        seen.append(riders)
+        if riders[0] != riders[1]:
+            raise ValueError(f"rank {rank}: the riders differ: {riders}")
+
+    try:
+        located = BuddyCopies().locate([(3, shard)], ("0", "1"), 3, rider=[5, 6 + rank * int(differ)],
+                                       check_riders=check)
+    except ValueError as e:
+        return {"error": str(e), "seen": seen}
+    return {"error": None, "seen": seen, "step": located.step, "provided": sorted(located.provided)}
+
+
+# Under ZeRO a replacement with another model is refused before, by DDP's check of the
+# model, which rides on the shards' headers (the rider cases).
 CASES = {"zero2": Case(_share, args=("zero2", False)), "fsdp": Case(_share, args=("fsdp", False)),
-         "fsdp-extra": Case(_share, args=("fsdp", True))}
+         "fsdp-extra": Case(_share, args=("fsdp", True)),
+         "rider": Case(_locate_with_a_rider, args=(False,)), "rider-differs": Case(_locate_with_a_rider, args=(True,))}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +136,15 @@ def test_a_fully_sharded_replacement_with_another_model_is_refused_naming_both(r
     assert r0["error"] is None  # the sender does not compare
     assert "rank 1: rank 0's model has buffers and parameters" in r1["error"], r1["error"]
     assert "'other'" in r1["error"] and "every rank must build the same model" in r1["error"], r1["error"]
+
+
+def test_the_shards_headers_carry_the_callers_numbers_checked_before_any_shard_is_chosen(
+        results: CaseResults) -> None:
+    for rank, r in enumerate(results["rider"]):
+        assert r == {"error": None, "seen": [[[5, 6], [5, 6]]], "step": 3, "provided": [rank]}, r
+    for rank, r in enumerate(results["rider-differs"]):
+        assert r["seen"] == [[[5, 6], [5, 7]]], r
+        assert r["error"] == f"rank {rank}: the riders differ: [[5, 6], [5, 7]]", r
 
 
 def _share_plain(rank: int, world_size: int) -> dict[str, Any]:
