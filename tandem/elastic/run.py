@@ -238,6 +238,15 @@ class ElasticRun:
     def step_started(self) -> None:
         self._step_started = time.monotonic()
 
+    def grown_from(self, after: Generation) -> Generation | None:
+        """The generation before ``after`` when ``after`` only added members to it (a
+        replacement admitted, nobody lost: each member keeps its rank), else None.
+        Read from the store, so that a replacement, which was in neither, answers
+        as the members do."""
+        before = self.membership.generation_numbered(after.number - 1)
+        grew = after.world_size > before.world_size and after.members[:before.world_size] == before.members
+        return before if grew else None
+
     def ranks_wanting_state(self, wants: list[bool] | None = None) -> list[int]:
         """The ranks of the current group that have no training state yet: a
         replacement admitted in this change, or in an earlier one whose rebuild a

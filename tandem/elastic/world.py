@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.control.generation import MembershipError
+from tandem.control.generation import Generation, MembershipError
 from tandem.control.membership import Membership
-from tandem.elastic.buddy import BuddyCopies, ShardsLost
+from tandem.elastic.buddy import BuddyCopies, Located, ShardsLost
 from tandem.elastic.run import ElasticRun, Resumed, share_state
 from tandem.elastic.fsdp_shards import fsdp_shard, load_fsdp_shards
 from tandem.elastic.zero_shards import load_zero_shards, zero_shard
@@ -181,7 +181,7 @@ class ElasticWorld:
 
     def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
                        share_all: Callable[[Any], list[Any]] | None = None, *,
-                       check_model: bool = False) -> Resumed | None:
+                       check_model: bool = False, grown_from: Generation | None = None) -> Resumed | None:
         """Every rank's shard of a ZeRO optimizer's state (and the parameters),
         or of a fully-sharded model and its optimizer's state, laid out for the
         new world: from the survivors and their buddy copies, one step back where
@@ -189,15 +189,22 @@ class ElasticWorld:
         the last checkpoint (``share_all`` gathers an object of every rank for it:
         given with a fall-back). Returns where the loop state went back to, if it did.
         ``check_model``: DDP's model check (:meth:`check_model`) rides on the
-        shards' headers, before any shard moves (the model reset without it)."""
+        shards' headers, before any shard moves (the model reset without it).
+        ``grown_from``: the generation before, where the change only added
+        members to it (:meth:`ElasticRun.grown_from`): no headers are gathered
+        (:meth:`_located_in_a_grow`), and the caller checks the model."""
         assert self.buddy is not None
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
         # The step this rank's parameters are of, where it holds them (ZeRO's are replicated).
         current = None if own is None or self._updating else self._state.step
         try:
-            located = self.buddy.locate(own, members, current, rider=self.model_digest() if check_model else (),
-                                        check_riders=self.check_model if check_model else None)
+            if grown_from is not None:
+                assert not check_model, "a grow's shards are located without a gather to check the model on"
+                located = self._located_in_a_grow(own, grown_from, rank)
+            else:
+                located = self.buddy.locate(own, members, current, rider=self.model_digest() if check_model else (),
+                                            check_riders=self.check_model if check_model else None)
         except ShardsLost as e:
             fallback = self._fallback
             if fallback is None:
@@ -226,6 +233,35 @@ class ElasticWorld:
             return None  # a replacement's loop state comes from rank 0 (share_state)
         self._go_back(step, rank)
         return Resumed(step, checkpoint=False)
+
+    def _located_in_a_grow(self, own: list[tuple[int, dict[str, Any]]] | None, before: Generation,
+                           rank: int) -> Located:
+        """Where the old world's shards are when the world only grew (Note [a grow
+        located without a gather]).
+
+        # Note [a grow located without a gather]
+        A replacement is admitted at a step boundary that every member
+        committed and copied (the ``grow`` decision), with no member lost: each
+        member keeps its rank and holds its own shard of that step, live; so
+        each old rank's shard is provided by the member of that rank, at the
+        step committed, and the replicated state of every member is of that
+        step, the replacements' of none. Every rank knows as much from the
+        generations alone, so :meth:`BuddyCopies.locate`'s gather of headers is
+        skipped (a round every member waits on); a replacement, whose own step
+        is not the members', locates the same shards (the step is not used
+        beyond the members' own check here)."""
+        step = self._state.step
+        provided: dict[int, dict[str, Any]] = {}
+        if own is not None:
+            live = [shard for at, shard in own if at == step]
+            if not live or self._updating:
+                raise MembershipError(f"rank {rank}: the world grew from generation {before.number}, but this "
+                                      f"member holds no live shard of step {step} (it holds steps "
+                                      f"{[at for at, _ in own]}): a grow admits only at a committed step")
+            provided[rank] = live[0]
+        world = dist.get_world_size()
+        return Located(before.world_size, provided, step, [step] * before.world_size +
+                       [None] * (world - before.world_size))
 
     def _forget_kept(self) -> None:
         """The shards are laid out for the new world now: the kept one, for the old, is of no use."""

@@ -532,16 +532,20 @@ class Trainer:
         self._runner.rank = self.rank
         self.optimizer.zero_grad(set_to_none=True)
         # Note [one gather for a world change's numbers]: DDP's model check rides on the
-        # change's first gather: the shards' headers, else the place.
+        # change's first gather: the shards' headers where they are gathered, else the place.
         elastic.reset_model(check=False)
         resumed = None
+        located_by_gather = False
         if elastic.buddy is not None:
             if not is_fully_sharded(self.model):
                 self.optimizer.reset_process_group()  # type: ignore[attr-defined]
-            resumed = self._restore_shards(own)
+            # Note [a grow located without a gather] in tandem/elastic/world.py
+            grown_from = elastic.run.grown_from(after)
+            located_by_gather = grown_from is None
+            resumed = self._restore_shards(own, grown_from)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
-        wants = self._agree_on_the_place(check_model=elastic.buddy is None)
+        wants = self._agree_on_the_place(check_model=not located_by_gather)
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted(wants)
@@ -565,9 +569,11 @@ class Trainer:
         is no round of its own: the model is reset without it
         (``reset_model(check=False)``) and the digest it compares rides on the
         change's first gather of int64s (``all_gather_ints``), checked on its
-        return (``check_model``): under ZeRO the shards' headers
-        (``BuddyCopies.locate``'s rider), before any shard moves; else each
-        rank's place in the data, here. Each member's host is known without a
+        return (``check_model``): the shards' headers where they are gathered
+        (``BuddyCopies.locate``'s rider), before any shard moves; else (no
+        shards, or a grow, which locates them without a gather: Note [a grow
+        located without a gather] in tandem/elastic/world.py) each rank's place
+        in the data, here. Each member's host is known without a
         collective after the first change (``Membership.hosts_of``)."""
         elastic = self._elastic
         assert elastic is not None
@@ -616,9 +622,11 @@ class Trainer:
             history.path = self._output_dir / "metrics.jsonl" if self.rank == 0 else None
             history.append(change.record())
 
-    def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None) -> Resumed | None:
+    def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None,
+                        grown_from: Generation | None) -> Resumed | None:
         assert self._elastic is not None
-        resumed = self._elastic.restore_shards(own, self.rank, self._share_all, check_model=True)
+        resumed = self._elastic.restore_shards(own, self.rank, self._share_all, check_model=grown_from is None,
+                                               grown_from=grown_from)
         self._runner.scaled = self._scaled()  # a ZeroOptimizer laid out again: its new shards
         return resumed
 

@@ -217,6 +217,13 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     if rank == save_dies and not joining and not fsdp:  # inside a whole-file save, before its collective
         import tandem.train.run_checkpoints as run_checkpoints
         run_checkpoints.save_checkpoint = _killed
+    from tandem.elastic.buddy import BuddyCopies
+    locate, located = BuddyCopies.locate, []
+
+    def counted_locate(*args: Any, **kwargs: Any) -> Any:
+        located.append(True)
+        return locate(*args, **kwargs)
+    BuddyCopies.locate = counted_locate  # type: ignore[method-assign]
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
     trainer: Trainer | None = None
@@ -288,7 +295,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     return {"params": [p.detach().clone() for p in params],
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
-            "rank": dist.get_rank(), "local": _local_place(),
+            "rank": dist.get_rank(), "local": _local_place(), "headers_gathered": len(located),
             "buddy_bytes": (trainer._elastic.buddy.nbytes  # type: ignore[union-attr]
                             if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "kept_bytes": (trainer._elastic.buddy.kept_nbytes  # type: ignore[union-attr]
@@ -642,6 +649,9 @@ def test_sharded_replacement_joins_with_its_shard(scenarios: dict, sharding: str
     _check_equal_replicas(live)
     changes = live[0]["changes"]
     assert [c["world_size"] for c in changes] == [2, 3] and changes[1]["joined"] == ["j1"]
+    # The shards' headers are gathered after the loss; the grow locates them without
+    # (Note [a grow located without a gather]).
+    assert {r["member"]: r["headers_gathered"] for r in live} == {"0": 1, "2": 1, "j": 0}, live
     _check_reference(live, _schedule(changes), zero=True)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
