@@ -20,7 +20,19 @@ step back]). When both are gone, the survivors say so and fall back to the
 last checkpoint.
 
 Each copy is stamped with the step it holds, and the recovery checks that every
-shard it assembles has the same stamp.
+shard it assembles has the same stamp and was laid out for the same world size.
+
+# Note [a change cut short after its shards moved]
+A change takes each rank's own shards as it begins (:meth:`BuddyCopies.own_shard`),
+so that an attempt cut short by another loss before the shards were loaded
+(the optimizer's state dropped by the new layout) starts the next one from
+them. Once a rank has loaded the new world's shards, an attempt cut short after
+that (a peer lost as the new world's copies are sent) finds some ranks whose
+copies are the new world's (their sends completed) and others whose copies
+are still the old world's: so a rank then offers both its own shards, the old
+world's it took and the new world's it loaded (:meth:`BuddyCopies.laid_out`),
+and each layout is assembled apart (a shard is fixed by its step, world size
+and rank), the newest complete one taken, else the last checkpoint.
 
 # Note [one step back]
 A rank can die while the copies are being sent (after step k was committed:
@@ -66,8 +78,12 @@ logger = logging.getLogger(__name__)
 
 
 # What a rank can offer in a world change: its own shard, live and as kept before
-# the last update (Note [one step back]), and its copy of the previous rank's.
-_MOST_OFFERS = 3
+# the last update (Note [one step back]), then, after an attempt cut short once its
+# shards moved, the new world's too (Note [a change cut short after its shards
+# moved]), and its copy of the previous rank's.
+_MOST_OFFERS = 4
+# What leads every message of an exchange: the sender's rider (no old rank is negative).
+_RIDER = -1
 
 
 class ShardsLost(RuntimeError):
@@ -92,13 +108,24 @@ class BuddyCopies:
         # This rank's own shards as the change began: a failed attempt may have
         # dropped the optimizer's state before the shards were recovered.
         self._own: list[tuple[int, dict[str, Any]]] | None = None
+        # Loaded, laid out for a new world, since _own was taken (Note [a change cut short after its shards moved]).
+        self._laid_out = False
 
     def own_shard(self, take: Callable[[], list[tuple[int, dict[str, Any]]]]) -> list[tuple[int, dict[str, Any]]]:
         """This rank's shards as the current change of world began, each with its
-        step (``take()`` the first time in a change): Note [one step back]."""
+        step (``take()`` the first time in a change): Note [one step back]; and,
+        once the new world's are loaded, those too (``take()`` again: Note [a
+        change cut short after its shards moved])."""
         if self._own is None:
             self._own = take()
-        return self._own
+        return self._own + take() if self._laid_out else self._own
+
+    def laid_out(self) -> None:
+        """This rank's shards are laid out for the new world now (loaded, from the
+        old world's or a checkpoint): the one kept, of the old world, is of no
+        use; a later attempt offers the live ones beside those taken as the
+        change began (Note [a change cut short after its shards moved])."""
+        self.kept, self._laid_out = None, True
 
     def keep_own(self, step: int, shard: dict[str, Any], *, live: bool) -> None:
         """Keep ``shard``, this rank's of ``step``, before the optimizer updates it
@@ -111,14 +138,14 @@ class BuddyCopies:
         the previous rank's. A collective of the current group."""
         world = len(members)
         if world == 1:  # nobody to hold a copy; the change that led here is complete
-            self.held, self._own = None, None
+            self.held, self._own, self._laid_out = None, None, False
             return
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         sending = isend({"step": step, "shard": shard}, nxt)  # a dead peer raises PeerLostError
         received = recv(prev)
         sending.wait()
         # The copies are current: a later loss starts a new change from these.
-        self._own = None
+        self._own, self._laid_out = None, False
         self.held = _Held(members[prev], received["step"], received["shard"])
 
     @property
@@ -176,17 +203,25 @@ class BuddyCopies:
             mine.append((self.held.step, self.held.shard))
         return mine
 
-    def exchange(self, located: Located, parts: Callable[[int, dict[str, Any]], list[Any]]) -> dict[int, Any]:
+    def exchange(self, located: Located, parts: Callable[[int, dict[str, Any]], list[Any]], *,
+                 rider: Sequence[int] = (),
+                 check_riders: Callable[[list[list[int]]], None] | None = None) -> dict[int, Any]:
         """What of every old rank's shard goes to this rank: ``parts(old, shard)[j]``
         is what of old rank ``old``'s shard new rank j takes, cut by the rank that
         provides the shard. Returns ``{old rank: part}`` for every old rank. A
-        collective of the new group, in which each part travels once."""
-        outgoing: list[list[tuple[int, Any]]] = [[] for _ in range(dist.get_world_size())]
+        collective of the new group, in which each part travels once.
+        ``rider`` and ``check_riders``: as :meth:`locate`'s, sent to every rank
+        with its parts and checked before any part is returned (where the shards
+        were located without a gather: Note [a grow located without a gather]
+        in world.py)."""
+        outgoing: list[list[tuple[int, Any]]] = [[(_RIDER, list(rider))] for _ in range(dist.get_world_size())]
         for old, shard in located.provided.items():
             for j, part in enumerate(parts(old, shard)):
                 outgoing[j].append((old, part))
         received = watched("all_to_all of the old world's shards", all_to_all_with_tensors, outgoing)
-        parts_here = dict(p for c in received for p in c)
+        if check_riders is not None:
+            check_riders([[int(n) for n in c[0][1]] for c in received])
+        parts_here = dict(p for c in received for p in c[1:])
         return {r: parts_here[r] for r in range(located.old_world)}
 
 
@@ -210,29 +245,34 @@ class Located:
 
 
 def _choose(headers: list[list[tuple[int, int, int]]]) -> tuple[int, dict[int, tuple[int, int]]]:
-    """The newest step at which every old rank's shard is provided (Note [one
-    step back]), and for each old rank ``(new rank, index)`` of the first
-    contribution of that step. ``headers[n]`` lists new rank n's contributions
-    as ``(step, old rank, old world size)``.
+    """The newest step at which every old rank's shard of one layout is provided
+    (Note [one step back]), and for each old rank ``(new rank, index)`` of the
+    first contribution of it. ``headers[n]`` lists new rank n's contributions as
+    ``(step, old rank, old world size)``. A shard is fixed by its step, world
+    size and rank, so shards of two world sizes are never assembled together (a
+    change cut short after its shards moved leaves some ranks offering the old
+    world's and others the new world's: Note [a change cut short after its
+    shards moved]); where two layouts are complete at one step, the larger
+    world's is taken (either holds the same state: the choice is only the same
+    on every rank).
 
     Raises:
-        ShardsLost: naming the old ranks whose shard is on no survivor at the
-            survivors' newest step.
+        ShardsLost: naming the old ranks whose shard is on no survivor in the
+            layout of the survivors' newest step.
     """
-    old_world = next(c for c in headers if c)[0][2]
-    by_step: dict[int, dict[int, tuple[int, int]]] = {}
+    by_layout: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
     for new, contributions in enumerate(headers):
-        for k, (stamp, old, _) in enumerate(contributions):
-            by_step.setdefault(stamp, {}).setdefault(old, (new, k))
-    for step in sorted(by_step, reverse=True):
-        if len(by_step[step]) == old_world:
-            return step, by_step[step]
-    newest = max(by_step)
-    missing = [r for r in range(old_world) if r not in by_step[newest]]
-    stale = [r for r in missing if any(r in found for found in by_step.values())]
+        for k, (stamp, old, world) in enumerate(contributions):
+            by_layout.setdefault((stamp, world), {}).setdefault(old, (new, k))
+    for layout in sorted(by_layout, reverse=True):
+        if len(by_layout[layout]) == layout[1]:
+            return layout[0], by_layout[layout]
+    newest, world = max(by_layout)
+    missing = [r for r in range(world) if r not in by_layout[(newest, world)]]
+    stale = [r for r in missing if any(r in found for (_, w), found in by_layout.items() if w == world)]
     why = (f"the copies of old ranks {stale} are older than step {newest}, and no step is complete"
            if stale else "each was lost together with the rank that held its copy")
-    raise ShardsLost(f"the shards of old ranks {missing} are on no survivor: {why}")
+    raise ShardsLost(f"the shards of old ranks {missing} of world {world} are on no survivor: {why}")
 
 
 def _copied(obj: Any) -> Any:

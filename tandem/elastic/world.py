@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -181,18 +181,21 @@ class ElasticWorld:
 
     def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
                        share_all: Callable[[Any], list[Any]] | None = None, *,
-                       check_model: bool = False, grown_from: Generation | None = None) -> Resumed | None:
+                       grown_from: Generation | None = None, rider: Sequence[int] = (),
+                       check_riders: Callable[[list[list[int]]], None] | None = None) -> Resumed | None:
         """Every rank's shard of a ZeRO optimizer's state (and the parameters),
         or of a fully-sharded model and its optimizer's state, laid out for the
         new world: from the survivors and their buddy copies, one step back where
         a copy of the last step did not arrive (Note [one step back]), else from
         the last checkpoint (``share_all`` gathers an object of every rank for it:
         given with a fall-back). Returns where the loop state went back to, if it did.
-        ``check_model``: DDP's model check (:meth:`check_model`) rides on the
-        shards' headers, before any shard moves (the model reset without it).
         ``grown_from``: the generation before, where the change only added
-        members to it (:meth:`ElasticRun.grown_from`): no headers are gathered
-        (:meth:`_located_in_a_grow`), and the caller checks the model."""
+        members to it (:meth:`ElasticRun.grown_from`): the shards are located
+        without a gather (Note [a grow located without a gather]). ``rider``:
+        the caller's numbers, which ride on the change's first collective here
+        (the shards' headers, else their exchange) before any shard is loaded,
+        every rank's given to ``check_riders`` (DDP's model check: Note [one
+        gather for a world change's numbers] in tandem/train/trainer.py)."""
         assert self.buddy is not None
         members = self.run.membership.generation.members
         fsdp = is_fully_sharded(self._model)
@@ -200,11 +203,9 @@ class ElasticWorld:
         current = None if own is None or self._updating else self._state.step
         try:
             if grown_from is not None:
-                assert not check_model, "a grow's shards are located without a gather to check the model on"
                 located = self._located_in_a_grow(own, grown_from, rank)
             else:
-                located = self.buddy.locate(own, members, current, rider=self.model_digest() if check_model else (),
-                                            check_riders=self.check_model if check_model else None)
+                located = self.buddy.locate(own, members, current, rider=rider, check_riders=check_riders)
         except ShardsLost as e:
             fallback = self._fallback
             if fallback is None:
@@ -222,7 +223,8 @@ class ElasticWorld:
             self.run.needs_state = False  # every rank's state is the checkpoint's
             self._forget_kept()
             return Resumed(self._state.step, checkpoint=True)
-        exchange = functools.partial(self.buddy.exchange, located)
+        exchange = (functools.partial(self.buddy.exchange, located, rider=rider, check_riders=check_riders)
+                    if grown_from is not None else functools.partial(self.buddy.exchange, located))
         if fsdp:  # Note [elastic fully_shard] in tandem/elastic/fsdp_shards.py
             load_fsdp_shards(self._model, self._optimizer, exchange)
         else:  # Note [elastic ZeRO] in tandem/elastic/zero_shards.py
@@ -264,9 +266,11 @@ class ElasticWorld:
                        [None] * (world - before.world_size))
 
     def _forget_kept(self) -> None:
-        """The shards are laid out for the new world now: the kept one, for the old, is of no use."""
+        """The shards are laid out for the new world now: the kept one, and those taken
+        as the change began, for the old, are of no use (Note [a change cut short
+        after its shards moved] in buddy.py)."""
         assert self.buddy is not None
-        self.buddy.kept = None
+        self.buddy.laid_out()
         self._sent = None
         self._updating = False
 

@@ -534,18 +534,18 @@ class Trainer:
         # Note [one gather for a world change's numbers]: DDP's model check rides on the
         # change's first gather: the shards' headers where they are gathered, else the place.
         elastic.reset_model(check=False)
-        resumed = None
-        located_by_gather = False
+        resumed, wants = None, None
         if elastic.buddy is not None:
             if not is_fully_sharded(self.model):
                 self.optimizer.reset_process_group()  # type: ignore[attr-defined]
-            # Note [a grow located without a gather] in tandem/elastic/world.py
-            grown_from = elastic.run.grown_from(after)
-            located_by_gather = grown_from is None
-            resumed = self._restore_shards(own, grown_from)
+            # Note [a grow located without a gather] in tandem/elastic/world.py (local steps go
+            # back to their last sync, a place known only after it)
+            grown_from = elastic.run.grown_from(after) if self._syncs is None else None
+            resumed, wants = self._restore_shards(own, grown_from)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
-        wants = self._agree_on_the_place(check_model=not located_by_gather)
+        if wants is None:
+            wants = self._agree_on_the_place(check_model=elastic.buddy is None)
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted(wants)
@@ -568,26 +568,34 @@ class Trainer:
         another one raises the same error on every rank, naming the difference)
         is no round of its own: the model is reset without it
         (``reset_model(check=False)``) and the digest it compares rides on the
-        change's first gather of int64s (``all_gather_ints``), checked on its
-        return (``check_model``): the shards' headers where they are gathered
-        (``BuddyCopies.locate``'s rider), before any shard moves; else (no
-        shards, or a grow, which locates them without a gather: Note [a grow
-        located without a gather] in tandem/elastic/world.py) each rank's place
-        in the data, here. Each member's host is known without a
-        collective after the first change (``Membership.hosts_of``)."""
+        change's first collective (``check_model`` on its return): the shards'
+        headers where they are gathered (``BuddyCopies.locate``'s rider), before
+        any shard moves; in a grow, which locates them without a gather (Note
+        [a grow located without a gather] in tandem/elastic/world.py), their
+        exchange, with each rank's place in the data, which a grow cannot
+        change; else the gather of each rank's place, here. Each member's host is
+        known without a collective after the first change (``Membership.hosts_of``)."""
         elastic = self._elastic
         assert elastic is not None
-        state = self.state
-        mine = [0, 0, 0] if elastic.run.needs_state else [1, state.epoch, state.consumed]
-        if check_model:
-            mine += elastic.model_digest()
-        gathered = watched("all_gather of each rank's place in the data", all_gather_ints, mine)
+        digest = elastic.model_digest() if check_model else []
+        gathered = watched("all_gather of each rank's place in the data", all_gather_ints, self._place() + digest)
         if check_model:
             elastic.check_model([row[3:] for row in gathered])
+        return self._take_places([row[:3] for row in gathered])
+
+    def _place(self) -> list[int]:
+        """This rank's place in the data, as a world change agrees on it: whether it
+        holds one (a replacement does not), the epoch, the samples consumed."""
+        assert self._elastic is not None
+        return [0, 0, 0] if self._elastic.run.needs_state else [1, self.state.epoch, self.state.consumed]
+
+    def _take_places(self, gathered: list[list[int]]) -> list[bool]:
+        """Go on from the place agreed from every rank's :meth:`_place`; returns which
+        ranks have none."""
         places = [(row[1], row[2]) if row[0] else None for row in gathered]  # held, epoch, consumed
         end = self._split.end if self._split is not None else self.sampler.dataset_size
         try:
-            state.epoch, state.consumed = agreed_place(places, end)
+            self.state.epoch, self.state.consumed = agreed_place(places, end)
         except RuntimeError as e:
             raise MembershipError(f"rank {self.rank}: {e}") from None
         return [place is None for place in places]
@@ -623,12 +631,26 @@ class Trainer:
             history.append(change.record())
 
     def _restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None,
-                        grown_from: Generation | None) -> Resumed | None:
-        assert self._elastic is not None
-        resumed = self._elastic.restore_shards(own, self.rank, self._share_all, check_model=grown_from is None,
-                                               grown_from=grown_from)
+                        grown_from: Generation | None) -> tuple[Resumed | None, list[bool] | None]:
+        """The shards laid out for the new world, DDP's model checked on the way
+        (Note [one gather for a world change's numbers]); in a grow (``grown_from``)
+        the place agreed on the way too: returns where the state went back to, if
+        it did, and then which ranks want the state (else None: the place is agreed after)."""
+        elastic = self._elastic
+        assert elastic is not None
+        digest = elastic.model_digest()
+        wants: list[list[bool]] = []
+
+        def check(riders: list[list[int]]) -> None:
+            elastic.check_model([row[:len(digest)] for row in riders])
+            if grown_from is not None:
+                wants.append(self._take_places([row[len(digest):] for row in riders]))
+
+        rider = digest + (self._place() if grown_from is not None else [])
+        resumed = elastic.restore_shards(own, self.rank, self._share_all, grown_from=grown_from, rider=rider,
+                                         check_riders=check)
         self._runner.scaled = self._scaled()  # a ZeroOptimizer laid out again: its new shards
-        return resumed
+        return resumed, wants[0] if wants else None
 
     def _refresh_buddy(self) -> None:
         if self._elastic is not None:

@@ -145,14 +145,17 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
           join_at: int | None, zero: bool = False, checkpoint_every: int = 0, fsdp: bool = False,
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
           save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None,
-          local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None) -> dict:
+          local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None,
+          admitting_dies_at: str = "share") -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam; with ``local_steps``: LocalSGD syncing every
     that many steps, plain SGD); ``deaths`` maps a founding rank to
     the step in whose backward it kills itself. With ``join_at``, the members
     hold step ``join_at`` until a replacement asks to join, so that it joins
     before the (short) epoch ends; founding rank ``admitting_dies`` kills itself
-    as the state is sent to the replacement (its shards have arrived), and
+    as the state is sent to the replacement (its shards have arrived), or, with
+    ``admitting_dies_at="copy"``, once it has sent its copy of its new shard and
+    before it receives one (Note [a change cut short after its shards moved]), and
     ``group_dies`` as fully_shard builds its reduce-scatter group in a smaller
     world (at the first forward after a loss)."""
     from tandem import Trainer, TrainerConfig
@@ -168,9 +171,21 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             return build(what)
 
         schedule.new_world_group = die_in_a_smaller_world
-    if rank == admitting_dies and not joining:
+    if rank == admitting_dies and not joining and admitting_dies_at == "share":
         from tandem.elastic.world import ElasticWorld
         ElasticWorld.share_state = lambda self, wanting: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+    if rank == admitting_dies and not joining and admitting_dies_at == "copy":
+        from tandem.comm.p2p import isend
+        from tandem.elastic.buddy import BuddyCopies
+        copy_then = BuddyCopies.refresh
+
+        def send_then_die(self: BuddyCopies, shard: dict[str, Any], at: int, members: tuple[str, ...],
+                          me: int) -> None:
+            if any(m.startswith("j") for m in members):  # the admission's copies of the new world's shards
+                isend({"step": at, "shard": shard}, (me + 1) % len(members)).wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            copy_then(self, shard, at, members, me)
+        mock.patch.object(BuddyCopies, "refresh", send_then_die).start()
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
     if rank == miscounts and not joining:  # as a failed attempt to build a group on this rank only would
@@ -442,12 +457,14 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          checkpoint_every: int = 0, fsdp: bool = False, admitting_dies: int | None = None,
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
          world: int = 3, miscounts: int | None = None, leaves_at: int | None = None,
-         local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None) -> list[dict]:
+         local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None,
+         admitting_dies_at: str = "share") -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
                                                   fsdp, admitting_dies, group_dies, in_refresh, save_dies,
-                                                  miscounts, leaves_at, local_steps, ends_apart_at, hook),
+                                                  miscounts, leaves_at, local_steps, ends_apart_at, hook,
+                                                  admitting_dies_at),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -485,6 +502,11 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "lost-building-a-group": ({1: 2}, {"group_dies": 2, "fsdp": True}),
     **{f"member-lost-admitting-{s}": ({1: 2}, {**JOIN, "admitting_dies": 2, **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
+    # Founding rank 3 of 4 (rank 2 of the grown world) sends its copy of its new shard
+    # as j1 is admitted and dies before it receives one: rank 1's copy to it fails, rank 0's
+    # and j1's complete (Note [a change cut short after its shards moved]).
+    "member-lost-in-the-grows-copies-fsdp": ({1: 2}, {**JOIN, "admitting_dies": 3, "admitting_dies_at": "copy",
+                                                      "world": 4, "fsdp": True}),
     # Rank 1 dies as it would send its copy of step 4, where the StepLR halves the rate.
     "step-back-fsdp": ({1: 4}, {"in_refresh": True, "fsdp": True}),
     # Rank 2 of 4 dies inside dcp.save of step 2's checkpoint; gloo's ring is such that
@@ -713,6 +735,23 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     assert all(c["checkpoint_step"] is None and not c["stepped_back"] for c in changes)
     assert [r["steps"] for r in live] == [len(_schedule(changes))] * 2
     _check_reference(live, _schedule(changes), zero=sharding != "ddp")
+    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+
+
+def test_a_loss_as_a_grows_copies_are_sent_recovers_the_new_worlds_shards(scenarios: dict) -> None:
+    # Founding rank 3 dies between its copy and its neighbour's: ranks 0 and j1 hold the
+    # new world's copies, rank 1 (founding 2) still the old world's. Its own shards of both
+    # worlds are offered; the new world's are complete (rank 2's copy on j1), and taken
+    # whole, never mixed with the old world's.
+    tmp_path, results = _launched(scenarios, "member-lost-in-the-grows-copies-fsdp")
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "2", "j"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
+        [([1], [], 3), ([], ["j1"], 4), ([2], [], 3)]
+    assert all(c["checkpoint_step"] is None and not c["stepped_back"] for c in changes), changes
+    _check_reference(live, _schedule(changes, start_world=4), zero=True)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 

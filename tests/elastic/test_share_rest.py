@@ -103,11 +103,34 @@ def _locate_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, 
     return {"error": None, "seen": seen, "step": located.step, "provided": sorted(located.provided)}
 
 
+def _exchange_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, Any]:
+    """A grow's exchange carries the caller's numbers (the model digest and the place),
+    checked on every rank before any part is returned."""
+    from tandem.elastic.buddy import BuddyCopies, Located
+
+    located = Located(2, {rank: {"x": torch.full((2,), float(rank))}}, 3, [3, 3])
+    seen: list[list[list[int]]] = []
+
+    def check(riders: list[list[int]]) -> None:
+        seen.append(riders)
+        if riders[0] != riders[1]:
+            raise ValueError(f"rank {rank}: the riders differ: {riders}")
+
+    try:
+        parts = BuddyCopies().exchange(located, lambda old, shard: [shard["x"] + 10 * j for j in range(2)],
+                                       rider=[5, 6 + rank * int(differ)], check_riders=check)
+    except ValueError as e:
+        return {"error": str(e), "seen": seen}
+    return {"error": None, "seen": seen, "parts": {old: part.tolist() for old, part in parts.items()}}
+
+
 # Under ZeRO a replacement with another model is refused before, by DDP's check of the
-# model, which rides on the shards' headers (the rider cases).
+# model, which rides on the shards' headers, or in a grow on their exchange (the rider cases).
 CASES = {"zero2": Case(_share, args=("zero2", False)), "fsdp": Case(_share, args=("fsdp", False)),
          "fsdp-extra": Case(_share, args=("fsdp", True)),
-         "rider": Case(_locate_with_a_rider, args=(False,)), "rider-differs": Case(_locate_with_a_rider, args=(True,))}
+         "rider": Case(_locate_with_a_rider, args=(False,)), "rider-differs": Case(_locate_with_a_rider, args=(True,)),
+         "exchange-rider": Case(_exchange_with_a_rider, args=(False,)),
+         "exchange-rider-differs": Case(_exchange_with_a_rider, args=(True,))}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +166,16 @@ def test_the_shards_headers_carry_the_callers_numbers_checked_before_any_shard_i
     for rank, r in enumerate(results["rider"]):
         assert r == {"error": None, "seen": [[[5, 6], [5, 6]]], "step": 3, "provided": [rank]}, r
     for rank, r in enumerate(results["rider-differs"]):
+        assert r["seen"] == [[[5, 6], [5, 7]]], r
+        assert r["error"] == f"rank {rank}: the riders differ: [[5, 6], [5, 7]]", r
+
+
+def test_a_grows_exchange_carries_the_callers_numbers_checked_before_any_part_is_returned(
+        results: CaseResults) -> None:
+    for rank, r in enumerate(results["exchange-rider"]):
+        assert r == {"error": None, "seen": [[[5, 6], [5, 6]]],
+                     "parts": {0: [10.0 * rank] * 2, 1: [1.0 + 10 * rank] * 2}}, r
+    for rank, r in enumerate(results["exchange-rider-differs"]):
         assert r["seen"] == [[[5, 6], [5, 7]]], r
         assert r["error"] == f"rank {rank}: the riders differ: [[5, 6], [5, 7]]", r
 
