@@ -15,6 +15,7 @@ ranks runs every case.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -82,12 +83,10 @@ def _share(rank: int, world_size: int, strategy: str, extra_buffer: bool) -> dic
             "counters": (state.step, state.epoch, state.consumed), "lr": optimizer.param_groups[0]["lr"]}
 
 
-def _locate_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, Any]:
-    """The shards' headers carry the caller's numbers (under ZeRO, DDP's model digest),
-    checked on every rank before the shards are chosen."""
-    from tandem.elastic.buddy import BuddyCopies
-
-    shard = {"rank": rank, "world_size": 2, "x": torch.full((2,), float(rank))}
+def _with_a_rider(rank: int, differ: bool, call: Callable[..., Any]) -> dict[str, Any]:
+    """``call(rider=..., check_riders=...)``, which gathers the rider [5, 6] (rank 1's
+    [5, 7] where the ranks ``differ``): what the check saw on this rank, and what it
+    raised or ``call`` returned."""
     seen: list[list[list[int]]] = []
 
     def check(riders: list[list[int]]) -> None:
@@ -96,11 +95,23 @@ def _locate_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, 
             raise ValueError(f"rank {rank}: the riders differ: {riders}")
 
     try:
-        located = BuddyCopies().locate([(3, shard)], ("0", "1"), 3, rider=[5, 6 + rank * int(differ)],
-                                       check_riders=check)
+        out = call(rider=[5, 6 + rank * int(differ)], check_riders=check)
     except ValueError as e:
         return {"error": str(e), "seen": seen}
-    return {"error": None, "seen": seen, "step": located.step, "provided": sorted(located.provided)}
+    return {"error": None, "seen": seen, "out": out}
+
+
+def _locate_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, Any]:
+    """The shards' headers carry the caller's numbers (under ZeRO, DDP's model digest),
+    checked on every rank before the shards are chosen."""
+    from tandem.elastic.buddy import BuddyCopies
+
+    shard = {"rank": rank, "world_size": 2, "x": torch.full((2,), float(rank))}
+
+    def locate(**rider: Any) -> tuple[int, list[int]]:
+        located = BuddyCopies().locate([(3, shard)], ("0", "1"), 3, **rider)
+        return located.step, sorted(located.provided)
+    return _with_a_rider(rank, differ, locate)
 
 
 def _exchange_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str, Any]:
@@ -109,19 +120,11 @@ def _exchange_with_a_rider(rank: int, world_size: int, differ: bool) -> dict[str
     from tandem.elastic.buddy import BuddyCopies, Located
 
     located = Located(2, {rank: {"x": torch.full((2,), float(rank))}}, 3, [3, 3])
-    seen: list[list[list[int]]] = []
 
-    def check(riders: list[list[int]]) -> None:
-        seen.append(riders)
-        if riders[0] != riders[1]:
-            raise ValueError(f"rank {rank}: the riders differ: {riders}")
-
-    try:
-        parts = BuddyCopies().exchange(located, lambda old, shard: [shard["x"] + 10 * j for j in range(2)],
-                                       rider=[5, 6 + rank * int(differ)], check_riders=check)
-    except ValueError as e:
-        return {"error": str(e), "seen": seen}
-    return {"error": None, "seen": seen, "parts": {old: part.tolist() for old, part in parts.items()}}
+    def exchange(**rider: Any) -> dict[int, list[float]]:
+        parts = BuddyCopies().exchange(located, lambda old, shard: [shard["x"] + 10 * j for j in range(2)], **rider)
+        return {old: part.tolist() for old, part in parts.items()}
+    return _with_a_rider(rank, differ, exchange)
 
 
 # Under ZeRO a replacement with another model is refused before, by DDP's check of the
@@ -164,7 +167,7 @@ def test_a_fully_sharded_replacement_with_another_model_is_refused_naming_both(r
 def test_the_shards_headers_carry_the_callers_numbers_checked_before_any_shard_is_chosen(
         results: CaseResults) -> None:
     for rank, r in enumerate(results["rider"]):
-        assert r == {"error": None, "seen": [[[5, 6], [5, 6]]], "step": 3, "provided": [rank]}, r
+        assert r == {"error": None, "seen": [[[5, 6], [5, 6]]], "out": (3, [rank])}, r
     for rank, r in enumerate(results["rider-differs"]):
         assert r["seen"] == [[[5, 6], [5, 7]]], r
         assert r["error"] == f"rank {rank}: the riders differ: [[5, 6], [5, 7]]", r
@@ -174,7 +177,7 @@ def test_a_grows_exchange_carries_the_callers_numbers_checked_before_any_part_is
         results: CaseResults) -> None:
     for rank, r in enumerate(results["exchange-rider"]):
         assert r == {"error": None, "seen": [[[5, 6], [5, 6]]],
-                     "parts": {0: [10.0 * rank] * 2, 1: [1.0 + 10 * rank] * 2}}, r
+                     "out": {0: [10.0 * rank] * 2, 1: [1.0 + 10 * rank] * 2}}, r
     for rank, r in enumerate(results["exchange-rider-differs"]):
         assert r["seen"] == [[[5, 6], [5, 7]]], r
         assert r["error"] == f"rank {rank}: the riders differ: [[5, 6], [5, 7]]", r
