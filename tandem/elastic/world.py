@@ -266,9 +266,9 @@ class ElasticWorld:
                        [None] * (world - before.world_size))
 
     def _forget_kept(self) -> None:
-        """The shards are laid out for the new world now: the kept one, and those taken
-        as the change began, for the old, are of no use (Note [a change cut short
-        after its shards moved] in buddy.py)."""
+        """The shards are laid out for the new world now: the kept one, for the old, is
+        of no use, and a later attempt offers the live ones too (Note [a change cut
+        short after its shards moved] in buddy.py)."""
         assert self.buddy is not None
         self.buddy.laid_out()
         self._sent = None
