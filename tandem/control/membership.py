@@ -311,14 +311,12 @@ class Membership:
             except ForgedValueError:
                 values = [None] * len(keys)
             for m, value in zip(new, values):
-                try:
-                    self._hosts[m] = int(value.decode()) if value is not None else host_key(f"member {m}")
-                except ValueError:
-                    self._hosts[m] = host_key(f"member {m}")
-                    value = None
-                if value is None:
+                key = _host_of(value)
+                if key is None:
                     logger.warning("tandem: elastic member %s: the host of member %s is not in the store "
                                    "(or is not a number): counted as alone on its host", self.member, m)
+                    key = host_key(f"member {m}")
+                self._hosts[m] = key
         return [self._hosts[m] for m in members]
 
     def dead(self, members: Sequence[str]) -> dict[str, str]:
@@ -712,6 +710,14 @@ def host_key(host: str) -> int:
     """``host`` as an int64 (the first 8 bytes of its SHA-256): equal on the
     members of one host, and gathered in one round where a name takes two."""
     return int.from_bytes(hashlib.sha256(host.encode()).digest()[:8], "little", signed=True)
+
+
+def _host_of(value: bytes | None) -> int | None:
+    """A ``host/<id>`` key's value read back, or None where it is missing or junk."""
+    try:
+        return int(value.decode()) if value is not None else None
+    except ValueError:  # junk, UnicodeDecodeError included
+        return None
 
 
 def arrival_roll(store: dist.Store, number: int, what: str) -> RollCall:

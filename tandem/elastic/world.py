@@ -254,12 +254,12 @@ class ElasticWorld:
         beyond the members' own check here)."""
         step = self._state.step
         provided: dict[int, dict[str, Any]] = {}
-        if own is not None:
-            live = [shard for at, shard in own if at == step]
+        if rank < before.world_size:  # a member; the replacements hold nothing yet
+            live = [shard for at, shard in own or [] if at == step]
             if not live or self._updating:
                 raise MembershipError(f"rank {rank}: the world grew from generation {before.number}, but this "
                                       f"member holds no live shard of step {step} (it holds steps "
-                                      f"{[at for at, _ in own]}): a grow admits only at a committed step")
+                                      f"{[at for at, _ in own or []]}): a grow admits only at a committed step")
             provided[rank] = live[0]
         world = dist.get_world_size()
         return Located(before.world_size, provided, step, [step] * before.world_size +
