@@ -34,6 +34,28 @@ world's it took and the new world's it loaded (:meth:`BuddyCopies.laid_out`),
 and each layout is assembled apart (a shard is fixed by its step, world size
 and rank), the newest complete one taken, else the last checkpoint.
 
+# Note [a grow's copies ride on its first step]
+A world change ends with the new world's copies (:meth:`BuddyCopies.refresh`),
+a round every member waits on before the first step of the new world; its
+first step sends them again, one step on. Where the world only grew (Note [a
+grow located without a gather] in world.py) the round is not needed: every old
+rank's shard is held by its owner and, as copied at the step the grow was
+admitted at, by the next old rank, so the old world's layout covers the new
+world until its own copies are on every rank. So a grow sends none
+(:meth:`BuddyCopies.cover`): each member keeps offering its own shard of the
+old world (``_cover_own``) and its copy of the old world's (``held``, then
+``_older`` once the first copies replace it), through the new world's first
+step and its first copies, and drops them once its second copies arrived (the
+first ones are then on every rank: a later change takes the new world's, one
+step back where needed). A loss in the first step, or as its copies are sent,
+assembles the old world's layout at the grow's step when the new world's is not
+complete, and the job goes back to that step. A grow from a world of one (whose
+shard has no copy) sends its copies as any other change does. Through those two
+steps a member holds the old world's shard and copy beside the new world's, as
+it does during the change itself. A change after a loss sends its copies as
+before: the lost rank's shard is then held once, by its buddy, and the loss of
+that buddy in the first step would leave it on no survivor.
+
 # Note [one step back]
 A rank can die while the copies are being sent (after step k was committed:
 some ranks hold their neighbour's shard of step k, others still that of step
@@ -80,8 +102,9 @@ logger = logging.getLogger(__name__)
 # What a rank can offer in a world change: its own shard, live and as kept before
 # the last update (Note [one step back]), then, after an attempt cut short once its
 # shards moved, the new world's too (Note [a change cut short after its shards
-# moved]), and its copy of the previous rank's.
-_MOST_OFFERS = 4
+# moved]), its copy of the previous rank's, and after a grow the old world's own
+# shard and copy (Note [a grow's copies ride on its first step]).
+_MOST_OFFERS = 6
 # What leads every message of an exchange: the sender's rider (no old rank is negative).
 _RIDER = -1
 
@@ -110,6 +133,11 @@ class BuddyCopies:
         self._own: list[tuple[int, dict[str, Any]]] | None = None
         # Loaded, laid out for a new world, since _own was taken (Note [a change cut short after its shards moved]).
         self._laid_out = False
+        # Note [a grow's copies ride on its first step]: the old world's own shard and the old
+        # world's copy replaced by the new world's first, and how many refreshes they outlive.
+        self._cover_own: list[tuple[int, dict[str, Any]]] = []
+        self._older: _Held | None = None
+        self._covering = 0
 
     def own_shard(self, take: Callable[[], list[tuple[int, dict[str, Any]]]]) -> list[tuple[int, dict[str, Any]]]:
         """This rank's shards as the current change of world began, each with its
@@ -124,8 +152,16 @@ class BuddyCopies:
         """This rank's shards are laid out for the new world now (loaded, from the
         old world's or a checkpoint): the one kept, of the old world, is of no
         use; a later attempt offers the live ones beside those taken as the
-        change began (Note [a change cut short after its shards moved])."""
-        self.kept, self._laid_out = None, True
+        change began (Note [a change cut short after its shards moved]); a
+        replacement, which took none, offers the live ones only."""
+        self.kept, self._laid_out = None, self._own is not None
+
+    def cover(self, step: int) -> None:
+        """A grow, laid out, sends no copies: the old world's own shard of
+        ``step`` and its copy cover the new world until the new world's copies
+        are on every rank (Note [a grow's copies ride on its first step])."""
+        self._cover_own = [(at, shard) for at, shard in self._own or [] if at == step]
+        self._own, self._laid_out, self._covering = None, False, 2
 
     def keep_own(self, step: int, shard: dict[str, Any], *, live: bool) -> None:
         """Keep ``shard``, this rank's of ``step``, before the optimizer updates it
@@ -139,6 +175,7 @@ class BuddyCopies:
         world = len(members)
         if world == 1:  # nobody to hold a copy; the change that led here is complete
             self.held, self._own, self._laid_out = None, None, False
+            self._cover_own, self._older, self._covering = [], None, 0
             return
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         sending = isend({"step": step, "shard": shard}, nxt)  # a dead peer raises PeerLostError
@@ -146,6 +183,11 @@ class BuddyCopies:
         sending.wait()
         # The copies are current: a later loss starts a new change from these.
         self._own, self._laid_out = None, False
+        if self._covering:  # Note [a grow's copies ride on its first step]
+            self._covering -= 1
+            self._older = self._older or self.held
+        if not self._covering:
+            self._cover_own, self._older = [], None
         self.held = _Held(members[prev], received["step"], received["shard"])
 
     @property
@@ -195,12 +237,14 @@ class BuddyCopies:
 
     def _offered(self, own: list[tuple[int, dict[str, Any]]] | None,
                  survivors: tuple[str, ...]) -> list[tuple[int, dict[str, Any]]]:
-        """What this rank can provide: its own shards and its copy of a lost rank's."""
+        """What this rank can provide: its own shards and its copy of a lost rank's
+        (after a grow, the old world's too: Note [a grow's copies ride on its first step])."""
         if own is None:
             return []
-        mine = list(own)
-        if self.held is not None and self.held.member not in survivors:
-            mine.append((self.held.step, self.held.shard))
+        mine = list(own) + self._cover_own
+        for copy in (self.held, self._older):
+            if copy is not None and copy.member not in survivors:
+                mine.append((copy.step, copy.shard))
         return mine
 
     def exchange(self, located: Located, parts: Callable[[int, dict[str, Any]], list[Any]], *,

@@ -379,7 +379,7 @@ class ElasticLoop:
             self._share_state(wanting)
         for loader in self.loaders:
             loader.regroup(dist.get_world_size(), rank)
-        self.world.refresh_buddy(rank)  # copies for the new world, before its first step
+        self.world.changed(rank)  # the new world's copies (a loop of its own locates a grow's shards)
         if self._syncs is not None:
             self._syncs.capture()  # every rank at the sync: the new world's first point
         self.run.needs_state = False  # only now: Note [a join cut short] in tandem/elastic/run.py

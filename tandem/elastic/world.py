@@ -117,6 +117,9 @@ class ElasticWorld:
         # ZeRO's shard as sent after the last commit: a copy the update leaves as it
         # is, and the shard the next step keeps (built once a step, not twice).
         self._sent: tuple[int, dict[str, Any]] | None = None
+        # The shards were laid out by a grow from a world of more than one: :meth:`changed`
+        # sends no copies (Note [a grow's copies ride on its first step] in buddy.py).
+        self._grown = False
 
     # ------------------------------------------------------------------ a step's decision
     def step_started(self) -> None:
@@ -168,16 +171,31 @@ class ElasticWorld:
         """After a committed step: note its loop state, and send this rank's shard
         to the next rank (Note [buddy copies])."""
         if self.buddy is not None:
-            self._updating = False
-            state = self._state
-            # The learning rates with it: a scheduler's state does not set them (fully_shard's shard lacks them).
-            groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                      for g in self._optimizer.param_groups]
-            self._points = [*self._points[-1:], (state.step, (self._loop_points.capture(), groups))]
+            self._note_point()
             members = self.run.membership.generation.members
             shard = self._own_shard()
-            self._sent = None if is_fully_sharded(self._model) else (state.step, shard)
-            self.buddy.refresh(shard, state.step, members, rank)
+            self._sent = None if is_fully_sharded(self._model) else (self._state.step, shard)
+            self.buddy.refresh(shard, self._state.step, members, rank)
+
+    def changed(self, rank: int) -> None:
+        """A world change is complete: note its loop state, and send the new
+        world's copies, unless the world only grew (Note [a grow's copies ride
+        on its first step] in tandem/elastic/buddy.py)."""
+        if self.buddy is None or not self._grown:
+            self.refresh_buddy(rank)
+            return
+        self._grown = False
+        self._note_point()
+        self._sent = None
+        self.buddy.cover(self._state.step)
+
+    def _note_point(self) -> None:
+        """The loop state of the step just committed, and the one before: what the
+        shards go back to (Note [one step back])."""
+        self._updating = False
+        # The learning rates with it: a scheduler's state does not set them (fully_shard's shard lacks them).
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups]
+        self._points = [*self._points[-1:], (self._state.step, (self._loop_points.capture(), groups))]
 
     def restore_shards(self, own: list[tuple[int, dict[str, Any]]] | None, rank: int,
                        share_all: Callable[[Any], list[Any]] | None = None, *,
@@ -230,6 +248,7 @@ class ElasticWorld:
         else:  # Note [elastic ZeRO] in tandem/elastic/zero_shards.py
             load_zero_shards(cast(ZeroOptimizer, self._optimizer), exchange, located.behind(), rank)
         self._forget_kept()
+        self._grown = grown_from is not None and grown_from.world_size > 1
         step = located.step
         if own is None or step == self._state.step:
             return None  # a replacement's loop state comes from rank 0 (share_state)
@@ -272,7 +291,7 @@ class ElasticWorld:
         assert self.buddy is not None
         self.buddy.laid_out()
         self._sent = None
-        self._updating = False
+        self._updating = self._grown = False
 
     def _go_back(self, step: int, rank: int) -> None:
         """Note [one step back]: the loop state of ``step``, which the shards are of."""

@@ -549,7 +549,7 @@ class Trainer:
         self._loaders = self._new_loaders()
         self._exact_rest = True  # Note [exact split] in tandem/data/split.py
         self._share_state_if_wanted(wants)
-        self._refresh_buddy()  # copies for the new world, before its first step
+        elastic.changed(self.rank)  # the new world's copies, unless it only grew
         if self._syncs is not None:
             self._syncs.capture()  # every rank at the sync: the new world's first point
         elastic.run.needs_state = False  # only now: Note [a join cut short] in tandem/elastic/run.py

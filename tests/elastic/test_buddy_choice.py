@@ -55,3 +55,35 @@ def test_a_ranks_own_shards_are_taken_once_a_change_and_the_new_worlds_added_onc
     assert buddy.own_shard(take) == [(7, {"rank": 0, "world_size": 3}), (7, {"rank": 0, "world_size": 4})]
     buddy.refresh({"rank": 0}, 7, ("0",), 0)  # copies current (a world of one holds none): taken anew
     assert buddy.own_shard(take) == [(7, {"rank": 0, "world_size": 5})]
+
+
+def test_a_grows_old_shards_are_offered_until_its_second_copies_arrive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [a grow's copies ride on its first step]: old rank 1 of 2 grows into rank 1 of 3
+    # with no copies sent; its own shard of step 7 and its copy of old rank 0's cover the new
+    # world until its second copies arrive.
+    import tandem.elastic.buddy as buddy_module
+
+    arriving: list[dict[str, Any]] = []
+    monkeypatch.setattr(buddy_module, "isend", lambda obj, to: type("Sent", (), {"wait": lambda self: None})())
+    monkeypatch.setattr(buddy_module, "recv", lambda frm: arriving.pop(0))
+    buddy = BuddyCopies()
+    arriving.append({"step": 7, "shard": {"rank": 0, "world_size": 2}})
+    buddy.refresh({"rank": 1, "world_size": 2}, 7, ("a", "b"), 1)  # a's copy of step 7
+    old = [(7, {"rank": 1, "world_size": 2}), (6, {"rank": 1, "world_size": 2})]
+    assert buddy.own_shard(lambda: old) == old  # the grow begins
+    buddy.laid_out()
+    buddy.cover(7)
+    new = [(7, {"rank": 1, "world_size": 3})]
+    grown = ("a", "b", "j")
+
+    def offered(survivors: tuple[str, ...]) -> list[tuple[int, int, int]]:
+        return [(at, s["rank"], s["world_size"]) for at, s in buddy._offered(new, survivors)]
+
+    # a lost in the first step: the new world's shards of step 7 are not all anywhere; the old are
+    assert offered(("b", "j")) == [(7, 1, 3), (7, 1, 2), (7, 0, 2)]
+    arriving.append({"step": 8, "shard": {"rank": 0, "world_size": 3}})
+    buddy.refresh({"rank": 1, "world_size": 3}, 8, grown, 1)  # the first copies: a's of step 8
+    assert offered(("b", "j")) == [(7, 1, 3), (7, 1, 2), (8, 0, 3), (7, 0, 2)]
+    arriving.append({"step": 9, "shard": {"rank": 0, "world_size": 3}})
+    buddy.refresh({"rank": 1, "world_size": 3}, 9, grown, 1)  # the second: the old world's dropped
+    assert offered(("b", "j")) == [(7, 1, 3), (9, 0, 3)]

@@ -154,8 +154,11 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     hold step ``join_at`` until a replacement asks to join, so that it joins
     before the (short) epoch ends; founding rank ``admitting_dies`` kills itself
     as the state is sent to the replacement (its shards have arrived), or, with
-    ``admitting_dies_at="copy"``, once it has sent its copy of its new shard and
-    before it receives one (Note [a change cut short after its shards moved]), and
+    ``admitting_dies_at="copy"``, in the copies that end the first loss's change,
+    once it has sent its copy of its new shard and before it receives one (Note
+    [a change cut short after its shards moved]), or, with ``"first-copy"``, in
+    the first copies after a replacement joined, once it received one and before
+    it sends its own (Note [a grow's copies ride on its first step]), and
     ``group_dies`` as fully_shard builds its reduce-scatter group in a smaller
     world (at the first forward after a loss)."""
     from tandem import Trainer, TrainerConfig
@@ -174,18 +177,21 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     if rank == admitting_dies and not joining and admitting_dies_at == "share":
         from tandem.elastic.world import ElasticWorld
         ElasticWorld.share_state = lambda self, wanting: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
-    if rank == admitting_dies and not joining and admitting_dies_at == "copy":
-        from tandem.comm.p2p import isend
+    if rank == admitting_dies and not joining and admitting_dies_at in ("copy", "first-copy"):
+        from tandem.comm.p2p import isend, recv
         from tandem.elastic.buddy import BuddyCopies
         copy_then = BuddyCopies.refresh
 
-        def send_then_die(self: BuddyCopies, shard: dict[str, Any], at: int, members: tuple[str, ...],
-                          me: int) -> None:
-            if any(m.startswith("j") for m in members):  # the admission's copies of the new world's shards
+        def die_in_the_copies(self: BuddyCopies, shard: dict[str, Any], at: int, members: tuple[str, ...],
+                              me: int) -> None:
+            if admitting_dies_at == "copy" and len(members) == world_size - 1:  # a loss's copies
                 isend({"step": at, "shard": shard}, (me + 1) % len(members)).wait()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if admitting_dies_at == "first-copy" and any(m.startswith("j") for m in members):
+                recv((me - 1) % len(members))  # a grow's first copies, after its first step
+                os.kill(os.getpid(), signal.SIGKILL)
             copy_then(self, shard, at, members, me)
-        mock.patch.object(BuddyCopies, "refresh", send_then_die).start()
+        mock.patch.object(BuddyCopies, "refresh", die_in_the_copies).start()
     if in_refresh and rank in deaths and not joining:
         die_before_sending_copy(deaths[rank])
     if rank == miscounts and not joining:  # as a failed attempt to build a group on this rank only would
@@ -239,6 +245,12 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         located.append(True)
         return locate(*args, **kwargs)
     BuddyCopies.locate = counted_locate  # type: ignore[method-assign]
+    copy_of, copies = BuddyCopies.refresh, []
+
+    def counted_refresh(*args: Any, **kwargs: Any) -> Any:
+        copies.append(True)
+        return copy_of(*args, **kwargs)
+    BuddyCopies.refresh = counted_refresh  # type: ignore[method-assign]
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
     trainer: Trainer | None = None
@@ -310,7 +322,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     return {"params": [p.detach().clone() for p in params],
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
-            "rank": dist.get_rank(), "local": _local_place(), "headers_gathered": len(located),
+            "rank": dist.get_rank(), "local": _local_place(), "headers_gathered": len(located), "copies": len(copies),
             "buddy_bytes": (trainer._elastic.buddy.nbytes  # type: ignore[union-attr]
                             if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "kept_bytes": (trainer._elastic.buddy.kept_nbytes  # type: ignore[union-attr]
@@ -502,11 +514,17 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     "lost-building-a-group": ({1: 2}, {"group_dies": 2, "fsdp": True}),
     **{f"member-lost-admitting-{s}": ({1: 2}, {**JOIN, "admitting_dies": 2, **_sharded(s)})
        for s in ("ddp", "zero2", "fsdp")},
-    # Founding rank 3 of 4 (rank 2 of the grown world) sends its copy of its new shard
-    # as j1 is admitted and dies before it receives one: rank 1's copy to it fails, rank 0's
-    # and j1's complete (Note [a change cut short after its shards moved]).
-    "member-lost-in-the-grows-copies-fsdp": ({1: 2}, {**JOIN, "admitting_dies": 3, "admitting_dies_at": "copy",
-                                                      "world": 4, "fsdp": True}),
+    # Founding rank 3 of 4 (rank 2 of the world after rank 1's loss) sends its copy of its new
+    # shard as that change ends and dies before it receives one: rank 1's copy to it fails,
+    # rank 0's completes (Note [a change cut short after its shards moved]).
+    "member-lost-in-the-changes-copies-fsdp": ({1: 2}, {"admitting_dies": 3, "admitting_dies_at": "copy",
+                                                        "world": 4, "fsdp": True}),
+    # Founding rank 2 (rank 1 of the grown world 0, 2, j1) dies in the first copies after j1
+    # joined, having received rank 0's and before sending its own to j1 (Note [a grow's copies
+    # ride on its first step]).
+    **{f"member-lost-before-the-grows-first-copy-{s}": (
+        {1: 2}, {**JOIN, "admitting_dies": 2, "admitting_dies_at": "first-copy", **_sharded(s)})
+       for s in ("zero2", "fsdp")},
     # Rank 1 dies as it would send its copy of step 4, where the StepLR halves the rate.
     "step-back-fsdp": ({1: 4}, {"in_refresh": True, "fsdp": True}),
     # Rank 2 of 4 dies inside dcp.save of step 2's checkpoint; gloo's ring is such that
@@ -674,6 +692,10 @@ def test_sharded_replacement_joins_with_its_shard(scenarios: dict, sharding: str
     # The shards' headers are gathered after the loss; the grow locates them without
     # (Note [a grow located without a gather]).
     assert {r["member"]: r["headers_gathered"] for r in live} == {"0": 1, "2": 1, "j": 0}, live
+    # It sends no copies (Note [a grow's copies ride on its first step]): the replacement one
+    # after each step it trained, from the grow's.
+    [j] = [r for r in live if r["member"] == "j"]
+    assert j["copies"] == j["steps"] - changes[1]["step"], (j["copies"], j["steps"], changes[1]["step"])
     _check_reference(live, _schedule(changes), zero=True)
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
@@ -738,21 +760,44 @@ def test_a_loss_while_a_replacement_is_admitted(scenarios: dict, sharding: str, 
     assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
 
 
-def test_a_loss_as_a_grows_copies_are_sent_recovers_the_new_worlds_shards(scenarios: dict) -> None:
-    # Founding rank 3 dies between its copy and its neighbour's: ranks 0 and j1 hold the
-    # new world's copies, rank 1 (founding 2) still the old world's. Its own shards of both
-    # worlds are offered; the new world's are complete (rank 2's copy on j1), and taken
-    # whole, never mixed with the old world's.
-    tmp_path, results = _launched(scenarios, "member-lost-in-the-grows-copies-fsdp")
+def test_a_loss_as_a_changes_copies_are_sent_recovers_the_new_worlds_shards(scenarios: dict) -> None:
+    # Founding rank 3 dies between its copy and its neighbour's as the change after rank 1's
+    # loss ends: rank 0 holds the new world's copies, rank 1 (founding 2) still the old
+    # world's. Its own shards of both worlds are offered; the new world's are complete
+    # (rank 2's copy on rank 0), and taken whole, never mixed with the old world's.
+    tmp_path, results = _launched(scenarios, "member-lost-in-the-changes-copies-fsdp")
     live = [r for r in results if r is not None]
-    assert sorted(r["member"] for r in live) == ["0", "2", "j"]
+    assert sorted(r["member"] for r in live) == ["0", "2"]
     _check_equal_replicas(live)
     changes = live[0]["changes"]
-    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == \
-        [([1], [], 3), ([], ["j1"], 4), ([2], [], 3)]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"]) for c in changes] == [([1], [], 3), ([2], [], 2)]
     assert all(c["checkpoint_step"] is None and not c["stepped_back"] for c in changes), changes
     _check_reference(live, _schedule(changes, start_world=4), zero=True)
-    assert _used_samples(tmp_path, {"1": 2}) == list(range(N))
+    assert _used_samples(tmp_path, {"1": 2, "3": 2}) == list(range(N))  # 3's step 2 was dropped
+
+
+@SHARDED
+def test_a_loss_in_a_grows_first_copies_goes_back_to_the_old_worlds_shards(scenarios: dict, sharding: str) -> None:
+    # Note [a grow's copies ride on its first step]: j1 joined at step 6 and no copies were
+    # sent; founding rank 2 dies in the first ones (step 7's), having received rank 0's and
+    # before sending its own to j1. No layout of the grown world is complete at step 7 or 6
+    # (its shards of both steps are on no survivor), so the old world's is taken at step 6:
+    # rank 0's own shard and its copy of founding rank 2's, kept past the first copies. The
+    # job goes back to step 6 and ends equal to one process on the committed global
+    # batches, every sample once.
+    tmp_path, results = _launched(scenarios, f"member-lost-before-the-grows-first-copy-{sharding}")
+    live = [r for r in results if r is not None]
+    assert sorted(r["member"] for r in live) == ["0", "j"]
+    _check_equal_replicas(live)
+    changes = live[0]["changes"]
+    assert [(c["lost_ranks"], c["joined"], c["world_size"], c["step"], c["stepped_back"]) for c in changes] == \
+        [([1], [], 2, 2, False), ([], ["j1"], 3, 6, False), ([1], [], 2, 6, True)], changes
+    assert all(c["checkpoint_step"] is None for c in changes), changes
+    batches = global_batches(tmp_path, {"1": 2, "2": 6})
+    assert [len(b) for b in batches][:8] == [6, 6, 4, 4, 4, 4, 4, 4] and sum(map(len, batches)) == N
+    for a, b in zip(live[0]["params"], reference_on(batches)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert _used_samples(tmp_path, {"1": 2, "2": 6}) == list(range(N))
 
 
 def test_a_loss_while_a_replacements_group_is_built_ahead(scenarios: dict) -> None:
