@@ -23,8 +23,13 @@ threads share their process's).
 Rounds, for each N (every member but a slow one, which never counts itself done,
 waits on the decision of a step that cannot commit):
 
-1. idle (``--seconds``): the nodes beat, the ranks do nothing: the load of a job
-   that trains.
+1. idle (``--seconds``): the nodes beat, and each rank's monitor (one thread a
+   process beats for its ranks, set and check, as the monitors do: Note [dead
+   peers], Note [cut off]), the ranks do nothing else: the load of a job that trains.
+   Then every rank waits in a collective of the whole world for ``--seconds``,
+   its watch looking once a slice (Note [a watch reads the verdict] in
+   tandem/comm/peers.py): at the generation's verdict, and, up to
+   ``--sweep-up-to`` ranks, as before, at every peer's beat and process.
 2. a worker dies: ``--pre-kill`` seconds into the step (the load of N ranks waiting
    on a late decision), a rank's node reports it ended (what its launcher does
    within ``--monitor-interval``, 0.1 s, of its process's end; the benchmark
@@ -72,6 +77,7 @@ from bench_store_scale import HOST, CountingStore, Recorder, client, cpu_seconds
 from tandem.control.generation import PREFIX, ElasticConfig, Generation  # noqa: E402
 from tandem.control.membership import Membership  # noqa: E402
 from tandem.comm.process_id import node_beat_key  # noqa: E402
+from tandem.comm.peers import PeerWatch, heartbeat_key  # noqa: E402
 from tandem.store.store_address import StoreAddress, connect  # noqa: E402
 from tandem.launch.etcd_plane import EtcdControlPlane  # noqa: E402
 from tandem.launch.node_reports import NodeReports  # noqa: E402
@@ -118,6 +124,7 @@ class Host:
             r.beat_in(address)
         beats = _client(address)
         beats.wait([node_beat_key(r.node) for r in self.reports.values()], datetime.timedelta(seconds=60))
+        self.liveness = config.liveness()
         self.members: dict[str, CountedMember] = {}
         for k in nodes:
             for rank in range(k * per_node, (k + 1) * per_node):
@@ -126,6 +133,25 @@ class Host:
                 assert m.node == f"node{k}", "a rank beats for itself: its node's beat was not in the store"
                 m.store.set(f"{PREFIX}/node_of/{rank}", f"node{k} {FAKE_PID + rank}")
                 self.members[str(rank)] = m
+        # Each rank's monitor beats (Note [dead peers]; ElasticConfig.liveness: five times a window)
+        # and checks that its beat landed (Note [cut off]): one thread beats for this process's ranks.
+        self._monitors = threading.Thread(target=self._beat_for_monitors, daemon=True)
+        self._stopped = threading.Event()
+        self._monitors.start()
+
+    def _beat_for_monitors(self) -> None:
+        store = cast(dist.Store, CountingStore(_client(self.address), self.recorder))
+        beats = 0
+        while not self._stopped.is_set():
+            ranks = list(self.members)
+            started = time.monotonic()
+            beats += 1
+            for i, rank in enumerate(ranks):  # spread over the interval, as the monitors' own threads are
+                if self._stopped.wait(max(0.0, started + i * self.liveness.beat_s / len(ranks) - time.monotonic())):
+                    return
+                store.set(heartbeat_key(int(rank)), str(beats))
+                store.check([heartbeat_key(int(rank))])
+            self._stopped.wait(max(0.0, started + self.liveness.beat_s - time.monotonic()))
 
     def send(self, *message: Any) -> None:
         with self._send_lock:
@@ -153,9 +179,18 @@ class Host:
                     self.members.pop(rank).stop()
                 last = _client(self.address).get(node_beat_key(node.node))
                 self.send("silenced", json.loads(last)["at"])
+            elif command == "seat":  # every member takes its seat in judging, as its first step's decision does
+                for m in self.members.values():
+                    m._judge_of(m.generation)
+                verdict = f"{PREFIX}/gen/{self.members[next(iter(self.members))].generation.number}/verdict"
+                _client(self.address).wait([verdict], datetime.timedelta(seconds=60))
+                self.send("seated", None)
+            elif command == "collective":
+                threading.Thread(target=self._collective, args=arg, daemon=True).start()
             elif command == "records":
                 self.send("records", self.recorder.export())
             elif command == "stop":
+                self._stopped.set()
                 for m in self.members.values():
                     m.stop()
                 for r in self.reports.values():
@@ -169,7 +204,8 @@ class Host:
         lock = threading.Lock()
 
         def one(m: CountedMember) -> None:
-            m.generation = generation
+            if m.generation != generation:  # the same one kept: its judge aborts for it (Note [judge once])
+                m.generation = generation
             decision = m.decide_step(step)
             with lock:
                 out.append((m.member, time.time(), decision.value))
@@ -183,6 +219,28 @@ class Host:
         for t in threads:
             t.join()
         self.send("decided", out)
+
+    def _collective(self, world: int, seconds: float, verdict: bool) -> None:
+        """Every rank waits in a collective of the whole world for ``seconds``: a slice,
+        then its watch's look (Note [dead peers]): the generation's verdict (``verdict``:
+        Note [a watch reads the verdict]), or every peer's beat and process."""
+        ranks = list(range(world))
+        ends = time.monotonic() + seconds
+
+        def one(m: CountedMember) -> None:
+            watch = PeerWatch(m.store, int(m.member), self.liveness)
+            watch.departed = m.departed
+            watch.judged = m.judged_ranks if verdict else None
+            while time.monotonic() < ends:
+                time.sleep(self.liveness.slice_s)
+                watch.observe(ranks)
+
+        threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in self.members.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.send("waited", len(threads))
 
     def _next(self, known_dead: list[str]) -> None:
         out: list[tuple[str, float, int]] = []
@@ -282,6 +340,21 @@ class Job:
                 "ops_per_s_per_node": round(ops / wall / (self.n // self.per_node), 2),
                 "server_core_share": round((cpu1 - cpu0) / wall, 3)}
 
+    def collective(self, seconds: float, verdict: bool) -> dict[str, Any]:
+        """Every rank in a watched wait for ``seconds``, each in its judging seat and the
+        generation's first verdict posted: the store's load."""
+        for conn in self.hosts:
+            conn.send(("seat", None))
+        for conn in self.hosts:
+            self.expect(conn, "seated", 120)
+        t0, cpu0 = time.monotonic(), self.server_cpu()
+        for conn in self.hosts:
+            conn.send(("collective", (self.n, seconds, verdict)))
+        for conn in self.hosts:
+            self.expect(conn, "waited", 120 + seconds * 10)
+        what = "the verdict" if verdict else "every peer"
+        return self.window(f"waiting in a collective, a slice reading {what}", seconds, t0, cpu0)
+
     def round(self, number: int, members: list[str], step: int, slow: str, kill: str | None,
               silence: int | None) -> dict[str, Any]:
         for conn in self.hosts:
@@ -340,7 +413,10 @@ def run_size(ctx: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         t0, cpu0 = time.monotonic(), job.server_cpu()
         time.sleep(args.seconds)
-        out["idle"] = job.window("idle: the nodes beat", args.seconds, t0, cpu0)
+        out["idle"] = job.window("idle: the nodes and the ranks' monitors beat", args.seconds, t0, cpu0)
+        out["collective"] = [job.collective(args.seconds, verdict=True)]
+        if n <= args.sweep_up_to:  # as before: each slice of each rank reads every peer
+            out["collective"].append(job.collective(args.seconds, verdict=False))
         members = [str(r) for r in range(n)]
         slow = members[-1]
         victim = members[n // 3 if n // 3 != n // 2 else 1]  # a rank that does not judge
@@ -362,6 +438,9 @@ def run_size(ctx: Any, n: int, args: argparse.Namespace) -> dict[str, Any]:
     print(f"N={n}: idle {out['idle']['ops_per_s']:.0f} ops/s ({out['idle']['ops_per_s_per_node']:.1f} a node), "
           f"server {100 * out['idle']['server_core_share']:.0f}% of a core; started in {out['start_s']:.0f} s",
           file=sys.stderr, flush=True)
+    for w in out["collective"]:
+        print(f"N={n}: {w['window']}: {w['ops_per_s']:.0f} ops/s ({w['ops_per_s_per_node']:.1f} a node), "
+              f"server {100 * w['server_core_share']:.0f}% of a core", file=sys.stderr, flush=True)
     return out
 
 
@@ -414,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
                         help="the control plane: one TCPStore (the default), or a 3-member etcd cluster over TLS "
                              "(--rdzv-backend etcd's), all on this machine")
+    parser.add_argument("--sweep-up-to", type=int, default=256,
+                        help="up to this many ranks, also time a collective's wait whose slices read every peer")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     lookup = slow_reverse_lookups()

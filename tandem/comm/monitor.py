@@ -53,7 +53,8 @@ from tandem.comm.ledger import Ledger
 from tandem.store.store_address import etcd_client
 from tandem.comm.thread_exit import join_before_exit
 from tandem.comm.timeouts import DEFAULT_TIMEOUT
-from tandem.comm.peers import DEFAULT_LIVENESS, EXITED, Liveness, PeerWatch, Waiter, heartbeat_key, last_beat
+from tandem.comm.peers import (DEFAULT_LIVENESS, EXITED, HEARTBEAT_INTERVAL_S, Liveness, PeerWatch, Waiter,
+                               heartbeat_key, last_beat)
 
 __all__ = ["Monitor", "PROGRESS_POST_S", "current_monitor", "current_monitor_if_any", "progress_key", "start_monitor",
            "stop_monitor"]
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 _PROGRESS_ENV = "TANDEM_PROGRESS_FILE"
 _STACKS_ENV = "TANDEM_STACKS_FILE"
+_EARLY_S = 0.001  # a tick that wakes this early still beats: the wait's own jitter
 
 
 class Monitor:
@@ -200,11 +202,15 @@ class Monitor:
             self.peers.liveness = liveness
 
     def _run(self) -> None:
-        while not self._stop.wait(self.liveness.beat_s):
+        beaten = time.monotonic()
+        # The progress file every tick, a beat every liveness.beat_s (an elastic job's, seconds apart).
+        while not self._stop.wait(min(self.liveness.beat_s, HEARTBEAT_INTERVAL_S)):
             # The progress file first: a beat waits for the store's answer (Note [cut off]),
             # and the launcher's watchdog must not see a slow store as a stalled rank.
             self._write_progress()
-            self._beat()
+            if time.monotonic() - beaten >= self.liveness.beat_s - _EARLY_S:
+                beaten = time.monotonic()
+                self._beat()
 
     def _beat(self) -> None:
         if self.peers is None or self._beat_store is None or self._store_gone.is_set():

@@ -43,6 +43,25 @@ Most deaths are seen before the window ends: a peer whose process has ended
 on this kernel, or whose launcher posted its exit, is gone at once (Note
 [deaths seen at once] in process_id.py).
 
+In an elastic job the window is the job's, and a slice does not read every
+peer: Note [a watch reads the verdict].
+
+# Note [a watch reads the verdict]
+A slice that read every peer's beat and process would cost each waiting rank
+two store operations a peer: N ranks waiting in one collective (a straggler,
+a long save) put about 2N² operations a slice on the store, which at a
+thousand nodes no server answers. An elastic job judges its members once
+already (Note [judge once] in tandem/control/judge.py): the generation's judge
+posts a verdict every beat, from the node beats and the processes' ends. So
+its membership gives the watch that verdict (``PeerWatch.judged``): a slice
+reads one key, and the peers the verdict names dead are gone; and whether any
+peer has left to regroup (Note [a peer gone to regroup]) is one more read,
+which looks at each peer only once one has. Where there is no verdict to read
+(before the generation's first step, during a world change) or it is stale (its
+judges are gone), and after gloo failed the collective (a rare event, which the
+peers' own beats and processes name at once), the watch looks at every peer
+itself, as above.
+
 A peer that is alive but stuck (a hang, not a death) keeps beating: that is the
 launcher watchdog's case (``tandem run --hang-timeout``). NCCL has its own
 watchdog and blocking semantics, so NCCL waits are not sliced.
@@ -203,6 +222,9 @@ class PeerWatch:
         self.board = WaitBoard(store, rank)  # where each rank waits (Note [mismatched waits])
         # Note [a peer gone to regroup]: set in an elastic job, by its membership.
         self.departed: Callable[[Sequence[int]], dict[int, str]] | None = None
+        # Note [a watch reads the verdict]: set in an elastic job, by its membership; None
+        # from it when there is no fresh verdict.
+        self.judged: Callable[[Sequence[int]], dict[int, str] | None] | None = None
         self._departed_at: dict[int, float] = {}
 
     def post_process(self) -> None:
@@ -223,6 +245,10 @@ class PeerWatch:
             RuntimeError: the store cannot be reached (its host is gone).
         """
         now = self._clock()
+        if not failed and self.judged is not None:
+            judged = self.judged(ranks)  # Note [a watch reads the verdict]: one read, not two a peer
+            if judged is not None:
+                return self._with_departed(judged, ranks, now)
         lost: dict[int, str] = {}
         for r, value in zip(ranks, self._read(ranks)):
             if r == self.rank:
@@ -244,6 +270,10 @@ class PeerWatch:
             elif now - previous[1] >= self.liveness.stale_after_s and (value is not None or failed):
                 lost[r] = (f"stopped beating {now - previous[1]:.1f} s ago" if value is not None
                            else f"has not beaten in {now - previous[1]:.1f} s")
+        return self._with_departed(lost, ranks, now)
+
+    def _with_departed(self, lost: dict[int, str], ranks: Sequence[int], now: float) -> dict[int, str]:
+        """``lost`` and the peers of ``ranks`` that left to regroup (Note [a peer gone to regroup])."""
         if self.departed is not None:
             lost.update(self._gone_to_regroup([r for r in ranks if r != self.rank and r not in lost], now))
         return lost
@@ -269,7 +299,7 @@ class PeerWatch:
             lost = self.observe(ranks, failed=True)
             if lost or self._clock() >= end:
                 return lost
-            time.sleep(self.liveness.beat_s)
+            time.sleep(min(self.liveness.beat_s, self.liveness.slice_s))
 
     def _read(self, ranks: Sequence[int]) -> list[str | None]:
         """Each rank's beat (None: it has none), in one read where every rank has one."""

@@ -107,6 +107,7 @@ def elastic_membership(config: ElasticConfig) -> Membership:
             group_record.with_elastic(member, elastic)
     if monitor.peers is not None:
         monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
+        monitor.peers.judged = elastic.judged_ranks  # Note [a watch reads the verdict] there
     elastic.builds_ahead = _builds_on_a_thread(elastic, str(dist.get_backend()))  # Note [a group built ahead]
     return elastic
 

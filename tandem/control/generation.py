@@ -14,6 +14,7 @@ from tandem.comm.peers import WAIT_SLICE_S, Liveness
 __all__ = ["PREFIX", "Decision", "ElasticConfig", "Generation", "MembershipError", "NothingToJoin"]
 
 PREFIX = "tandem/elastic"
+_MONITOR_BEATS_A_WINDOW = 5  # an elastic job's monitor beats (ElasticConfig.liveness)
 """Where the membership's keys are in the job's store."""
 
 
@@ -57,9 +58,14 @@ class ElasticConfig:
     def liveness(self) -> Liveness:
         """The window a collective's wait judges the peers' beats by, and its
         slices: a beat long at most, so that a death that fails no connection
-        of a waiting rank is seen within a beat."""
+        of a waiting rank is seen within a beat. Each rank's monitor beats five
+        times a window: its beat is what a watch reads only when it has no
+        verdict (Note [a watch reads the verdict] in tandem/comm/peers.py), and
+        what tells the rank it is cut off (Note [cut off] in
+        tandem/comm/cut_off.py, after twice the window); the deaths are seen
+        from the members' or their nodes' beats, ``beat_s`` apart."""
         # Note [dead peers] in tandem/comm/peers.py
-        return Liveness(beat_s=self.beat_s, stale_after_s=self.stale_after_s,
+        return Liveness(beat_s=self.stale_after_s / _MONITOR_BEATS_A_WINDOW, stale_after_s=self.stale_after_s,
                         slice_s=min(self.beat_s, WAIT_SLICE_S))
 
 

@@ -131,6 +131,7 @@ def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
                             liveness=elastic.config.liveness() if elastic is not None else DEFAULT_LIVENESS)
     if elastic is not None and monitor.peers is not None:
         monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
+        monitor.peers.judged = elastic.judged_ranks  # Note [a watch reads the verdict] there
     install_clean_exit()  # Note [exit on an uncaught exception] in tandem.comm.exit
     group = dist.group.WORLD
     assert group is not None, "the default group is initialised"

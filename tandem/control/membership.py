@@ -378,7 +378,7 @@ class Membership:
 
     def _judge_of(self, generation: Generation) -> Judge:
         """This member's seat in judging ``generation`` (Note [judge once] in judge.py)."""
-        key = f"{PREFIX}/gen/{generation.number}/verdict"
+        key = _verdict_key(generation)
         if self._judge is None or self._judge.key != key:
             self._stop_judging()
             seats = [generation.members[r] for r in judging_ranks(generation.world_size)]
@@ -632,14 +632,42 @@ class Membership:
 
     def departed(self, ranks: Sequence[int]) -> dict[int, str]:
         """The ranks of this generation, among ``ranks``, whose member has asked
-        for the next one (Note [a peer gone to regroup] in tandem/comm/peers.py), with why."""
+        for the next one (Note [a peer gone to regroup] in tandem/comm/peers.py), with why:
+        one read while none has (Note [a watch reads the verdict] there)."""
         current = self.generation
         out: dict[int, str] = {}
+        if not self.store.check([RollCall(self.store, self._regroup_key(current.number + 1)).count_key]):
+            return out
         for r in ranks:
             if 0 <= r < current.world_size and current.members[r] != self.member and self.store.check(
                     [f"{PREFIX}/gen/{current.number + 1}/cand/{current.members[r]}"]):
                 out[r] = f"has left generation {current.number} to regroup (member {current.members[r]})"
         return out
+
+    def judged_ranks(self, ranks: Sequence[int]) -> dict[int, str] | None:
+        """The ranks of this generation, among ``ranks``, that its verdict names
+        dead, with why (Note [a watch reads the verdict] in tandem/comm/peers.py);
+        None when this member holds no seat in judging the generation yet (before
+        its first step's decision, in a world change) or the verdict is not fresh:
+        the watch then looks for itself."""
+        judge, current = self._judge, self.generation
+        if judge is None or judge.key != _verdict_key(current):
+            return None
+        verdict = judge.read()
+        if verdict is None:
+            return None
+        out: dict[int, str] = {}
+        for r in ranks:
+            member = current.members[r] if 0 <= r < current.world_size else None
+            why = verdict.dead.get(member) if member is not None and member != self.member else None
+            if why is not None and why != NEVER_BEATEN:  # no beat yet is no death in a running collective
+                out[r] = why
+        return out
+
+    @staticmethod
+    def _regroup_key(number: int) -> str:
+        """The roll call of the members that regroup into generation ``number``."""
+        return f"{PREFIX}/gen/{number}/regroup"
 
     # ------------------------------------------------------------------ regroup
     def next_generation(self, known_dead: Sequence[str] = ()) -> Generation:
@@ -662,7 +690,7 @@ class Membership:
         base = f"{PREFIX}/gen/{number}"
         self._stop_judging()
         self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in tandem/comm/peers.py
-        roll = RollCall(self.store, f"{base}/regroup")  # Note [a roll call]
+        roll = RollCall(self.store, self._regroup_key(number))  # Note [a roll call]
         # The last to arrive proposes at once; the judges would a read later (Note [a roll call]).
         last = roll.arrive(self.member) == current.world_size
         started = time.monotonic()
@@ -704,6 +732,11 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+def _verdict_key(generation: Generation) -> str:
+    """Where ``generation``'s judge posts its verdict (Note [judge once] in judge.py)."""
+    return f"{PREFIX}/gen/{generation.number}/verdict"
 
 
 def host_key(host: str) -> int:

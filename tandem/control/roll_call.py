@@ -58,13 +58,14 @@ class RollCall:
         self._store = store
         self._base = base
         self.outcome_key = f"{base}/outcome"
+        self.count_key = f"{base}/count"  # how many have arrived (one add each)
         self._seen: list[str] = []
         self._next = 1  # the first number not looked at yet
         self._unwritten: list[int] = []  # numbers drawn whose id was not there yet
 
     def arrive(self, member: str) -> int:
         """Put ``member`` on the roll; returns how many have arrived with it."""
-        number = self._store.add(f"{self._base}/count", 1)
+        number = self._store.add(self.count_key, 1)
         self._store.set(self._at(number), member)
         return number
 
@@ -72,7 +73,7 @@ class RollCall:
         """Every member that has arrived and whose id can be read. A number drawn
         whose id is not written yet (its member is about to write it, or died
         between the two calls) is looked at again next time, and hides no other."""
-        count = self._store.add(f"{self._base}/count", 0)
+        count = self._store.add(self.count_key, 0)
         numbers = [*self._unwritten, *range(self._next, count + 1)]
         self._next = count + 1
         keys = [self._at(n) for n in numbers]

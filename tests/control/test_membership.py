@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch.distributed as dist
@@ -18,7 +18,8 @@ from tandem.store.job_secret import ForgedValueError, SignedStore, job_secret, s
 import tandem.control.membership as membership_module
 from tandem.control.judge import Verdict, judging_ranks
 from tandem.control.generation import PREFIX, Decision, ElasticConfig, Generation, MembershipError
-from tandem.control.membership import Membership, host_key
+from tandem.control.membership import NEVER_BEATEN, Membership, host_key
+from tandem.control.roll_call import RollCall
 from tandem.comm.process_id import NodeBeat, node_beat_key
 from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
 
@@ -446,9 +447,10 @@ def test_a_collectives_watch_judges_by_the_elastic_configs_window() -> None:
     # Note [dead peers]: an elastic job's collectives judge silent peers by its own
     # window, shorter or longer than the default (a death is seen at once anyway:
     # Note [deaths seen at once]; the window is for silences).
-    # Its waits are sliced by a beat at most (a death seen within a beat, Note [dead peers]).
-    assert CONFIG.liveness() == Liveness(beat_s=0.01, stale_after_s=1.0, slice_s=0.01)
-    assert ElasticConfig().liveness() == Liveness(beat_s=0.25, stale_after_s=10.0, slice_s=0.25)
+    # Its waits are sliced by a beat at most (a death seen within a beat, Note [dead peers]); its
+    # monitors beat five times a window (the deaths are seen from the members' beats).
+    assert CONFIG.liveness() == Liveness(beat_s=0.2, stale_after_s=1.0, slice_s=0.01)
+    assert ElasticConfig().liveness() == Liveness(beat_s=2.0, stale_after_s=10.0, slice_s=0.25)
     assert DEFAULT_LIVENESS == Liveness(beat_s=0.25, stale_after_s=2.5, slice_s=0.5)
     store, clock = dist.HashStore(), Clock()
     short = PeerWatch(store, 0, CONFIG.liveness(), clock=clock)
@@ -694,4 +696,62 @@ def test_a_member_that_starts_after_the_judge_first_read_it_is_judged_by_its_nod
     assert late.node == "node0" and not store.check([f"{PREFIX}/beat/1"])
     assert judge.judged(["1"]) == {} and judge.dead(["1"]) == {}
     for m in (judge, late):
+        m.stop()
+
+
+class _Counted:
+    """A store that counts the operations made on it (duck-typed: what a watch and a member call)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.ops += 1
+            return attr(*args, **kwargs)
+        return counted
+
+
+def test_a_collectives_watch_reads_the_verdict_not_every_peer() -> None:
+    # Note [a watch reads the verdict] in tandem/comm/peers.py: a slice of a watched wait in an
+    # elastic job reads the generation's verdict and whether anyone left to regroup, not two
+    # keys a peer; with no verdict (no seat yet, or a stale one) it looks at every peer itself.
+    clock = Clock()
+    counted = _Counted(dist.HashStore())
+    store = cast(dist.Store, counted)
+    members = _on_nodes(store, clock, 16, 4)
+    reader = members[3]  # no judging seat (0, 8 and 15 are)
+    watch = PeerWatch(store, 3, JUDGED.liveness(), clock=clock)
+    watch.departed, watch.judged = reader.departed, reader.judged_ranks
+    ranks = list(range(16))
+    assert reader.judged_ranks(ranks) is None  # before its first step's decision: no seat
+    counted.ops = 0
+    assert watch.observe(ranks) == {}
+    swept = counted.ops
+    assert swept >= 2 * 15, swept  # the beat and the process of each peer
+    reader._judge_of(reader.generation)  # as the first step's decision does
+    killed = "has died: its process (pid 7005) was killed by SIGKILL"
+    store.set(f"{PREFIX}/gen/0/verdict", Verdict(clock(), "0", {"5": killed, "3": killed, "9": NEVER_BEATEN}).encode())
+    counted.ops = 0
+    # rank 5 is dead; this rank itself is never lost, and no beat yet is no death in a running collective
+    assert watch.observe(ranks) == {5: killed}
+    assert counted.ops <= 3, counted.ops  # the verdict (check, get) and the regroup's count
+    counted.ops = 0
+    assert watch.observe(ranks, failed=True) == {}  # after gloo failed: every peer, as before (none stale yet)
+    assert counted.ops >= swept
+    members[7].store.set(f"{PREFIX}/gen/1/cand/7", "alive")  # member 7 goes to regroup ...
+    RollCall(store, f"{PREFIX}/gen/1/regroup").arrive("7")
+    assert watch.observe(ranks) == {5: killed}  # ... seen for a whole slice before it counts
+    clock.now += 2 * JUDGED.liveness().slice_s
+    assert watch.observe(ranks) == {5: killed, 7: "has left generation 0 to regroup (member 7)"}
+    clock.now += JUDGED.stale_after_s + 1  # the verdict is stale: the judges are gone
+    assert reader.judged_ranks(ranks) is None
+    counted.ops = 0
+    watch.observe(ranks)
+    assert counted.ops >= swept
+    for m in members:
         m.stop()
