@@ -107,6 +107,12 @@ class CountedMember(Membership):
         counting = cast(CountingStore, store)
         self._beat_store = cast(dist.Store, CountingStore(counting.store.clone(), counting.recorder))
 
+    def _news_store(self) -> dist.Store | None:
+        counting = cast(CountingStore, self.store)  # its news thread's connection, counted too
+        if not isinstance(counting.store, dist.TCPStore):
+            return None
+        return cast(dist.Store, CountingStore(counting.store.clone(), counting.recorder))
+
 
 # ---------------------------------------------------------------------- a host process
 class Host:

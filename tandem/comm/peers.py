@@ -56,7 +56,9 @@ posts a verdict every beat, from the node beats and the processes' ends. So
 its membership gives the watch that verdict (``PeerWatch.judged``): a slice
 reads one key, and the peers the verdict names dead are gone; and whether any
 peer has left to regroup (Note [a peer gone to regroup]) is one more read,
-which looks at each peer only once one has. Where there is no verdict to read
+which looks at each peer only once one has; over a TCP store not even those
+two while nothing happened (Note [news of a generation] in
+tandem/control/news.py). Where there is no verdict to read
 (before the generation's first step, during a world change) or it is stale (its
 judges are gone), and after gloo failed the collective (a rare event, which the
 peers' own beats and processes name at once), the watch looks at every peer

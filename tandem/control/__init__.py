@@ -16,6 +16,9 @@ agrees in), below every wrapper (fully_shard builds its second group here).
 - roll_call.py: the barriers of a world change, which thousands of members
   can pass (Note [a roll call]);
 - judge.py: one member judges who is dead, for every member (Note [judge once]);
+- news.py: a thread that waits for news of a generation (a death named, a
+  member gone to regroup), so that a collective's watch reads nothing until
+  then (Note [news of a generation]);
 - join_requests.py: the asks to join as the members read them, and a
   stranger's refused (Note [a stranger asks to join]);
 - elastic_group.py: each generation's default group, built once its members

@@ -101,6 +101,8 @@ class Judge:
     Args:
         store: the job's store.
         key: the generation's verdict key.
+        news: the generation's news key, written when a verdict names a death
+            (Note [news of a generation] in news.py).
         member: this member's id.
         before: the members in the seats before this one (the judge first): none
             for the judge; None for a member that only reads.
@@ -114,11 +116,12 @@ class Judge:
     """
 
     def __init__(self, store: dist.Store, key: str, member: str, before: tuple[str, ...] | None, *,
-                 beat_s: float, stale_after_s: float, clock: Callable[[], float],
+                 news: str, beat_s: float, stale_after_s: float, clock: Callable[[], float],
                  sweep: Callable[[Sequence[str] | None], dict[str, str]],
                  abort: Callable[[], None]) -> None:
         self._store = store
         self.key = key
+        self._news = news
         self._member = member
         self._before = before
         self._beat_s = beat_s
@@ -189,6 +192,7 @@ class Judge:
         wait on its decision learn of the death when it is written."""
         new = {m: why for m, why in verdict.dead.items() if m not in self._said}
         if new:
+            self._store.set(self._news, "dead")  # Note [news of a generation] in news.py
             self._said.update(new)
             logger.warning("elastic: %s (judged by %s)", ", ".join(f"member {m} {why}" for m, why in new.items()),
                            self._member)

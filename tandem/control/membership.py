@@ -95,6 +95,7 @@ from tandem.control.generation import PREFIX, Decision, ElasticConfig, Generatio
     NothingToJoin
 from tandem.control.join_requests import JoinRequests
 from tandem.control.judge import Judge, judging_ranks
+from tandem.control.news import News
 from tandem.control.roll_call import RollCall, waited
 from tandem.comm.peers import PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
@@ -169,6 +170,7 @@ class Membership:
         own = own_connection(store)
         self._beat_store = own if own is not None else store
         self._judge: Judge | None = None  # this member's seat in judging its generation (Note [judge once])
+        self._news: News | None = None  # Note [news of a generation] in news.py
         # Whether the members build the next generation's group while they train
         # (Note [a group built ahead] in elastic_group.py); every member's is the same.
         self.builds_ahead = False
@@ -274,6 +276,7 @@ class Membership:
         if self._thread is not None:
             join_before_exit(self._thread, 5.0)  # Note [a store call in flight at exit]
         self._stop_judging()
+        self._stop_news("stopped")
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.beat_s):
@@ -383,7 +386,8 @@ class Membership:
             self._stop_judging()
             seats = [generation.members[r] for r in judging_ranks(generation.world_size)]
             before = tuple(seats[:seats.index(self.member)]) if self.member in seats else None
-            self._judge = Judge(self._beat_store, key, self.member, before, beat_s=self.config.beat_s,
+            self._judge = Judge(self._beat_store, key, self.member, before, news=_news_key(generation),
+                                beat_s=self.config.beat_s,
                                 stale_after_s=self.config.stale_after_s, clock=self._clock,
                                 sweep=lambda members: self.judged(generation.members if members is None else members),
                                 abort=lambda: self._abort_working_step(generation))
@@ -636,6 +640,8 @@ class Membership:
         one read while none has (Note [a watch reads the verdict] there)."""
         current = self.generation
         out: dict[int, str] = {}
+        if self._quiet(current):  # Note [news of a generation] in news.py: nobody has left
+            return out
         if not self.store.check([RollCall(self.store, self._regroup_key(current.number + 1)).count_key]):
             return out
         for r in ranks:
@@ -653,6 +659,8 @@ class Membership:
         judge, current = self._judge, self.generation
         if judge is None or judge.key != _verdict_key(current):
             return None
+        if self._quiet(current, judge):  # Note [news of a generation] in news.py: no death named
+            return {}
         verdict = judge.read()
         if verdict is None:
             return None
@@ -663,6 +671,34 @@ class Membership:
             if why is not None and why != NEVER_BEATEN:  # no beat yet is no death in a running collective
                 out[r] = why
         return out
+
+    def _quiet(self, generation: Generation, judge: Judge | None = None) -> bool:
+        """Whether nothing happened to ``generation`` and its judges are alive, as
+        this member's news thread last saw (Note [news of a generation] in
+        news.py), which ``judge``, this member's seat in it, starts where the
+        store gives it a connection of its own."""
+        news = self._news
+        if news is not None and news.key == _news_key(generation):
+            return news.quiet
+        if judge is None:
+            return False
+        self._stop_news("a later generation")
+        store = self._news_store()
+        if store is not None:
+            self._news = News(store, _news_key(generation), lambda: judge.read() is not None,
+                              self.config.stale_after_s / 2)
+        return False
+
+    def _news_store(self) -> dist.Store | None:
+        """A connection of its own for a news thread's waits: over a TCP store only (a
+        file store's wait polls the file: the watch reads instead)."""
+        _, base = _unwrapped(self.store)
+        return own_connection(self.store) if isinstance(base, dist.TCPStore) else None
+
+    def _stop_news(self, why: str) -> None:
+        if self._news is not None:
+            self._news.stop(self._beat_store, why)
+            self._news = None
 
     @staticmethod
     def _regroup_key(number: int) -> str:
@@ -689,6 +725,9 @@ class Membership:
         number = current.number + 1
         base = f"{PREFIX}/gen/{number}"
         self._stop_judging()
+        # Note [news of a generation] in news.py: the peers' news threads wake, and their watches look
+        self.store.set(_news_key(current), "regroup")
+        self._stop_news("regroup")
         self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in tandem/comm/peers.py
         roll = RollCall(self.store, self._regroup_key(number))  # Note [a roll call]
         # The last to arrive proposes at once; the judges would a read later (Note [a roll call]).
@@ -732,6 +771,11 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+def _news_key(generation: Generation) -> str:
+    """What wakes ``generation``'s news threads (Note [news of a generation] in news.py)."""
+    return f"{PREFIX}/gen/{generation.number}/news"
 
 
 def _verdict_key(generation: Generation) -> str:

@@ -4,6 +4,7 @@ replacement arriving after the job ended. No processes, no waiting on real time.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import socket
 import threading
@@ -561,6 +562,8 @@ def test_the_judge_aborts_the_step_the_others_wait_on_and_a_deputy_takes_over_wh
         assert out == [Decision.ABORT]
     verdict = Verdict.decode(store.get(f"{PREFIX}/gen/0/verdict"))
     assert verdict == Verdict(clock.now, "4", {"0": "has died: its process (pid 7000) was killed by SIGKILL"})
+    # the deputy posted the news too, which wakes the waits of the members' news threads
+    assert store.get(f"{PREFIX}/gen/0/news") == b"dead"
     threads[0][0].join(10)  # the dead judge's own wait, a thread of this test
     for m in members:
         m.stop()
@@ -755,3 +758,57 @@ def test_a_collectives_watch_reads_the_verdict_not_every_peer() -> None:
     assert counted.ops >= swept
     for m in members:
         m.stop()
+
+
+class _OverTcp(Membership):
+    """A member whose news thread has a TCP connection of its own while its other calls
+    are counted (as the control-plane benchmark's members)."""
+
+    tcp: dist.TCPStore
+
+    def _news_store(self) -> dist.Store | None:
+        return cast(dist.Store, self.tcp.clone())  # type: ignore[attr-defined]  # torch 2.7+
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for another thread to make ``condition`` true (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within 5 s"
+        time.sleep(0.005)
+
+
+def test_over_a_tcp_store_a_collectives_watch_reads_nothing_until_the_news() -> None:
+    # Note [news of a generation] in tandem/control/news.py: each member's thread waits on the
+    # generation's news key, which the judge writes when it names a death; until then a
+    # slice of a collective's watch reads nothing, and after it the verdict, which names it.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    tcp = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    clock = Clock()
+    counted = _Counted(tcp)
+    store = cast(dist.Store, counted)
+    for k in range(2):
+        store.set(node_beat_key(f"node{k}"), NodeBeat(clock(), {}).encode())
+    members = [cast(_OverTcp, _OverTcp.founding(store, r, 4, JUDGED, clock=clock, node=f"node{r // 2}"))
+               for r in range(4)]
+    for m in members:
+        m.tcp = tcp
+    reader = members[1]  # no judging seat (0, 2 and 3 are)
+    watch = PeerWatch(store, 1, JUDGED.liveness(), clock=clock)
+    watch.departed, watch.judged = reader.departed, reader.judged_ranks
+    reader._judge_of(reader.generation)  # as the first step's decision does
+    store.set(f"{PREFIX}/gen/0/verdict", Verdict(clock(), "0", {}).encode())
+    assert watch.observe([0, 1, 2, 3]) == {}  # its news thread starts
+    news = reader._news
+    assert news is not None
+    _until(lambda: news.quiet, "the news thread's first look")
+    counted.ops = 0
+    assert watch.observe([0, 1, 2, 3]) == {} and counted.ops == 0  # nothing read
+    killed = "has died: its process (pid 7003) was killed by SIGKILL"
+    store.set(f"{PREFIX}/gen/0/verdict", Verdict(clock(), "0", {"3": killed}).encode())
+    store.set(f"{PREFIX}/gen/0/news", "dead")  # as the judge does with it
+    _until(lambda: not news.quiet, "the news")
+    assert watch.observe([0, 1, 2, 3]) == {3: killed}
+    for m in members:
+        m.stop()
+    assert not news._thread.is_alive() and reader._news is None
