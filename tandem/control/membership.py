@@ -171,6 +171,7 @@ class Membership:
         self._beat_store = own if own is not None else store
         self._judge: Judge | None = None  # this member's seat in judging its generation (Note [judge once])
         self._news: News | None = None  # Note [news of a generation] in news.py
+        self._verdict_read_at = -float("inf")  # when a quiet watch last read the verdict fresh (monotonic)
         # Whether the members build the next generation's group while they train
         # (Note [a group built ahead] in elastic_group.py); every member's is the same.
         self.builds_ahead = False
@@ -659,7 +660,7 @@ class Membership:
         judge, current = self._judge, self.generation
         if judge is None or judge.key != _verdict_key(current):
             return None
-        if self._quiet(current, judge):  # Note [news of a generation] in news.py: no death named
+        if self._quiet(current, listen=True):  # Note [news of a generation] in news.py: no death named
             return {}
         verdict = judge.read()
         if verdict is None:
@@ -672,22 +673,29 @@ class Membership:
                 out[r] = why
         return out
 
-    def _quiet(self, generation: Generation, judge: Judge | None = None) -> bool:
-        """Whether nothing happened to ``generation`` and its judges are alive, as
-        this member's news thread last saw (Note [news of a generation] in
-        news.py), which ``judge``, this member's seat in it, starts where the
-        store gives it a connection of its own."""
-        news = self._news
-        if news is not None and news.key == _news_key(generation):
-            return news.quiet
-        if judge is None:
+    def _quiet(self, generation: Generation, *, listen: bool = False) -> bool:
+        """Whether nothing happened to ``generation`` (no news yet) and its verdict
+        was fresh at a read less than half a window ago (Note [news of a
+        generation] in news.py). ``listen``: start the news thread where there is
+        none for it yet and the store gives it a connection of its own."""
+        judge, news = self._judge, self._news
+        if judge is None or judge.key != _verdict_key(generation):
             return False
-        self._stop_news("a later generation")
-        store = self._news_store()
-        if store is not None:
-            self._news = News(store, _news_key(generation), lambda: judge.read() is not None,
-                              self.config.stale_after_s / 2)
-        return False
+        if news is None or news.key != _news_key(generation):
+            if listen:
+                self._stop_news("a later generation")
+                store = self._news_store()
+                if store is not None:
+                    self._news = News(store, _news_key(generation), self._beat_store)
+            return False
+        if news.heard:
+            return False
+        now = time.monotonic()
+        if now - self._verdict_read_at >= self.config.stale_after_s / 2:
+            if judge.read() is None:
+                return False
+            self._verdict_read_at = now
+        return True
 
     def _news_store(self) -> dist.Store | None:
         """A connection of its own for a news thread's waits: over a TCP store only (a
@@ -697,7 +705,7 @@ class Membership:
 
     def _stop_news(self, why: str) -> None:
         if self._news is not None:
-            self._news.stop(self._beat_store, why)
+            self._news.stop(why)
             self._news = None
 
     @staticmethod

@@ -11,21 +11,23 @@ over a TCP store keeps, for its generation, a thread with a connection of its
 own that waits on one key, ``gen/<g>/news``: the judge writes it when it names
 a death (Note [judge once] in judge.py), and a member writes it as it leaves
 for the next generation (Note [a peer gone to regroup] in peers.py) or stops.
-The store answers that wait when the key is written; until then the thread
-reads only the verdict, once a wait (``stale_after_s / 2``), to know that the
-judges are alive (judges gone silent are then known within half a window of
-their verdict going stale), and a collective's slice reads nothing. Once the news came,
-or while the verdict is not fresh, the watch reads as before. The thread ends
+The store answers that wait when the key is written, and until then a
+collective's slice reads nothing but, once every half window, the verdict, to
+know that the judges are alive. Once the news came, or while the verdict is
+not fresh, the watch reads as before. The wait has no timeout to speak of (a
+day): c10d logs two warnings for every wait that times out. The thread ends
 with its generation: what ends it (the news, a member leaving, the member
-stopping) writes the key, so it is never left waiting at exit. Over a file
-store (the test harness's) there is no connection to give it: the watch reads.
+stopping, at the latest at exit) writes the key, so it is never left waiting.
+Over a file store (the test harness's) there is no connection to give it: the
+watch reads.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
-from collections.abc import Callable
+import weakref
 
 import torch.distributed as dist
 
@@ -37,43 +39,55 @@ __all__ = ["News"]
 logger = logging.getLogger(__name__)
 
 _STOP_JOIN_S = 1.0
+_FOREVER_S = 86400.0  # a wait that does not time out (Note [news of a generation])
 
 
 class News:
     """A thread that waits for news of one generation (Note [news of a generation]).
 
     Args:
-        store: a connection of its own to the job's store (its waits hold it).
+        store: a connection of its own to the job's store (its wait holds it).
         key: the generation's news key.
-        fresh: reads the generation's verdict: whether its judges are alive.
-        slice_s: the longest wait before the verdict is read again.
+        wake: another client of the store, which writes the key when the
+            thread is stopped (at the latest at exit).
     """
 
-    def __init__(self, store: dist.Store, key: str, fresh: Callable[[], bool], slice_s: float) -> None:
-        self._store, self.key, self._fresh, self._slice_s = store, key, fresh, slice_s
+    def __init__(self, store: dist.Store, key: str, wake: dist.Store) -> None:
+        self._store, self.key, self._wake = store, key, wake
         self._stop = threading.Event()
-        # Nothing happened and the judges are alive, as of the thread's last look.
-        self.quiet = False
+        _LIVE.add(self)
+        self.heard = False  # the key was written, or the wait failed: the watch reads
         self._thread = threading.Thread(target=self._run, name=f"tandem-news-{key}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                self.quiet = self._fresh()
-                if waited(self._store, [self.key], self._slice_s):
-                    break
+            while not self._stop.is_set() and not waited(self._store, [self.key], _FOREVER_S):
+                pass
         except Exception as e:  # noqa: BLE001 - the store is gone: the watch reads (and says so)
             logger.debug("elastic: the news of %s stops: %s", self.key, e)
-        self.quiet = False
+        self.heard = True
 
-    def stop(self, store: dist.Store, why: str) -> None:
-        """End the thread, writing the news (``why``) in ``store`` to wake its wait."""
+    def stop(self, why: str) -> None:
+        """End the thread, writing the news (``why``) to wake its wait."""
         self._stop.set()
-        self.quiet = False
+        self.heard = True
+        _LIVE.discard(self)
         if self._thread.is_alive():
             try:
-                store.set(self.key, why)
+                self._wake.set(self.key, why)
             except Exception as e:  # noqa: BLE001 - the store is gone: the wait fails at once
                 logger.debug("elastic: could not post %s: %s", self.key, e)
         join_before_exit(self._thread, _STOP_JOIN_S)  # Note [a store call in flight at exit]
+
+
+_LIVE: weakref.WeakSet[News] = weakref.WeakSet()  # the threads not stopped yet
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Wake every news thread still waiting before the interpreter finalizes: a
+    member not stopped (a script that raised before its atexit) leaves none in
+    a wait (Note [a store call in flight at exit] in tandem/comm/thread_exit.py)."""
+    for news in list(_LIVE):
+        news.stop("stopped")

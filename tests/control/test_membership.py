@@ -800,14 +800,13 @@ def test_over_a_tcp_store_a_collectives_watch_reads_nothing_until_the_news() -> 
     store.set(f"{PREFIX}/gen/0/verdict", Verdict(clock(), "0", {}).encode())
     assert watch.observe([0, 1, 2, 3]) == {}  # its news thread starts
     news = reader._news
-    assert news is not None
-    _until(lambda: news.quiet, "the news thread's first look")
+    assert news is not None and not news.heard
     counted.ops = 0
-    assert watch.observe([0, 1, 2, 3]) == {} and counted.ops == 0  # nothing read
+    assert watch.observe([0, 1, 2, 3]) == {} and counted.ops == 0  # nothing read (the verdict: once a half window)
     killed = "has died: its process (pid 7003) was killed by SIGKILL"
     store.set(f"{PREFIX}/gen/0/verdict", Verdict(clock(), "0", {"3": killed}).encode())
     store.set(f"{PREFIX}/gen/0/news", "dead")  # as the judge does with it
-    _until(lambda: not news.quiet, "the news")
+    _until(lambda: news.heard, "the news")
     assert watch.observe([0, 1, 2, 3]) == {3: killed}
     for m in members:
         m.stop()
