@@ -14,8 +14,8 @@ from tandem.comm.peers import WAIT_SLICE_S, Liveness
 __all__ = ["PREFIX", "Decision", "ElasticConfig", "Generation", "MembershipError", "NothingToJoin"]
 
 PREFIX = "tandem/elastic"
-_MONITOR_BEATS_A_WINDOW = 5  # an elastic job's monitor beats (ElasticConfig.liveness)
 """Where the membership's keys are in the job's store."""
+_MONITOR_BEATS_A_WINDOW = 5  # an elastic job's monitor beats (ElasticConfig.liveness)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -73,6 +74,9 @@ _HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT",
 
 
 _TORCH_LAUNCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+# How long the other workers of a node whose first failure was a cut-off get to find it
+# too and say so before torch stops them: a beat apart, and a loaded host's delay.
+_CUT_OFF_TOGETHER_S = 1.0
 
 
 class LaunchError(RuntimeError):
@@ -89,6 +93,10 @@ class _NodeAgent(LocalElasticAgent):
       the group FAILED, and the agent then restarts or stops the workers as for
       any failure (``_monitor_workers`` is the agent's own extension point;
       LocalElasticAgent overrides SimpleElasticAgent's);
+    - a worker cut off from the job's store (exit 75, Note [cut off] in
+      tandem/comm/cut_off.py) is not the only one: the others' next beat finds
+      the store gone too, so they get a moment to stop with their own line
+      before torch stops them;
     - in a job of several nodes (a ``roll``), its exit barrier waits only for
       the nodes still there (Note [nodes of an elastic job] in node_roll.py),
       where torch's would wait the whole ``exit_barrier_timeout`` (300 s) for a
@@ -122,6 +130,8 @@ class _NodeAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and _all_cut_off(result):
+            result = self._cut_off_together(worker_group, result)
         attempts = self._tandem_logs.attempts
         if self._watchdog is None or result.state != WorkerState.HEALTHY or not attempts:
             return result
@@ -138,6 +148,23 @@ class _NodeAgent(LocalElasticAgent):
             error_file=str(attempt.ranks[w.global_rank].error_file))
             for w in worker_group.workers if w.global_rank in attempt.ranks}
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
+    def _cut_off_together(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """The workers' failures once every one has stopped, or :data:`_CUT_OFF_TOGETHER_S`
+        after the first was cut off, whichever comes first."""
+        deadline = time.monotonic() + _CUT_OFF_TOGETHER_S
+        while len(result.failures) < len(worker_group.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            again = super()._monitor_workers(worker_group)
+            if again.state != WorkerState.FAILED or not _all_cut_off(again):
+                return again if again.state == WorkerState.FAILED else result
+            result = again
+        return result
+
+
+def _all_cut_off(result: RunResult) -> bool:
+    return bool(result.failures) and all(f.exitcode == CUT_OFF_EXITCODE for f in result.failures.values())
 
 
 def run_workers(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: Sequence[Any],
