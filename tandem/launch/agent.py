@@ -149,7 +149,6 @@ class _NodeAgent(LocalElasticAgent):
             for w in worker_group.workers if w.global_rank in attempt.ranks}
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
-
     def _cut_off_together(self, worker_group: WorkerGroup, result: RunResult) -> RunResult:
         """The workers' failures once every one has stopped, or :data:`_CUT_OFF_TOGETHER_S`
         after the first was cut off, whichever comes first."""
