@@ -45,7 +45,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from tandem._compat import matches_machine_hostname
-from tandem.comm.cut_off import CUT_OFF_EXITCODE
+from tandem.comm.cut_off import CUT_OFF_EXITCODE, cut_off_after
+from tandem.comm.peers import STALE_AFTER_S
 from tandem.control.elastic_group import JOIN_ENV
 from tandem.store.job_secret import MANY_NODES_NEED_A_SECRET
 from tandem.store.store_address import EtcdAddress, describe
@@ -75,8 +76,9 @@ _HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT",
 
 _TORCH_LAUNCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 # How long the other workers of a node whose first failure was a cut-off get to find it
-# too and say so before torch stops them: a beat apart, and a loaded host's delay.
-_CUT_OFF_TOGETHER_S = 1.0
+# too and say so before torch stops them: a worker's next beat finds a closed store at
+# once, and its own watch stops it by this silence at the latest, however loaded the host.
+_CUT_OFF_TOGETHER_S = cut_off_after(STALE_AFTER_S)
 
 
 class LaunchError(RuntimeError):
@@ -95,7 +97,8 @@ class _NodeAgent(LocalElasticAgent):
       LocalElasticAgent overrides SimpleElasticAgent's);
     - a worker cut off from the job's store (exit 75, Note [cut off] in
       tandem/comm/cut_off.py) is not the only one: the others' next beat finds
-      the store gone too, so they get a moment to stop with their own line
+      the store gone too, so they get until the silence that would stop them
+      anyway (each one at once, as a rule) to stop with their own line
       before torch stops them;
     - in a job of several nodes (a ``roll``), its exit barrier waits only for
       the nodes still there (Note [nodes of an elastic job] in node_roll.py),
