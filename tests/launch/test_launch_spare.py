@@ -82,6 +82,33 @@ def test_a_spare_runs_a_module(tmp_path: Path) -> None:
         spares.close()
 
 
+BUILDS_AN_OPTIMIZER = """
+    import sys
+    before = set(sys.modules)
+    import torch
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    print(sorted(m for m in set(sys.modules) - before if m.count(".") < 2))
+"""
+
+
+def test_a_replacement_from_a_spare_builds_its_optimizer_with_nothing_left_to_import(tmp_path: Path) -> None:
+    """torch's first optimizer imports torch._dynamo (over a second of CPU, as
+    long as the rest of a replacement's start): a spare has imported it."""
+    builds = script(tmp_path, "builds.py", BUILDS_AN_OPTIMIZER)
+    spares = Spares(sys.executable, {}, count=1)
+    try:
+        _ready(spares)
+        out = tmp_path / "builds.out"
+        handler = spares.take(["-u", str(builds)], clean_env(), str(out), None, local_rank=0)
+        assert handler is not None and handler.proc.wait(timeout=30) == 0
+        assert out.read_text() == "[]\n", out.read_text()
+    finally:
+        spares.close()
+    new = subprocess.run([sys.executable, "-u", str(builds)], env=clean_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert "'torch._dynamo'" in new.stdout, new   # what a new process imports there
+
+
 def test_a_spare_is_passed_over_until_ready_and_dies_with_its_launcher(tmp_path: Path) -> None:
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import sys; from tandem.launch.spare import Spares\n"
