@@ -123,3 +123,24 @@ def test_main_job_runs_as_one_process(jobs):
 def test_plain_ddp_example_exits_cleanly_under_torchrun(jobs):
     proc = _finish(jobs["plain_ddp"][1])
     assert "over 2 rank(s)" in proc.stdout
+
+
+def test_the_digits_are_scikit_learns_without_importing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example reads the file scikit-learn ships (importing scikit-learn would
+    cost each worker 1.7 s of CPU): the images and labels of ``load_digits``, in
+    a process that has not imported scikit-learn; where the file is not found,
+    ``load_digits``'s own."""
+    np = pytest.importorskip("numpy")
+    code = ("import sys; from tandem.examples.digits import _digits; pixels, target = _digits(); "
+            "print('sklearn' in sys.modules, pixels.shape, target[:5].tolist())")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert shown.stdout.strip() == "False (1797, 64) [0, 1, 2, 3, 4]", shown
+    from sklearn.datasets import load_digits
+
+    from tandem.examples import digits
+    want = load_digits()
+    for found in (True, False):
+        if not found:
+            monkeypatch.setattr(digits.importlib.util, "find_spec", lambda name: None)
+        pixels, target = digits._digits()
+        assert np.array_equal(pixels, want.data) and np.array_equal(target, want.target), found
