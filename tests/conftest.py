@@ -7,13 +7,24 @@ graph, not by ``ATEN_CPU_CAPABILITY``: after a run with the native kernels
 cached AVX2 code and fails to build it ("'at::vec' has not been declared").
 The suite is meant to pass under each kernel family (docs/development.md), so
 each family gets a cache of its own; the spawned ranks inherit it.
+
+# Note [tandem's code compiled once]
+Where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does), each
+new interpreter would compile tandem's sources again as it imports them: 0.1
+to 0.25 s of CPU a process, and the suite starts about 200 (the launchers and
+workers of ``tandem run``, the nodes' launchers, spares, scripts). So the
+controller compiles them once at the start of a run; imports read the cached
+code whatever the variable says (the spawned ranks fork from a server that
+imported it already).
 """
 
 from __future__ import annotations
 
+import compileall
 import getpass
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +32,14 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     family = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{family}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):   # a worker of pytest-xdist: its controller did it
+        return
+    root = Path(__file__).resolve().parents[1]
+    for tree in ("tandem", "tests", "benchmarks"):   # Note [tandem's code compiled once]
+        compileall.compile_dir(root / tree, quiet=1)
 
 
 # Note [the quick subset]
