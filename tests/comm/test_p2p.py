@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -205,3 +206,47 @@ def test_ranks_waiting_on_each_other_in_different_operations_are_named() -> None
                 and "rank 3 waits in tandem.recv of the header of a message from rank 2" in error), error
     # named once both have waited MISMATCH_AFTER_S, not at the group's timeout (10 minutes)
     assert time.monotonic() - start < MISMATCH_AFTER_S + 60
+
+
+class _Work:
+    """A send's or receive's work that ends as told, noting when it was waited on."""
+
+    def __init__(self, name: str, waited: list[str], error: Exception | None = None) -> None:
+        self.name, self.waited, self.error = name, waited, error
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waited.append(self.name)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_messages_parts_are_waited_on_in_order_with_one_watched_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [one wait for a message's parts]: every part is waited on, in the order
+    it was posted, by the pair's waiter thread; the caller watches the peer over
+    the last part only; an earlier part's error is raised, not lost behind a
+    later part that completed."""
+    from tandem.comm import p2p
+    from tandem.comm.peers import Waiter
+
+    watched: list[object] = []
+    waiter = Waiter()
+    monitor = type("Monitor", (), {"peers": object(), "p2p_waiter": lambda self, *a: waiter})()
+    monkeypatch.setattr(p2p, "current_monitor", lambda: monitor)
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
+
+    def watch(work: object, peers: object, ranks: object, during: object) -> None:
+        watched.append(work)
+        work.wait()  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(p2p, "wait_watching_peers", watch)
+    waited: list[str] = []
+    p2p._wait_all([_Work(n, waited) for n in ("header", "spec", "a", "b")], 1, None, "send", "a test")
+    assert waited == ["header", "spec", "a", "b"] and len(watched) == 1
+    waited.clear()
+    broken = ConnectionError("the spec's send failed")
+    parts = [_Work("header", waited), _Work("spec", waited, broken), _Work("a", waited)]
+    with pytest.raises(ConnectionError) as raised:
+        p2p._wait_all(parts, 1, None, "send", "a test")
+    assert raised.value is broken
+    assert waited == ["header", "spec", "a"] and len(watched) == 2
