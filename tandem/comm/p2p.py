@@ -148,7 +148,7 @@ class PendingRecv:
 
     def wait(self) -> Any:
         if not self._done:
-            _wait(self._work, self._src, self._group, "recv",
+            _wait_all([self._work], self._src, self._group, "recv",
                   f"tandem.recv of the header of a message from rank {self._src}", header=True)
             self._result = _finish_recv(self._header[:2], self._src, self._group, self._device)
             self._done = True
@@ -266,7 +266,7 @@ def _finish_recv(header: torch.Tensor, src: int, group: dist.ProcessGroup | None
             f"message: rank {src} sent with torch.distributed.send (or a message was cut short); "
             "send with tandem.send on one side and receive with tandem.recv on the other")
     payload = torch.empty(length, dtype=torch.uint8)
-    _wait(dist.irecv(payload, src=src, group=group, tag=_TAG_SPEC), src, group, "recv",
+    _wait_all([dist.irecv(payload, src=src, group=group, tag=_TAG_SPEC)], src, group, "recv",
           f"tandem.recv of the spec of a message from rank {src}")
     spec = decode(payload, sender=f"rank {src}", what="the spec of a tandem.recv message",
                   allow=(_Spec, _Slot, _Named))
@@ -323,31 +323,20 @@ def _post(post: Callable[[], Any], peer: int, during: str) -> Any:
 
 
 def _wait_all(works: list[Any], peer: int, group: dist.ProcessGroup | None, direction: str,
-              during: str) -> None:
-    """Wait for a message's sends to ``peer``, or its data's receives from it, in
-    the order they were posted (Note [one wait for a message's parts])."""
-    monitor = current_monitor()
+              during: str, *, header: bool = False) -> None:
+    """Wait for sends to ``peer``, or receives from it, in the order they were
+    posted, watching ``peer`` (Note [late peers]) over the last one only (Note
+    [one wait for a message's parts]); ``header``: the receive of a message's
+    header (Note [mismatched waits] in wait_board.py)."""
     if not works:
         return
+    monitor = current_monitor()
     if monitor.peers is None or dist.get_backend(group) != "gloo":
         for work in works:
             work.wait()
         return
     waiter = monitor.p2p_waiter(peer, direction, group)
     threaded = [waiter.submit(work) for work in works]
-    wait_watching_peers(threaded[-1], monitor.peers, [peer], lambda: during)
+    wait_watching_peers(threaded[-1], monitor.peers, [peer], lambda: during, header=header)
     for done in threaded[:-1]:
         done.wait()  # run before the last: raises what its own wait raised, if anything
-
-
-def _wait(work: Any, peer: int, group: dist.ProcessGroup | None, direction: str, during: str,
-          header: bool = False) -> None:
-    """Wait for a send or receive of gloo watching ``peer`` (Note [late peers]);
-    ``header``: the receive of a message's header (Note [mismatched waits] in
-    wait_board.py)."""
-    monitor = current_monitor()
-    if monitor.peers is None or dist.get_backend(group) != "gloo":
-        work.wait()
-        return
-    threaded = monitor.p2p_waiter(peer, direction, group).submit(work)
-    wait_watching_peers(threaded, monitor.peers, [peer], lambda: during, header=header)

@@ -235,7 +235,7 @@ def test_a_messages_parts_are_waited_on_in_order_with_one_watched_wait(monkeypat
     monkeypatch.setattr(p2p, "current_monitor", lambda: monitor)
     monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "gloo")
 
-    def watch(work: object, peers: object, ranks: object, during: object) -> None:
+    def watch(work: object, peers: object, ranks: object, during: object, header: bool = False) -> None:
         watched.append(work)
         work.wait()  # type: ignore[attr-defined]
 
