@@ -136,15 +136,20 @@ def _window_on(config: ElasticConfig, store: dist.Store) -> ElasticConfig:
     return dataclasses.replace(config, stale_after_s=MIN_STALE_ON_ETCD_S)
 
 
-def _hosts(membership: Membership, generation: Generation) -> list[int]:
-    """Each member's :func:`host_key`, in rank order. The first change after the
-    founding world gathers them (a collective: no member knows the others'
-    yet, and reading every key on every member would be N² reads); a later
-    one reads only the keys of members new to this process from the store (a
-    replacement's, on the members; every key, on the replacement) and none
-    after a loss (:meth:`Membership.hosts_of`)."""
-    if generation.number > 1:
-        return membership.hosts_of(generation.members)
+def _hosts_read(membership: Membership, generation: Generation) -> list[int] | None:
+    """Each member's :func:`host_key`, in rank order, read from the store where
+    they can be: after the first change, only the keys of members new to this
+    process (a replacement's, on the members; every key, on the replacement)
+    and none after a loss (:meth:`Membership.hosts_of`). None in the first
+    change after the founding world: no member knows the others' yet, and
+    reading every key on every member would be N² reads, so they are gathered
+    (:func:`_hosts_gathered`) once the group is built. Read before the group
+    is waited for (by a member building ahead, as it begins), not after."""
+    return membership.hosts_of(generation.members) if generation.number > 1 else None
+
+
+def _hosts_gathered(membership: Membership, generation: Generation) -> list[int]:
+    """Each rank's :func:`host_key`, gathered over the new default group (the first change)."""
     hosts = [h for (h,) in all_gather_ints([host_key(socket.gethostname())])]
     membership.know_hosts(dict(zip(generation.members, hosts)))
     return hosts
@@ -170,6 +175,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
     if dist.is_initialized():
         forget_default_group()  # not destroyed: its workers may wait on a live peer (see there)
     rank = generation.rank_of(membership.member)
+    hosts = _hosts_read(membership, generation)
     if ahead is None:
         await_members(membership, generation)  # Note [arrivals]; built ahead, it arrived as the build began
     bind_group_defaults_before_init()
@@ -191,7 +197,8 @@ def enter_generation(membership: Membership, generation: Generation, *,
     # size are this process's place among the generation's members on its host.
     device = previous.device if previous is not None else bind_device(
         backend, int(os.environ.get("LOCAL_RANK", "0")), rank)
-    hosts = _hosts(membership, generation)
+    if hosts is None:
+        hosts = _hosts_gathered(membership, generation)
     here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     local_rank, local_size = here.index(rank), len(here)
     info = WorldInfo(rank=rank, local_rank=local_rank, world_size=generation.world_size,
@@ -527,6 +534,7 @@ class GroupAhead:
         self.build = _GlooBuild(_BuildStore(store, generation, "group"), generation.rank_of(membership.member),
                                 generation.world_size, _connect_timeout(membership), "group-ahead")
         self.build.join_at_exit()  # a job that ends before the switch, or a world changed elsewhere, leaves it
+        _hosts_read(membership, generation)  # the replacements', now rather than as the members switch
 
 
 def _builds_on_a_thread(membership: Membership, backend: str) -> bool:

@@ -36,6 +36,9 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``process/<id>``          the member's :class:`~tandem.comm.process_id.ProcessId`
 ``host/<id>``             the member's host, as an int64 key (:func:`host_key`); a world
                           change reads only those of members new to this process
+``digest/<id>``           what the member's model check compares (DDP's digest), posted
+                          as it starts training: a grow checks a replacement's model
+                          with it (Note [a grow checked in the store] in trainer.py)
 ``gen/<g>/verdict``       who is dead, as the generation's judge saw it at a time
                           (Note [judge once] in judge.py)
 ========================  ==========================================================
@@ -322,6 +325,27 @@ class Membership:
                     key = host_key(f"member {m}")
                 self._hosts[m] = key
         return [self._hosts[m] for m in members]
+
+    def post_model_digest(self, digest: Sequence[int]) -> None:
+        """Post what this member's model check compares (``DistributedDataParallel.model_digest``),
+        for a grow that checks a replacement's model without a collective (Note [a grow
+        checked in the store] in tandem/train/trainer.py)."""
+        self.store.set(f"{PREFIX}/digest/{self.member}", json.dumps([int(d) for d in digest]))
+
+    def model_digests(self, members: Sequence[str]) -> list[list[int]] | None:
+        """The digests ``members`` posted (:meth:`post_model_digest`), in order, read at
+        once; None when one is missing or junk (the caller checks another way: every
+        member reads the same keys, and so decides the same)."""
+        keys = [f"{PREFIX}/digest/{m}" for m in members]
+        try:
+            if not self.store.check(keys):
+                return None
+            values = [json.loads(bytes(v).decode()) for v in self.store.multi_get(keys)]
+        except (ForgedValueError, ValueError, UnicodeDecodeError):
+            return None
+        if not all(isinstance(v, list) and all(type(d) is int for d in v) for v in values):
+            return None
+        return values
 
     def dead(self, members: Sequence[str]) -> dict[str, str]:
         """The members among ``members`` whose process has ended, or whose beat

@@ -333,6 +333,29 @@ class ElasticWorld:
         if isinstance(model, DistributedDataParallel):
             model.check_model(digests)
 
+    def post_model_digest(self) -> None:
+        """Post :meth:`model_digest` in the job's store, where a grow reads it (Note [a
+        grow checked in the store] in tandem/train/trainer.py); nothing to post for a
+        model DDP does not wrap."""
+        digest = self.model_digest()
+        if digest:
+            self.membership.post_model_digest(digest)
+
+    def grown_digests(self, before: Generation, after: Generation) -> list[list[int]] | None:
+        """Every rank's :meth:`model_digest` in ``after``, a grow of ``before``, read
+        from the store without a collective: the members' as ``before``'s rank 0
+        posted it (they hold one model: their own change checked it), the
+        replacements' as each posted it. Empty for a model DDP does not wrap; None
+        when one is missing or junk (Note [a grow checked in the store] in
+        tandem/train/trainer.py)."""
+        if not self.model_digest():
+            return []
+        joiners = list(after.members[before.world_size:])
+        got = self.membership.model_digests([before.members[0], *joiners])
+        if got is None:
+            return None
+        return [got[0]] * before.world_size + got[1:]
+
     def share_state(self, wanting: list[int]) -> None:
         """Rank 0's whole training state, on the ranks ``wanting`` it (replacements
         that joined), sent to each point to point. With buddy copies, what the

@@ -32,7 +32,11 @@ What is measured, from the job's events (its docstring):
   lost; the mean before the first failure, tried the same day, rested on a
   few seconds and moved the result by up to 20 points between runs);
 - how long after a kill the members saw it (the world change's ``seen_at``),
-  and how long admitting a replacement stopped them;
+  and how long admitting a replacement stopped them: the time from the old
+  world's last commit to the new world's first, less the undisturbed pace
+  (the first step waits for the replacement, ready last; a member's own
+  ``regroup_s``, quoted before 2026-12-01, left that wait out, and was
+  whichever member's record came first);
 - where the samples not trained went (:attr:`SoakResult.lost_s`), as the
   time the full world would have needed to train them, split so that the
   parts add up to what the sample efficiency misses: time with no step under
@@ -411,7 +415,7 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
         if seen:
             result.detect_s.append(min(seen) - at)
     admissions = [c for c in result.changes if c["joined"] and not c["lost_ranks"]]
-    result.admit_s = [c["regroup_s"] for c in admissions]
+    result.admit_s = _admission_stops(commits, admissions, result.pace_s)
     result.admit_connect_s = [c.get("connect_s", 0.0) for c in admissions]
     result.lost_s = _lost(result, spans, plan.workers)
     _replacements_start(result, events, first)
@@ -422,6 +426,22 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     _check_each_sample_once(batches, plan, problems)
     _check_parameters(batches, plan, problems, commits)
     _check_checkpoint(plan, result.steps, problems)
+
+
+def _admission_stops(commits: dict[int, dict[str, Any]], admissions: list[dict[str, Any]],
+                     pace_s: float) -> list[float]:
+    """How long each admission stopped the members (Note [soak]): from the old
+    world's last commit to the new world's first, less the undisturbed step.
+    The new world's first step waits for the replacement, which is ready last
+    (it receives the state after the members have rebuilt), so no member's own
+    rebuild time (``regroup_s``) tells this. An admission another change
+    followed before its first step is left out."""
+    stops = []
+    for change in admissions:
+        before, after = commits.get(change["step"] - 1), commits.get(change["step"])
+        if before is not None and after is not None and after["gen"] == change["generation"]:
+            stops.append(after["t"] - before["t"] - pace_s)
+    return stops
 
 
 PACE_WINDOW_S = 2.0

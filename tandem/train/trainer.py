@@ -319,6 +319,8 @@ class Trainer:
             raise ValueError(f"rank {self.rank}: resume=False, but {self.checkpoint_dir} holds "
                              f"checkpoints of an earlier run (latest {latest.name}); resume it with "
                              "resume=True, or give this run an empty output_dir")
+        if self._elastic is not None:
+            self._elastic.post_model_digest()  # Note [a grow checked in the store]
         if self._elastic is not None and joining:
             resumed_from = None  # a replacement: the state comes from a live peer
             self._join()
@@ -544,6 +546,8 @@ class Trainer:
             resumed, wants = self._restore_shards(own, grown_from)
         if self._syncs is not None:  # Note [elastic local steps] in tandem/elastic/sync_points.py
             resumed = self._syncs.regroup(has_state=not elastic.run.needs_state)
+        elif elastic.buddy is None:
+            wants = self._grown_without_a_gather(after)
         if wants is None:
             wants = self._agree_on_the_place(check_model=elastic.buddy is None)
         self._loaders = self._new_loaders()
@@ -573,8 +577,9 @@ class Trainer:
         any shard moves; in a grow, which locates them without a gather (Note
         [a grow located without a gather] in tandem/elastic/world.py), their
         exchange, with each rank's place in the data, which a grow cannot
-        change; else the gather of each rank's place, here. Each member's host is
-        known without a collective after the first change (``Membership.hosts_of``)."""
+        change; without shards, a grow has no gather at all (Note [a grow checked
+        in the store]); else the gather of each rank's place, here. Each member's
+        host is known without a collective after the first change (``Membership.hosts_of``)."""
         elastic = self._elastic
         assert elastic is not None
         digest = elastic.model_digest() if check_model else []
@@ -582,6 +587,40 @@ class Trainer:
         if check_model:
             elastic.check_model([row[3:] for row in gathered])
         return self._take_places([row[:3] for row in gathered])
+
+    def _grown_without_a_gather(self, after: Generation) -> list[bool] | None:
+        """In a grow, which ranks want the state, with DDP's model checked, and no
+        collective; None where the change is no grow, or a digest cannot be read
+        (the caller gathers then).
+
+        # Note [a grow checked in the store]
+        Admitting a replacement stops the members, and after its group (built
+        ahead: Note [a group built ahead] in tandem/control/elastic_group.py) the
+        change's first gather was its longest part: a round of the new world
+        that waits for the replacement, the last to be ready, and then for each
+        rank's turn on a loaded host. In a grow it carries nothing a member does
+        not know: the members committed the same steps and hold one place in the
+        data, which the replacement receives with the state; the replacements
+        are the ranks past the old world's; and the model check needs only each
+        replacement's digest against the members'. So every rank of the new
+        world posts its digest as it starts training (``Membership.post_model_digest``,
+        each member once: the model is fixed), and a grow reads the old world's
+        rank 0's and each replacement's at once (``ElasticWorld.grown_digests``).
+        Every rank reads the same keys, so all check alike: where the digests
+        differ, DDP's check gathers the models to name the difference and
+        raises on every rank, as the gather's check did; where one is missing or
+        junk, every rank gathers as before. A change that lost a member, and
+        local steps (which go back to their last sync), gather the place."""
+        elastic = self._elastic
+        assert elastic is not None
+        before = elastic.run.grown_from(after)
+        if before is None:
+            return None
+        digests = elastic.grown_digests(before, after)
+        if digests is None:
+            return None
+        elastic.check_model(digests)
+        return [rank >= before.world_size for rank in range(after.world_size)]
 
     def _place(self) -> list[int]:
         """This rank's place in the data, as a world change agrees on it: whether it

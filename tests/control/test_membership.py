@@ -242,6 +242,27 @@ def test_a_members_host_is_read_once_and_a_missing_or_junk_one_is_a_host_of_its_
         m.stop()
 
 
+@pytest.mark.parametrize("kind", ["plain", "signed"])
+def test_model_digests_are_read_at_once_and_a_missing_or_junk_one_reads_as_none(kind: str) -> None:
+    # Note [a grow checked in the store] in tandem/train/trainer.py: None tells every member
+    # to gather the digests instead; the members read the same keys, so all decide alike.
+    store, (m0, m1) = _members(2, Clock(), _store(kind))
+    m0.post_model_digest([1, -2, 3, 4])
+    assert m1.model_digests(["0"]) == [[1, -2, 3, 4]]
+    assert m1.model_digests(["0", "1"]) is None  # 1 posted none
+    m1.post_model_digest([5, 6, 7, 8])
+    assert m0.model_digests(["1", "0"]) == [[5, 6, 7, 8], [1, -2, 3, 4]]
+    key = f"{PREFIX}/digest/1"
+    for junk in ("not json", "[1, 2.5]", '{"a": 1}'):
+        if isinstance(store, SignedStore):
+            store.inner.set(store.name(key), junk)  # a stranger's, not signed
+        else:
+            store.set(key, junk)
+        assert m0.model_digests(["0", "1"]) is None, junk
+    for m in (m0, m1):
+        m.stop()
+
+
 def _ask_as_a_stranger(raw: dist.Store, clock: Clock) -> None:
     """What a replacement writes to ask to join, written by a process without the
     job's secret, under the keys' names as they are without one."""

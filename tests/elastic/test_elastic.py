@@ -36,7 +36,7 @@ from torch import nn
 
 from tandem.control.generation import ElasticConfig
 from tandem.testing import as_dtensor, run_distributed, start_concurrently
-from tandem.testing.harness import still_running
+from tandem.testing.harness import RankFailure, still_running
 from tandem.testing.indexed import IndexedSamples
 from tandem.testing.replay import world_sizes
 
@@ -146,7 +146,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
           admitting_dies: int | None = None, group_dies: int | None = None, in_refresh: bool = False,
           save_dies: int | None = None, miscounts: int | None = None, leaves_at: int | None = None,
           local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None,
-          admitting_dies_at: str = "share") -> dict:
+          admitting_dies_at: str = "share", other_model: bool = False) -> dict:
     """One rank: train one epoch elastically (with ``zero``: ZeRO-2 and Adam; with
     ``fsdp``: fully_shard and Adam; with ``local_steps``: LocalSGD syncing every
     that many steps, plain SGD); ``deaths`` maps a founding rank to
@@ -160,7 +160,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
     the first copies after a replacement joined, once it received one and before
     it sends its own (Note [a grow's copies ride on its first step]), and
     ``group_dies`` as fully_shard builds its reduce-scatter group in a smaller
-    world (at the first forward after a loss)."""
+    world (at the first forward after a loss). With ``other_model``, a replacement
+    builds a wider model than the members'."""
     from tandem import Trainer, TrainerConfig
 
     joining = join_or_found(rank, world_size, out, join_dies)
@@ -251,6 +252,12 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         copies.append(True)
         return copy_of(*args, **kwargs)
     BuddyCopies.refresh = counted_refresh  # type: ignore[method-assign]
+    agree, places = Trainer._agree_on_the_place, []
+
+    def counted_agree(*args: Any, **kwargs: Any) -> Any:
+        places.append(True)
+        return agree(*args, **kwargs)
+    Trainer._agree_on_the_place = counted_agree  # type: ignore[method-assign]
     member = "j" if joining else str(rank)
     log = Path(out) / f"samples-{member}-{os.getpid()}.jsonl"
     trainer: Trainer | None = None
@@ -269,6 +276,8 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         return ((outputs - y) ** 2).mean()
 
     model = make_model()
+    if other_model and joining:
+        model = nn.Sequential(nn.Linear(FEATURES, 17), nn.Tanh(), nn.Linear(17, 2))
     if fsdp:  # a unit per Linear and a root without parameters: Note [elastic fully_shard]
         from tandem import fully_shard
         fully_shard(model[0], min_unit_bytes=0)
@@ -323,6 +332,7 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
             "changes": [c.record() for c in trainer.world_changes],
             "world_size": dist.get_world_size(), "pid": os.getpid(), "member": member,
             "rank": dist.get_rank(), "local": _local_place(), "headers_gathered": len(located), "copies": len(copies),
+            "places_gathered": len(places),
             "buddy_bytes": (trainer._elastic.buddy.nbytes  # type: ignore[union-attr]
                             if trainer._elastic is not None and trainer._elastic.buddy is not None else None),
             "kept_bytes": (trainer._elastic.buddy.kept_nbytes  # type: ignore[union-attr]
@@ -470,13 +480,13 @@ def _run(tmp_path: Path, deaths: dict[int, int], *, replace: tuple[int, ...] = (
          group_dies: int | None = None, in_refresh: bool = False, save_dies: int | None = None,
          world: int = 3, miscounts: int | None = None, leaves_at: int | None = None,
          local_steps: int | None = None, ends_apart_at: int | None = None, hook: str | None = None,
-         admitting_dies_at: str = "share") -> list[dict]:
+         admitting_dies_at: str = "share", other_model: bool = False) -> list[dict]:
     may_die = list(deaths) + ([3] if join_dies else []) + [r for r in (admitting_dies, group_dies, save_dies)
                                                            if r is not None]
     results = run_distributed(_rank, world, args=(str(tmp_path), deaths, join_dies, join_at, zero, checkpoint_every,
                                                   fsdp, admitting_dies, group_dies, in_refresh, save_dies,
                                                   miscounts, leaves_at, local_steps, ends_apart_at, hook,
-                                                  admitting_dies_at),
+                                                  admitting_dies_at, other_model),
                               timeout=TIMEOUT,
                               init_process_group=False, may_die=may_die, replace=replace)
     pids = [r["pid"] for r in results if r is not None]
@@ -540,6 +550,8 @@ SCENARIOS: dict[str, tuple[dict[int, int], dict]] = {  # name: (deaths, _run's k
     # Local steps (Note [elastic local steps]): rank 1 dies in step 4, after the sync of step 3.
     "local-steps": ({1: 4}, {"local_steps": 3}),
     "local-steps-replacement": ({1: 4}, {**JOIN, "join_at": 5, "local_steps": 3}),
+    # j1 built a wider model than the members' (Note [a grow checked in the store]).
+    "replacement-other-model": ({1: 2}, {**JOIN, "other_model": True}),
     # Rank 2 dies in step 6, while j1's group is built ahead (Note [a group built ahead]).
     "lost-while-built-ahead": ({1: 2, 2: 5}, JOIN),
 }
@@ -601,6 +613,8 @@ def test_replacement_joins_and_gets_the_state(scenarios: dict) -> None:
     # It asked before step 5's decision: the members began its group then, and trained
     # on for a step in the old world meanwhile (Note [a group built ahead]).
     assert grow["built_ahead_from"] == 5 and grow["step"] == 6
+    # The loss gathered each rank's place; the grow, none (Note [a grow checked in the store]).
+    assert {r["member"]: r["places_gathered"] for r in live} == {"0": 1, "2": 1, "j": 0}
     # One host: every member is local to every other, after the loss (gathered) and the
     # admission (read from the store: the replacement every member's host, the members its).
     assert all(r["local"] == (r["rank"], 3) for r in live), [(r["rank"], r["local"]) for r in live]
@@ -851,6 +865,18 @@ def test_a_rank_lost_as_fully_shard_builds_its_reduce_group_holds_no_one(scenari
     assert all(c["checkpoint_step"] is None for c in changes)
     _check_reference(live, _schedule(changes), zero=True)
     assert _used_samples(tmp_path, {"1": 2, "2": 2}) == list(range(N))
+
+
+def test_a_replacement_with_another_model_is_named_on_every_rank(scenarios: dict) -> None:
+    # Note [a grow checked in the store]: the digests read from the store differ, so DDP's
+    # check gathers the models and raises the same error on the members and on j1.
+    with pytest.raises(RankFailure) as failed:
+        _launched(scenarios, "replacement-other-model")
+    tracebacks = failed.value.tracebacks
+    assert len(tracebacks) == 3, sorted(tracebacks)
+    for rank, text in tracebacks.items():
+        assert "ValueError" in text and "DistributedDataParallel needs the same model on every rank" in text \
+            and "(16, 6)" in text and "(17, 6)" in text, (rank, text[-2000:])
 
 
 @pytest.mark.parametrize("bad", [{"min_world_size": 0}, {"beat_s": 0}, {"beat_s": 1.0, "stale_after_s": 2.0}])
