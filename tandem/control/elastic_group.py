@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch.distributed as dist
@@ -157,12 +157,14 @@ def _hosts_gathered(membership: Membership, generation: Generation) -> list[int]
 
 def enter_generation(membership: Membership, generation: Generation, *,
                      timeout: datetime.timedelta | None = None, backend: str | None = None,
-                     ahead: GroupAhead | None = None) -> WorldInfo:
+                     ahead: GroupAhead | None = None, joining: bool = False) -> WorldInfo:
     """Replace the default group by one of ``generation``'s members (Note [elastic
     default group]); a collective of the generation's members. Returns this
     process's new :class:`WorldInfo`. ``ahead``: this member's build of a
     generation's group begun while it trained (Note [a group built ahead]),
-    taken if it is ``generation``'s, else abandoned."""
+    taken if it is ``generation``'s, else abandoned. ``joining``: a replacement
+    entering the generation that admits it, which goes on once its own backend
+    is built (Note [a replacement goes on ahead])."""
     if ahead is not None and ahead.generation != generation:
         ahead = None  # the world changed to another generation: its build is dropped (joined at exit)
     record = group_record.last()
@@ -185,7 +187,7 @@ def enter_generation(membership: Membership, generation: Generation, *,
         with default_group_connections(backend, ahead.build if ahead is not None else None) as connections:
             # Built under connect_timeout_s (Note [arrivals]); its collectives get timeout_td.
             with _built_while_watched(membership, generation, "group", backend,
-                                      ahead.build if ahead is not None else None):
+                                      ahead.build if ahead is not None else None, joining=joining):
                 dist.init_process_group(backend, store=store, rank=rank, world_size=generation.world_size,
                                         timeout=_connect_timeout(membership))
     except PeerLostError:
@@ -218,12 +220,13 @@ def enter_generation(membership: Membership, generation: Generation, *,
 
 
 def await_members(membership: Membership, generation: Generation, what: str = "group",
-                  building: _GlooBuild | None = None) -> None:
+                  building: _GlooBuild | None = None, *, wait_for_all: bool = True) -> None:
     """Mark ``membership``'s member arrived to build ``generation``'s group (or another group
     over its members, named by ``what``), and wait until every member has
     (Note [arrivals]). With ``building``, the member arrives once its backend
     is built, and the roll call is of the built ones (Note [a death while the
-    group is built]).
+    group is built]); without ``wait_for_all``, it returns once it has
+    arrived (Note [a replacement goes on ahead]).
 
     # Note [arrivals]
     Building a generation's gloo group waits, in torch, until every member has
@@ -263,6 +266,8 @@ def await_members(membership: Membership, generation: Generation, what: str = "g
             if building.done.wait(min(wait_s, membership.config.beat_s)):
                 building.result()  # raises its failure
                 _arrive(roll, membership.member, generation)
+                if not wait_for_all:
+                    return
                 here = True
                 continue
             outcome = roll.outcome_now()
@@ -458,7 +463,7 @@ class _GlooBuild:
 
 @contextlib.contextmanager
 def _built_while_watched(membership: Membership, generation: Generation, what: str, backend: str,
-                         ahead: _GlooBuild | None = None) -> Iterator[None]:
+                         ahead: _GlooBuild | None = None, *, joining: bool = False) -> Iterator[None]:
     """Around torch's creation of ``what``, a group over ``generation``'s members:
     its gloo backend built first while the members watch each other (or the
     build begun ``ahead``: Note [a group built ahead]), then given to torch,
@@ -480,7 +485,7 @@ def _built_while_watched(membership: Membership, generation: Generation, what: s
         build = _GlooBuild(_BuildStore(store, generation, what), generation.rank_of(membership.member),
                            generation.world_size, _connect_timeout(membership), what)
     try:
-        await_members(membership, generation, f"{what} connected", building=build)
+        await_members(membership, generation, f"{what} connected", building=build, wait_for_all=not joining)
     except BaseException:
         build.join_at_exit()
         raise
@@ -517,6 +522,25 @@ def _built_while_watched(membership: Membership, generation: Generation, what: s
 #
 # Where torch builds the group (nccl; a TCP store torch cannot open a second
 # connection to), the decision is ``grow`` at once, as it always was.
+
+# Note [a replacement goes on ahead]
+# A member waits on the roll call of the connected members (Note [a death while
+# the group is built]) before it leaves the old group behind: its connections
+# to the old group are cut then, and every member must be done with them. A
+# replacement has no old group, and once its own backend is built it is
+# connected to every member: so it arrives on that roll and goes on, to
+# its rebuild for the new world, without waiting for the members to switch (a
+# step later: Note [a group built ahead]). Its first call that needs the
+# members, the receive of the state from rank 0 (or, sharded, the shards'
+# exchange), is posted and waits for them, watched as any: a member lost
+# meanwhile fails it (a dead one by its beat, one gone to the next change as
+# departed: Note [a peer gone to regroup] in tandem/comm/peers.py), and the
+# replacement takes part in that change (Note [a join cut short] in
+# tandem/elastic/run.py); members that all ended (a job that finished at the
+# step it prepared) leave it nothing to join (exit 76). Its own set-up for the
+# new world (its heartbeat's watch over the group, DDP's buckets laid out for
+# it) is done as the members train that step, so the members, once switched,
+# wait only for the state to go across.
 
 
 class GroupAhead:
@@ -603,17 +627,20 @@ def join_elastic(backend: str | None, init_method: str | None, timeout_td: datet
     return info
 
 
-def ask_to_join(membership: Membership) -> Generation:
-    """A replacement's request to join, and its entry in the generation that
-    admits it (Note [a replacement builds first]): its default group is then
-    that generation's."""
+def ask_to_join(membership: Membership, then: Callable[[Generation], object]) -> Generation:
+    """A replacement's request to join, its entry in the generation that admits
+    it (Note [a replacement builds first]), whose default group is then its
+    own, and ``then(generation)``, its rebuild for that world. A peer lost in
+    either when every member that admitted it has ended is nothing to join
+    (Note [a replacement goes on ahead])."""
     try:
         generation = membership.ask_to_join()
         try:
-            enter_generation(membership, generation)
+            enter_generation(membership, generation, joining=True)
+            then(generation)
         except PeerLostError as e:
             admitting = _admitters_ended(membership, generation)
-            if admitting is not None:  # they finished as it built its group (Note [a group built ahead], 3)
+            if admitting is not None:  # they finished as it joined (Note [a group built ahead], 3)
                 raise admitting from e
             raise
     except NothingToJoin as e:

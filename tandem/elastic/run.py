@@ -322,8 +322,7 @@ class ElasticRun:
         in the next change (Note [a join cut short])."""
         before = self.membership.generation
         try:
-            generation = ask_to_join(self.membership)
-            rebuild(before, generation)
+            ask_to_join(self.membership, lambda generation: rebuild(before, generation))
         except Exception as e:
             if not is_peer_failure(e):
                 raise

@@ -181,10 +181,11 @@ def main() -> None:
             import tandem.elastic.run as run_module
             admit = run_module.ask_to_join
 
-            def admitted_then_gone(membership: Any) -> Any:
-                admit(membership)
-                events.write("killed", member=me, phase="join", step=-1, gen=membership.generation.number)
-                os.kill(os.getpid(), signal.SIGKILL)
+            def admitted_then_gone(membership: Any, then: Any) -> Any:
+                def gone(generation: Any) -> None:  # in the new group, before its rebuild
+                    events.write("killed", member=me, phase="join", step=-1, gen=generation.number)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return admit(membership, gone)
 
             run_module.ask_to_join = admitted_then_gone
 

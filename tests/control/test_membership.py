@@ -263,6 +263,36 @@ def test_model_digests_are_read_at_once_and_a_missing_or_junk_one_reads_as_none(
         m.stop()
 
 
+class _Built:
+    """A gloo backend's build that is done (``_GlooBuild``'s face to ``await_members``)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.done.set()
+
+    def result(self) -> object:
+        return object()
+
+
+def test_a_replacement_whose_backend_is_built_goes_on_without_waiting_for_the_members() -> None:
+    # Note [a replacement goes on ahead] in tandem/control/elastic_group.py: j1 arrives on
+    # the roll of the connected and returns; a member waits there until every one arrived.
+    from tandem.control.elastic_group import await_members
+    from tandem.control.membership import arrival_roll
+
+    store, (m0, m1) = _members(2, Clock())
+    generation = Generation(1, ("0", "1"))
+    roll = arrival_roll(store, 1, "group connected")
+    await_members(m1, generation, "group connected", building=_Built(), wait_for_all=False)  # type: ignore[arg-type]
+    assert roll.arrived() == ["1"] and roll.outcome_now() is None  # m0 has not arrived: no wait
+    t, out = _in_thread(lambda: await_members(m0, generation, "group connected",
+                                              building=_Built()))  # type: ignore[arg-type]
+    t.join(5)
+    assert not t.is_alive() and out == [None] and roll.outcome_now() is not None  # the last: all came
+    for m in (m0, m1):
+        m.stop()
+
+
 def _ask_as_a_stranger(raw: dist.Store, clock: Clock) -> None:
     """What a replacement writes to ask to join, written by a process without the
     job's secret, under the keys' names as they are without one."""

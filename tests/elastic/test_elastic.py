@@ -80,9 +80,10 @@ def _die_once_admitted(when: str = "admitted") -> None:
         from tandem.control.membership import Membership
         arrive = group_module.await_members
 
-        def gone(membership: Membership, generation: Any, what: str = "group", building: Any = None) -> None:
+        def gone(membership: Membership, generation: Any, what: str = "group", building: Any = None,
+                 **kwargs: Any) -> None:
             if when == "arrived":
-                arrive(membership, generation, what, building)
+                arrive(membership, generation, what, building, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
 
         group_module.await_members = gone
@@ -90,9 +91,8 @@ def _die_once_admitted(when: str = "admitted") -> None:
     import tandem.elastic.run as run_module
     admit = run_module.ask_to_join
 
-    def admitted_then_gone(membership: Any) -> Any:
-        admit(membership)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def admitted_then_gone(membership: Any, then: Any) -> Any:
+        return admit(membership, lambda generation: os.kill(os.getpid(), signal.SIGKILL))  # before its rebuild
 
     run_module.ask_to_join = admitted_then_gone
 
@@ -200,10 +200,11 @@ def _rank(rank: int, world_size: int, out: str, deaths: dict[int, int], join_die
         from tandem.control.membership import Membership
         arrive = group_module.await_members
 
-        def miscount(membership: Membership, generation: Any, what: str = "group", building: Any = None) -> None:
+        def miscount(membership: Membership, generation: Any, what: str = "group", building: Any = None,
+                     **kwargs: Any) -> None:
             from torch.distributed import distributed_c10d as c10d
             c10d._world.group_count += 1
-            arrive(membership, generation, what, building)
+            arrive(membership, generation, what, building, **kwargs)
         group_module.await_members = miscount
     if leaves_at is not None and rank == 2 and not joining:
         # Rank 2 leaves for a regroup, alive, as it would send its copy of step leaves_at:
