@@ -15,7 +15,9 @@ started for each. Per run it prints the failures, step efficiency (steps
 committed / attempted), training efficiency (time in committed steps / wall
 time), sample efficiency (samples in committed steps / what the full world
 trains in that wall time at its undisturbed pace), the median time from a kill to the members seeing it, the median time
-an admission stopped the members against the median step, and whether every
+an admission stopped the members (from the old world's last commit to the
+new one's first, less the undisturbed step; with, after the semicolon, a
+member's time to build the new group) against the median step, and whether every
 check passed (parameters equal to one process on the committed batches,
 every sample once per epoch, the last checkpoint loadable, no process left).
 After each run, a line splits what the sample efficiency misses into its parts
