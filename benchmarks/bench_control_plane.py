@@ -248,7 +248,8 @@ class Host:
             t.join()
         self.send("waited", len(threads))
 
-    def _next(self, known_dead: list[str]) -> None:
+    def _next(self, gone: list[str]) -> None:
+        known_dead = {m: "has died (the benchmark killed it)" for m in gone}
         out: list[tuple[str, float, int]] = []
         lock = threading.Lock()
 

@@ -14,8 +14,9 @@ float64, SGD with momentum, 16 samples per worker per step, a checkpoint every
 started for each. Per run it prints the failures, step efficiency (steps
 committed / attempted), training efficiency (time in committed steps / wall
 time), sample efficiency (samples in committed steps / what the full world
-trains in that wall time at its undisturbed pace), the median time from a kill to the members seeing it, the median time
-an admission stopped the members (from the old world's last commit to the
+trains in that wall time at its undisturbed pace), the median time from a
+kill to the first member seeing it and to every survivor seeing it, the
+median time an admission stopped the members (from the old world's last commit to the
 new one's first, less the undisturbed step; with, after the semicolon, a
 member's time to build the new group) against the median step, and whether every
 check passed (parameters equal to one process on the committed batches,
@@ -50,8 +51,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true",
                         help="keep every run's events and logs (a failed run's are always kept)")
     args = parser.parse_args()
-    print("| T (s) | strategy | failures | steps | step eff. | training eff. | sample eff. | seen after (median) "
-          "| admission (median; of it, the group) | step (median) | checks |")
+    print("| T (s) | strategy | failures | steps | step eff. | training eff. | sample eff. "
+          "| seen after, first; all (median) | admission (median; of it, the group) | step (median) | checks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for every in args.every:
         for strategy in args.strategies:
@@ -63,7 +64,8 @@ def main() -> None:
             took = time.monotonic() - started
             if not r.problems and not args.keep:  # a failed run's events and logs stay, to be looked at
                 shutil.rmtree(tmp, ignore_errors=True)
-            seen = f"{statistics.median(r.detect_s) * 1000:.0f} ms" if r.detect_s else "-"
+            seen = (f"{statistics.median(r.detect_s) * 1000:.0f} ms; "
+                    f"{statistics.median(r.detect_all_s) * 1000:.0f} ms" if r.detect_s else "-")
             admit = (f"{statistics.median(r.admit_s) * 1000:.0f} ms; "
                      f"{statistics.median(r.admit_connect_s) * 1000:.0f} ms" if r.admit_s else "-")
             checks = "all passed" if not r.problems else "; ".join(r.problems)

@@ -8,9 +8,37 @@ below would wait for gloo's timeout (a ZeRO-2 rank whose parameter all-gather
 completed before a death commits its step alone, then waits in the buddy
 copies' receive from a peer that waits for it in the regroup). So the
 membership tells the watch which peers have asked for the next generation
-(``PeerWatch.departed``), and a peer seen so for a whole slice counts as gone,
-for this wait: a message it sent before it left arrives within the slice. The
-rank then regroups too.
+(``PeerWatch.departed``), and a peer seen so for :data:`LEFT_GRACE_S` counts
+as gone, for this wait: a message it sent before it left arrives within it.
+The rank then regroups too.
+
+# Note [a departure names the dead]
+The peers that leave first are the ones a death failed at once: gloo closed
+their connection to the dead rank, and its launcher's notice named it. A
+rank that the death failed no connection of waits on (its ring neighbours
+did) until its slice ends, and then read the verdict, which names the death
+only at the judge's next beat: in a soak, one member of four saw a kill
+0.5 s after the others, and they waited for it in their regroup. So a member
+that leaves names the deaths it saw (what its watch found: a process ended,
+a beat gone silent), and a watch that finds a peer departed reads them
+(:class:`Departures`): a named death among the ranks it waits on is a loss
+at once, as the verdict's is, with no slice's grace (a dead rank sends
+nothing more). Who left is read only once one has (Note [a watch reads the
+verdict]); what they named, in one more read.
+
+# Note [a quick look]
+A death is seen by a waiting rank when its slice ends and it looks, so the
+slice bounds how late the last member knows, and the others wait that long
+for it in their regroup: slices of a beat (0.25 s) made every loss in a soak
+0.25 s longer than the first member's notice. Where a look reads nothing
+until something happened (an elastic job over a TCP store, whose news thread
+waits on the store for it: Note [news of a generation] in
+tandem/control/news.py), a slice costs no store operation, and is
+:data:`QUICK_SLICE_S`; elsewhere (a file store, etcd) each look reads the
+verdict and the roll call, and slices stay a beat long. A wait says where it
+waits after the slices of :data:`_NOTE_AFTER_S` whatever their length (two
+store operations, which a wait of a few quick slices, a straggler's, should
+not cost).
 
 # Note [dead peers]
 When a rank dies inside a collective, gloo tells only the ranks connected to it
@@ -98,9 +126,9 @@ from tandem.store.job_secret import ForgedValueError
 from tandem.comm.process_id import PostedProcesses, ProcessId
 from tandem.comm.wait_board import MismatchError, WaitBoard, WaitNote
 
-__all__ = ["DEFAULT_LIVENESS", "HEARTBEAT_INTERVAL_S", "Liveness", "PeerLostError", "PeerWatch", "STALE_AFTER_S",
-           "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter", "departure", "heartbeat_key", "last_beat",
-           "drain_at_exit", "wait_watching_peers"]
+__all__ = ["DEFAULT_LIVENESS", "Departures", "HEARTBEAT_INTERVAL_S", "LEFT_TO_REGROUP", "Liveness", "PeerLostError",
+           "PeerWatch", "QUICK_SLICE_S", "STALE_AFTER_S", "SliceEnded", "ThreadedWait", "WAIT_SLICE_S", "Waiter",
+           "departure", "heartbeat_key", "last_beat", "drain_at_exit", "wait_watching_peers"]
 
 HEARTBEAT_INTERVAL_S = 0.25
 """How often a rank's monitor thread beats."""
@@ -108,6 +136,13 @@ STALE_AFTER_S = 2.5
 """A beat unchanged for this long means the rank is gone (ten missed beats)."""
 WAIT_SLICE_S = 0.5
 """How long one slice of a watched wait lasts before the peers are looked at."""
+QUICK_SLICE_S = 0.05
+"""A slice where a look reads nothing until something happened (Note [a quick look])."""
+LEFT_GRACE_S = 0.25
+"""How long a peer seen gone to regroup is still waited for: what it sent
+before it left arrives within it (Note [a peer gone to regroup])."""
+_NOTE_AFTER_S = 0.25
+"""A wait longer than this says where it waits (Note [mismatched waits] in wait_board.py)."""
 EXITED = "exited"
 """The first word of a rank's last beat; alone, it called tandem.shutdown()."""
 _ENDED = "ended"
@@ -131,6 +166,18 @@ LEFT = "has left the job"
 """How a peer words a rank that left the job (it reached tandem.shutdown() or the end of its script)."""
 CRASHED = "crashed"
 """How a peer words a rank that raised an uncaught exception."""
+LEFT_TO_REGROUP = "has left generation"
+"""How a peer words a rank that left its generation alive, to regroup (Note [a peer gone to regroup])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Departures:
+    """The peers that left this generation to regroup (``left``), and the deaths
+    they named as they left (``named_dead``), by rank, with why (Note [a
+    departure names the dead])."""
+
+    left: dict[int, str] = dataclasses.field(default_factory=dict)
+    named_dead: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def departure(value: str) -> str | None:
@@ -223,7 +270,7 @@ class PeerWatch:
         self._processes = PostedProcesses(store, process_key)  # Note [deaths seen at once]
         self.board = WaitBoard(store, rank)  # where each rank waits (Note [mismatched waits])
         # Note [a peer gone to regroup]: set in an elastic job, by its membership.
-        self.departed: Callable[[Sequence[int]], dict[int, str]] | None = None
+        self.departed: Callable[[Sequence[int]], Departures] | None = None
         # Note [a watch reads the verdict]: set in an elastic job, by its membership; None
         # from it when there is no fresh verdict.
         self.judged: Callable[[Sequence[int]], dict[int, str] | None] | None = None
@@ -275,21 +322,18 @@ class PeerWatch:
         return self._with_departed(lost, ranks, now)
 
     def _with_departed(self, lost: dict[int, str], ranks: Sequence[int], now: float) -> dict[int, str]:
-        """``lost`` and the peers of ``ranks`` that left to regroup (Note [a peer gone to regroup])."""
-        if self.departed is not None:
-            lost.update(self._gone_to_regroup([r for r in ranks if r != self.rank and r not in lost], now))
-        return lost
-
-    def _gone_to_regroup(self, ranks: Sequence[int], now: float) -> dict[int, str]:
-        """The peers of ``ranks`` that left for a regroup at least a slice ago
-        (Note [a peer gone to regroup])."""
-        assert self.departed is not None
-        gone = {}
-        for r, why in self.departed(ranks).items():
+        """``lost``, the deaths that peers named as they left to regroup (Note [a
+        departure names the dead]) and the peers of ``ranks`` that left at least
+        a slice ago (Note [a peer gone to regroup])."""
+        if self.departed is None:
+            return lost
+        departures = self.departed([r for r in ranks if r != self.rank and r not in lost])
+        lost.update({r: why for r, why in departures.named_dead.items() if r != self.rank and r not in lost})
+        for r, why in departures.left.items():
             since = self._departed_at.setdefault(r, now)
-            if now - since >= self.liveness.slice_s:
-                gone[r] = why
-        return gone
+            if now - since >= LEFT_GRACE_S and r not in lost:
+                lost[r] = why
+        return lost
 
     def diagnose(self, ranks: Sequence[int], window_s: float | None = None) -> dict[int, str]:
         """Watch ``ranks`` for up to ``window_s`` (default: the staleness window
@@ -340,6 +384,8 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
     Other failures of the collective are re-raised unchanged.
     """
     note: WaitNote | None = None
+    started, slices = time.time(), 0
+    before_note = max(1, round(_NOTE_AFTER_S / watch.liveness.slice_s))  # Note [a quick look]
     try:
         while True:
             try:
@@ -365,10 +411,11 @@ def wait_watching_peers(work: Any, watch: PeerWatch, ranks: Sequence[int],
                     raise PeerLostError(watch.rank, lost, during()) from (None if sliced else e)
                 if not sliced:
                     raise
-            if note is None:  # a wait longer than one slice: say where this rank waits
-                note = WaitNote(during(), tuple(r for r in ranks if r != watch.rank),
-                                time.time() - watch.liveness.slice_s, header)
-                watch.board.post(note)
+            slices += 1
+            if note is None:
+                if slices >= before_note:  # a long wait: say where this rank waits
+                    note = WaitNote(during(), tuple(r for r in ranks if r != watch.rank), started, header)
+                    watch.board.post(note)
             else:
                 waits = watch.board.mismatch(note)
                 if waits:

@@ -95,7 +95,6 @@ def elastic_membership(config: ElasticConfig) -> Membership:
         raise RuntimeError("an elastic job needs a process group: call tandem.init() first")
     config = _window_on(config, job_store())
     monitor = current_monitor()
-    monitor.set_liveness(config.liveness())  # every rank: Note [dead peers] in tandem/comm/peers.py
     member = group_record.current()
     if member is not None and member.elastic is not None:
         elastic = member.elastic
@@ -105,6 +104,7 @@ def elastic_membership(config: ElasticConfig) -> Membership:
         elastic = Membership.founding(signed(job_store()), dist.get_rank(), dist.get_world_size(), config)
         if member is not None:
             group_record.with_elastic(member, elastic)
+    monitor.set_liveness(elastic.liveness())  # every rank: Note [dead peers] in tandem/comm/peers.py
     if monitor.peers is not None:
         monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
         monitor.peers.judged = elastic.judged_ranks  # Note [a watch reads the verdict] there

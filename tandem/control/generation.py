@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 
-from tandem.comm.peers import WAIT_SLICE_S, Liveness
+from tandem.comm.peers import QUICK_SLICE_S, WAIT_SLICE_S, Liveness
 
 __all__ = ["PREFIX", "Decision", "ElasticConfig", "Generation", "MembershipError", "NothingToJoin"]
 
@@ -55,7 +55,7 @@ class ElasticConfig:
             raise ValueError(f"ElasticConfig: stale_after_s={self.stale_after_s} must be at least four "
                              f"beats (beat_s={self.beat_s}), or a slow beat reads as a death")
 
-    def liveness(self) -> Liveness:
+    def liveness(self, *, quick: bool = False) -> Liveness:
         """The window a collective's wait judges the peers' beats by, and its
         slices: a beat long at most, so that a death that fails no connection
         of a waiting rank is seen within a beat. Each rank's monitor beats five
@@ -63,10 +63,13 @@ class ElasticConfig:
         verdict (Note [a watch reads the verdict] in tandem/comm/peers.py), and
         what tells the rank it is cut off (Note [cut off] in
         tandem/comm/cut_off.py, after twice the window); the deaths are seen
-        from the members' or their nodes' beats, ``beat_s`` apart."""
+        from the members' or their nodes' beats, ``beat_s`` apart. ``quick``:
+        a look reads nothing until something happened, and the slices are
+        :data:`~tandem.comm.peers.QUICK_SLICE_S` at most (Note [a quick look]
+        in tandem/comm/peers.py)."""
         # Note [dead peers] in tandem/comm/peers.py
         return Liveness(beat_s=self.stale_after_s / _MONITOR_BEATS_A_WINDOW, stale_after_s=self.stale_after_s,
-                        slice_s=min(self.beat_s, WAIT_SLICE_S))
+                        slice_s=min(self.beat_s, QUICK_SLICE_S if quick else WAIT_SLICE_S))
 
 
 class Decision(Enum):

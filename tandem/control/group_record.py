@@ -128,7 +128,7 @@ def start_watch(info: WorldInfo, timeout_td: datetime.timedelta, *, owned: bool,
     """What :func:`init` adds to a group it created or adopted, and the record of it."""
     global _membership
     monitor = start_monitor(timeout_s=timeout_td.total_seconds(),
-                            liveness=elastic.config.liveness() if elastic is not None else DEFAULT_LIVENESS)
+                            liveness=elastic.liveness() if elastic is not None else DEFAULT_LIVENESS)
     if elastic is not None and monitor.peers is not None:
         monitor.peers.departed = elastic.departed  # Note [a peer gone to regroup] in tandem/comm/peers.py
         monitor.peers.judged = elastic.judged_ranks  # Note [a watch reads the verdict] there

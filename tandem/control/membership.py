@@ -23,7 +23,9 @@ is the founding world. Keys, under ``tandem/elastic/``:
 ``gen/<g>/members``       the generation's members (JSON), written once, by
                           ``compare_set``: the first proposal wins, every rank reads it
 ``latest``                the newest generation number
-``gen/<g>/cand/<id>``     a member of ``g - 1`` that is alive and wants in ``g``
+``gen/<g>/cand/<id>``     a member of ``g - 1`` that is alive and wants in ``g``, with the
+                          deaths it saw (JSON; Note [a departure names the dead] in
+                          tandem/comm/peers.py)
 ``gen/<g>/step/<s>``      ``.../done`` counts the members that finished step ``s``'s
                           reduction; ``.../decision`` is ``commit``, ``prepare``, ``grow``
                           or ``abort``;
@@ -100,7 +102,7 @@ from tandem.control.join_requests import JoinRequests
 from tandem.control.judge import Judge, judging_ranks
 from tandem.control.news import News
 from tandem.control.roll_call import RollCall, waited
-from tandem.comm.peers import PeerLostError
+from tandem.comm.peers import LEFT_TO_REGROUP, Departures, Liveness, PeerLostError
 from tandem.comm.process_id import NodeBeat, PostedProcesses, ProcessId, launcher_node, node_beat_key
 from tandem.comm.thread_exit import join_before_exit
 
@@ -659,21 +661,35 @@ class Membership:
         others = [m for m in seats if m != self.member]
         return len(self.judged(others)) == len(others)
 
-    def departed(self, ranks: Sequence[int]) -> dict[int, str]:
+    def departed(self, ranks: Sequence[int]) -> Departures:
         """The ranks of this generation, among ``ranks``, whose member has asked
-        for the next one (Note [a peer gone to regroup] in tandem/comm/peers.py), with why:
-        one read while none has (Note [a watch reads the verdict] there)."""
+        for the next one (Note [a peer gone to regroup] in tandem/comm/peers.py),
+        and those the leavers named dead (Note [a departure names the dead]
+        there), with why: one read while none has left (Note [a watch reads the
+        verdict] there)."""
         current = self.generation
-        out: dict[int, str] = {}
         if self._quiet(current):  # Note [news of a generation] in news.py: nobody has left
-            return out
+            return Departures()
         if not self.store.check([RollCall(self.store, self._regroup_key(current.number + 1)).count_key]):
-            return out
-        for r in ranks:
-            if 0 <= r < current.world_size and current.members[r] != self.member and self.store.check(
-                    [f"{PREFIX}/gen/{current.number + 1}/cand/{current.members[r]}"]):
-                out[r] = f"has left generation {current.number} to regroup (member {current.members[r]})"
-        return out
+            return Departures()
+        cand = f"{PREFIX}/gen/{current.number + 1}/cand"
+        left = {r: current.members[r] for r in ranks
+                if 0 <= r < current.world_size and current.members[r] != self.member
+                and self.store.check([f"{cand}/{current.members[r]}"])}
+        if not left:
+            return Departures()
+        try:
+            posted = self.store.multi_get([f"{cand}/{m}" for m in left.values()])
+        except ForgedValueError:  # a stranger's junk under one: the verdict names the deaths
+            posted = []
+        named: dict[int, str] = {}
+        for leaver, raw in zip(left.values(), posted):
+            for m, why in _deaths_posted(raw).items():
+                r = current.members.index(m) if m in current.members and m != self.member else -1
+                if r in ranks and r not in left:
+                    named.setdefault(r, f"{why}{_NAMED_BY}{leaver} as it left)")
+        return Departures({r: f"{LEFT_TO_REGROUP} {current.number} to regroup (member {m})" for r, m in left.items()},
+                          named)
 
     def judged_ranks(self, ranks: Sequence[int]) -> dict[int, str] | None:
         """The ranks of this generation, among ``ranks``, that its verdict names
@@ -721,6 +737,13 @@ class Membership:
             self._verdict_read_at = now
         return True
 
+    def liveness(self) -> Liveness:
+        """How this member's collectives watch their peers: its config's window,
+        in quick slices where a news thread waits for what happens to the
+        generation (Note [a quick look] in tandem/comm/peers.py)."""
+        _, base = _unwrapped(self.store)
+        return self.config.liveness(quick=isinstance(base, dist.TCPStore))
+
     def _news_store(self) -> dist.Store | None:
         """A connection of its own for a news thread's waits: over a TCP store only (a
         file store's wait polls the file: the watch reads instead)."""
@@ -738,15 +761,17 @@ class Membership:
         return f"{PREFIX}/gen/{number}/regroup"
 
     # ------------------------------------------------------------------ regroup
-    def next_generation(self, known_dead: Sequence[str] = ()) -> Generation:
+    def next_generation(self, known_dead: Mapping[str, str] | None = None) -> Generation:
         """Agree with the live members (and the replacements that wait) on the
         next generation; returns it, and makes it this member's.
 
         Every live member of the current generation calls this. It returns once
         every member has arrived or is dead; the first to see that proposes the
         members, and all read the proposal that won. ``known_dead``: members this
-        process already knows are gone (its collective's heartbeat watch named
-        them), which it need not see go stale again.
+        process already knows are gone, with why (its collective's heartbeat
+        watch named them), which it need not see go stale again; it names the
+        dead among them to the members still waiting (Note [a departure names
+        the dead] in tandem/comm/peers.py).
 
         Raises:
             MembershipError: this member is not in the generation that won (the
@@ -756,14 +781,18 @@ class Membership:
         current = self.generation
         number = current.number + 1
         base = f"{PREFIX}/gen/{number}"
+        known_dead = dict(known_dead or {})
         self._stop_judging()
-        # Note [news of a generation] in news.py: the peers' news threads wake, and their watches look
-        self.store.set(_news_key(current), "regroup")
-        self._stop_news("regroup")
-        self.store.set(f"{base}/cand/{self.member}", "alive")  # Note [a peer gone to regroup] in tandem/comm/peers.py
+        # Note [a peer gone to regroup] and Note [a departure names the dead] in tandem/comm/peers.py
+        deaths = {m: why.split(_NAMED_BY)[0] for m, why in known_dead.items() if not why.startswith(LEFT_TO_REGROUP)}
+        self.store.set(f"{base}/cand/{self.member}", json.dumps({"dead": deaths}))
         roll = RollCall(self.store, self._regroup_key(number))  # Note [a roll call]
         # The last to arrive proposes at once; the judges would a read later (Note [a roll call]).
         last = roll.arrive(self.member) == current.world_size
+        # Note [news of a generation] in news.py: the peers' news threads wake, and their watches
+        # look: at the roll call and at what this member posted above
+        self.store.set(_news_key(current), "regroup")
+        self._stop_news("regroup")
         started = time.monotonic()
         while True:
             if self.store.check([f"{base}/members"]):
@@ -777,7 +806,7 @@ class Membership:
             arrived_in_order = [m for m in current.members if m in arrived]
             missing = [m for m in current.members if m not in arrived]
             lost = {**(self.judged(missing) if missing else {}),
-                    **{m: "known dead" for m in known_dead if m in missing}}
+                    **{m: why for m, why in known_dead.items() if m in missing}}
             if len(lost) == len(missing):
                 joiners = [j for j in self.waiting_joiners() if j not in arrived]
                 # One that arrived (or asked to join) and died since is left out now, not
@@ -803,6 +832,19 @@ class Membership:
                 "from its last checkpoint with more ranks")
         self.generation = chosen
         return chosen
+
+
+_NAMED_BY = " (named by member "  # how a death another member named reads (Membership.departed)
+
+
+def _deaths_posted(raw: bytes) -> dict[str, str]:
+    """The deaths a member named in ``raw``, its ``cand`` key (Note [a departure
+    names the dead] in tandem/comm/peers.py); none in what is not that (junk)."""
+    try:
+        value = json.loads(raw.decode())
+        return {str(m): str(why) for m, why in dict(value["dead"]).items()}
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+        return {}
 
 
 def _news_key(generation: Generation) -> str:

@@ -285,8 +285,8 @@ class ElasticRun:
         if cause is not None:
             self.membership.abort_step(step)
         # The heartbeat watch of a failed collective has seen these go stale already.
-        known = ([before.members[r] for r in cause.lost if 0 <= r < before.world_size]
-                 if isinstance(cause, PeerLostError) else [])
+        known = ({before.members[r]: why for r, why in cause.lost.items() if 0 <= r < before.world_size}
+                 if isinstance(cause, PeerLostError) else {})
         generation = self.membership.next_generation(known_dead=known)
         ahead, self._ahead = self._ahead, None
         enter_generation(self.membership, generation, ahead=ahead)

@@ -31,8 +31,10 @@ What is measured, from the job's events (its docstring):
   steps, used before 2026-11-29, left out the saves and so counted them as
   lost; the mean before the first failure, tried the same day, rested on a
   few seconds and moved the result by up to 20 points between runs);
-- how long after a kill the members saw it (the world change's ``seen_at``),
-  and how long admitting a replacement stopped them: the time from the old
+- how long after a kill the members saw it (the world change's ``seen_at``):
+  the first member, and every survivor (the last one's, from the records of
+  the change that first saw it: the others wait for it in their regroup;
+  quoted since 2026-12-01), and how long admitting a replacement stopped them: the time from the old
   world's last commit to the new world's first, less the undisturbed pace
   (the first step waits for the replacement, ready last; a member's own
   ``regroup_s``, quoted before 2026-12-01, left that wait out, and was
@@ -132,7 +134,9 @@ class SoakResult:
     changes: list[dict[str, Any]] = field(default_factory=list)
     """The world changes, by generation, as their members recorded them."""
     detect_s: list[float] = field(default_factory=list)
-    """From each random kill to the members seeing a loss."""
+    """From each random kill to the first member seeing a loss."""
+    detect_all_s: list[float] = field(default_factory=list)
+    """From each random kill to every survivor seeing it (the last of them)."""
     admit_s: list[float] = field(default_factory=list)
     """How long each replacement's admission stopped the members."""
     admit_connect_s: list[float] = field(default_factory=list)
@@ -367,9 +371,11 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     last = max(done, key=lambda e: (e["world"], -e["rank"]))
     result.steps = last["step"]
     by_generation: dict[int, dict[str, Any]] = {}
+    seen_by: dict[int, list[float]] = collections.defaultdict(list)  # each member's seen_at, by generation
     for e in events:  # every member writes the changes it saw: one each, by generation
         if e["e"] == "change":
             by_generation.setdefault(e["generation"], {k: v for k, v in e.items() if k not in ("e", "t", "pid")})
+            seen_by[e["generation"]].append(e["seen_at"])
     for e in done:
         for change in e["changes"]:
             by_generation.setdefault(change["generation"], change)
@@ -411,9 +417,11 @@ def _measure_and_check(result: SoakResult, plan: SoakPlan, events: list[dict[str
     for at, pid in result.kills:
         if trained.get(pid, at) >= at:
             continue  # a replacement killed before it trained: no member was lost
-        seen = [c["seen_at"] for c in result.changes if c["lost_ranks"] and c["seen_at"] >= at]
+        seen = [c for c in result.changes if c["lost_ranks"] and c["seen_at"] >= at]
         if seen:
-            result.detect_s.append(min(seen) - at)
+            earliest = min(seen, key=lambda c: c["seen_at"])
+            result.detect_s.append(earliest["seen_at"] - at)
+            result.detect_all_s.append(max(seen_by[earliest["generation"]] or [earliest["seen_at"]]) - at)
     admissions = [c for c in result.changes if c["joined"] and not c["lost_ranks"]]
     result.admit_s = _admission_stops(commits, admissions, result.pace_s)
     result.admit_connect_s = [c.get("connect_s", 0.0) for c in admissions]

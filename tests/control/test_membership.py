@@ -5,6 +5,7 @@ replacement arriving after the job ended. No processes, no waiting on real time.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import socket
 import threading
@@ -22,7 +23,7 @@ from tandem.control.generation import PREFIX, Decision, ElasticConfig, Generatio
 from tandem.control.membership import NEVER_BEATEN, Membership, host_key
 from tandem.control.roll_call import RollCall
 from tandem.comm.process_id import NodeBeat, node_beat_key
-from tandem.comm.peers import DEFAULT_LIVENESS, Liveness, PeerWatch, heartbeat_key
+from tandem.comm.peers import DEFAULT_LIVENESS, LEFT_GRACE_S, Liveness, PeerWatch, heartbeat_key
 
 CONFIG = ElasticConfig(beat_s=0.01, stale_after_s=1.0, regroup_timeout_s=5.0)
 
@@ -800,13 +801,50 @@ def test_a_collectives_watch_reads_the_verdict_not_every_peer() -> None:
     members[7].store.set(f"{PREFIX}/gen/1/cand/7", "alive")  # member 7 goes to regroup ...
     RollCall(store, f"{PREFIX}/gen/1/regroup").arrive("7")
     assert watch.observe(ranks) == {5: killed}  # ... seen for a whole slice before it counts
-    clock.now += 2 * JUDGED.liveness().slice_s
+    clock.now += LEFT_GRACE_S
     assert watch.observe(ranks) == {5: killed, 7: "has left generation 0 to regroup (member 7)"}
     clock.now += JUDGED.stale_after_s + 1  # the verdict is stale: the judges are gone
     assert reader.judged_ranks(ranks) is None
     counted.ops = 0
     watch.observe(ranks)
     assert counted.ops >= swept
+    for m in members:
+        m.stop()
+
+
+def test_a_member_that_leaves_names_the_death_it_saw_and_a_waiting_watch_loses_it_at_once() -> None:
+    # Note [a departure names the dead] in tandem/comm/peers.py: member 0's process ended; its
+    # ring neighbour (member 1) saw it at once and leaves to regroup, while the verdict, made a
+    # moment before, names nobody. Member 2's watch, which the death failed no connection of,
+    # loses rank 0 at its next look, from what member 1 posted as it left (member 1 itself only
+    # after a slice's grace); what member 2 then posts names the death as seen, not who left.
+    clock = Clock()
+    store = _store()
+    members = _on_nodes(store, clock, 4, 2)
+    reader = members[2]  # no judging seat (0, 2 and 3 are; its judge thread is not started)
+    watch = PeerWatch(store, 2, JUDGED.liveness(), clock=clock)
+    watch.departed, watch.judged = reader.departed, reader.judged_ranks
+    reader._judge_of(reader.generation)
+    store.set(f"{PREFIX}/gen/0/verdict", Verdict(clock(), "0", {}).encode())
+    ranks = [0, 1, 2, 3]
+    assert watch.observe(ranks) == {}
+    killed = "has died: its process (pid 7000) was killed by SIGKILL, seen by its launcher"
+    _ended(store, clock, "node0", 7000)
+    t1, out1 = _in_thread(lambda: members[1].next_generation(known_dead={"0": killed}))
+    _until(lambda: store.check([f"{PREFIX}/gen/1/cand/1"]), "member 1 leaving")
+    named = f"{killed} (named by member 1 as it left)"
+    assert watch.observe(ranks) == {0: named}  # at once; member 1 is not lost before its grace
+    clock.now += LEFT_GRACE_S
+    assert watch.observe(ranks) == {0: named, 1: "has left generation 0 to regroup (member 1)"}
+    # Members 2 and 3 leave too, with what their watches found: the generation agreed is 1, 2, 3.
+    t2, out2 = _in_thread(lambda: members[2].next_generation(
+        known_dead={"0": named, "1": "has left generation 0 to regroup (member 1)"}))
+    generation = members[3].next_generation()
+    for t in (t1, t2):
+        t.join(10)
+    assert generation.members == ("1", "2", "3") and out1 == [generation] and out2 == [generation]
+    posted = json.loads(store.get(f"{PREFIX}/gen/1/cand/2").decode())
+    assert posted == {"dead": {"0": killed}}
     for m in members:
         m.stop()
 
