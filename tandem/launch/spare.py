@@ -19,7 +19,14 @@ the spare in the dead worker's place; the spare takes them (the environment
 whole, its output to the replacement's files) and runs the script or module as
 ``__main__``, as ``python -u`` would (``runpy``: an uncaught exception reaches
 ``sys.excepthook`` and exits with 1, ``sys.exit`` gives its code, ``atexit``
-runs). The launcher then starts the next spare.
+runs). The launcher then starts the next spare, which waits
+:data:`NEXT_SPARE_AFTER_S` before it imports: the replacement it follows is
+admitted tenths of a second after its loss (the soak: started 0.12 s after
+the kill, admitted 0.11 to 0.28 s later), and an import beside that
+admission, even under ``SCHED_IDLE`` (below), made it stop the members for
+45 to 52 ms where it took 20 ms with the import a second later (DDP, steps of
+28 ms, 2 cores; docs/benchmarks/failures.md). A failure within that second
+and the import's finds no spare ready, as before.
 
 A spare imports under Linux's ``SCHED_IDLE``, on CPU time no worker wants, and
 is scheduled as any process again when it becomes a worker (where it may: as
@@ -60,6 +67,8 @@ torch's optimizers import it as the first one is built (``torch._disable_dynamo`
 on their methods), 1.1 s of CPU more."""
 
 _PR_SET_PDEATHSIG = 1
+NEXT_SPARE_AFTER_S = 1.0
+"""How long a spare started as another is taken waits before it imports (Note [spare workers])."""
 
 
 def python_target(args: Sequence[str]) -> tuple[str, str, list[str]] | None:
@@ -135,7 +144,7 @@ class Spares:
             os.close(fd)
         handler.local_rank_id = local_rank
         self._spare = None
-        self._start()
+        self._start(after_s=NEXT_SPARE_AFTER_S)
         return handler
 
     def close(self) -> None:
@@ -148,7 +157,7 @@ class Spares:
             self._spare = None
         shutil.rmtree(self._directory, ignore_errors=True)
 
-    def _start(self) -> None:
+    def _start(self, *, after_s: float = 0.0) -> None:
         if self._left <= 0:
             return
         from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
@@ -160,7 +169,7 @@ class Spares:
         # Run as a file, not a module: importing tandem.launch.spare would import tandem, and so
         # torch, before main() could tie it to the launcher and lower its priority.
         handler = get_subprocess_handler(entrypoint=self._python,
-                                         args=("-u", __file__, str(fifo), str(os.getpid())),
+                                         args=("-u", __file__, str(fifo), str(os.getpid()), f"{after_s:g}"),
                                          env=self._env, stdout="", stderr="", local_rank_id=-1)
         self._spare = (handler, fifo)
 
@@ -222,14 +231,17 @@ def _run_as_main(request: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    """A spare (``python -u .../tandem/launch/spare.py FIFO LAUNCHER_PID``): import,
-    wait for a replacement's request on FIFO, and become it (Note [spare workers])."""
+    """A spare (``python -u .../tandem/launch/spare.py FIFO LAUNCHER_PID AFTER_S``):
+    wait AFTER_S seconds, import, wait for a replacement's request on FIFO, and
+    become it (Note [spare workers])."""
     import importlib
+    import time
     sys.path[0] = os.getcwd()  # not this file's directory: as ``python -m`` has it
-    fifo, launcher = sys.argv[1], int(sys.argv[2])
+    fifo, launcher, after_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() != launcher:
         return  # the launcher exited before the signal was set
+    time.sleep(after_s)  # the admission of the replacement taken before this spare goes first
     idle = _idle_if_it_can_come_back()
     for name in PRELOAD:
         try:
