@@ -24,7 +24,10 @@ What is measured, from the job's events (its docstring):
   world 3 of 4 trains 3/4 of a full step's samples, which time alone does not
   count. The undisturbed pace is the median, over windows of
   ``PACE_WINDOW_S``, of the mean time between commits at full size in each,
-  of the windows with no kill and no world change in them or a second before:
+  of the windows with no kill and no world change in them or
+  ``DISTURBED_AFTER_S`` before (a second before 2026-12-01: the next spare's
+  import, since then a second after the change, slowed the steps by a fifth
+  for about 4 s, and in the pace flattered the sample efficiency):
   a window's mean holds the job's saves and jitter (its pace, not a failure's
   cost), and the median leaves out both the windows a failure's wake slowed
   (counted as slower steps) and a run's odd start. (The median of single
@@ -454,6 +457,11 @@ def _admission_stops(commits: dict[int, dict[str, Any]], admissions: list[dict[s
 
 PACE_WINDOW_S = 2.0
 """The windows the undisturbed pace is the median over (Note [soak])."""
+DISTURBED_AFTER_S = 5.0
+"""How long after a kill or a world change the steps are not undisturbed: the
+replacement's imports, or the next spare's (Note [spare workers] in
+tandem/launch/spare.py), take the workers' cores (DDP steps 29 ms before and
+35 ms from 1 to 5 s after a change, 2 cores; Note [soak])."""
 
 
 def _undisturbed_step(commits: dict[int, dict[str, Any]], worlds: dict[tuple[int, int], int], full: int,
@@ -469,7 +477,8 @@ def _undisturbed_step(commits: dict[int, dict[str, Any]], worlds: dict[tuple[int
             continue
         spans.setdefault(int((c["t"] - start) // PACE_WINDOW_S), []).append(c["t"] - previous["t"])
     quiet = [statistics.fmean(v) for w, v in spans.items()
-             if len(v) >= 2 and not any(start + w * PACE_WINDOW_S - 1.0 <= at < start + (w + 1) * PACE_WINDOW_S
+             if len(v) >= 2 and not any(start + w * PACE_WINDOW_S - DISTURBED_AFTER_S <= at
+                                        < start + (w + 1) * PACE_WINDOW_S
                                         for at in marks)]
     return statistics.median(quiet) if quiet else None
 
