@@ -23,9 +23,10 @@ runs). The launcher then starts the next spare, which waits
 :data:`NEXT_SPARE_AFTER_S` before it imports: the replacement it follows is
 admitted tenths of a second after its loss (the soak: started 0.12 s after
 the kill, admitted 0.11 to 0.28 s later), and an import beside that
-admission, even under ``SCHED_IDLE`` (below), made it stop the members for
-45 to 52 ms where it took 20 ms with the import a second later (DDP, steps of
-28 ms, 2 cores; docs/benchmarks/failures.md). A failure within that second
+admission, even under ``SCHED_IDLE`` (below), made it stop the members about
+twice as long: 45 to 52 ms, against 20 ms with the import 2 s later (DDP,
+steps of 28 ms, 2 cores; both against a pace the import slowed, as the soak
+measured it then: docs/benchmarks/failures.md). A failure within that second
 and the import's finds no spare ready, as before.
 
 A spare imports under Linux's ``SCHED_IDLE``, on CPU time no worker wants, and
