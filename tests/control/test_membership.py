@@ -831,7 +831,8 @@ def test_a_member_that_leaves_names_the_death_it_saw_and_a_waiting_watch_loses_i
     killed = "has died: its process (pid 7000) was killed by SIGKILL, seen by its launcher"
     _ended(store, clock, "node0", 7000)
     t1, out1 = _in_thread(lambda: members[1].next_generation(known_dead={"0": killed}))
-    _until(lambda: store.check([f"{PREFIX}/gen/1/cand/1"]), "member 1 leaving")
+    # Its news is the last it writes as it leaves (after its candidacy and its arrival)
+    _until(lambda: store.check([f"{PREFIX}/gen/0/news"]), "member 1 leaving")
     named = f"{killed} (named by member 1 as it left)"
     assert watch.observe(ranks) == {0: named}  # at once; member 1 is not lost before its grace
     clock.now += LEFT_GRACE_S
