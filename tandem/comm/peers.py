@@ -328,7 +328,7 @@ class PeerWatch:
         if self.departed is None:
             return lost
         departures = self.departed([r for r in ranks if r != self.rank and r not in lost])
-        lost.update({r: why for r, why in departures.named_dead.items() if r != self.rank and r not in lost})
+        lost.update(departures.named_dead)  # of the ranks asked about: not this one, none lost yet
         for r, why in departures.left.items():
             since = self._departed_at.setdefault(r, now)
             if now - since >= LEFT_GRACE_S and r not in lost:
